@@ -1,0 +1,47 @@
+"""DP-SGD / DP-FedAvg: independent noise every round (C = I)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..workloads import Workload
+from .base import FirStream, InverseStream, Mechanism
+
+__all__ = ["DpSgd"]
+
+
+@dataclass(frozen=True, eq=False)
+class DpSgd(Mechanism):
+    """C = L = I: the baseline. Under MinSep(b, k) its prefix loss is k(n+1)/2."""
+
+    kind = "dp-sgd"
+    rounds: int
+    workload: Workload = Workload()
+
+    def params(self) -> dict[str, Any]:
+        return {}
+
+    @classmethod
+    def from_params(cls, rounds: int, workload: Workload, params: dict[str, Any]) -> "DpSgd":
+        return cls(rounds, workload)
+
+    @property
+    def strategy_toeplitz(self) -> np.ndarray:
+        return np.ones(1)
+
+    @property
+    def strategy_bands(self) -> int:
+        return 1
+
+    def strategy_matrix(self) -> np.ndarray:
+        return np.eye(self.rounds)
+
+    @property
+    def inverse_toeplitz(self) -> np.ndarray:
+        return np.eye(1, self.rounds).ravel()
+
+    def inverse_stream(self) -> InverseStream:
+        return FirStream(np.ones(1))

@@ -1,0 +1,107 @@
+"""Versioned, checksummed mechanism files (JSON).
+
+Layout: {"format": "fedmf-mechanism", "version": 1, "checksum": "sha256:…", "body": {…}}
+where body = {kind, rounds, workload, params, schema, created_by} and the checksum is the
+SHA-256 of the body's canonical JSON. Floats are written with repr precision, so a
+loaded mechanism is bit-identical to the saved one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from ..participation import Schema, schema_from_dict
+from ..workloads import Workload
+from .base import Mechanism
+
+__all__ = ["FORMAT", "VERSION", "MechanismFileError", "save", "load", "load_with_schema"]
+
+FORMAT = "fedmf-mechanism"
+VERSION = 1
+
+
+class MechanismFileError(ValueError):
+    """A mechanism file that cannot be trusted or read."""
+
+
+def _canonical(body: dict[str, Any]) -> bytes:
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+
+def _checksum(body: dict[str, Any]) -> str:
+    return "sha256:" + hashlib.sha256(_canonical(body)).hexdigest()
+
+
+def save(mechanism: Mechanism, path: str | os.PathLike, schema: Schema | None = None, extra: dict | None = None) -> str:
+    """Write ``mechanism`` (and the schema it was planned for) atomically; returns the checksum."""
+    from .. import __version__
+
+    body = {
+        "kind": mechanism.kind,
+        "rounds": mechanism.rounds,
+        "workload": mechanism.workload.to_dict(),
+        "params": mechanism.params(),
+        "schema": None if schema is None else schema.to_dict(mechanism.rounds),
+        "created_by": f"fedmf {__version__}",
+        **({"extra": extra} if extra else {}),
+    }
+    checksum = _checksum(body)
+    document = {"format": FORMAT, "version": VERSION, "checksum": checksum, "body": body}
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent if str(path.parent) else ".", prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(document, f, indent=1, allow_nan=False)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return checksum
+
+
+def _read_document(path: str | os.PathLike) -> dict[str, Any]:
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise MechanismFileError(f"cannot read mechanism file {str(path)!r}: {e.strerror or e}") from None
+    try:
+        document = json.loads(text)
+    except json.JSONDecodeError:
+        raise MechanismFileError(f"{str(path)!r} is not a mechanism file (truncated or not JSON)") from None
+    if not isinstance(document, dict) or document.get("format") != FORMAT:
+        raise MechanismFileError(f"{str(path)!r} is not a fedmf mechanism file")
+    version = document.get("version")
+    if version != VERSION:
+        raise MechanismFileError(
+            f"{str(path)!r} has mechanism file version {version!r}; this fedmf reads version {VERSION}"
+        )
+    body = document.get("body")
+    if not isinstance(body, dict) or document.get("checksum") != _checksum(body):
+        raise MechanismFileError(f"{str(path)!r} failed its checksum: the file was modified or damaged")
+    return document
+
+
+def load_with_schema(path: str | os.PathLike) -> tuple[Mechanism, Schema | None, str]:
+    """Load a mechanism, the schema it was planned for (or None), and its checksum."""
+    from . import from_params
+
+    document = _read_document(path)
+    body = document["body"]
+    try:
+        workload = Workload.from_dict(body["workload"])
+        mechanism = from_params(body["kind"], int(body["rounds"]), workload, body["params"])
+        schema = None if body.get("schema") is None else schema_from_dict(body["schema"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise MechanismFileError(f"{str(path)!r} holds an invalid mechanism: {e}") from None
+    return mechanism, schema, document["checksum"]
+
+
+def load(path: str | os.PathLike) -> Mechanism:
+    return load_with_schema(path)[0]

@@ -1,0 +1,229 @@
+"""Toeplitz mechanisms with banded C (bsr, banded-toeplitz) or banded C^{-1} (bisr, bifr).
+
+Conventions ("Beyond Square Roots", Sec. 2): a lower-triangular Toeplitz T has
+T[i, j] = t_{i-j}. C's coefficients are c_j, C^{-1}'s are a_j.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+
+from ..filters import series_inverse
+from ..participation import Schema
+from ..workloads import Workload
+from .base import FirStream, IirStream, InverseStream, Mechanism
+
+__all__ = [
+    "fractional_power_coefficients",
+    "series_inverse",
+    "BandedToeplitz",
+    "BandedSquareRoot",
+    "BandedInverseToeplitz",
+    "BandedInverseSquareRoot",
+    "BandedInverseFractionalRoot",
+    "optimal_gamma",
+]
+
+
+def fractional_power_coefficients(gamma: float, count: int) -> np.ndarray:
+    """First ``count`` coefficients of (1 - x)^gamma: a_0 = 1, a_j = a_{j-1}(j - 1 - gamma)/j
+    ("Beyond Square Roots", Eq. 9 and its recurrence)."""
+    a = np.ones(count)
+    for j in range(1, count):
+        a[j] = a[j - 1] * (j - 1 - gamma) / j
+    return a
+
+
+def _check_bands(num_bands: int, rounds: int) -> None:
+    if isinstance(num_bands, bool) or not isinstance(num_bands, int) or num_bands < 1:
+        raise ValueError(f"bands must be a positive integer, got {num_bands!r}")
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds must be a positive integer, got {rounds!r}")
+    if num_bands > rounds:
+        raise ValueError(f"bands p={num_bands} exceeds the number of rounds n={rounds}")
+
+
+def _frozen(values: Any) -> np.ndarray:
+    arr = np.array(values, dtype=np.float64)
+    arr.setflags(write=False)
+    return arr
+
+
+@dataclass(frozen=True, eq=False)
+class BandedToeplitz(Mechanism):
+    """C = banded lower-triangular Toeplitz with the given coefficients; C^{-1} is dense
+    and streams through the recursion of "Scaling up BandMF", Alg. 1."""
+
+    kind = "banded-toeplitz"
+    rounds: int
+    coefficients: np.ndarray
+    workload: Workload = Workload()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "coefficients", _frozen(self.coefficients))
+        _check_bands(self.coefficients.size, self.rounds)
+        if not np.all(np.isfinite(self.coefficients)) or self.coefficients[0] <= 0:
+            raise ValueError("banded Toeplitz coefficients must be finite with c_0 > 0")
+
+    def params(self) -> dict[str, Any]:
+        return {"coefficients": self.coefficients.tolist()}
+
+    @classmethod
+    def from_params(cls, rounds: int, workload: Workload, params: dict[str, Any]) -> "BandedToeplitz":
+        return cls(rounds, np.asarray(params["coefficients"], dtype=np.float64), workload)
+
+    @property
+    def num_bands(self) -> int:
+        return int(self.coefficients.size)
+
+    @property
+    def strategy_toeplitz(self) -> np.ndarray:
+        return self.coefficients
+
+    @property
+    def strategy_bands(self) -> int:
+        return self.num_bands
+
+    def strategy_matrix(self) -> np.ndarray:
+        return self.strategy_columns(range(self.rounds))
+
+    @cached_property
+    def inverse_toeplitz(self) -> np.ndarray:
+        return series_inverse(self.coefficients, self.rounds)
+
+    def inverse_stream(self) -> InverseStream:
+        return IirStream(self.coefficients)
+
+
+@dataclass(frozen=True, eq=False, init=False)
+class BandedSquareRoot(BandedToeplitz):
+    """BSR: C = first p coefficients of (1 - x)^{-1/2} (Kalinin & Lampert 2024)."""
+
+    kind = "bsr"
+
+    def __init__(self, rounds: int, num_bands: int, workload: Workload = Workload()) -> None:
+        _check_bands(num_bands, rounds)
+        object.__setattr__(self, "rounds", rounds)
+        object.__setattr__(self, "workload", workload)
+        object.__setattr__(self, "coefficients", fractional_power_coefficients(-0.5, num_bands))
+        BandedToeplitz.__post_init__(self)
+
+    def params(self) -> dict[str, Any]:
+        return {"num_bands": self.num_bands}
+
+    @classmethod
+    def from_params(cls, rounds: int, workload: Workload, params: dict[str, Any]) -> "BandedSquareRoot":
+        return cls(rounds, int(params["num_bands"]), workload)
+
+
+@dataclass(frozen=True, eq=False)
+class BandedInverseToeplitz(Mechanism):
+    """C^{-1} = banded lower-triangular Toeplitz with the given coefficients a_0..a_{p-1};
+    C is dense Toeplitz (series inverse). Noise needs only the last p-1 fresh draws."""
+
+    kind = "banded-inverse-toeplitz"
+    rounds: int
+    inverse_coefficients: np.ndarray
+    workload: Workload = Workload()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "inverse_coefficients", _frozen(self.inverse_coefficients))
+        _check_bands(self.inverse_coefficients.size, self.rounds)
+        if not np.all(np.isfinite(self.inverse_coefficients)) or self.inverse_coefficients[0] <= 0:
+            raise ValueError("banded inverse coefficients must be finite with a_0 > 0")
+
+    def params(self) -> dict[str, Any]:
+        return {"inverse_coefficients": self.inverse_coefficients.tolist()}
+
+    @classmethod
+    def from_params(cls, rounds: int, workload: Workload, params: dict[str, Any]) -> "BandedInverseToeplitz":
+        return cls(rounds, np.asarray(params["inverse_coefficients"], dtype=np.float64), workload)
+
+    @property
+    def num_bands(self) -> int:
+        return int(self.inverse_coefficients.size)
+
+    @cached_property
+    def strategy_toeplitz(self) -> np.ndarray:
+        return series_inverse(self.inverse_coefficients, self.rounds)
+
+    def strategy_matrix(self) -> np.ndarray:
+        return self.strategy_columns(range(self.rounds))
+
+    @cached_property
+    def inverse_toeplitz(self) -> np.ndarray:
+        out = np.zeros(self.rounds)
+        out[: self.num_bands] = self.inverse_coefficients
+        return out
+
+    def inverse_stream(self) -> InverseStream:
+        return FirStream(self.inverse_coefficients)
+
+
+@dataclass(frozen=True, eq=False, init=False)
+class BandedInverseFractionalRoot(BandedInverseToeplitz):
+    """gamma-BIFR: C^{-1} = first p diagonals of (I - S)^gamma ("Beyond Square Roots",
+    Definition 2). gamma = 1/2 is BISR, p = 2 is DP-lambda-CGD, p = 1 is DP-SGD."""
+
+    kind = "bifr"
+    gamma: float = 0.5
+
+    def __init__(self, rounds: int, num_bands: int, gamma: float, workload: Workload = Workload()) -> None:
+        _check_bands(num_bands, rounds)
+        if not 0.0 < gamma < 1.0:
+            raise ValueError(f"gamma must lie in (0, 1), got {gamma}")
+        object.__setattr__(self, "rounds", rounds)
+        object.__setattr__(self, "workload", workload)
+        object.__setattr__(self, "gamma", float(gamma))
+        object.__setattr__(self, "inverse_coefficients", fractional_power_coefficients(gamma, num_bands))
+        BandedInverseToeplitz.__post_init__(self)
+
+    def params(self) -> dict[str, Any]:
+        return {"num_bands": self.num_bands, "gamma": self.gamma}
+
+    @classmethod
+    def from_params(cls, rounds: int, workload: Workload, params: dict[str, Any]) -> "BandedInverseFractionalRoot":
+        return cls(rounds, int(params["num_bands"]), float(params["gamma"]), workload)
+
+
+@dataclass(frozen=True, eq=False, init=False)
+class BandedInverseSquareRoot(BandedInverseFractionalRoot):
+    """BISR: gamma-BIFR with gamma = 1/2 (Kalinin et al. 2026, "Back to Square Roots")."""
+
+    kind = "bisr"
+
+    def __init__(self, rounds: int, num_bands: int, workload: Workload = Workload()) -> None:
+        super().__init__(rounds, num_bands, 0.5, workload)
+
+    def params(self) -> dict[str, Any]:
+        return {"num_bands": self.num_bands}
+
+    @classmethod
+    def from_params(cls, rounds: int, workload: Workload, params: dict[str, Any]) -> "BandedInverseSquareRoot":
+        return cls(rounds, int(params["num_bands"]), workload)
+
+
+def optimal_gamma(
+    rounds: int, num_bands: int, schema: Schema, workload: Workload = Workload(), xatol: float = 1e-7
+) -> BandedInverseFractionalRoot:
+    """gamma-BIFR with gamma minimizing rmse under ``schema``: a grid over (0, 1) then a
+    bounded Brent refinement around the best grid point ("Beyond Square Roots", Sec. 12:
+    gamma is chosen by a 1-D search on the deployed objective)."""
+    from scipy.optimize import minimize_scalar
+
+    def rmse(g: float) -> float:
+        return BandedInverseFractionalRoot(rounds, num_bands, g, workload).rmse(schema)
+
+    if num_bands == 1:  # gamma has no effect: C = I
+        return BandedInverseFractionalRoot(rounds, 1, 0.5, workload)
+    grid = np.linspace(0.02, 0.98, 25)
+    values = [rmse(g) for g in grid]
+    i = int(np.argmin(values))
+    lo, hi = max(grid[i] - 0.04, 1e-6), min(grid[i] + 0.04, 1 - 1e-6)
+    res = minimize_scalar(rmse, bounds=(lo, hi), method="bounded", options={"xatol": xatol})
+    best = float(res.x) if res.fun <= values[i] else float(grid[i])
+    return BandedInverseFractionalRoot(rounds, num_bands, best, workload)

@@ -1,0 +1,132 @@
+"""Binary-tree aggregation (DP-FTRL, Kairouz et al. 2021) with Honaker's decoder.
+
+Strategy C: one noisy release per dyadic node (h, j) covering rounds [j·2^h, (j+1)·2^h),
+released when it completes, at round (j+1)·2^h - 1 (children before parents). Only nodes
+that complete within n rounds exist, so every row of C is used.
+
+Decoder: each node is estimated "from below" by inverse-variance weighting of its own
+release and the sum of its children's estimates (Honaker 2015; Multi-Epoch MF App. D.2):
+    e(h) = alpha_h·y(h) + (1 - alpha_h)·(e_left + e_right),
+    v_0 = 1, alpha_h = 2 v_{h-1} / (2 v_{h-1} + 1), v_h = alpha_h   (so v_h = 2^h / (2^{h+1} - 1)).
+The prefix sum after round t is the sum of the estimates of the dyadic decomposition of
+[0, t]. This is the minimum-variance unbiased estimate from the nodes released so far,
+i.e. the optimal causal decoder. The noise added in round t is the difference of two
+consecutive prefix estimates, so streaming keeps O(log n) node estimates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+
+from ..workloads import Workload
+from .base import InverseStream, Mechanism
+
+__all__ = ["TreeAggregation", "honaker_weights"]
+
+
+def honaker_weights(height: int) -> np.ndarray:
+    """alpha_0..alpha_height: the weight of a node's own release in its estimate."""
+    alpha = np.ones(height + 1)
+    v = 1.0
+    for h in range(1, height + 1):
+        alpha[h] = 2 * v / (2 * v + 1)
+        v = alpha[h]
+    return alpha
+
+
+def _trailing_zeros(x: int) -> int:
+    return (x & -x).bit_length() - 1
+
+
+class _TreeStream(InverseStream):
+    """Online Honaker estimates: a stack of (height, estimate) for the current decomposition."""
+
+    def __init__(self, alpha: np.ndarray) -> None:
+        self.alpha = alpha
+        self.stack: list[np.ndarray] = []
+        self.t = 0
+
+    def step(self, z: np.ndarray) -> np.ndarray:
+        height = _trailing_zeros(self.t + 1)
+        if z.shape[0] != height + 1:
+            raise ValueError(f"round {self.t} of the tree needs {height + 1} fresh noise rows, got {z.shape[0]}")
+        estimate = z[0]
+        removed = None
+        for h in range(1, height + 1):
+            left = self.stack.pop()
+            removed = left if removed is None else removed + left
+            estimate = self.alpha[h] * z[h] + (1 - self.alpha[h]) * (left + estimate)
+        self.stack.append(estimate)
+        self.t += 1
+        # noise of round t = prefix estimate(t) - prefix estimate(t-1) = new node - merged nodes
+        return estimate if removed is None else estimate - removed
+
+
+@dataclass(frozen=True, eq=False)
+class TreeAggregation(Mechanism):
+    """Binary-tree aggregation with the optimal causal (Honaker) decoder."""
+
+    kind = "tree"
+    rounds: int
+    workload: Workload = Workload()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rounds, bool) or not isinstance(self.rounds, int) or self.rounds < 1:
+            raise ValueError(f"rounds must be a positive integer, got {self.rounds!r}")
+
+    def params(self) -> dict[str, Any]:
+        return {}
+
+    @classmethod
+    def from_params(cls, rounds: int, workload: Workload, params: dict[str, Any]) -> "TreeAggregation":
+        return cls(rounds, workload)
+
+    @property
+    def height(self) -> int:
+        return self.rounds.bit_length() - 1
+
+    @cached_property
+    def nodes(self) -> list[tuple[int, int]]:
+        """(height, index) of every noise row, in release order."""
+        out = []
+        for t in range(self.rounds):
+            j = t + 1
+            for h in range(_trailing_zeros(j) + 1):
+                out.append((h, (j >> h) - 1))
+        return out
+
+    @property
+    def noise_rows(self) -> int:
+        return len(self.nodes)
+
+    def fresh_rows(self, t: int) -> int:
+        return _trailing_zeros(t + 1) + 1
+
+    def strategy_matrix(self) -> np.ndarray:
+        c = np.zeros((self.noise_rows, self.rounds))
+        for row, (h, j) in enumerate(self.nodes):
+            c[row, j << h : (j + 1) << h] = 1.0
+        return c
+
+    def column_norms_sq(self) -> np.ndarray:
+        # leaf i lies in the complete nodes (h, i >> h) with ((i >> h) + 1)·2^h <= n
+        i = np.arange(self.rounds)
+        return np.array(
+            [sum(1 for h in range(self.height + 1) if (((x >> h) + 1) << h) <= self.rounds) for x in i], dtype=float
+        )
+
+    def inverse_stream(self) -> InverseStream:
+        return _TreeStream(honaker_weights(self.height))
+
+    @cached_property
+    def decoder_row_norms_sq(self) -> np.ndarray:
+        if not self.workload.is_prefix:
+            return Mechanism.decoder_row_norms_sq.func(self)
+        # prefix: the estimates of disjoint nodes are independent, Var e(h) = v_h = alpha_h
+        alpha = honaker_weights(self.height)
+        t = np.arange(1, self.rounds + 1)
+        return np.array([sum(alpha[h] for h in range(self.height + 1) if (x >> h) & 1) for x in t], dtype=float)

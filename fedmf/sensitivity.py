@@ -1,0 +1,231 @@
+"""Sensitivity of a strategy matrix C under a participation schema.
+
+sens(C) = sup over one user's neighbouring streams of ||C (x - x')||_F, with each
+round's difference bounded by 1 in l2 (Multi-Epoch MF, Definition 1). Every function
+returns a ``Sensitivity`` that says how it was obtained and whether it is exact.
+Closed forms are only applied when their conditions hold; otherwise a sound upper bound
+is used and ``exact`` is False.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+
+from .participation import FixedEpoch, MinSep, Observed, Schema
+
+if TYPE_CHECKING:
+    from .mechanisms.base import Mechanism
+
+__all__ = [
+    "Sensitivity",
+    "max_over_patterns",
+    "toeplitz_minsep",
+    "banded_minsep",
+    "gram_upper_bound",
+    "pattern_sensitivity",
+    "fixed_epoch",
+    "observed",
+    "sensitivity",
+    "exhaustive_minsep",
+    "is_nonnegative_nonincreasing",
+]
+
+_TOL = 1e-12
+
+
+@dataclass(frozen=True)
+class Sensitivity:
+    value: float
+    method: str
+    exact: bool
+
+    def to_dict(self) -> dict:
+        return {"sensitivity": self.value, "sensitivity_method": self.method, "sensitivity_exact": self.exact}
+
+
+def max_over_patterns(x: np.ndarray, min_sep: int, max_participations: int) -> np.ndarray:
+    """max_u <x, u> over 0/1 vectors u whose support is a b-min-sep set of at most k
+    indices, for each row of x (last axis). Dynamic program, O(n·k) per row.
+
+    Source: "(Amplified) Banded Matrix Factorization" (Choquette-Choo et al. 2024,
+    arXiv 2306.08153), Alg. 3 (VecSens): F[i, k] = max(x_i + F[i+b, k-1], F[i+1, k]).
+    """
+    x = np.asarray(x, dtype=np.float64)
+    n = x.shape[-1]
+    f = np.zeros(x.shape[:-1] + (n + min_sep,))
+    for _ in range(max_participations):
+        f[..., :n] = x + f[..., min_sep : min_sep + n]
+        f = np.maximum.accumulate(f[..., ::-1], axis=-1)[..., ::-1]
+    return f[..., 0]
+
+
+def is_nonnegative_nonincreasing(coefficients: np.ndarray) -> bool:
+    c = np.asarray(coefficients, dtype=np.float64)
+    scale = np.max(np.abs(c)) if c.size else 0.0
+    tol = _TOL * scale
+    return bool(np.all(c >= -tol) and np.all(np.diff(c) <= tol))
+
+
+def toeplitz_minsep(coefficients: np.ndarray, n: int, min_sep: int, max_participations: int) -> Sensitivity:
+    """Exact MinSep sensitivity of a lower-triangular Toeplitz C with non-negative,
+    non-increasing coefficients c_0, c_1, … (zero beyond the array): the worst user takes
+    part in rounds 0, b, 2b, … ("Beyond Square Roots", Theorem 1; Kalinin & Lampert 2024,
+    Thm 2):  sens = || sum_{i<k} shift(c, i·b) ||_2, truncated to n rows.
+
+    Raises ValueError when the coefficients violate the theorem's conditions.
+    """
+    c = np.zeros(n)
+    coef = np.asarray(coefficients, dtype=np.float64)[:n]
+    c[: coef.size] = coef
+    if not is_nonnegative_nonincreasing(c):
+        raise ValueError("Toeplitz closed form needs non-negative, non-increasing coefficients")
+    s = np.zeros(n)
+    for i in range(max_participations):
+        start = i * min_sep
+        if start >= n:
+            break
+        s[start:] += c[: n - start]
+    return Sensitivity(float(np.linalg.norm(s)), "toeplitz-closed-form", True)
+
+
+def banded_minsep(column_norms_sq: np.ndarray, num_bands: int, min_sep: int, max_participations: int) -> Sensitivity:
+    """Exact MinSep sensitivity of a lower-triangular C with ``num_bands`` <= b bands.
+
+    The columns of two participations >= b apart have disjoint supports, so
+    sens^2 = max_pi sum_{i in pi} ||C e_i||^2, found by VecSens (Choquette-Choo et al.
+    2024, Sec. 4; exact for vector-valued updates too since the columns are orthogonal).
+    """
+    if num_bands > min_sep:
+        raise ValueError(f"banded closed form needs bands <= min_sep, got {num_bands} > {min_sep}")
+    value = max_over_patterns(np.asarray(column_norms_sq), min_sep, max_participations)
+    return Sensitivity(float(np.sqrt(value)), "banded-exact", True)
+
+
+def gram_upper_bound(gram: np.ndarray, min_sep: int, max_participations: int) -> Sensitivity:
+    """Sound upper bound for any C from X = C^T C: for each row the best pattern of
+    |X_ij|, then the best pattern over those row maxima ("(Amplified) Banded MF",
+    arXiv 2306.08153, Alg. 4). Valid for vector-valued updates since
+    ||sum_i C_i g_i||^2 <= sum_ij |X_ij|."""
+    rows = max_over_patterns(np.abs(gram), min_sep, max_participations)
+    value = max_over_patterns(rows, min_sep, max_participations)
+    return Sensitivity(float(np.sqrt(value)), "upper-bound", False)
+
+
+def pattern_sensitivity(sub_gram: np.ndarray) -> Sensitivity:
+    """Sensitivity of one participation pattern pi from X[pi, pi].
+
+    Exact when X[pi, pi] >= 0 (Multi-Epoch MF, Eq. 3 and Corollary 2.1: the all-ones
+    direction is worst, for any model dimension) or when |pi| <= 2 (Theorem H.1 case 1:
+    the max over sign vectors is exact for any dimension). Otherwise the sound bound
+    min(sum |X_ij|, |pi|·lambda_max) (Theorem 2.1 and the absolute-value bound).
+    """
+    x = np.asarray(sub_gram, dtype=np.float64)
+    k = x.shape[0]
+    if k == 0:
+        return Sensitivity(0.0, "pattern-exact", True)
+    if np.all(x >= 0):
+        return Sensitivity(float(np.sqrt(x.sum())), "pattern-exact", True)
+    if k <= 2:
+        signs = np.array([[1.0] * k, [1.0, -1.0][:k]])
+        value = max(float(s @ x @ s) for s in signs)
+        return Sensitivity(float(np.sqrt(value)), "pattern-exact", True)
+    bound = min(float(np.abs(x).sum()), k * float(np.linalg.eigvalsh(x)[-1]))
+    return Sensitivity(float(np.sqrt(bound)), "pattern-bound", False)
+
+
+def _worst(results: Sequence[Sensitivity], exact_name: str, bound_name: str) -> Sensitivity:
+    worst = max(results, key=lambda s: s.value)
+    exact = all(s.exact for s in results)
+    return Sensitivity(worst.value, exact_name if exact else bound_name, exact)
+
+
+def fixed_epoch(mechanism: "Mechanism", schema: FixedEpoch) -> Sensitivity:
+    """Sensitivity under FixedEpoch(k, b): the worst of the b patterns {j, j+b, …}
+    (Multi-Epoch MF, Sec. 2, Eq. 3 per pattern)."""
+    schema.validate(mechanism.rounds)
+    results = []
+    for pattern in schema.patterns():
+        cols = mechanism.strategy_columns(pattern)
+        results.append(pattern_sensitivity(cols.T @ cols))
+    return _worst(results, "fixed-epoch-exact", "fixed-epoch-bound")
+
+
+def observed(mechanism: "Mechanism", rounds: Sequence[int]) -> Sensitivity:
+    """Sensitivity of one user's observed participation rounds."""
+    cols = mechanism.strategy_columns(list(rounds))
+    result = pattern_sensitivity(cols.T @ cols)
+    return Sensitivity(result.value, "observed-exact" if result.exact else "observed-bound", result.exact)
+
+
+_GRAM_LIMIT = 8192
+
+
+def minsep(mechanism: "Mechanism", schema: MinSep) -> Sensitivity:
+    """MinSep(b, k) sensitivity, exact whenever a closed form's conditions hold."""
+    n = mechanism.rounds
+    schema.validate(n)
+    b, k = schema.min_sep, schema.participations(n)
+    if k == 1:
+        # Single participation: the largest column norm (Li et al. 2015, Prop. 3).
+        return Sensitivity(float(np.sqrt(np.max(mechanism.column_norms_sq()))), "single-participation", True)
+    bands = mechanism.strategy_bands
+    if bands is not None and bands <= b:
+        return banded_minsep(mechanism.column_norms_sq(), bands, b, k)
+    coef = mechanism.strategy_toeplitz
+    if coef is not None and is_nonnegative_nonincreasing(coef):
+        return toeplitz_minsep(coef, n, b, k)
+    if n > _GRAM_LIMIT:
+        raise ValueError(
+            f"no closed form applies to this strategy under min_sep={b}, and the general bound "
+            f"needs an n x n Gram matrix (n={n} > {_GRAM_LIMIT})"
+        )
+    return gram_upper_bound(mechanism.gram(), b, k)
+
+
+def sensitivity(mechanism: "Mechanism", schema: Schema) -> Sensitivity:
+    """Sensitivity of ``mechanism``'s strategy under any schema (for ``Observed``: the worst user)."""
+    if isinstance(schema, MinSep):
+        return minsep(mechanism, schema)
+    if isinstance(schema, FixedEpoch):
+        return fixed_epoch(mechanism, schema)
+    if isinstance(schema, Observed):
+        schema.validate(mechanism.rounds)
+        results = [observed(mechanism, r) for _, r in schema.rounds_by_user if r]
+        if not results:
+            return Sensitivity(0.0, "observed-exact", True)
+        return _worst(results, "observed-exact", "observed-bound")
+    raise TypeError(f"unknown schema {schema!r}")
+
+
+def _minsep_patterns(n: int, min_sep: int, k: int) -> itertools.chain:
+    def extend(prefix: list[int], start: int):
+        yield prefix
+        if len(prefix) == k:
+            return
+        for t in range(start, n):
+            yield from extend(prefix + [t], t + min_sep)
+
+    return extend([], 0)
+
+
+def exhaustive_minsep(strategy: np.ndarray, min_sep: int, max_participations: int | None = None) -> float:
+    """Scalar (d = 1) sensitivity by brute force over every b-min-sep pattern and every
+    sign vector (Multi-Epoch MF, Sec. 3.2). Exponential: for checking small cases only."""
+    c = np.asarray(strategy, dtype=np.float64)
+    n = c.shape[1]
+    k = MinSep(min_sep, max_participations).participations(n)
+    if n > 24:
+        raise ValueError("exhaustive sensitivity is limited to n <= 24")
+    best = 0.0
+    for pattern in _minsep_patterns(n, min_sep, k):
+        if not pattern:
+            continue
+        cols = c[:, pattern]
+        for tail in itertools.product((1.0, -1.0), repeat=len(pattern) - 1):
+            u = np.array((1.0,) + tail)
+            best = max(best, float(np.sum((cols @ u) ** 2)))
+    return float(np.sqrt(best))
