@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from typing import Any, Sequence
 
-from .mechanisms import KINDS, Mechanism, build
+from .mechanisms import KINDS, Mechanism, plan
+from .mechanisms.optimize import Progress
 from .mechanisms.io import load_with_schema, save
 from .participation import FixedEpoch, MinSep, Schema
 from .workloads import parse_workload
@@ -44,6 +46,33 @@ def _minsep_schema(rounds: int, participations: int | None, min_sep: int | None)
     return MinSep(min_sep, participations)
 
 
+def _fixed_epoch_schema(rounds: int, participations: int | None, min_sep: int | None) -> FixedEpoch:
+    """FixedEpoch(k, b) with k·b = n from whichever of k, b is given."""
+    k, b = participations, min_sep
+    if k is None and b is None:
+        raise UsageError("fixed-epoch needs --participations K or --min-sep B with K x B = rounds")
+    for name, value in (("--participations", k), ("--min-sep", b)):
+        if value is not None and value <= 0:
+            raise UsageError(f"{name} must be positive, got {value}")
+    if k is None:
+        k = rounds // b if rounds % b == 0 else 0
+    if b is None:
+        b = rounds // k if rounds % k == 0 else 0
+    if k * b != rounds or k == 0:
+        raise UsageError(f"fixed-epoch needs participations x min_sep = rounds, got {participations} x {min_sep} != {rounds}")
+    return FixedEpoch(k, b)
+
+
+def _parse_range(text: str) -> tuple[int, int]:
+    try:
+        b0, b1 = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise UsageError(f"--min-sep-range must look like B0:B1, got {text!r}") from None
+    if not 1 <= b0 <= b1:
+        raise UsageError(f"--min-sep-range needs 1 <= B0 <= B1, got {b0}:{b1}")
+    return b0, b1
+
+
 def _report(mechanism: Mechanism, schema: Schema, started: float, extra: dict[str, Any]) -> dict[str, Any]:
     metrics = mechanism.evaluate(schema)
     params = mechanism.params()
@@ -55,10 +84,10 @@ def _report(mechanism: Mechanism, schema: Schema, started: float, extra: dict[st
         "schema": schema.name,
         "workload": mechanism.workload.name,
     }
-    for key in ("num_bands", "gamma"):
+    for key in ("num_bands", "gamma", "num_buffers", "min_sep_range"):
         value = params.get(key, getattr(mechanism, key, None))
         if value is not None:
-            out[key] = value
+            out[key] = list(value) if isinstance(value, tuple) else value
     out.update(metrics)
     out.update(extra)
     out["seconds"] = round(time.perf_counter() - started, 6)
@@ -73,7 +102,17 @@ def _print(report: dict[str, Any], as_json: bool) -> None:
     for key, value in report.items():
         if isinstance(value, float):
             value = f"{value:.6g}"
+        elif isinstance(value, dict):
+            value = ", ".join(f"{k}: {v:.6g}" if isinstance(v, float) else f"{k}: {v}" for k, v in value.items())
         print(f"{key:<{width}}  {value}")
+
+
+def _check_writable(path: str) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise UsageError(f"--out: directory {directory!r} does not exist")
+    if not os.access(directory, os.W_OK):
+        raise UsageError(f"--out: directory {directory!r} is not writable")
 
 
 def _cmd_mechanism(args: argparse.Namespace) -> int:
@@ -86,15 +125,60 @@ def _cmd_mechanism(args: argparse.Namespace) -> int:
         raise UsageError(f"--gamma must lie in (0, 1), got {args.gamma}")
     if args.bands is not None and not 1 <= args.bands <= args.rounds:
         raise UsageError(f"--bands must lie in [1, rounds={args.rounds}], got {args.bands}")
-    schema = _minsep_schema(args.rounds, args.participations, args.min_sep)
-    workload = parse_workload(args.workload)
-    mechanism = build(args.kind, args.rounds, schema, workload, args.bands, args.gamma)
-    extra: dict[str, Any] = {}
+    if args.buffers is not None and not 1 <= args.buffers <= 15:
+        raise UsageError(f"--buffers must lie in [1, 15], got {args.buffers}")
     if args.out:
-        extra["checksum"] = save(mechanism, args.out, schema)
-        extra["file"] = args.out
+        _check_writable(args.out)
+    workload = parse_workload(args.workload)
+    min_sep_range = None
+    if args.kind == "robust":
+        if args.min_sep_range is None:
+            raise UsageError("robust needs --min-sep-range B0:B1")
+        if args.min_sep is not None:
+            raise UsageError("robust takes --min-sep-range instead of --min-sep")
+        min_sep_range = _parse_range(args.min_sep_range)
+        if min_sep_range[1] > args.rounds:
+            raise UsageError(f"--min-sep-range B1={min_sep_range[1]} exceeds the number of rounds n={args.rounds}")
+        k = args.participations if args.participations is not None else math.ceil(args.rounds / min_sep_range[1])
+        schema: Schema = _minsep_schema(args.rounds, k, min_sep_range[1])
+    elif args.min_sep_range is not None or args.taper:
+        raise UsageError("--min-sep-range and --taper apply to robust only")
+    elif args.kind == "dense":
+        schema = _fixed_epoch_schema(args.rounds, args.participations, args.min_sep)
+    else:
+        schema = _minsep_schema(args.rounds, args.participations, args.min_sep)
+    if args.kind in ("banded-toeplitz", "banded") and args.bands is not None and args.bands > schema.min_sep:
+        raise UsageError(f"{args.kind} needs --bands p <= --min-sep b under MinSep (got {args.bands} > {schema.min_sep})")
+    progress = None if args.quiet else Progress(f"fedmf {args.kind}")
+    mechanism, result = plan(
+        args.kind, args.rounds, schema, workload,
+        num_bands=args.bands, gamma=args.gamma, error=args.error, num_buffers=args.buffers,
+        min_sep_range=min_sep_range, taper=args.taper, weighting=args.weighting,
+        tolerance=args.tolerance, max_steps=args.max_steps, device=args.device, progress=progress,
+    )
+    extra: dict[str, Any] = {}
+    if result is not None:
+        extra.update(result.to_dict())
+        extra["optimizer_seconds"] = round(result.seconds, 6)
+    if min_sep_range is not None:
+        from .mechanisms.robust import rmse_by_min_sep, separation_grid
+
+        by_sep = rmse_by_min_sep(mechanism, separation_grid(*min_sep_range, points=5), schema.max_participations)
+        extra["rmse_by_min_sep"] = {str(s): v for s, v in by_sep.items()}
+        extra["worst_case_rmse"] = max(by_sep.values())
+    code = 0
+    if args.out:
+        if result is not None and not result.converged and not args.save_unconverged:
+            extra["file"] = None
+            print(f"fedmf: error: optimization did not converge; {args.out!r} not written "
+                  "(--save-unconverged keeps it, marked unconverged)", file=sys.stderr)
+            code = 1
+        else:
+            marks = {"converged": result.converged, **result.to_dict()} if result is not None else None
+            extra["checksum"] = save(mechanism, args.out, schema, extra=marks)
+            extra["file"] = args.out
     _print(_report(mechanism, schema, started, extra), args.json)
-    return 0
+    return code
 
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
@@ -103,11 +187,11 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     n = mechanism.rounds
     k = args.participations
     if args.fixed_epoch:
-        if k is None:
-            k = planned.participations(n) if planned is not None else None
-        if k is None or k <= 0 or n % k:
-            raise UsageError(f"--fixed-epoch needs --participations k dividing rounds={n}")
-        schema: Schema = FixedEpoch(k, n // k)
+        if k is None and planned is not None:
+            k = planned.participations(n)
+        schema: Schema = _fixed_epoch_schema(n, k, None)
+    elif k is None and args.min_sep is None and planned is not None:
+        schema = planned
     else:
         # options override the planned schema; what is not given keeps its planned value
         b = args.min_sep
@@ -131,6 +215,16 @@ def _parser() -> argparse.ArgumentParser:
     mech.add_argument("--bands", type=int, help="p, bands of C (bsr) or C^-1 (bisr, bifr); default min(b, 64)")
     mech.add_argument("--gamma", type=float, help="bifr exponent in (0, 1); default: optimized for the schema")
     mech.add_argument("--workload", default="prefix", help="prefix | momentum:BETA[:cooldown=F][:final=G]")
+    mech.add_argument("--error", choices=("mean", "max"), default="mean", help="objective of optimized kinds")
+    mech.add_argument("--buffers", type=int, help="blt: number of buffers (default: chosen automatically)")
+    mech.add_argument("--min-sep-range", help="robust: B0:B1, the range the real min-separation lies in")
+    mech.add_argument("--taper", action="store_true", help="robust: the App. H taper heuristic instead")
+    mech.add_argument("--weighting", choices=("worst", "mean"), default="worst", help="robust: over the range")
+    mech.add_argument("--tolerance", type=float, help="optimizer stopping tolerance (kind-specific default)")
+    mech.add_argument("--max-steps", type=int, help="optimizer step limit")
+    mech.add_argument("--device", help="dense: torch device (default cuda when available)")
+    mech.add_argument("--quiet", action="store_true", help="no progress line on stderr")
+    mech.add_argument("--save-unconverged", action="store_true", help="save even if the optimizer did not converge")
     mech.add_argument("--out", help="save the mechanism to this file")
     mech.add_argument("--json", action="store_true", help="print one JSON object")
     mech.set_defaults(func=_cmd_mechanism)
@@ -153,6 +247,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:  # UsageError, MechanismFileError and library validation errors
         message = str(e).splitlines()[0] if str(e) else type(e).__name__
         print(f"fedmf: error: {message}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"fedmf: error: {e.strerror or e}{(': ' + e.filename) if getattr(e, 'filename', None) else ''}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("fedmf: interrupted", file=sys.stderr)

@@ -138,7 +138,7 @@ Schema = Union[MinSep, FixedEpoch, Observed]
 def schema_from_dict(data: Mapping) -> Schema:
     kind = data.get("type")
     if kind == "min-sep":
-        return MinSep(int(data["min_sep"]), data.get("max_participations"))
+        return MinSep(data["min_sep"], data.get("max_participations"))
     if kind == "fixed-epoch":
-        return FixedEpoch(int(data["max_participations"]), int(data["min_sep"]))
+        return FixedEpoch(data["max_participations"], data["min_sep"])
     raise ValueError(f"unknown participation schema {kind!r}")

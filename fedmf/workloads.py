@@ -67,7 +67,10 @@ class Workload:
 
     @classmethod
     def from_dict(cls, data: dict) -> "Workload":
-        return cls(float(data["momentum"]), float(data["cooldown"]), float(data["cooldown_final"]))
+        values = [data["momentum"], data["cooldown"], data["cooldown_final"]]
+        if any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in values):
+            raise ValueError("workload parameters must be numbers")
+        return cls(*(float(v) for v in values))
 
     def learning_rates(self, n: int) -> np.ndarray:
         """Per-round learning rates; the cooldown follows the seed paper's code:

@@ -16,9 +16,11 @@ from .toeplitz import (
     BandedToeplitz,
     optimal_gamma,
 )
+from .optimize import OptimizationResult, Progress
+from .robust import RobustToeplitz
 from .tree import TreeAggregation
 
-__all__ = ["Mechanism", "KINDS", "build", "mechanism_class", "default_bands"]
+__all__ = ["Mechanism", "KINDS", "OPTIMIZED_KINDS", "build", "plan", "mechanism_class", "default_bands"]
 
 #: every kind a mechanism file may hold -> its class
 _CLASSES: dict[str, type[Mechanism]] = {
@@ -31,11 +33,31 @@ _CLASSES: dict[str, type[Mechanism]] = {
         BandedInverseFractionalRoot,
         BandedToeplitz,
         BandedInverseToeplitz,
+        RobustToeplitz,
     )
 }
 
-#: kinds that ``build`` constructs from options (others are loaded from files or optimized)
-KINDS = ("dp-sgd", "tree", "bsr", "bisr", "bifr")
+
+def _register_optional() -> None:
+    """Kinds whose modules may be absent in a partial checkout register when importable."""
+    import importlib
+
+    for module, name in (("dense", "DenseMechanism"), ("blt", "BufferedLinearToeplitz"), ("banded", "ColumnNormalizedBanded")):
+        try:
+            cls = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+        except (ImportError, AttributeError):
+            continue
+        _CLASSES[cls.kind] = cls
+
+
+_register_optional()
+
+#: kinds built from closed forms by ``build``
+CLOSED_FORM_KINDS = ("dp-sgd", "tree", "bsr", "bisr", "bifr")
+#: kinds found by numerical optimization (``plan``)
+OPTIMIZED_KINDS = tuple(k for k in ("banded-toeplitz", "banded", "blt", "dense", "robust") if k in _CLASSES)
+#: every kind ``plan`` can produce
+KINDS = CLOSED_FORM_KINDS + OPTIMIZED_KINDS
 
 
 def mechanism_class(kind: str) -> type[Mechanism]:
@@ -61,9 +83,9 @@ def build(
     gamma: float | None = None,
 ) -> Mechanism:
     """Construct a closed-form mechanism; bifr without ``gamma`` searches gamma for ``schema``."""
-    if kind not in KINDS:
+    if kind not in CLOSED_FORM_KINDS:
         mechanism_class(kind)  # unknown kinds get the list of known ones
-        raise ValueError(f"kind {kind!r} cannot be built here (buildable: {', '.join(KINDS)})")
+        raise ValueError(f"kind {kind!r} is optimized, not built from a closed form (use plan)")
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
         raise ValueError(f"rounds must be a positive integer, got {rounds!r}")
     schema.validate(rounds)
@@ -90,3 +112,74 @@ def build(
 
 def from_params(kind: str, rounds: int, workload: Workload, params: dict[str, Any]) -> Mechanism:
     return mechanism_class(kind).from_params(rounds, workload, params)
+
+
+def plan(
+    kind: str,
+    rounds: int,
+    schema: Schema,
+    workload: Workload = Workload(),
+    *,
+    num_bands: int | None = None,
+    gamma: float | None = None,
+    error: str = "mean",
+    num_buffers: int | None = None,
+    min_sep_range: tuple[int, int] | None = None,
+    taper: bool = False,
+    weighting: str = "worst",
+    tolerance: float | None = None,
+    max_steps: int | None = None,
+    device: str | None = None,
+    progress: Progress | None = None,
+) -> tuple[Mechanism, OptimizationResult | None]:
+    """Build (closed forms) or optimize (the other kinds) a mechanism for ``schema``.
+
+    Returns the mechanism and, for optimized kinds, what the optimizer reports."""
+    if kind in CLOSED_FORM_KINDS:
+        return build(kind, rounds, schema, workload, num_bands, gamma), None
+    mechanism_class(kind)
+    if kind not in OPTIMIZED_KINDS:
+        raise ValueError(f"kind {kind!r} is not available in this installation")
+    if gamma is not None:
+        raise ValueError(f"--gamma applies to bifr only, not {kind}")
+    options: dict[str, Any] = {"progress": progress}
+    if tolerance is not None:
+        options["tolerance"] = tolerance
+    if max_steps is not None:
+        options["max_steps"] = max_steps
+    if kind == "dense":
+        from .dense import optimize_dense
+
+        if not isinstance(schema, FixedEpoch):
+            raise ValueError("dense is optimized for fixed-epoch participation (rounds = participations x min_sep)")
+        return optimize_dense(rounds, schema, workload, device=device, **options)
+    if not isinstance(schema, MinSep):
+        raise ValueError(f"{kind} is optimized for MinSep participation")
+    schema.validate(rounds)
+    if kind == "blt":
+        from .blt import optimize_blt
+
+        return optimize_blt(rounds, schema, workload, num_buffers=num_buffers, error=error, **options)
+    p = default_bands(rounds, schema) if num_bands is None else num_bands
+    if kind == "banded-toeplitz":
+        from .banded_toeplitz import optimize_banded_toeplitz
+
+        return optimize_banded_toeplitz(rounds, p, schema, workload, error=error, **options)
+    if kind == "banded":
+        from .banded import optimize_banded
+
+        return optimize_banded(rounds, p, schema, workload, **options)
+    from .robust import optimize_robust, taper as taper_coefficients
+    from .banded_toeplitz import optimize_banded_toeplitz
+
+    if min_sep_range is None:
+        raise ValueError("robust needs --min-sep-range B0:B1")
+    b0, b1 = min_sep_range
+    k = schema.max_participations
+    if taper:
+        bt, result = optimize_banded_toeplitz(rounds, b1, MinSep(b1, k), workload, error=error, **options)
+        coefficients = taper_coefficients(bt.coefficients, b0, b1)
+        return RobustToeplitz(rounds, coefficients, b0, b1, workload), result
+    return optimize_robust(
+        rounds, b0, b1, workload, participations=k, num_bands=num_bands, weighting=weighting, error=error, **options
+    )

@@ -39,7 +39,7 @@ class FirStream(InverseStream):
         self.past: list[np.ndarray] = []  # most recent first
 
     def step(self, z: np.ndarray) -> np.ndarray:
-        z = z[0]
+        z = np.array(z[0], dtype=np.float64)  # a copy: the caller may reuse its buffer
         out = self.taps[0] * z
         for a, past in zip(self.taps[1:], self.past):
             out = out + a * past
@@ -62,7 +62,7 @@ class IirStream(InverseStream):
             acc = acc - c * past
         y = acc / self.coef[0]
         if len(self.coef) > 1:
-            self.past = [y] + self.past[: len(self.coef) - 2]
+            self.past = [y.copy()] + self.past[: len(self.coef) - 2]  # the caller may modify y
         return y
 
 

@@ -21,6 +21,10 @@ class DpSgd(Mechanism):
     rounds: int
     workload: Workload = Workload()
 
+    def __post_init__(self) -> None:
+        if isinstance(self.rounds, bool) or not isinstance(self.rounds, int) or self.rounds < 1:
+            raise ValueError(f"rounds must be a positive integer, got {self.rounds!r}")
+
     def params(self) -> dict[str, Any]:
         return {}
 

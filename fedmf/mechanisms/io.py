@@ -55,6 +55,9 @@ def save(mechanism: Mechanism, path: str | os.PathLike, schema: Schema | None = 
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent if str(path.parent) else ".", prefix=f".{path.name}.", suffix=".tmp")
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         with os.fdopen(fd, "w") as f:
             json.dump(document, f, indent=1, allow_nan=False)
             f.write("\n")
@@ -66,15 +69,21 @@ def save(mechanism: Mechanism, path: str | os.PathLike, schema: Schema | None = 
     return checksum
 
 
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"non-finite number {name}")
+
+
 def _read_document(path: str | os.PathLike) -> dict[str, Any]:
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as e:
         raise MechanismFileError(f"cannot read mechanism file {str(path)!r}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise MechanismFileError(f"{str(path)!r} is not a mechanism file (not UTF-8 text)") from None
     try:
-        document = json.loads(text)
-    except json.JSONDecodeError:
-        raise MechanismFileError(f"{str(path)!r} is not a mechanism file (truncated or not JSON)") from None
+        document = json.loads(text, parse_constant=_reject_constant)
+    except (json.JSONDecodeError, RecursionError, ValueError):
+        raise MechanismFileError(f"{str(path)!r} is not a mechanism file (truncated, not JSON or non-finite numbers)") from None
     if not isinstance(document, dict) or document.get("format") != FORMAT:
         raise MechanismFileError(f"{str(path)!r} is not a fedmf mechanism file")
     version = document.get("version")
@@ -83,7 +92,11 @@ def _read_document(path: str | os.PathLike) -> dict[str, Any]:
             f"{str(path)!r} has mechanism file version {version!r}; this fedmf reads version {VERSION}"
         )
     body = document.get("body")
-    if not isinstance(body, dict) or document.get("checksum") != _checksum(body):
+    try:
+        valid = isinstance(body, dict) and document.get("checksum") == _checksum(body)
+    except ValueError:  # e.g. 1e999 parsed as inf
+        valid = False
+    if not valid:
         raise MechanismFileError(f"{str(path)!r} failed its checksum: the file was modified or damaged")
     return document
 
@@ -95,10 +108,15 @@ def load_with_schema(path: str | os.PathLike) -> tuple[Mechanism, Schema | None,
     document = _read_document(path)
     body = document["body"]
     try:
+        rounds = body["rounds"]
+        if isinstance(rounds, bool) or not isinstance(rounds, int):
+            raise ValueError(f"rounds must be an integer, got {rounds!r}")
         workload = Workload.from_dict(body["workload"])
-        mechanism = from_params(body["kind"], int(body["rounds"]), workload, body["params"])
+        mechanism = from_params(body["kind"], rounds, workload, body["params"])
         schema = None if body.get("schema") is None else schema_from_dict(body["schema"])
-    except (KeyError, TypeError, ValueError) as e:
+        if schema is not None:
+            schema.validate(rounds)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise MechanismFileError(f"{str(path)!r} holds an invalid mechanism: {e}") from None
     return mechanism, schema, document["checksum"]
 

@@ -16,6 +16,7 @@ from ..filters import series_inverse
 from ..participation import Schema
 from ..workloads import Workload
 from .base import FirStream, IirStream, InverseStream, Mechanism
+from .optimize import grid_then_golden
 
 __all__ = [
     "fractional_power_coefficients",
@@ -45,6 +46,12 @@ def _check_bands(num_bands: int, rounds: int) -> None:
         raise ValueError(f"rounds must be a positive integer, got {rounds!r}")
     if num_bands > rounds:
         raise ValueError(f"bands p={num_bands} exceeds the number of rounds n={rounds}")
+
+
+def _real(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"expected a number, got {value!r}")
+    return float(value)
 
 
 def _frozen(values: Any) -> np.ndarray:
@@ -117,7 +124,7 @@ class BandedSquareRoot(BandedToeplitz):
 
     @classmethod
     def from_params(cls, rounds: int, workload: Workload, params: dict[str, Any]) -> "BandedSquareRoot":
-        return cls(rounds, int(params["num_bands"]), workload)
+        return cls(rounds, params["num_bands"], workload)
 
 
 @dataclass(frozen=True, eq=False)
@@ -187,7 +194,7 @@ class BandedInverseFractionalRoot(BandedInverseToeplitz):
 
     @classmethod
     def from_params(cls, rounds: int, workload: Workload, params: dict[str, Any]) -> "BandedInverseFractionalRoot":
-        return cls(rounds, int(params["num_bands"]), float(params["gamma"]), workload)
+        return cls(rounds, params["num_bands"], _real(params["gamma"]), workload)
 
 
 @dataclass(frozen=True, eq=False, init=False)
@@ -204,26 +211,20 @@ class BandedInverseSquareRoot(BandedInverseFractionalRoot):
 
     @classmethod
     def from_params(cls, rounds: int, workload: Workload, params: dict[str, Any]) -> "BandedInverseSquareRoot":
-        return cls(rounds, int(params["num_bands"]), workload)
+        return cls(rounds, params["num_bands"], workload)
 
 
 def optimal_gamma(
     rounds: int, num_bands: int, schema: Schema, workload: Workload = Workload(), xatol: float = 1e-7
 ) -> BandedInverseFractionalRoot:
     """gamma-BIFR with gamma minimizing rmse under ``schema``: a grid over (0, 1) then a
-    bounded Brent refinement around the best grid point ("Beyond Square Roots", Sec. 12:
+    golden-section refinement around the best grid point ("Beyond Square Roots", Sec. 12:
     gamma is chosen by a 1-D search on the deployed objective)."""
-    from scipy.optimize import minimize_scalar
 
     def rmse(g: float) -> float:
         return BandedInverseFractionalRoot(rounds, num_bands, g, workload).rmse(schema)
 
     if num_bands == 1:  # gamma has no effect: C = I
         return BandedInverseFractionalRoot(rounds, 1, 0.5, workload)
-    grid = np.linspace(0.02, 0.98, 25)
-    values = [rmse(g) for g in grid]
-    i = int(np.argmin(values))
-    lo, hi = max(grid[i] - 0.04, 1e-6), min(grid[i] + 0.04, 1 - 1e-6)
-    res = minimize_scalar(rmse, bounds=(lo, hi), method="bounded", options={"xatol": xatol})
-    best = float(res.x) if res.fun <= values[i] else float(grid[i])
+    best, _ = grid_then_golden(rmse, 1e-4, 1 - 1e-4, grid_points=25, xatol=xatol)
     return BandedInverseFractionalRoot(rounds, num_bands, best, workload)

@@ -54,7 +54,7 @@ class _TreeStream(InverseStream):
         height = _trailing_zeros(self.t + 1)
         if z.shape[0] != height + 1:
             raise ValueError(f"round {self.t} of the tree needs {height + 1} fresh noise rows, got {z.shape[0]}")
-        estimate = z[0]
+        estimate = np.array(z[0], dtype=np.float64)
         removed = None
         for h in range(1, height + 1):
             left = self.stack.pop()
@@ -63,7 +63,7 @@ class _TreeStream(InverseStream):
         self.stack.append(estimate)
         self.t += 1
         # noise of round t = prefix estimate(t) - prefix estimate(t-1) = new node - merged nodes
-        return estimate if removed is None else estimate - removed
+        return estimate.copy() if removed is None else estimate - removed
 
 
 @dataclass(frozen=True, eq=False)
