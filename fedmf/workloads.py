@@ -55,11 +55,11 @@ class Workload:
     def name(self) -> str:
         if self.is_prefix:
             return "prefix"
-        text = f"momentum:{self.momentum:g}"
+        text = f"momentum:{self.momentum!r}"
         if self.cooldown:
-            text += f":cooldown={self.cooldown:g}"
+            text += f":cooldown={self.cooldown!r}"
             if self.cooldown_final != 0.05:
-                text += f":final={self.cooldown_final:g}"
+                text += f":final={self.cooldown_final!r}"
         return text
 
     def to_dict(self) -> dict:
@@ -152,7 +152,7 @@ class WorkloadStream:
         self._momentum += row
         self._total += self._lr[self._t] * self._momentum
         self._t += 1
-        return self._total
+        return self._total.copy()
 
 
 def parse_workload(text: str) -> Workload:
@@ -167,9 +167,11 @@ def parse_workload(text: str) -> Workload:
         options = {}
         for item in parts[2:]:
             key, _, value = item.partition("=")
-            if key not in ("cooldown", "final") or key in options:
+            if key not in ("cooldown", "final") or key in options or (key == "final" and not value):
                 raise ValueError
             options[key] = float(value) if value else 0.25
     except ValueError:
         raise ValueError(f"cannot parse workload {text!r} (expected momentum:BETA[:cooldown=F][:final=G])") from None
+    if "final" in options and not options.get("cooldown"):
+        raise ValueError(f"workload {text!r}: final=G needs a cooldown")
     return Workload(beta, options.get("cooldown", 0.0), options.get("final", 0.05))

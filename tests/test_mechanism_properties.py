@@ -4,6 +4,7 @@ against the minimum-variance unbiased (pinv) decoder; gamma-BIFR band monotonici
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 
@@ -168,28 +169,14 @@ def _stream_with(mech, z, mode):
 
 @pytest.mark.parametrize(
     "mech, mode",
-    [
-        pytest.param(
-            BandedSquareRoot(8, 3), "scale-output",
-            marks=pytest.mark.xfail(strict=True, reason="bug: IirStream.step returns the array it also keeps in "
-                                    "self.past, so scaling the returned noise in place corrupts later rounds"),
-        ),
-        pytest.param(
-            TreeAggregation(8), "scale-output",
-            marks=pytest.mark.xfail(strict=True, reason="bug: _TreeStream.step returns the leaf estimate it keeps "
-                                    "on its stack (a view of the caller's z) on rounds with one fresh row"),
-        ),
-        pytest.param(
-            BandedInverseSquareRoot(8, 3), "reuse-input",
-            marks=pytest.mark.xfail(strict=True, reason="bug: FirStream keeps views z[0] of the caller's input in "
-                                    "self.past, so a reused noise buffer changes earlier taps"),
-        ),
-        (BandedInverseSquareRoot(8, 3), "scale-output"),
-        (BandedSquareRoot(8, 3), "reuse-input"),
-        (DpSgd(8), "reuse-input"),
-        (DpSgd(8), "scale-output"),
-    ],
-    ids=lambda v: v if isinstance(v, str) else type(v).__name__,
+    list(
+        itertools.product(
+            [BandedSquareRoot(8, 3), BandedInverseSquareRoot(8, 3), TreeAggregation(8), TreeAggregation(11),
+             BandedInverseFractionalRoot(8, 1, 0.3), DpSgd(8)],
+            ["scale-output", "reuse-input"],
+        )
+    ),
+    ids=lambda v: v if isinstance(v, str) else f"{type(v).__name__}{v.rounds}",
 )
 def test_inverse_stream_does_not_alias_caller_arrays(mech, mode):
     z = np.random.default_rng(1).normal(size=(mech.noise_rows, 2))
@@ -408,6 +395,7 @@ def test_build_kinds():
 # ---------------------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=None)
 def _opt_rmse(n, p, schema, workload=Workload()):
     return optimal_gamma(n, p, schema, workload).rmse(schema)
 

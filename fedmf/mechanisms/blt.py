@@ -1,0 +1,563 @@
+"""Buffered linear Toeplitz (BLT) mechanisms and their optimizer.
+
+C is lower-triangular Toeplitz with c_0 = 1 and c_t = sum_i w_i theta_i^(t-1) (t >= 1): m
+buffers with decays theta_i in (0, 1) and output scales w_i. Its generating function is
+rational, c(x) = p(x)/q(x) with q = prod_i (1 - theta_i x) and p = prod_j (1 - that_j x), so
+C^{-1} (generating function q/p) is a BLT too, with decays that_j and scales what_j.
+
+A BLT is stored as the pair of *decay rates* (a, ahat) = (-log theta, -log that): every
+difference of decays and every geometric sum is then evaluated with expm1 and the
+phi-functions below, accurately as theta -> 1. Scales follow in closed form.
+
+Sources (cited as):
+  [DMPST24] Dvijotham, McMahan, Pillutla, Steinke, Thakurta, "Efficient and near-optimal
+            noise generation for streaming differential privacy", arXiv 2404.16706.
+  [MXZ24]   McMahan, Xu, Zhang, "A hassle-free algorithm for private learning in practice:
+            don't use tree aggregation, use BLTs", arXiv 2408.08868.
+  [MP25]    McMahan, Pillutla, "An inversion theorem for buffered linear Toeplitz (BLT)
+            matrices and applications to streaming differential privacy", arXiv 2504.21413.
+  [BSR]     "Beyond Square Roots", Theorem 1 (Toeplitz MinSep sensitivity).
+Formulas marked [derived] are elementary consequences spelled out in the comment.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import sensitivity as _sens
+from ..participation import MinSep, Schema
+from ..workloads import Workload
+from .base import InverseStream, Mechanism
+from .optimize import OptimizationResult, Progress, lbfgs
+
+__all__ = [
+    "BufferedLinearToeplitz",
+    "BltStream",
+    "optimize_blt",
+    "output_scales",
+    "blt_coefficients",
+    "geometric_sum",
+    "weighted_geometric_sum",
+    "MAX_BUFFERS",
+]
+
+#: more buffers than this is refused (the closed forms lose precision; 3-7 is typical)
+MAX_BUFFERS = 15
+#: the auto buffer search stops when one more buffer improves the loss by less than this
+AUTO_BUFFER_GAIN = 0.01
+#: non-Toeplitz (cooldown) workloads are optimized through a dense n x n matrix up to here
+DENSE_LIMIT = 4096
+
+_F64 = torch.float64
+_SWITCH = 0.5  # below: Taylor series of the phi-functions; above: direct expm1 form
+_TERMS = 16  # series terms: 0.5^16/17! < 1e-19, below double rounding
+
+
+# ---------------------------------------------------------------------------------------
+# stable elementary functions (torch, any device, float64)
+# ---------------------------------------------------------------------------------------
+
+
+def _tensor(values: Any, device: torch.device | str | None = None) -> torch.Tensor:
+    return torch.as_tensor(np.asarray(values, dtype=np.float64) if not torch.is_tensor(values) else values,
+                           dtype=_F64, device=device)
+
+
+def _phi(x: torch.Tensor, order: int) -> torch.Tensor:
+    """phi_1(x) = (1 - e^-x)/x and phi_2(x) = (e^-x - 1 + x)/x^2 for x >= 0 (the
+    phi-functions of exponential integrators: phi_k(x) = sum_j (-x)^j/(j+k)!). Series below
+    the switch, expm1 above; both branches are gradient-safe (no 0/0 in either)."""
+    small = x < _SWITCH
+    xs = torch.where(small, x, torch.zeros_like(x))
+    xd = torch.where(small, torch.full_like(x, _SWITCH), x)
+    series = torch.zeros_like(x)
+    for j in reversed(range(_TERMS)):  # Horner on sum_j (-x)^j/(j+k)!
+        series = series * (-xs) + 1.0 / math.factorial(j + order)
+    direct = -torch.expm1(-xd) / xd if order == 1 else (torch.expm1(-xd) + xd) / xd**2
+    return torch.where(small, series, direct)
+
+
+def geometric_sum(rate: torch.Tensor, count: int | float | torch.Tensor) -> torch.Tensor:
+    """sum_{t<N} e^{-rate t} = (1 - r^N)/(1 - r) = N phi_1(N a)/phi_1(a) [derived: 1 - e^-x = x phi_1(x)];
+    exact at rate 0 (= N) and accurate with its gradient as rate -> 0."""
+    rate = _tensor(rate)
+    return count * _phi(count * rate, 1) / _phi(rate, 1)
+
+
+def weighted_geometric_sum(rate: torch.Tensor, count: int | float) -> torch.Tensor:
+    """sum_{t<N} (N - t) e^{-rate t} = [N(1-r) - r(1-r^N)]/(1-r)^2 [derived]. With
+    f(x) = x^2 phi_2(x) = e^-x - 1 + x the numerator is (1-r)(1-r^N) + f(Na) - N f(a), a sum
+    of non-negative terms, so W = N[phi_1(a)phi_1(Na) + N phi_2(Na) - phi_2(a)]/phi_1(a)^2."""
+    rate = _tensor(rate)
+    n = float(count)
+    p1, p1n = _phi(rate, 1), _phi(n * rate, 1)
+    return n * (p1 * p1n + n * _phi(n * rate, 2) - _phi(rate, 2)) / p1**2
+
+
+def _exp_diff(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """e^-x - e^-y, accurate when x ~ y: e^-min(x,y) (1 - e^-|x-y|) sign(y - x) [derived]."""
+    return torch.exp(-torch.minimum(x, y)) * -torch.expm1(-torch.abs(x - y)) * torch.sign(y - x)
+
+
+# ---------------------------------------------------------------------------------------
+# BLT algebra
+# ---------------------------------------------------------------------------------------
+
+
+def output_scales(rates: torch.Tensor, other_rates: torch.Tensor) -> torch.Tensor:
+    """Scales w of the BLT with decays theta = e^-rates whose generating function is
+    p/q, p = prod(1 - that_j x), q = prod(1 - theta_i x), that = e^-other_rates:
+        w_i = prod_j (theta_i - that_j) / prod_{l != i} (theta_i - theta_l)
+    (partial fractions of p/q; [MP25] Theorem 2, [DMPST24] Lemma 5.2 / Prop. 5.6).
+    Swapping the arguments gives the inverse's scales."""
+    rates, other_rates = _tensor(rates), _tensor(other_rates)
+    num = _exp_diff(rates[:, None], other_rates[None, :]).prod(dim=1)
+    diff = _exp_diff(rates[:, None], rates[None, :])
+    eye = torch.eye(rates.numel(), dtype=torch.bool, device=rates.device)
+    den = torch.where(eye, torch.ones_like(diff), diff).prod(dim=1)
+    return num / den
+
+
+def blt_coefficients(scale: torch.Tensor, rates: torch.Tensor, n: int) -> torch.Tensor:
+    """Toeplitz coefficients 1, sum_i w_i theta_i^(t-1) (t = 1..n-1) ([MXZ24] Sec. 2), O(n m)."""
+    scale, rates = _tensor(scale), _tensor(rates, scale.device)
+    t = torch.arange(max(n - 1, 0), dtype=_F64, device=scale.device)
+    tail = torch.exp(-t[:, None] * rates[None, :]) @ scale
+    return torch.cat([torch.ones(1, dtype=_F64, device=scale.device), tail])[:n]
+
+
+def _decoder_terms(rates: torch.Tensor, inv_rates: torch.Tensor, inv_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(K, v) with d_t = K + sum_j v_j that_j^t the coefficients of A C^{-1} for the prefix
+    workload A = 1/(1 - x) [derived: d_t = 1 + sum_j what_j (1 - that_j^t)/(1 - that_j)]:
+    K = c(1)^{-1} = prod(1 - theta_i)/prod(1 - that_j) (the residue at x = 1, a product with
+    no cancellation) and v_j = -what_j/(1 - that_j) (> 0 when what < 0, so d_t is then a
+    sum of positive terms)."""
+    k = torch.prod(-torch.expm1(-rates)) / torch.prod(-torch.expm1(-inv_rates))
+    return k, inv_scale / torch.expm1(-inv_rates)
+
+
+def single_sensitivity_sq(scale: torch.Tensor, rates: torch.Tensor, n: int) -> torch.Tensor:
+    """||C e_0||^2 = 1 + sum_{i,l} w_i w_l sum_{t<n-1} (theta_i theta_l)^t, the single-
+    participation sensitivity^2 ([DMPST24] Lemma 5.3), O(m^2)."""
+    pair = rates[:, None] + rates[None, :]
+    return 1.0 + (scale[:, None] * scale[None, :] * geometric_sum(pair, n - 1)).sum()
+
+
+def prefix_error_sq(
+    rates: torch.Tensor, inv_rates: torch.Tensor, inv_scale: torch.Tensor, n: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean, max) over rounds of ||(A C^{-1})_i||^2 for the prefix workload, O(m^2).
+    Row i holds d_0..d_i, so max = sum_{t<n} d_t^2 (the last row; cf. [DMPST24] Lemma 5.4)
+    and mean = (1/n) sum_{t<n} (n - t) d_t^2 [derived]; expanding d_t = K + sum v_j that_j^t
+    turns both into geometric and weighted geometric sums."""
+    k, v = _decoder_terms(rates, inv_rates, inv_scale)
+    pair = inv_rates[:, None] + inv_rates[None, :]
+    vv = v[:, None] * v[None, :]
+    largest = n * k**2 + 2 * k * (v * geometric_sum(inv_rates, n)).sum() + (vv * geometric_sum(pair, n)).sum()
+    weighted = (
+        k**2 * (n * (n + 1) / 2)
+        + 2 * k * (v * weighted_geometric_sum(inv_rates, n)).sum()
+        + (vv * weighted_geometric_sum(pair, n)).sum()
+    )
+    return weighted / n, largest
+
+
+class _ResidueGrid:
+    """Index arrays for Theorem 1 by residue mod b (see ``minsep_sensitivity_sq``)."""
+
+    def __init__(self, n: int, min_sep: int, k: int, device: torch.device | str | None = None) -> None:
+        b = min_sep
+        rows = -(-n // b)
+        q = torch.arange(rows, dtype=_F64, device=device)
+        first0 = torch.clamp(q - k + 1, min=1.0)  # rho = 0: shifts l >= 1 (l = 0 is c_0 = 1)
+        first1 = torch.clamp(q - k + 1, min=0.0)
+        self.b = b
+        self.rho = torch.arange(b, dtype=_F64, device=device)
+        self.start0, self.count0 = first0 * b, (q - first0 + 1) * b
+        self.start1, self.count1 = first1 * b, (q - first1 + 1) * b
+        self.delta = (q <= k - 1).to(_F64)
+        t = q[:, None] * b + self.rho[None, :]
+        self.mask = (t < n).to(_F64)
+
+
+def minsep_sensitivity_sq(scale: torch.Tensor, rates: torch.Tensor, grid: _ResidueGrid) -> torch.Tensor:
+    """||sum_{i<k} shift(c, i b)||^2 truncated to n rows: the exact MinSep(b, k) sensitivity^2
+    of a Toeplitz C with non-negative non-increasing coefficients ([BSR] Theorem 1).
+
+    For t = q b + rho, s_t = [rho = 0, q < k] + sum_j w_j sum_{l=l0}^{q} theta_j^{rho + l b - 1}
+    with l0 = max(q - k + 1, [rho = 0]) [derived], a geometric sum in theta_j^b, so
+    s[q, rho] = delta + sum_j P[rho, j] R[q, j] with P = w theta^{rho-1}/(1 - theta^b) and
+    R = theta^{l0 b}(1 - theta^{(q - l0 + 1) b}): O((n/b + b) m) exponentials and one
+    (n/b x m)(m x b) product, however large k is."""
+    ab = rates * grid.b
+    p = scale * torch.exp(-(grid.rho - 1)[:, None] * rates[None, :]) / -torch.expm1(-ab)  # (b, m)
+
+    def r(start: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        return torch.exp(-start[:, None] * rates[None, :]) * -torch.expm1(-count[:, None] * rates[None, :])
+
+    s = r(grid.start1, grid.count1) @ p.T  # (rows, b), right for rho >= 1
+    col0 = grid.delta + r(grid.start0, grid.count0) @ p[0]
+    s = torch.cat([col0[:, None], s[:, 1:]], dim=1)
+    return (s**2 * grid.mask).sum()
+
+
+def _momentum_noise(inv_scale: torch.Tensor, inv_rates: torch.Tensor, beta: float, n: int) -> torch.Tensor:
+    """Coefficients u of M_beta C^{-1} (M_beta = 1/(1 - beta x), the momentum filter):
+    u_t = beta^t + sum_j what_j (that_j^t - beta^t)/(that_j - beta) [derived by partial
+    fractions of x/((1 - that x)(1 - beta x))], the divided difference evaluated as
+    e^{-lo (t-1)} (1 - e^{-d t})/(1 - e^{-d}) with lo = min rate and d = |rate gap|."""
+    t = torch.arange(n, dtype=_F64, device=inv_scale.device)
+    if beta == 0.0:
+        return torch.cat([torch.ones(1, dtype=_F64, device=t.device), blt_coefficients(inv_scale, inv_rates, n)[1:]])
+    rb = torch.tensor(-math.log(beta), dtype=_F64, device=t.device)
+    lo, gap = torch.minimum(inv_rates, rb), torch.abs(inv_rates - rb)
+    same = gap == 0
+    safe = torch.where(same, torch.ones_like(gap), gap)
+    ratio = -torch.expm1(-t[:, None] * safe[None, :]) / -torch.expm1(-safe[None, :])
+    ratio = torch.where(same[None, :], t[:, None].expand_as(ratio), ratio)
+    dd = torch.exp(-(t[:, None] - 1) * lo[None, :]) * ratio
+    return torch.exp(-rb * t) + dd @ inv_scale
+
+
+def workload_error_sq(
+    inv_scale: torch.Tensor, inv_rates: torch.Tensor, workload: Workload, n: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean, max) over rounds of ||(A C^{-1})_i||^2 for any workload, from the coefficients
+    u of M_beta C^{-1}: (A C^{-1})[i, j] = sum_{s=j}^{i} lr_s u_{s-j} (workloads.py). Toeplitz A
+    (no cooldown): the coefficients d = cumsum(u), rows nested, O(n m). Otherwise a dense
+    n x n product (n <= DENSE_LIMIT)."""
+    u = _momentum_noise(inv_scale, inv_rates, workload.momentum, n)
+    if workload.is_toeplitz:
+        d2 = torch.cumsum(u, 0) ** 2
+        weights = torch.arange(n, 0, -1, dtype=_F64, device=u.device)
+        return (weights * d2).sum() / n, d2.sum()
+    if n > DENSE_LIMIT:
+        raise ValueError(f"a cooldown workload is optimized densely, up to n={DENSE_LIMIT} rounds (got {n})")
+    i = torch.arange(n, device=u.device)
+    lag = i[:, None] - i[None, :]
+    dense = torch.where(lag >= 0, u[lag.clamp(min=0)], torch.zeros((), dtype=_F64, device=u.device))
+    lr = torch.as_tensor(workload.learning_rates(n), dtype=_F64, device=u.device)
+    rows = (torch.cumsum(lr[:, None] * dense, 0) ** 2).sum(1)
+    return rows.mean(), rows.max()
+
+
+# ---------------------------------------------------------------------------------------
+# the mechanism
+# ---------------------------------------------------------------------------------------
+
+
+def _frozen(values: Any) -> np.ndarray:
+    arr = np.array(values, dtype=np.float64).reshape(-1)
+    arr.setflags(write=False)
+    return arr
+
+
+class BltStream(InverseStream):
+    """C^{-1} by the buffer recursion with C's own parameters ([MXZ24] Alg. 3):
+        x_t = y_t - sum_i w_i buf_i ;  buf_i <- theta_i buf_i + x_t.
+    The state is m vectors; stable because the recursion's transition diag(theta) - 1 w^T
+    has eigenvalues that in (0, 1). Works on numpy arrays and torch tensors (any device)."""
+
+    def __init__(self, output_scale: np.ndarray, buf_decay: np.ndarray) -> None:
+        self.scale = np.asarray(output_scale, dtype=np.float64)
+        self.decay = np.asarray(buf_decay, dtype=np.float64)
+        self.buffers: Any = None
+
+    def step(self, z: Any) -> Any:
+        y = z[0]
+        if self.buffers is None:
+            shape = (self.scale.size,) + tuple(y.shape)
+            self.buffers = torch.zeros(shape, dtype=y.dtype, device=y.device) if torch.is_tensor(y) else np.zeros(shape)
+        scale, decay = self.scale, self.decay
+        if torch.is_tensor(y):
+            scale, decay = (torch.as_tensor(v, dtype=y.dtype, device=y.device) for v in (scale, decay))
+        expand = (-1,) + (1,) * y.ndim
+        x = y - (scale.reshape(expand) * self.buffers).sum(0)
+        self.buffers = decay.reshape(expand) * self.buffers + x
+        return x
+
+
+@dataclass(frozen=True, eq=False)
+class BufferedLinearToeplitz(Mechanism):
+    """BLT strategy C ([MXZ24], [DMPST24]) given by decay rates a = -log theta (C's buffers)
+    and ahat = -log that (C^{-1}'s buffers); scales follow in closed form (``output_scales``).
+
+    Rates are kept sorted increasingly (decays decreasing). C has non-negative,
+    non-increasing coefficients (so [BSR] Theorem 1 gives its exact MinSep sensitivity)
+    whenever the decays interlace, theta_1 > that_1 > theta_2 > ... > theta_m > that_m
+    (then w > 0, what < 0 and c_1 = sum w < 1; [MP25] Theorem 1) — ``optimize_blt`` only
+    produces such BLTs.
+    """
+
+    kind = "blt"
+    rounds: int
+    decay_rates: np.ndarray
+    inverse_decay_rates: np.ndarray
+    workload: Workload = Workload()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rounds, bool) or not isinstance(self.rounds, int) or self.rounds < 1:
+            raise ValueError(f"rounds must be a positive integer, got {self.rounds!r}")
+        a, ahat = _frozen(np.sort(self.decay_rates)), _frozen(np.sort(self.inverse_decay_rates))
+        if a.size == 0 or a.size != ahat.size:
+            raise ValueError(f"a BLT needs m >= 1 decay rates for C and m for C^-1, got {a.size} and {ahat.size}")
+        if a.size > MAX_BUFFERS:
+            raise ValueError(f"at most {MAX_BUFFERS} buffers are supported, got {a.size}")
+        if not (np.all(np.isfinite(a)) and np.all(np.isfinite(ahat)) and np.all(a > 0) and np.all(ahat > 0)):
+            raise ValueError("BLT decay rates must be finite and > 0 (decays in (0, 1))")
+        if np.any(np.diff(a) == 0) or np.any(np.diff(ahat) == 0):
+            raise ValueError("BLT decay rates must be distinct")
+        object.__setattr__(self, "decay_rates", a)
+        object.__setattr__(self, "inverse_decay_rates", ahat)
+        if not (np.all(np.isfinite(self.output_scale)) and np.all(np.isfinite(self.inverse_output_scale))):
+            raise ValueError("BLT decay rates too close to each other: the output scales overflow")
+
+    # ---- construction ----------------------------------------------------------------
+    @classmethod
+    def from_decays(cls, rounds: int, buf_decay: Any, inverse_buf_decay: Any, workload: Workload = Workload()) -> "BufferedLinearToeplitz":
+        """From the decay pair (theta, that) (rates -log; prefer rates near theta = 1)."""
+        return cls(rounds, -np.log(np.asarray(buf_decay, float)), -np.log(np.asarray(inverse_buf_decay, float)), workload)
+
+    @classmethod
+    def from_output_scale(cls, rounds: int, output_scale: Any, buf_decay: Any, workload: Workload = Workload()) -> "BufferedLinearToeplitz":
+        """From C's (w, theta) (the jax_privacy ``BufferedToeplitz`` parameters). The inverse
+        decays are the eigenvalues of diag(theta) - w 1^T, the transition matrix of the
+        recursion of ``BltStream`` ([MXZ24] Alg. 3; [DMPST24] Lemma 5.2)."""
+        w, theta = np.asarray(output_scale, float).reshape(-1), np.asarray(buf_decay, float).reshape(-1)
+        if w.shape != theta.shape or not np.all((theta > 0) & (theta < 1)):
+            raise ValueError("output_scale and buf_decay need equal lengths and decays in (0, 1)")
+        eig = np.linalg.eigvals(np.diag(theta) - np.outer(w, np.ones_like(w)))
+        if np.any(np.abs(eig.imag) > 1e-12) or not np.all((eig.real > 0) & (eig.real < 1)):
+            raise ValueError(f"the inverse of this BLT is not a BLT with decays in (0, 1): {eig}")
+        return cls.from_decays(rounds, theta, eig.real, workload)
+
+    def params(self) -> dict[str, Any]:
+        return {"decay_rates": self.decay_rates.tolist(), "inverse_decay_rates": self.inverse_decay_rates.tolist()}
+
+    @classmethod
+    def from_params(cls, rounds: int, workload: Workload, params: dict[str, Any]) -> "BufferedLinearToeplitz":
+        """Accepts our ``params()`` or jax_privacy's {"output_scale", "buf_decay"}."""
+        if "decay_rates" in params:
+            return cls(rounds, params["decay_rates"], params["inverse_decay_rates"], workload)
+        return cls.from_output_scale(rounds, params["output_scale"], params["buf_decay"], workload)
+
+    # ---- parameters --------------------------------------------------------------------
+    @property
+    def num_buffers(self) -> int:
+        return int(self.decay_rates.size)
+
+    @cached_property
+    def buf_decay(self) -> np.ndarray:
+        return _frozen(np.exp(-self.decay_rates))
+
+    @cached_property
+    def inverse_buf_decay(self) -> np.ndarray:
+        return _frozen(np.exp(-self.inverse_decay_rates))
+
+    @cached_property
+    def output_scale(self) -> np.ndarray:
+        return _frozen(output_scales(self.decay_rates, self.inverse_decay_rates).numpy())
+
+    @cached_property
+    def inverse_output_scale(self) -> np.ndarray:
+        return _frozen(output_scales(self.inverse_decay_rates, self.decay_rates).numpy())
+
+    @property
+    def is_monotone(self) -> bool:
+        """w > 0 and sum w <= 1: then c_t >= 0 is non-increasing for every t [derived:
+        c_1 = sum w <= c_0 = 1 and for t >= 1 c_t is a positive mix of decreasing theta^(t-1)]."""
+        w = self.output_scale
+        return bool(np.all(w > 0) and np.sum(w) <= 1.0)
+
+    # ---- strategy and inverse ----------------------------------------------------------
+    def coefficients(self, n: int | None = None, inverse: bool = False, device: Any = None) -> torch.Tensor:
+        """First n Toeplitz coefficients of C (or C^{-1}) as a float64 tensor on ``device``."""
+        n = self.rounds if n is None else n
+        scale = self.inverse_output_scale if inverse else self.output_scale
+        rates = self.inverse_decay_rates if inverse else self.decay_rates
+        return blt_coefficients(_tensor(scale, device), _tensor(rates, device), n)
+
+    @cached_property
+    def strategy_toeplitz(self) -> np.ndarray:
+        return _frozen(self.coefficients().numpy())
+
+    @cached_property
+    def inverse_toeplitz(self) -> np.ndarray:
+        return _frozen(self.coefficients(inverse=True).numpy())
+
+    def strategy_matrix(self) -> np.ndarray:
+        return self.strategy_columns(range(self.rounds))
+
+    def inverse_stream(self) -> InverseStream:
+        return BltStream(self.output_scale, self.buf_decay)
+
+    # ---- closed forms --------------------------------------------------------------------
+    def _torch_params(self) -> tuple[torch.Tensor, ...]:
+        return tuple(_tensor(v) for v in (self.output_scale, self.decay_rates, self.inverse_output_scale, self.inverse_decay_rates))
+
+    def single_participation_sensitivity(self) -> float:
+        """Largest column norm of C without materializing it ([DMPST24] Lemma 5.3)."""
+        w, a, _, _ = self._torch_params()
+        return float(torch.sqrt(single_sensitivity_sq(w, a, self.rounds)))
+
+    def prefix_errors_sq(self) -> tuple[float, float]:
+        """(mean, max) of ||(A C^{-1})_i||^2 for the prefix workload, O(m^2), any n."""
+        _, a, what, ahat = self._torch_params()
+        mean, largest = prefix_error_sq(a, ahat, what, self.rounds)
+        return float(mean), float(largest)
+
+    def sensitivity(self, schema: Schema) -> _sens.Sensitivity:
+        """MinSep in closed form (k = 1: [DMPST24] Lemma 5.3; k > 1: [BSR] Theorem 1 by
+        residues, O(n m)) when C is monotone; everything else through fedmf.sensitivity."""
+        if not isinstance(schema, MinSep) or not self.is_monotone:
+            return _sens.sensitivity(self, schema)
+        n = self.rounds
+        schema.validate(n)
+        k = schema.participations(n)
+        if k == 1:
+            return _sens.Sensitivity(self.single_participation_sensitivity(), "single-participation", True)
+        w, a, _, _ = self._torch_params()
+        value = minsep_sensitivity_sq(w, a, _ResidueGrid(n, schema.min_sep, k))
+        return _sens.Sensitivity(float(torch.sqrt(value)), "toeplitz-closed-form", True)
+
+    def evaluate(self, schema: Schema) -> dict[str, Any]:
+        """As ``Mechanism.evaluate``; the prefix workload's errors come from the closed forms."""
+        if not self.workload.is_prefix:
+            return super().evaluate(schema)
+        sens = self.sensitivity(schema)
+        mean, largest = self.prefix_errors_sq()
+        loss = mean * sens.value**2
+        return {"loss": loss, "rmse": math.sqrt(loss), "max_error": math.sqrt(largest) * sens.value, **sens.to_dict()}
+
+
+# ---------------------------------------------------------------------------------------
+# optimization
+# ---------------------------------------------------------------------------------------
+
+
+def _rates_from_gaps(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Interlaced rates from 2m unconstrained numbers: the sorted sequence
+    a_1 < ahat_1 < a_2 < ahat_2 < ... (theta_1 > that_1 > theta_2 > ...) is the cumulative sum
+    of the gaps e^z. Every z is feasible: w > 0, what < 0, decays in (0, 1), sum w < 1
+    (interlacing <=> the sign conditions of [MP25] Theorem 1; sum w = c_1 = sum theta -
+    sum that [derived from the x-coefficient of p/q] < 1 as the intervals are disjoint)."""
+    v = torch.cumsum(torch.exp(z), 0)
+    return v[0::2], v[1::2]
+
+
+def _initial_gaps(num_buffers: int, rounds: int) -> np.ndarray:
+    """2m rates geometrically spaced in [1/n, 1] (poles and zeros of a rational
+    approximation of (1 - x)^(-1/2) interlace geometrically in 1 - x), as log gaps."""
+    lo = min(1.0 / rounds, 0.1)
+    v = np.geomspace(lo, 1.0, 2 * num_buffers)
+    return np.log(np.diff(np.concatenate([[0.0], v])))
+
+
+class _Objective:
+    """log(error^2 x sensitivity^2) of an interlaced BLT as a function of its log gaps."""
+
+    def __init__(self, rounds: int, schema: MinSep, workload: Workload, error: str) -> None:
+        self.n, self.workload, self.error = rounds, workload, error
+        self.k = schema.participations(rounds)
+        self.grid = _ResidueGrid(rounds, schema.min_sep, self.k) if self.k > 1 else None
+
+    def loss(self, z: torch.Tensor) -> torch.Tensor:
+        a, ahat = _rates_from_gaps(z)
+        w, what = output_scales(a, ahat), output_scales(ahat, a)
+        if self.grid is None:
+            sens2 = single_sensitivity_sq(w, a, self.n)
+        else:
+            sens2 = minsep_sensitivity_sq(w, a, self.grid)
+        if self.workload.is_prefix:
+            mean, largest = prefix_error_sq(a, ahat, what, self.n)
+        else:
+            mean, largest = workload_error_sq(what, ahat, self.workload, self.n)
+        return (mean if self.error == "mean" else largest) * sens2
+
+    def __call__(self, x: np.ndarray) -> tuple[float, np.ndarray]:
+        z = torch.tensor(x, dtype=_F64, requires_grad=True)
+        f = torch.log(self.loss(z))
+        if not torch.isfinite(f):
+            return math.inf, np.zeros_like(x)
+        f.backward()
+        return float(f), z.grad.numpy().copy()
+
+
+def _check_buffers(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if value > MAX_BUFFERS:
+        raise ValueError(f"{name}={value} exceeds {MAX_BUFFERS}: more buffers are numerically unreliable (3-7 is typical)")
+
+
+def _fit(objective: _Objective, num_buffers: int, tolerance: float, max_steps: int, progress: Progress | None
+         ) -> tuple[BufferedLinearToeplitz, OptimizationResult, float]:
+    """L-BFGS over the log gaps for a fixed number of buffers; returns (blt, result, loss)."""
+    x, result = lbfgs(objective, _initial_gaps(num_buffers, objective.n), max_steps=max_steps, rtol=tolerance,
+                      progress=progress, report=lambda f: math.sqrt(math.exp(f)))
+    with torch.no_grad():
+        a, ahat = _rates_from_gaps(torch.tensor(x, dtype=_F64))
+    blt = BufferedLinearToeplitz(objective.n, a.numpy(), ahat.numpy(), objective.workload)
+    if not blt.is_monotone:  # cannot happen for interlaced rates; guards Theorem 1's premise
+        raise RuntimeError("optimized BLT violates non-negative non-increasing coefficients")
+    return blt, result, math.exp(result.objective) if False else result.objective**2
+
+
+def optimize_blt(
+    rounds: int,
+    schema: MinSep,
+    workload: Workload = Workload(),
+    *,
+    num_buffers: int | None = None,
+    max_buffers: int = 10,
+    error: str = "mean",
+    tolerance: float = 1e-10,
+    max_steps: int = 1000,
+    progress: Progress | None = None,
+) -> tuple[BufferedLinearToeplitz, OptimizationResult]:
+    """The BLT minimizing error^2 x sens^2 under MinSep(b, k) for ``workload``.
+
+    error "mean": (1/n)||A C^{-1}||_F^2 sens^2 (rmse^2); "max": max_i ||(A C^{-1})_i||^2 sens^2.
+    sens is exact ([BSR] Theorem 1), valid because every candidate interlaces (see
+    ``_rates_from_gaps``). L-BFGS on log(loss) with torch float64 gradients, from a fixed
+    start: deterministic. ``num_buffers=None`` tries m = 1, 2, … and keeps m - 1 once one
+    more buffer improves the loss by less than 1% (or at ``max_buffers``).
+    ``tolerance`` is the relative decrease of log(loss) per step at which L-BFGS stops.
+    ``result.objective`` is the rmse ("mean") or max_error ("max").
+    """
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds must be a positive integer, got {rounds!r}")
+    if not isinstance(schema, MinSep):
+        raise ValueError("optimize_blt needs a MinSep(b, k) schema")
+    if error not in ("mean", "max"):
+        raise ValueError(f"error must be 'mean' or 'max', got {error!r}")
+    schema.validate(rounds)
+    if not workload.is_toeplitz and rounds > DENSE_LIMIT:
+        raise ValueError(f"a cooldown workload is optimized densely, up to n={DENSE_LIMIT} rounds (got {rounds})")
+    if num_buffers is not None:
+        _check_buffers("num_buffers", num_buffers)
+    _check_buffers("max_buffers", max_buffers)
+    started = time.perf_counter()
+    objective = _Objective(rounds, schema, workload, error)
+    counts = [num_buffers] if num_buffers is not None else range(1, max_buffers + 1)
+    tried: list[dict[str, Any]] = []
+    best: tuple[BufferedLinearToeplitz, OptimizationResult, float] | None = None
+    for m in counts:
+        fit = _fit(objective, m, tolerance, max_steps, progress)
+        tried.append({"num_buffers": m, "loss": fit[2], "converged": fit[1].converged, "steps": fit[1].steps})
+        if best is not None and fit[2] > (1 - AUTO_BUFFER_GAIN) * best[2]:
+            break
+        best = fit
+    assert best is not None
+    blt, result, loss = best
+    result.converged = all(t["converged"] for t in tried)
+    result.seconds = time.perf_counter() - started
+    result.details = {"num_buffers": blt.num_buffers, "loss": loss, "error": error, "buffers_tried": tried}
+    return blt, result
