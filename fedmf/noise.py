@@ -1,0 +1,385 @@
+"""Streaming correlated noise in torch: the noise of round t is std·(L z)_t, L = C^{-1}.
+
+Fresh Gaussian rows z_r are counter-based: the values of row r in chunk c of the flat
+parameter vector come from a generator seeded with a keyed hash of (secret seed, r, c)
+(BLAKE2b), so any past draw can be regenerated exactly and any slice of the parameters
+(a shard) can be produced alone and equals the same slice of the unsharded noise
+("Scaling up BandMF", Sec. 3.3: coordinate-wise independence).
+
+State is bounded by the mechanism's structure ("Scaling up BandMF" Alg. 1 for banded C;
+"Beyond Square Roots" Sec. 4 for banded C^{-1}; McMahan et al. 2024 for BLT buffers):
+  banded C^{-1} (dp-sgd, bisr, bifr)   p - 1 past fresh draws (or none with regenerate=True)
+  banded C (bsr, banded-toeplitz, robust, banded)   p - 1 past outputs
+  blt                                  m buffers
+  tree                                 O(log n) node estimates
+  anything else (dense)                nothing: past draws are regenerated, O(t·d) per round
+
+The seed is a secret (anyone holding it can subtract the noise): it is never printed,
+logged or put in error messages; ``state_dict()`` contains it and must be stored like a key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import secrets
+import struct
+from typing import Any, Mapping, Sequence, Union
+
+import numpy as np
+import torch
+
+from .mechanisms.base import Mechanism
+
+__all__ = ["NoiseGenerator", "Layout", "CHUNK_SIZE"]
+
+Layout = Union[int, Mapping[str, Sequence[int]]]
+CHUNK_SIZE = 1 << 20
+_STATE_FORMAT = 1
+
+
+def _key(seed: bytes | int | None) -> bytes:
+    if seed is None:
+        return secrets.token_bytes(32)
+    if isinstance(seed, int) and not isinstance(seed, bool):
+        if seed < 0:
+            raise ValueError("an integer seed must be non-negative")
+        return seed.to_bytes(max(1, (seed.bit_length() + 7) // 8), "little")
+    if isinstance(seed, (bytes, bytearray)) and 1 <= len(seed) <= 64:
+        return bytes(seed)
+    raise ValueError("seed must be None, a non-negative int, or 1 to 64 bytes")
+
+
+class _Draws:
+    """Counter-based Gaussian rows for the flat range [lo, hi) of a size-``total`` vector."""
+
+    def __init__(self, key: bytes, total: int, lo: int, hi: int, dtype: torch.dtype, device: torch.device,
+                 chunk: int) -> None:
+        self.key, self.total, self.lo, self.hi = key, total, lo, hi
+        self.dtype, self.device, self.chunk = dtype, device, chunk
+        self.generator = torch.Generator(device=device)
+
+    def _seed(self, row: int, chunk: int) -> int:
+        h = hashlib.blake2b(struct.pack("<QQ", row, chunk), key=self.key, digest_size=8, person=b"fedmf-noise-v1")
+        return int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
+
+    def fill(self, row: int, out: torch.Tensor) -> torch.Tensor:
+        """Write the shard's slice of fresh row ``row`` into ``out`` (length hi - lo)."""
+        c0, c1 = self.lo // self.chunk, (self.hi - 1) // self.chunk if self.hi > self.lo else -1
+        for c in range(c0, c1 + 1):
+            start, stop = c * self.chunk, min((c + 1) * self.chunk, self.total)
+            self.generator.manual_seed(self._seed(row, c))
+            a, b = max(start, self.lo), min(stop, self.hi)
+            if a == start and b == stop:
+                torch.randn(stop - start, generator=self.generator, dtype=self.dtype, device=self.device,
+                            out=out[a - self.lo : b - self.lo])
+            else:
+                full = torch.randn(stop - start, generator=self.generator, dtype=self.dtype, device=self.device)
+                out[a - self.lo : b - self.lo].copy_(full[a - start : b - start])
+        return out
+
+    def new(self, row: int) -> torch.Tensor:
+        return self.fill(row, torch.empty(self.hi - self.lo, dtype=self.dtype, device=self.device))
+
+
+class _Structure:
+    """Interprets one mechanism's L for the generator: ``step(t)`` returns (L z)_t."""
+
+    rows_per_round: Any = None
+
+    def __init__(self, draws: _Draws) -> None:
+        self.draws = draws
+
+    def step(self, t: int, row: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def state(self) -> dict[str, Any]:
+        return {}
+
+    def load(self, state: dict[str, Any], t: int, row: int) -> None:
+        pass
+
+    def slice(self, lo: int, hi: int) -> dict[str, Any]:
+        """The state restricted to the flat range [lo, hi) of this structure's range."""
+        return {k: [x[lo:hi].clone() for x in v] if isinstance(v, list) else v for k, v in self.state().items()}
+
+
+class _Fir(_Structure):
+    """w_t = sum_{j<p} a_j z_{t-j} (banded lower-triangular Toeplitz L)."""
+
+    def __init__(self, draws: _Draws, taps: np.ndarray, regenerate: bool) -> None:
+        super().__init__(draws)
+        self.taps = [float(a) for a in taps]
+        self.regenerate = regenerate
+        self.past: list[torch.Tensor] = []  # z_{t-1}, z_{t-2}, …
+
+    def step(self, t: int, row: int) -> torch.Tensor:
+        z = self.draws.new(row)
+        out = z * self.taps[0] if self.taps[0] != 1.0 else z.clone()
+        for j in range(1, min(len(self.taps), t + 1)):
+            past = self.draws.new(row - j) if self.regenerate else self.past[j - 1]
+            out.add_(past, alpha=self.taps[j])
+        if not self.regenerate and len(self.taps) > 1:
+            self.past = [z] + self.past[: len(self.taps) - 2]
+        return out
+
+    def load(self, state: dict[str, Any], t: int, row: int) -> None:
+        # the past fresh draws are regenerated from the seed: nothing to store
+        if not self.regenerate:
+            self.past = [self.draws.new(row - j) for j in range(1, min(len(self.taps) - 1, t) + 1)]
+
+
+class _Iir(_Structure):
+    """y_t = (z_t - sum_{r=1}^{p-1} C[t, t-r] y_{t-r}) / C[t, t] for banded C
+    ("Scaling up BandMF", Alg. 1); Toeplitz C has constant bands."""
+
+    def __init__(self, draws: _Draws, bands: np.ndarray) -> None:
+        super().__init__(draws)
+        self.bands = np.asarray(bands, dtype=np.float64)  # (p,) Toeplitz or (p, n) general
+        self.past: list[torch.Tensor] = []
+
+    def _coef(self, r: int, t: int) -> float:
+        return float(self.bands[r] if self.bands.ndim == 1 else self.bands[r, t - r])
+
+    def step(self, t: int, row: int) -> torch.Tensor:
+        acc = self.draws.new(row)
+        for r, past in enumerate(self.past, start=1):
+            acc.add_(past, alpha=-self._coef(r, t))
+        acc.mul_(1.0 / self._coef(0, t))
+        p = self.bands.shape[0]
+        if p > 1:
+            self.past = [acc] + self.past[: p - 2]
+            return acc.clone()
+        return acc
+
+    def state(self) -> dict[str, Any]:
+        return {"outputs": list(self.past)}
+
+    def load(self, state: dict[str, Any], t: int, row: int) -> None:
+        self.past = [x.to(self.draws.device, self.draws.dtype) for x in state["outputs"]]
+
+
+class _Blt(_Structure):
+    """C^{-1} as a BLT: x_t = z_t + sum_i w_i buf_i ; buf_i <- d_i buf_i + z_t, where
+    C^{-1} has coefficients 1, sum_i w_i d_i^(t-1) (McMahan et al. 2024, arXiv 2408.08868, Alg. 2)."""
+
+    def __init__(self, draws: _Draws, decay: np.ndarray, scale: np.ndarray) -> None:
+        super().__init__(draws)
+        self.decay = [float(x) for x in decay]
+        self.scale = [float(x) for x in scale]
+        self.buffers = [torch.zeros(draws.hi - draws.lo, dtype=draws.dtype, device=draws.device) for _ in self.decay]
+
+    def step(self, t: int, row: int) -> torch.Tensor:
+        z = self.draws.new(row)
+        out = z.clone()
+        for w, buf in zip(self.scale, self.buffers):
+            out.add_(buf, alpha=w)
+        for d, buf in zip(self.decay, self.buffers):
+            buf.mul_(d).add_(z)
+        return out
+
+    def state(self) -> dict[str, Any]:
+        return {"buffers": list(self.buffers)}
+
+    def load(self, state: dict[str, Any], t: int, row: int) -> None:
+        self.buffers = [x.to(self.draws.device, self.draws.dtype).clone() for x in state["buffers"]]
+
+
+class _Tree(_Structure):
+    """Online Honaker estimates (fedmf.mechanisms.tree): a stack of node estimates."""
+
+    def __init__(self, draws: _Draws, alpha: np.ndarray) -> None:
+        super().__init__(draws)
+        self.alpha = [float(a) for a in alpha]
+        self.stack: list[torch.Tensor] = []
+
+    def step(self, t: int, row: int) -> torch.Tensor:
+        height = ((t + 1) & -(t + 1)).bit_length() - 1
+        estimate = self.draws.new(row)
+        removed = None
+        for h in range(1, height + 1):
+            left = self.stack.pop()
+            removed = left if removed is None else removed.add_(left)
+            estimate.add_(left).mul_(1 - self.alpha[h]).add_(self.draws.new(row + h), alpha=self.alpha[h])
+        self.stack.append(estimate)
+        return estimate.clone() if removed is None else estimate - removed
+
+    def state(self) -> dict[str, Any]:
+        return {"stack": list(self.stack)}
+
+    def load(self, state: dict[str, Any], t: int, row: int) -> None:
+        self.stack = [x.to(self.draws.device, self.draws.dtype).clone() for x in state["stack"]]
+
+
+class _Dense(_Structure):
+    """w_t = sum_{s<=t} L[t, s] z_s with every past draw regenerated: O(d) memory, O(t·d) time."""
+
+    def __init__(self, draws: _Draws, inverse: np.ndarray) -> None:
+        super().__init__(draws)
+        self.inverse = np.asarray(inverse, dtype=np.float64)
+
+    def step(self, t: int, row: int) -> torch.Tensor:
+        out = torch.zeros(self.draws.hi - self.draws.lo, dtype=self.draws.dtype, device=self.draws.device)
+        scratch = torch.empty_like(out)
+        for s in np.flatnonzero(self.inverse[t]):
+            out.add_(self.draws.fill(int(s), scratch), alpha=float(self.inverse[t, s]))
+        return out
+
+
+def _structure(mechanism: Mechanism, draws: _Draws, regenerate: bool) -> _Structure:
+    kind = mechanism.kind
+    if kind == "dp-sgd":
+        return _Fir(draws, np.ones(1), regenerate)
+    if hasattr(mechanism, "inverse_coefficients"):  # bisr, bifr, banded-inverse-toeplitz
+        return _Fir(draws, mechanism.inverse_coefficients, regenerate)
+    if kind == "banded":
+        return _Iir(draws, mechanism.bands)
+    if kind == "blt":
+        return _Blt(draws, mechanism.inverse_buf_decay, mechanism.inverse_output_scale)
+    if kind == "tree":
+        from .mechanisms.tree import honaker_weights
+
+        return _Tree(draws, honaker_weights(mechanism.height))
+    if getattr(mechanism, "strategy_bands", None) is not None and mechanism.strategy_toeplitz is not None:
+        return _Iir(draws, mechanism.strategy_toeplitz)  # bsr, banded-toeplitz, robust
+    return _Dense(draws, mechanism.inverse_matrix())
+
+
+def _layout_size(layout: Layout) -> tuple[int, list[tuple[str, tuple[int, ...]]] | None]:
+    if isinstance(layout, int) and not isinstance(layout, bool):
+        if layout <= 0:
+            raise ValueError(f"layout size must be positive, got {layout}")
+        return layout, None
+    if isinstance(layout, Mapping) and layout:
+        shapes = [(str(k), tuple(int(x) for x in v)) for k, v in layout.items()]
+        if any(x < 0 for _, s in shapes for x in s):
+            raise ValueError("layout shapes must be non-negative")
+        total = sum(math.prod(s) for _, s in shapes)
+        if total <= 0:
+            raise ValueError("layout has no parameters")
+        return total, shapes
+    raise ValueError("layout must be a positive int or a non-empty mapping name -> shape")
+
+
+class NoiseGenerator:
+    """Correlated noise for each round of ``mechanism``, in ``layout``, scaled by ``std``.
+
+    ``next()`` returns round t's noise std·(C^{-1} z)_t (a dict of tensors for a dict
+    layout, else a flat tensor) in ``dtype`` on ``device``. Same seed, mechanism, layout,
+    device and dtype ⇒ bit-identical noise. ``shard=(i, s)`` produces only the i-th of s
+    contiguous slices of the flattened parameters; the slices concatenate to the full noise.
+    """
+
+    def __init__(
+        self,
+        mechanism: Mechanism,
+        layout: Layout,
+        std: float,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device | None = None,
+        seed: bytes | int | None = None,
+        shard: tuple[int, int] = (0, 1),
+        regenerate: bool = False,
+        chunk_size: int = CHUNK_SIZE,
+    ) -> None:
+        if not math.isfinite(std) or std < 0:
+            raise ValueError(f"std must be a finite non-negative number, got {std}")
+        if dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+            raise ValueError(f"dtype must be a floating dtype, got {dtype}")
+        self.mechanism = mechanism
+        self.layout = layout
+        self.total, self._shapes = _layout_size(layout)
+        self.std = float(std)
+        self.dtype = dtype
+        self.device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+        index, count = shard
+        if not (isinstance(count, int) and isinstance(index, int) and count >= 1 and 0 <= index < count):
+            raise ValueError(f"shard must be (i, s) with 0 <= i < s, got {shard}")
+        self.shard_index, self.shard_count = index, count
+        self.lo, self.hi = self.total * index // count, self.total * (index + 1) // count
+        self.regenerate = regenerate
+        self.chunk_size = int(chunk_size)
+        self._key = _key(seed)
+        self._draws = _Draws(self._key, self.total, self.lo, self.hi, dtype, self.device, self.chunk_size)
+        self._structure = _structure(mechanism, self._draws, regenerate)
+        self.round = 0
+        self._row = 0  # next fresh noise row
+
+    def __repr__(self) -> str:  # never shows the seed
+        return (f"NoiseGenerator(kind={self.mechanism.kind!r}, rounds={self.mechanism.rounds}, round={self.round}, "
+                f"size={self.hi - self.lo}/{self.total}, dtype={self.dtype}, device={self.device})")
+
+    @property
+    def rounds(self) -> int:
+        return self.mechanism.rounds
+
+    def next(self) -> torch.Tensor | dict[str, torch.Tensor]:
+        """The noise of the next round; raises once the mechanism's horizon is reached."""
+        t = self.round
+        if t >= self.mechanism.rounds:
+            raise RuntimeError(
+                f"noise for round {t} requested, but the mechanism covers rounds 0..{self.mechanism.rounds - 1}; "
+                "noise is never repeated or reused"
+            )
+        flat = self._structure.step(t, self._row)
+        self._row += self.mechanism.fresh_rows(t)
+        self.round += 1
+        if self.std != 1.0:
+            flat = flat.mul_(self.std)
+        return self._unflatten(flat)
+
+    def _unflatten(self, flat: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
+        if self._shapes is None or self.shard_count > 1:
+            return flat
+        out, offset = {}, 0
+        for name, shape in self._shapes:
+            size = math.prod(shape)
+            out[name] = flat[offset : offset + size].view(shape)
+            offset += size
+        return out
+
+    # ---- checkpointing ---------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue exactly (contains the secret seed)."""
+        return {
+            "format": _STATE_FORMAT,
+            "kind": self.mechanism.kind,
+            "rounds": self.mechanism.rounds,
+            "round": self.round,
+            "row": self._row,
+            "total": self.total,
+            "shard": (self.shard_index, self.shard_count),
+            "dtype": str(self.dtype),
+            "regenerate": self.regenerate,
+            "chunk_size": self.chunk_size,
+            "seed": self._key,
+            "structure": {k: [x.detach().cpu().clone() for x in v] for k, v in self._structure.state().items()},
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from a checkpoint written by ``state_dict`` for the same mechanism and layout."""
+        if state.get("format") != _STATE_FORMAT:
+            raise ValueError(f"unsupported noise state format {state.get('format')!r}")
+        expected = {"kind": self.mechanism.kind, "rounds": self.mechanism.rounds, "total": self.total,
+                    "shard": (self.shard_index, self.shard_count), "dtype": str(self.dtype),
+                    "regenerate": self.regenerate, "chunk_size": self.chunk_size}
+        for name, value in expected.items():
+            got = tuple(state[name]) if name == "shard" else state.get(name)
+            if got != value:
+                raise ValueError(f"noise state does not match this generator: {name} is {got!r}, expected {value!r}")
+        self._key = bytes(state["seed"])
+        self._draws.key = self._key
+        self.round, self._row = int(state["round"]), int(state["row"])
+        self._structure.load(state["structure"], self.round, self._row)
+
+    def shard(self, index: int, count: int) -> "NoiseGenerator":
+        """A generator for the i-th of ``count`` slices, at this generator's current round."""
+        if self.shard_count != 1:
+            raise ValueError("shard() splits an unsharded generator")
+        child = NoiseGenerator(self.mechanism, self.layout, self.std, dtype=self.dtype, device=self.device,
+                               seed=self._key, shard=(index, count), regenerate=self.regenerate,
+                               chunk_size=self.chunk_size)
+        child.round, child._row = self.round, self._row
+        child._structure.load(self._structure.slice(child.lo, child.hi), self.round, self._row)
+        return child

@@ -1,0 +1,231 @@
+"""The streaming correlated-noise engine: exactness, determinism, checkpoints, shards."""
+
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from fedmf.mechanisms import build, plan
+from fedmf.mechanisms.banded import optimize_banded
+from fedmf.mechanisms.blt import optimize_blt
+from fedmf.mechanisms.toeplitz import BandedInverseToeplitz
+from fedmf.noise import NoiseGenerator, _Draws
+from fedmf.participation import MinSep
+
+N = 16
+SCHEMA = MinSep(4, 4)
+SEED = b"\x07" * 32
+
+
+def _mechanisms():
+    out = {kind: build(kind, N, SCHEMA, num_bands=3 if kind in ("bsr", "bisr", "bifr") else None)
+           for kind in ("dp-sgd", "tree", "bsr", "bisr", "bifr")}
+    out["banded-toeplitz"] = plan("banded-toeplitz", N, SCHEMA, num_bands=4)[0]
+    out["robust"] = plan("robust", N, MinSep(4, 4), min_sep_range=(3, 4), num_bands=4)[0]
+    out["banded"] = optimize_banded(N, 3, SCHEMA)[0]
+    out["blt"] = optimize_blt(N, SCHEMA)[0]
+    try:
+        from fedmf.mechanisms.dense import optimize_dense
+        from fedmf.participation import FixedEpoch
+
+        out["dense"] = optimize_dense(N, FixedEpoch(4, 4))[0]
+    except ImportError:
+        pass
+    return out
+
+
+MECHANISMS = _mechanisms()
+KINDS = sorted(MECHANISMS)
+
+
+def _draws(mech, d, dtype=torch.float64, chunk=5):
+    draws = _Draws(SEED, d, 0, d, dtype, torch.device("cpu"), chunk)
+    return np.array([draws.new(r).numpy() for r in range(mech.noise_rows)])
+
+
+def _run(gen, rounds):
+    return np.array([np.asarray(gen.next()) for _ in range(rounds)])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_streamed_noise_equals_explicit_inverse_times_draws(kind):
+    mech, d, std = MECHANISMS[kind], 11, 0.7
+    gen = NoiseGenerator(mech, d, std, dtype=torch.float64, device="cpu", seed=SEED, chunk_size=5)
+    streamed = _run(gen, N)
+    np.testing.assert_allclose(streamed, std * mech.inverse_matrix() @ _draws(mech, d), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_regenerating_past_draws_equals_buffering(kind):
+    mech = MECHANISMS[kind]
+    a = _run(NoiseGenerator(mech, 9, 1.0, dtype=torch.float64, device="cpu", seed=SEED), N)
+    b = _run(NoiseGenerator(mech, 9, 1.0, dtype=torch.float64, device="cpu", seed=SEED, regenerate=True), N)
+    np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("kind", ["bifr", "banded-toeplitz", "blt", "tree"])
+def test_same_seed_same_noise_bit_for_bit(kind, dtype):
+    mech = MECHANISMS[kind]
+    layout = {"w": (3, 4), "b": (5,)}
+    g1 = NoiseGenerator(mech, layout, 2.0, dtype=dtype, device="cpu", seed=SEED)
+    g2 = NoiseGenerator(mech, layout, 2.0, dtype=dtype, device="cpu", seed=SEED)
+    for _ in range(N):
+        x, y = g1.next(), g2.next()
+        assert set(x) == {"w", "b"} and x["w"].shape == (3, 4) and x["b"].shape == (5,)
+        assert x["w"].dtype == dtype
+        assert torch.equal(x["w"], y["w"]) and torch.equal(x["b"], y["b"])
+    other = NoiseGenerator(mech, layout, 2.0, dtype=dtype, device="cpu", seed=b"\x08" * 32).next()
+    assert not torch.equal(other["w"], NoiseGenerator(mech, layout, 2.0, dtype=dtype, device="cpu", seed=SEED).next()["w"])
+
+
+def test_default_seed_is_fresh_and_secret():
+    mech = MECHANISMS["bisr"]
+    a = NoiseGenerator(mech, 8, 1.0, device="cpu")
+    b = NoiseGenerator(mech, 8, 1.0, device="cpu")
+    assert not torch.equal(a.next(), b.next())
+    key = a.state_dict()["seed"]
+    assert len(key) == 32
+    assert key.hex() not in repr(a) and str(list(key)) not in repr(a)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("stop", [0, 1, 5, 8, 15])
+def test_checkpoint_restore_continues_exactly(kind, stop):
+    mech = MECHANISMS[kind]
+    full = _run(NoiseGenerator(mech, 10, 1.5, device="cpu", seed=SEED), N)
+    gen = NoiseGenerator(mech, 10, 1.5, device="cpu", seed=SEED)
+    _run(gen, stop)
+    state = pickle.loads(pickle.dumps(gen.state_dict()))
+    resumed = NoiseGenerator(mech, 10, 1.5, device="cpu")  # another (random) seed until loaded
+    resumed.load_state_dict(state)
+    np.testing.assert_array_equal(_run(resumed, N - stop), full[stop:])
+
+
+def test_checkpoint_survives_a_process_restart(tmp_path):
+    mech = MECHANISMS["banded-toeplitz"]
+    from fedmf.mechanisms.io import save
+
+    save(mech, tmp_path / "m.json", SCHEMA)
+    gen = NoiseGenerator(mech, 6, 1.0, device="cpu", seed=SEED)
+    _run(gen, 5)
+    torch.save(gen.state_dict(), tmp_path / "state.pt")
+    expected = _run(gen, N - 5)
+    script = textwrap.dedent(f"""
+        import numpy as np, torch
+        from fedmf.mechanisms.io import load
+        from fedmf.noise import NoiseGenerator
+        gen = NoiseGenerator(load({str(tmp_path / 'm.json')!r}), 6, 1.0, device="cpu")
+        gen.load_state_dict(torch.load({str(tmp_path / 'state.pt')!r}))
+        np.save({str(tmp_path / 'rest.npy')!r}, np.array([gen.next().numpy() for _ in range({N - 5})]))
+    """)
+    subprocess.run([sys.executable, "-c", script], check=True)
+    np.testing.assert_array_equal(np.load(tmp_path / "rest.npy"), expected)
+
+
+def test_load_refuses_a_mismatched_state():
+    gen = NoiseGenerator(MECHANISMS["bisr"], 6, 1.0, device="cpu", seed=SEED)
+    state = gen.state_dict()
+    other = NoiseGenerator(MECHANISMS["bisr"], 7, 1.0, device="cpu")
+    with pytest.raises(ValueError, match="total") as info:
+        other.load_state_dict(state)
+    assert SEED.hex() not in str(info.value)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_horizon_guard(kind):
+    gen = NoiseGenerator(MECHANISMS[kind], 3, 1.0, device="cpu")
+    _run(gen, N)
+    with pytest.raises(RuntimeError, match="never repeated"):
+        gen.next()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("count", [1, 2, 3, 7])
+def test_shards_concatenate_to_the_unsharded_noise(kind, count):
+    mech, d = MECHANISMS[kind], 23
+    full = _run(NoiseGenerator(mech, d, 1.0, device="cpu", seed=SEED, chunk_size=4), N)
+    shards = [NoiseGenerator(mech, d, 1.0, device="cpu", seed=SEED, chunk_size=4, shard=(i, count)) for i in range(count)]
+    pieces = [_run(s, N) for s in shards]
+    np.testing.assert_array_equal(np.concatenate(pieces, axis=1), full)
+
+
+def test_shard_of_a_running_generator_continues_it():
+    mech = MECHANISMS["blt"]
+    gen = NoiseGenerator(mech, 17, 1.0, device="cpu", seed=SEED, chunk_size=4)
+    head = _run(gen, 6)
+    full = np.concatenate([head, _run(NoiseGenerator(mech, 17, 1.0, device="cpu", seed=SEED, chunk_size=4), N)[6:]])
+    gen2 = NoiseGenerator(mech, 17, 1.0, device="cpu", seed=SEED, chunk_size=4)
+    _run(gen2, 6)
+    shards = [gen2.shard(i, 3) for i in range(3)]
+    tail = np.concatenate([_run(s, N - 6) for s in shards], axis=1)
+    np.testing.assert_array_equal(tail, full[6:])
+
+
+@pytest.mark.parametrize("kind", ["bifr", "blt", "tree", "banded"])
+def test_empirical_covariance_matches_sigma2_l_lt(kind):
+    """Coordinates are independent draws of the n-vector of noise: their covariance
+    must be sigma^2 L L^T within sampling error."""
+    mech, d, std = MECHANISMS[kind], 40_000, 1.3
+    noise = _run(NoiseGenerator(mech, d, std, dtype=torch.float64, device="cpu", seed=SEED), N)
+    empirical = noise @ noise.T / d
+    inv = mech.inverse_matrix()
+    expected = std**2 * inv @ inv.T
+    scale = np.sqrt(np.outer(np.diag(expected), np.diag(expected)))
+    assert np.max(np.abs(empirical - expected) / scale) < 6 / np.sqrt(d)
+
+
+def test_identity_mechanisms_give_iid_gaussian_noise():
+    d, std = 50_000, 0.5
+    for mech in (MECHANISMS["dp-sgd"], BandedInverseToeplitz(N, np.ones(1))):
+        noise = _run(NoiseGenerator(mech, d, std, dtype=torch.float64, device="cpu", seed=SEED), N)
+        np.testing.assert_array_equal(noise, std * _draws(mech, d, chunk=1 << 20))
+        assert abs(noise.mean()) < 4 * std / np.sqrt(noise.size)
+        assert abs(noise.var() / std**2 - 1) < 4 * np.sqrt(2 / noise.size)
+        corr = np.corrcoef(noise)
+        assert np.max(np.abs(corr - np.eye(N))) < 6 / np.sqrt(d)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_float32_close_to_float64(dtype):
+    mech = MECHANISMS["banded-toeplitz"]
+    a = _run(NoiseGenerator(mech, 1000, 1.0, dtype=dtype, device="cpu", seed=SEED), N)
+    assert a.dtype == (np.float32 if dtype == torch.float32 else np.float64)
+    assert np.all(np.isfinite(a))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("kind", ["bifr", "blt", "banded-toeplitz"])
+def test_cuda_matches_the_explicit_inverse(kind):
+    mech, d = MECHANISMS[kind], 1000
+    gen = NoiseGenerator(mech, d, 1.0, dtype=torch.float64, device="cuda", seed=SEED)
+    out = np.array([gen.next().cpu().numpy() for _ in range(N)])
+    draws = _Draws(SEED, d, 0, d, torch.float64, torch.device("cuda"), 1 << 20)
+    z = np.array([draws.new(r).cpu().numpy() for r in range(mech.noise_rows)])
+    np.testing.assert_allclose(out, mech.inverse_matrix() @ z, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"std": -1.0}, "std"),
+        ({"std": float("nan")}, "std"),
+        ({"layout": 0}, "layout"),
+        ({"layout": {}}, "layout"),
+        ({"shard": (3, 3)}, "shard"),
+        ({"dtype": torch.int32}, "dtype"),
+        ({"seed": -5}, "seed"),
+        ({"seed": b""}, "seed"),
+    ],
+)
+def test_bad_input(kwargs, match):
+    args = {"layout": 5, "std": 1.0, **kwargs}
+    layout, std = args.pop("layout"), args.pop("std")
+    with pytest.raises(ValueError, match=match):
+        NoiseGenerator(MECHANISMS["bisr"], layout, std, device="cpu", **args)
