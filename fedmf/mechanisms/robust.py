@@ -57,7 +57,7 @@ def _monotone_params(theta: np.ndarray) -> np.ndarray:
     """phi with theta_j = sum_{r>=j} exp(phi_r) (floor keeps every decrement positive)."""
     theta = np.minimum.accumulate(np.maximum(theta, 0.0))
     decrements = theta - np.append(theta[1:], 0.0)
-    return np.log(np.maximum(decrements, 1e-6 * max(theta[0], 1e-300)))
+    return np.log(np.maximum(decrements, 1e-12 * max(theta[0], 1e-300)))
 
 
 def _theta(phi: np.ndarray) -> np.ndarray:
@@ -74,7 +74,7 @@ def optimize_robust(
     num_bands: int | None = None,
     weighting: str = "worst",
     error: str = "mean",
-    tolerance: float = 1e-12,
+    tolerance: float = 1e-10,
     max_steps: int = 3000,
     grid_points: int = 9,
     starts: list[np.ndarray] | None = None,
@@ -126,6 +126,7 @@ def optimize_robust(
         padded[: min(p, c.size)] = c[:p]
         if padded[0] > 0:
             inits.append(padded / np.linalg.norm(padded))
+    feasible = [t for t in inits if is_nonnegative_nonincreasing(t)]
     init = min(inits, key=lambda t: combined(np.minimum.accumulate(np.maximum(t, 0)))[0])
     report = lambda f: math.sqrt(math.exp(f))  # noqa: E731
     phi, result = lbfgs(
@@ -133,6 +134,11 @@ def optimize_robust(
         progress=progress, report=report,
     )
     theta = _theta(phi)
+    # never return something worse than a start that is already in the family
+    best_start = min(feasible, key=lambda t: combined(t)[0], default=None)
+    if best_start is not None and combined(best_start)[0] < combined(theta)[0]:
+        theta = best_start
+        result.objective = report(math.log(combined(theta)[0]))
     theta = theta / np.linalg.norm(theta)
     if not is_nonnegative_nonincreasing(theta):
         raise RuntimeError("robust optimization left the non-negative non-increasing family")
