@@ -179,6 +179,8 @@ def plan(
     if taper:
         bt, result = optimize_banded_toeplitz(rounds, b1, MinSep(b1, k), workload, error=error, **options)
         coefficients = taper_coefficients(bt.coefficients, b0, b1)
+        result.message = f"taper of banded-toeplitz optimized for min_sep {b1}: {result.message}"
+        result.details["taper"] = True
         return RobustToeplitz(rounds, coefficients, b0, b1, workload), result
     return optimize_robust(
         rounds, b0, b1, workload, participations=k, num_bands=num_bands, weighting=weighting, error=error, **options

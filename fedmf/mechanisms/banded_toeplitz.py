@@ -141,7 +141,7 @@ def optimize_banded_toeplitz(
             f"banded-toeplitz needs bands p <= min_sep b under MinSep (got p={num_bands} > b={schema.min_sep})"
         )
     objective = ToeplitzObjective(rounds, workload, schema.min_sep, schema.participations(rounds), error)
-    report = (lambda f: math.sqrt(math.exp(f))) if True else None  # shown: rmse (or max error)
+    report = lambda f: math.sqrt(math.exp(f))  # noqa: E731  (shown: rmse, or max error)
     if num_bands == 1:
         theta = np.ones(1)
         result = OptimizationResult(True, 0, report(objective.log_loss(theta)[0]), tolerance, "no free parameters")
