@@ -21,8 +21,39 @@ import numpy as np
 import torch
 
 from fedmf.mechanisms.blt import BufferedLinearToeplitz
-from fedmf.mechanisms.toeplitz import BandedInverseFractionalRoot
+from fedmf.mechanisms.toeplitz import BandedInverseFractionalRoot, BandedSquareRoot
 from fedmf.noise import NoiseGenerator
+
+
+def jax_per_round(kind: str, mech, d: int, rounds: int) -> float | None:
+    """Median time per round of jax_privacy's matrix_factorization_privatizer on the same
+    noising matrix (CPU, float32), or None when jax_privacy is not installed."""
+    try:
+        import jax
+        import jax.numpy as jnp
+        from jax_privacy import noise_addition
+        from jax_privacy.matrix_factorization import buffered_toeplitz, toeplitz
+    except ImportError:
+        return None
+    jax.config.update("jax_enable_x64", True)
+    if kind == "iir":
+        matrix = toeplitz.inverse_as_streaming_matrix(jnp.asarray(mech.coefficients / np.linalg.norm(mech.coefficients)))
+    else:
+        blt = buffered_toeplitz.BufferedToeplitz.build(buf_decay=mech.buf_decay, output_scale=mech.output_scale)
+        matrix = blt.inverse_as_streaming_matrix()
+    privatizer = noise_addition.matrix_factorization_privatizer(matrix, stddev=1.0, prng_key=0, dtype=jnp.float32)
+    grads = jnp.zeros(d, dtype=jnp.float32)
+    state = privatizer.init(grads)
+    update = jax.jit(privatizer.update)
+    out, state = update(grads, state)
+    out.block_until_ready()
+    times = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        out, state = update(grads, state)
+        out.block_until_ready()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
 
 
 def _sync(device: torch.device) -> None:
@@ -78,23 +109,29 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device(args.device)
     print(f"device {device}, torch {torch.__version__}, threads {torch.get_num_threads()}")
-    print("| d | structure | s/round (median) | bytes/round | copy GB/s | bound s | ratio | randn s (floor) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| d | structure | s/round (median) | bytes/round | copy GB/s | bound s | ratio | randn s (floor) | jax_privacy s/round |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for d in (int(float(x)) for x in args.sizes.split(",")):
-        bw = copy_bandwidth(d, device)
+        bw = copy_bandwidth(max(d, 1 << 25), device)
         floor = randn_time(d, device)
         cases = []
         for p in (1, 8, 64):
             mech = BandedInverseFractionalRoot(max(p + 2 * args.rounds, 256), p, 0.6)
             cases.append((f"banded C^-1, p={p}", mech, (p + 2) * 4 * d, p + args.rounds))
+        for p in (8, 64):
+            mech = BandedSquareRoot(max(p + 2 * args.rounds, 256), p)
+            cases.append((f"banded C, p={p}", mech, (p + 2) * 4 * d, p + args.rounds))
         blt = BufferedLinearToeplitz.from_decays(1024, np.array([0.99, 0.9, 0.6, 0.2]), np.array([0.95, 0.8, 0.4, 0.1]))
         cases.append(("BLT, 4 buffers", blt, (2 * 4 + 3) * 4 * d, 2))
         for name, mech, nbytes, warmup in cases:
             gen = NoiseGenerator(mech, d, 1.0, dtype=torch.float32, device=device, seed=b"bench")
             t = per_round(gen, args.rounds, warmup)
             bound = nbytes / bw
+            jax_kind = "iir" if name.startswith("banded C,") else "blt" if name.startswith("BLT") else None
+            jt = jax_per_round(jax_kind, mech, d, args.rounds) if (jax_kind and device.type == "cpu") else None
+            jcell = "-" if jt is None else f"{jt:.4f} ({jt / t:.1f}x ours)"
             print(f"| {d:.0e} | {name} | {t:.4f} | {nbytes / 1e6:.0f} MB | {bw / 1e9:.1f} | {bound:.4f} | "
-                  f"{t / bound:.1f}x | {floor:.4f} |", flush=True)
+                  f"{t / bound:.1f}x | {floor:.4f} | {jcell} |", flush=True)
 
 
 if __name__ == "__main__":
