@@ -89,7 +89,8 @@ class ToeplitzObjective:
         return err, -_correlate(lam, w, theta.size)
 
     def __call__(self, theta: np.ndarray) -> tuple[float, np.ndarray]:
-        err, g_err = self.error_and_grad(theta)
+        with np.errstate(over="ignore", invalid="ignore"):  # unstable trial points become inf
+            err, g_err = self.error_and_grad(theta)
         sens2, g_sens = self.sensitivity_squared(theta)
         return err * sens2, sens2 * g_err + err * g_sens
 
