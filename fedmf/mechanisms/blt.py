@@ -35,7 +35,7 @@ from .. import sensitivity as _sens
 from ..participation import MinSep, Schema
 from ..workloads import Workload
 from .base import InverseStream, Mechanism
-from .optimize import OptimizationResult, Progress, lbfgs
+from .optimize import OptimizationResult, Progress
 
 __all__ = [
     "BufferedLinearToeplitz",
@@ -43,8 +43,7 @@ __all__ = [
     "optimize_blt",
     "output_scales",
     "blt_coefficients",
-    "geometric_sum",
-    "weighted_geometric_sum",
+    "geometric_sums",
     "MAX_BUFFERS",
 ]
 
@@ -66,39 +65,48 @@ _TERMS = 16  # series terms: 0.5^16/17! < 1e-19, below double rounding
 
 
 def _tensor(values: Any, device: torch.device | str | None = None) -> torch.Tensor:
-    return torch.as_tensor(np.asarray(values, dtype=np.float64) if not torch.is_tensor(values) else values,
-                           dtype=_F64, device=device)
+    if torch.is_tensor(values):
+        return values.to(dtype=_F64, device=device)
+    return torch.tensor(np.array(values, dtype=np.float64), dtype=_F64, device=device)
 
 
-def _phi(x: torch.Tensor, order: int) -> torch.Tensor:
-    """phi_1(x) = (1 - e^-x)/x and phi_2(x) = (e^-x - 1 + x)/x^2 for x >= 0 (the
-    phi-functions of exponential integrators: phi_k(x) = sum_j (-x)^j/(j+k)!). Series below
-    the switch, expm1 above; both branches are gradient-safe (no 0/0 in either)."""
+_SERIES = torch.tensor([[1.0 / math.factorial(j + k) for k in (1, 2)] for j in range(_TERMS)], dtype=_F64)
+
+
+def _phis(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(phi_1(x), phi_2(x)) for x >= 0, the phi-functions of exponential integrators:
+    phi_1(x) = (1 - e^-x)/x, phi_2(x) = (e^-x - 1 + x)/x^2, phi_k(x) = sum_j (-x)^j/(j+k)!.
+    Taylor series below the switch, expm1 above; both branches are gradient-safe."""
     small = x < _SWITCH
-    xs = torch.where(small, x, torch.zeros_like(x))
+    xs = torch.where(small, -x, torch.zeros_like(x))
     xd = torch.where(small, torch.full_like(x, _SWITCH), x)
-    series = torch.zeros_like(x)
-    for j in reversed(range(_TERMS)):  # Horner on sum_j (-x)^j/(j+k)!
-        series = series * (-xs) + 1.0 / math.factorial(j + order)
-    direct = -torch.expm1(-xd) / xd if order == 1 else (torch.expm1(-xd) + xd) / xd**2
-    return torch.where(small, series, direct)
+    series = (xs.unsqueeze(-1) ** torch.arange(_TERMS, dtype=_F64, device=x.device)) @ _SERIES.to(x.device)
+    em1 = torch.expm1(-xd)
+    return torch.where(small, series[..., 0], -em1 / xd), torch.where(small, series[..., 1], (em1 + xd) / xd**2)
 
 
-def geometric_sum(rate: torch.Tensor, count: int | float | torch.Tensor) -> torch.Tensor:
-    """sum_{t<N} e^{-rate t} = (1 - r^N)/(1 - r) = N phi_1(N a)/phi_1(a) [derived: 1 - e^-x = x phi_1(x)];
-    exact at rate 0 (= N) and accurate with its gradient as rate -> 0."""
+def geometric_sums(rate: Any, count: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """(S, W) = (sum_{t<N} r^t, sum_{t<N} (N - t) r^t) with r = e^-rate, elementwise, accurate
+    (with gradients) for every rate >= 0 including rate -> 0 [derived]:
+      S = (1 - r^N)/(1 - r) = N phi_1(N a)/phi_1(a)     (1 - e^-x = x phi_1(x));
+      W = [N(1-r) - r(1-r^N)]/(1-r)^2, whose numerator (1-r)(1-r^N) + f(Na) - N f(a) with
+          f(x) = e^-x - 1 + x = x^2 phi_2(x) is a sum of non-negative terms, so
+      W = N [phi_1(a) phi_1(Na) + N phi_2(Na) - phi_2(a)] / phi_1(a)^2."""
     rate = _tensor(rate)
-    return count * _phi(count * rate, 1) / _phi(rate, 1)
+    count = torch.as_tensor(count, dtype=_F64, device=rate.device).expand_as(rate)
+    p1, p2 = _phis(torch.cat([rate.reshape(-1), (count * rate).reshape(-1)]))
+    (p1a, p1n), (p2a, p2n) = p1.reshape((2,) + rate.shape), p2.reshape((2,) + rate.shape)
+    return count * p1n / p1a, count * (p1a * p1n + count * p2n - p2a) / p1a**2
 
 
-def weighted_geometric_sum(rate: torch.Tensor, count: int | float) -> torch.Tensor:
-    """sum_{t<N} (N - t) e^{-rate t} = [N(1-r) - r(1-r^N)]/(1-r)^2 [derived]. With
-    f(x) = x^2 phi_2(x) = e^-x - 1 + x the numerator is (1-r)(1-r^N) + f(Na) - N f(a), a sum
-    of non-negative terms, so W = N[phi_1(a)phi_1(Na) + N phi_2(Na) - phi_2(a)]/phi_1(a)^2."""
-    rate = _tensor(rate)
-    n = float(count)
-    p1, p1n = _phi(rate, 1), _phi(n * rate, 1)
-    return n * (p1 * p1n + n * _phi(n * rate, 2) - _phi(rate, 2)) / p1**2
+_EXP_CAP = 350.0  # e^-350 ~ 1e-152: products of two such stay normal (subnormals are slow)
+
+
+def _decay(x: torch.Tensor) -> torch.Tensor:
+    """e^-x with x capped at 350: never below 1e-152, so sums of products of two decays
+    avoid subnormal arithmetic. It can only *raise* tiny values, which keeps sensitivities
+    computed from non-negative terms sound (off by < 1e-150 absolute)."""
+    return torch.exp(-torch.clamp(x, max=_EXP_CAP))
 
 
 def _exp_diff(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -147,7 +155,7 @@ def single_sensitivity_sq(scale: torch.Tensor, rates: torch.Tensor, n: int) -> t
     """||C e_0||^2 = 1 + sum_{i,l} w_i w_l sum_{t<n-1} (theta_i theta_l)^t, the single-
     participation sensitivity^2 ([DMPST24] Lemma 5.3), O(m^2)."""
     pair = rates[:, None] + rates[None, :]
-    return 1.0 + (scale[:, None] * scale[None, :] * geometric_sum(pair, n - 1)).sum()
+    return 1.0 + (scale[:, None] * scale[None, :] * geometric_sums(pair, n - 1)[0]).sum()
 
 
 def prefix_error_sq(
@@ -158,15 +166,13 @@ def prefix_error_sq(
     and mean = (1/n) sum_{t<n} (n - t) d_t^2 [derived]; expanding d_t = K + sum v_j that_j^t
     turns both into geometric and weighted geometric sums."""
     k, v = _decoder_terms(rates, inv_rates, inv_scale)
-    pair = inv_rates[:, None] + inv_rates[None, :]
-    vv = v[:, None] * v[None, :]
-    largest = n * k**2 + 2 * k * (v * geometric_sum(inv_rates, n)).sum() + (vv * geometric_sum(pair, n)).sum()
-    weighted = (
-        k**2 * (n * (n + 1) / 2)
-        + 2 * k * (v * weighted_geometric_sum(inv_rates, n)).sum()
-        + (vv * weighted_geometric_sum(pair, n)).sum()
-    )
-    return weighted / n, largest
+    # coefficient of each geometric term in d_t^2 = K^2 + 2K sum_j v_j r_j^t + sum_jl v_j v_l (r_j r_l)^t
+    coef = torch.cat([2 * k * v, (v[:, None] * v[None, :]).reshape(-1)])
+    rate = torch.cat([inv_rates, (inv_rates[:, None] + inv_rates[None, :]).reshape(-1)])
+    plain, weighted = geometric_sums(rate, n)
+    largest = n * k**2 + (coef * plain).sum()
+    mean = (k**2 * (n * (n + 1) / 2) + (coef * weighted).sum()) / n
+    return mean, largest
 
 
 class _ResidueGrid:
@@ -174,8 +180,7 @@ class _ResidueGrid:
 
     def __init__(self, n: int, min_sep: int, k: int, device: torch.device | str | None = None) -> None:
         b = min_sep
-        rows = -(-n // b)
-        q = torch.arange(rows, dtype=_F64, device=device)
+        q = torch.arange(-(-n // b), dtype=_F64, device=device)
         first0 = torch.clamp(q - k + 1, min=1.0)  # rho = 0: shifts l >= 1 (l = 0 is c_0 = 1)
         first1 = torch.clamp(q - k + 1, min=0.0)
         self.b = b
@@ -183,8 +188,7 @@ class _ResidueGrid:
         self.start0, self.count0 = first0 * b, (q - first0 + 1) * b
         self.start1, self.count1 = first1 * b, (q - first1 + 1) * b
         self.delta = (q <= k - 1).to(_F64)
-        t = q[:, None] * b + self.rho[None, :]
-        self.mask = (t < n).to(_F64)
+        self.full_rows, self.tail = n // b, n % b  # complete rows; columns of the partial last row
 
 
 def minsep_sensitivity_sq(scale: torch.Tensor, rates: torch.Tensor, grid: _ResidueGrid) -> torch.Tensor:
@@ -194,18 +198,21 @@ def minsep_sensitivity_sq(scale: torch.Tensor, rates: torch.Tensor, grid: _Resid
     For t = q b + rho, s_t = [rho = 0, q < k] + sum_j w_j sum_{l=l0}^{q} theta_j^{rho + l b - 1}
     with l0 = max(q - k + 1, [rho = 0]) [derived], a geometric sum in theta_j^b, so
     s[q, rho] = delta + sum_j P[rho, j] R[q, j] with P = w theta^{rho-1}/(1 - theta^b) and
-    R = theta^{l0 b}(1 - theta^{(q - l0 + 1) b}): O((n/b + b) m) exponentials and one
-    (n/b x m)(m x b) product, however large k is."""
+    R = theta^{l0 b}(1 - theta^{(q - l0 + 1) b}). The columns rho >= 1 of the complete rows
+    form the rank-m product R P^T, whose squared Frobenius norm is <R^T R, P^T P> [derived]:
+    O((n/b + b) m^2) work and memory, however large n and k are."""
     ab = rates * grid.b
-    p = scale * torch.exp(-(grid.rho - 1)[:, None] * rates[None, :]) / -torch.expm1(-ab)  # (b, m)
+    p = scale * _decay((grid.rho - 1)[:, None] * rates[None, :]) / -torch.expm1(-ab)  # (b, m)
 
     def r(start: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-        return torch.exp(-start[:, None] * rates[None, :]) * -torch.expm1(-count[:, None] * rates[None, :])
+        return _decay(start[:, None] * rates[None, :]) * -torch.expm1(-count[:, None] * rates[None, :])
 
-    s = r(grid.start1, grid.count1) @ p.T  # (rows, b), right for rho >= 1
+    r1, full = r(grid.start1, grid.count1), grid.full_rows
+    total = ((r1[:full].T @ r1[:full]) * (p[1:].T @ p[1:])).sum()
+    if grid.tail > 1:  # the partial last row, columns 1 .. tail-1
+        total = total + ((p[1 : grid.tail] @ r1[full]) ** 2).sum()
     col0 = grid.delta + r(grid.start0, grid.count0) @ p[0]
-    s = torch.cat([col0[:, None], s[:, 1:]], dim=1)
-    return (s**2 * grid.mask).sum()
+    return total + (col0**2).sum()
 
 
 def _momentum_noise(inv_scale: torch.Tensor, inv_rates: torch.Tensor, beta: float, n: int) -> torch.Tensor:
@@ -213,9 +220,9 @@ def _momentum_noise(inv_scale: torch.Tensor, inv_rates: torch.Tensor, beta: floa
     u_t = beta^t + sum_j what_j (that_j^t - beta^t)/(that_j - beta) [derived by partial
     fractions of x/((1 - that x)(1 - beta x))], the divided difference evaluated as
     e^{-lo (t-1)} (1 - e^{-d t})/(1 - e^{-d}) with lo = min rate and d = |rate gap|."""
-    t = torch.arange(n, dtype=_F64, device=inv_scale.device)
     if beta == 0.0:
-        return torch.cat([torch.ones(1, dtype=_F64, device=t.device), blt_coefficients(inv_scale, inv_rates, n)[1:]])
+        return blt_coefficients(inv_scale, inv_rates, n)
+    t = torch.arange(n, dtype=_F64, device=inv_scale.device)
     rb = torch.tensor(-math.log(beta), dtype=_F64, device=t.device)
     lo, gap = torch.minimum(inv_rates, rb), torch.abs(inv_rates - rb)
     same = gap == 0
@@ -272,15 +279,16 @@ class BltStream(InverseStream):
 
     def step(self, z: Any) -> Any:
         y = z[0]
+        expand = (-1,) + (1,) * y.ndim
         if self.buffers is None:
             shape = (self.scale.size,) + tuple(y.shape)
-            self.buffers = torch.zeros(shape, dtype=y.dtype, device=y.device) if torch.is_tensor(y) else np.zeros(shape)
-        scale, decay = self.scale, self.decay
-        if torch.is_tensor(y):
-            scale, decay = (torch.as_tensor(v, dtype=y.dtype, device=y.device) for v in (scale, decay))
-        expand = (-1,) + (1,) * y.ndim
-        x = y - (scale.reshape(expand) * self.buffers).sum(0)
-        self.buffers = decay.reshape(expand) * self.buffers + x
+            if torch.is_tensor(y):
+                self.buffers = torch.zeros(shape, dtype=y.dtype, device=y.device)
+                self.scale, self.decay = (torch.tensor(v, dtype=y.dtype, device=y.device) for v in (self.scale, self.decay))
+            else:
+                self.buffers = np.zeros(shape)
+        x = y - (self.scale.reshape(expand) * self.buffers).sum(0)
+        self.buffers = self.decay.reshape(expand) * self.buffers + x
         return x
 
 
@@ -322,7 +330,8 @@ class BufferedLinearToeplitz(Mechanism):
     # ---- construction ----------------------------------------------------------------
     @classmethod
     def from_decays(cls, rounds: int, buf_decay: Any, inverse_buf_decay: Any, workload: Workload = Workload()) -> "BufferedLinearToeplitz":
-        """From the decay pair (theta, that) (rates -log; prefer rates near theta = 1)."""
+        """From the decay pair (theta, that). Near theta = 1 prefer the constructor with rates:
+        a float theta holds 1 - theta only to ~1e-16 absolute."""
         return cls(rounds, -np.log(np.asarray(buf_decay, float)), -np.log(np.asarray(inverse_buf_decay, float)), workload)
 
     @classmethod
@@ -414,8 +423,8 @@ class BufferedLinearToeplitz(Mechanism):
         return float(mean), float(largest)
 
     def sensitivity(self, schema: Schema) -> _sens.Sensitivity:
-        """MinSep in closed form (k = 1: [DMPST24] Lemma 5.3; k > 1: [BSR] Theorem 1 by
-        residues, O(n m)) when C is monotone; everything else through fedmf.sensitivity."""
+        """MinSep in closed form when C is monotone (k = 1: [DMPST24] Lemma 5.3, O(m^2);
+        k > 1: [BSR] Theorem 1 by residues, O((n/b + b) m^2)); else fedmf.sensitivity."""
         if not isinstance(schema, MinSep) or not self.is_monotone:
             return _sens.sensitivity(self, schema)
         n = self.rounds
@@ -452,12 +461,21 @@ def _rates_from_gaps(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return v[0::2], v[1::2]
 
 
-def _initial_gaps(num_buffers: int, rounds: int) -> np.ndarray:
-    """2m rates geometrically spaced in [1/n, 1] (poles and zeros of a rational
-    approximation of (1 - x)^(-1/2) interlace geometrically in 1 - x), as log gaps."""
-    lo = min(1.0 / rounds, 0.1)
-    v = np.geomspace(lo, 1.0, 2 * num_buffers)
-    return np.log(np.diff(np.concatenate([[0.0], v])))
+def _gaps_from_rates(rates: np.ndarray) -> np.ndarray:
+    """Inverse of ``_rates_from_gaps`` for a sorted sequence of 2m positive rates."""
+    return np.log(np.diff(np.concatenate([[0.0], rates])))
+
+
+def _starts(num_buffers: int, rounds: int, previous: np.ndarray | None) -> dict[str, np.ndarray]:
+    """Deterministic starting rates (sorted, 2m of them) for m buffers:
+    "geometric": 2m rates geometrically spaced in [1/n, 1] (poles and zeros of rational
+    approximations of (1 - x)^(-1/2) interlace geometrically in 1 - x, cf. [DMPST24] Sec. 4);
+    "extend": the (m-1)-buffer optimum plus a faster pair at 2x and 4x its largest rate
+    (multi-participation losses have local minima that this continuation avoids)."""
+    starts = {"geometric": np.geomspace(min(1.0 / rounds, 0.1), 1.0, 2 * num_buffers)}
+    if previous is not None and previous.size == 2 * num_buffers - 2:
+        starts["extend"] = np.concatenate([previous, previous[-1] * np.array([2.0, 4.0])])
+    return starts
 
 
 class _Objective:
@@ -467,6 +485,9 @@ class _Objective:
         self.n, self.workload, self.error = rounds, workload, error
         self.k = schema.participations(rounds)
         self.grid = _ResidueGrid(rounds, schema.min_sep, self.k) if self.k > 1 else None
+        # box on the log gaps: rates in [1e-3/n, 8m] keep L-BFGS off the flat regions
+        # theta -> 1 (a buffer that never decays) and theta -> 0 (C -> I)
+        self.bounds = (math.log(1e-3 / rounds), math.log(4.0))
 
     def loss(self, z: torch.Tensor) -> torch.Tensor:
         a, ahat = _rates_from_gaps(z)
@@ -487,7 +508,72 @@ class _Objective:
         if not torch.isfinite(f):
             return math.inf, np.zeros_like(x)
         f.backward()
-        return float(f), z.grad.numpy().copy()
+        g = z.grad.numpy().copy()
+        if not np.all(np.isfinite(g)):
+            return math.inf, np.zeros_like(x)
+        return float(f.detach()), g
+
+
+#: converged means: L-BFGS stopped on its own (not at max_steps) at a point whose projected
+#: gradient of log(loss) w.r.t. the log gaps is below this (a 0.01% relative slope)
+_STATIONARY = 1e-4
+
+
+def _projected_gradient(x: np.ndarray, g: np.ndarray, lo: float, hi: float) -> float:
+    pg = np.where((x <= lo) & (g > 0), 0.0, np.where((x >= hi) & (g < 0), 0.0, g))
+    return float(np.max(np.abs(pg)))
+
+
+def _lbfgs(objective: _Objective, rates0: np.ndarray, tolerance: float, max_steps: int,
+           progress: Progress | None) -> tuple[np.ndarray, float, OptimizationResult]:
+    """Box-constrained L-BFGS (scipy L-BFGS-B) on the log gaps from ``rates0``."""
+    from scipy.optimize import minimize
+
+    started = time.perf_counter()
+    lo, hi = objective.bounds
+    x0 = np.clip(_gaps_from_rates(rates0), lo, hi)
+    steps = [0]
+
+    def callback(xk: np.ndarray) -> None:
+        steps[0] += 1
+        if progress is not None:
+            progress.update(steps[0], math.sqrt(math.exp(objective(xk)[0])))
+
+    res = minimize(objective, x0, jac=True, method="L-BFGS-B", bounds=[(lo, hi)] * x0.size, callback=callback,
+                   options={"maxiter": max_steps, "ftol": tolerance, "gtol": 1e-10, "maxcor": 20, "maxls": 50})
+    f, g = objective(res.x)
+    message = res.message if isinstance(res.message, str) else res.message.decode()
+    stationary = _projected_gradient(res.x, g, lo, hi) <= _STATIONARY
+    converged = bool(np.isfinite(f) and stationary and res.nit < max_steps)
+    result = OptimizationResult(converged=converged, steps=int(res.nit), objective=math.sqrt(math.exp(f)),
+                                tolerance=tolerance, message=message, seconds=time.perf_counter() - started)
+    with torch.no_grad():
+        a, ahat = _rates_from_gaps(torch.tensor(res.x, dtype=_F64))
+    return np.sort(np.concatenate([a.numpy(), ahat.numpy()])), math.exp(f), result
+
+
+@dataclass
+class _Fit:
+    blt: BufferedLinearToeplitz
+    rates: np.ndarray  # the sorted interlaced sequence a_1 < ahat_1 < ...
+    loss: float
+    result: OptimizationResult
+    start: str
+
+
+def _fit(objective: _Objective, num_buffers: int, previous: np.ndarray | None, tolerance: float, max_steps: int,
+         progress: Progress | None) -> _Fit:
+    """The best of the L-BFGS runs from each deterministic start for m buffers."""
+    best: _Fit | None = None
+    for name, rates0 in _starts(num_buffers, objective.n, previous).items():
+        rates, loss, result = _lbfgs(objective, rates0, tolerance, max_steps, progress)
+        if best is None or loss < best.loss:
+            blt = BufferedLinearToeplitz(objective.n, rates[0::2], rates[1::2], objective.workload)
+            best = _Fit(blt, rates, loss, result, name)
+    assert best is not None
+    if not best.blt.is_monotone:  # impossible for interlaced rates; guards Theorem 1's premise
+        raise RuntimeError("optimized BLT violates non-negative non-increasing coefficients")
+    return best
 
 
 def _check_buffers(name: str, value: int) -> None:
@@ -495,19 +581,6 @@ def _check_buffers(name: str, value: int) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if value > MAX_BUFFERS:
         raise ValueError(f"{name}={value} exceeds {MAX_BUFFERS}: more buffers are numerically unreliable (3-7 is typical)")
-
-
-def _fit(objective: _Objective, num_buffers: int, tolerance: float, max_steps: int, progress: Progress | None
-         ) -> tuple[BufferedLinearToeplitz, OptimizationResult, float]:
-    """L-BFGS over the log gaps for a fixed number of buffers; returns (blt, result, loss)."""
-    x, result = lbfgs(objective, _initial_gaps(num_buffers, objective.n), max_steps=max_steps, rtol=tolerance,
-                      progress=progress, report=lambda f: math.sqrt(math.exp(f)))
-    with torch.no_grad():
-        a, ahat = _rates_from_gaps(torch.tensor(x, dtype=_F64))
-    blt = BufferedLinearToeplitz(objective.n, a.numpy(), ahat.numpy(), objective.workload)
-    if not blt.is_monotone:  # cannot happen for interlaced rates; guards Theorem 1's premise
-        raise RuntimeError("optimized BLT violates non-negative non-increasing coefficients")
-    return blt, result, math.exp(result.objective) if False else result.objective**2
 
 
 def optimize_blt(
@@ -525,12 +598,13 @@ def optimize_blt(
     """The BLT minimizing error^2 x sens^2 under MinSep(b, k) for ``workload``.
 
     error "mean": (1/n)||A C^{-1}||_F^2 sens^2 (rmse^2); "max": max_i ||(A C^{-1})_i||^2 sens^2.
-    sens is exact ([BSR] Theorem 1), valid because every candidate interlaces (see
-    ``_rates_from_gaps``). L-BFGS on log(loss) with torch float64 gradients, from a fixed
-    start: deterministic. ``num_buffers=None`` tries m = 1, 2, … and keeps m - 1 once one
-    more buffer improves the loss by less than 1% (or at ``max_buffers``).
-    ``tolerance`` is the relative decrease of log(loss) per step at which L-BFGS stops.
-    ``result.objective`` is the rmse ("mean") or max_error ("max").
+    sens is exact ([BSR] Theorem 1; [DMPST24] Lemma 5.3 for k = 1), valid because every
+    candidate interlaces (see ``_rates_from_gaps``). Box-constrained L-BFGS on log(loss)
+    with torch float64 gradients from fixed starts (``_starts``): deterministic.
+    ``num_buffers=None`` tries m = 1, 2, … and keeps m - 1 once one more buffer improves
+    the loss by less than 1% (or stops at ``max_buffers``). ``tolerance`` is L-BFGS-B's
+    ftol on log(loss). ``result.objective`` is the rmse ("mean") or max_error ("max");
+    ``result.converged`` is True only if every run it took stopped at a stationary point.
     """
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
         raise ValueError(f"rounds must be a positive integer, got {rounds!r}")
@@ -544,20 +618,41 @@ def optimize_blt(
     if num_buffers is not None:
         _check_buffers("num_buffers", num_buffers)
     _check_buffers("max_buffers", max_buffers)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # small tensors: a thread pool only adds overhead (and spins under load)
+    try:
+        return _optimize(_Objective(rounds, schema, workload, error), num_buffers, max_buffers, tolerance,
+                         max_steps, progress)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _optimize(objective: _Objective, num_buffers: int | None, max_buffers: int, tolerance: float, max_steps: int,
+              progress: Progress | None) -> tuple[BufferedLinearToeplitz, OptimizationResult]:
     started = time.perf_counter()
-    objective = _Objective(rounds, schema, workload, error)
     counts = [num_buffers] if num_buffers is not None else range(1, max_buffers + 1)
-    tried: list[dict[str, Any]] = []
-    best: tuple[BufferedLinearToeplitz, OptimizationResult, float] | None = None
+    fits: list[_Fit] = []
+    chosen: _Fit | None = None
     for m in counts:
-        fit = _fit(objective, m, tolerance, max_steps, progress)
-        tried.append({"num_buffers": m, "loss": fit[2], "converged": fit[1].converged, "steps": fit[1].steps})
-        if best is not None and fit[2] > (1 - AUTO_BUFFER_GAIN) * best[2]:
+        fit = _fit(objective, m, fits[-1].rates if fits else None, tolerance, max_steps, progress)
+        fits.append(fit)
+        if chosen is not None and fit.loss > (1 - AUTO_BUFFER_GAIN) * chosen.loss:
             break
-        best = fit
-    assert best is not None
-    blt, result, loss = best
-    result.converged = all(t["converged"] for t in tried)
+        chosen = fit
+    assert chosen is not None
+    result = chosen.result
+    result.converged = all(f.result.converged for f in fits)
     result.seconds = time.perf_counter() - started
-    result.details = {"num_buffers": blt.num_buffers, "loss": loss, "error": error, "buffers_tried": tried}
-    return blt, result
+    if progress is not None:
+        progress.close(result.steps, result.objective, "converged" if result.converged else "NOT converged")
+    result.details = {
+        "num_buffers": chosen.blt.num_buffers,
+        "loss": chosen.loss,
+        "error": objective.error,
+        "buffers_tried": [
+            {"num_buffers": f.blt.num_buffers, "loss": f.loss, "converged": f.result.converged,
+             "steps": f.result.steps, "start": f.start}
+            for f in fits
+        ],
+    }
+    return chosen.blt, result
