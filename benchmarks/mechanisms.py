@@ -129,7 +129,7 @@ def case_blt(n: int, repeats: int, k: int = 1) -> dict:
             return np.asarray(blt.buf_decay), np.asarray(blt.output_scale)
 
         (decay, scale), jfirst, jmed = _timed(theirs, repeats)
-        mech = BufferedLinearToeplitz.from_strategy(n, decay, scale)
+        mech = BufferedLinearToeplitz.from_output_scale(n, scale, decay)
         row.update(jax_loss=metric(mech), jax_s=jmed, jax_first_s=jfirst)
     return row
 
