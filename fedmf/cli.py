@@ -237,6 +237,10 @@ def _parser() -> argparse.ArgumentParser:
     group.add_argument("--fixed-epoch", action="store_true", help="FixedEpoch(k, n/k)")
     ev.add_argument("--json", action="store_true", help="print one JSON object")
     ev.set_defaults(func=_cmd_evaluate)
+
+    from .accounting.cli import add_commands as add_accounting  # fedmf epsilon / fedmf calibrate
+
+    add_accounting(sub)
     return parser
 
 

@@ -1,0 +1,37 @@
+"""Privacy accounting for fedmf runs.
+
+* ``gaussian``        one Gaussian mechanism: epsilon(delta), calibration (cached)
+* ``accountant``      epsilon / calibrate for a mechanism, schema and sampling
+* ``per_round``       epsilon after each round
+* ``posthoc``         per-user epsilon from the observed participation pattern
+* ``cyclic_poisson``  amplified BandMF with cyclic Poisson sampling (dp_accounting)
+* ``bminsep``         b-min-sep sampling: dominating-pair privacy loss, Monte Carlo accountant
+* ``evr``             Estimate-Verify-Release calibration with an analytic fallback
+* ``cli``             the ``fedmf epsilon`` and ``fedmf calibrate`` commands
+
+Noise convention: noise std = z·ζ·sens, sens the sensitivity of C under the planned
+participation schema (see ``accountant``). Adjacency: add-or-remove (zero-out).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = [
+    "Accounting", "MonteCarloOptions", "epsilon", "calibrate", "epsilon_by_round", "account_observed", "Sampling",
+    "parse_sampling",
+]
+
+_EXPORTS = {
+    "Accounting": "accountant", "MonteCarloOptions": "accountant", "epsilon": "accountant",
+    "calibrate": "accountant", "epsilon_by_round": "per_round", "account_observed": "posthoc", "Sampling": "sampling",
+    "parse_sampling": "sampling",
+}
+
+
+def __getattr__(name: str) -> Any:  # lazy: importing the package stays cheap (CLI, MC workers)
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)

@@ -1,0 +1,260 @@
+"""epsilon and calibration for a mechanism, a participation schema and a sampling scheme.
+
+Noise convention (ARCHITECTURE.md): the server adds noise of standard deviation
+sigma = z·ζ·sens, sens = the sensitivity of C under the planned schema (``noise_sensitivity``,
+default: the schema given here). In clip-norm units the noise std is z·sens. Then
+  * none (un-amplified DP-MF): one Gaussian mechanism with sensitivity sens_schema and
+    noise std z·sens, i.e. multiplier z·sens/sens_schema (= z when the noise was scaled
+    for this schema) — "Multi-Epoch MF", Thm 2.2 / App. D.2;
+  * cyclic-poisson:Q — ceil(n/b) Poisson(Q)-subsampled Gaussians with multiplier
+    z·sens/max_j ||C e_j|| ("(Amplified) Banded MF"; "Scaling up BandMF" Prop. 2.1);
+  * bminsep:P — the Monte Carlo accountant of arXiv 2602.09338 at noise std z·sens: for
+    ``epsilon`` an MC-verified epsilon (see ``Accounting.guarantee``), for ``calibrate``
+    Estimate-Verify-Release with the un-amplified mechanism as analytic fallback.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from . import _validate, cyclic_poisson, gaussian
+from .sampling import Sampling, parse_sampling
+
+if TYPE_CHECKING:
+    from ..mechanisms.base import Mechanism
+    from ..participation import Schema
+
+__all__ = ["Accounting", "MonteCarloOptions", "epsilon", "calibrate", "schema_sensitivity"]
+
+
+@dataclass(frozen=True)
+class MonteCarloOptions:
+    """Options of the b-min-sep Monte Carlo accountant. ``samples`` per verification
+    (default: the fewest that certify delta with base delta = delta/2)."""
+
+    samples: int | None = None
+    seed: int | None = None
+    workers: int = 1
+    candidates: int = 3
+    ratio: float = 1.01
+    pilot_samples: int | None = None
+    chunk_size: int | None = None
+    keep: int = 200_000
+
+
+@dataclass
+class Accounting:
+    """One accounting result; ``to_dict`` gives the CLI's JSON fields."""
+
+    epsilon: float
+    delta: float
+    noise_multiplier: float
+    sensitivity: float
+    noise_std: float  # noise standard deviation / clip norm = z·(noise sensitivity)
+    accountant: str
+    guarantee: str
+    sampling: str
+    seconds: float
+    details: dict[str, Any] = field(default_factory=dict)
+    epsilon_by_round: list[float] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        if out["epsilon_by_round"] is None:
+            del out["epsilon_by_round"]
+        return out
+
+
+def schema_sensitivity(mechanism: "Mechanism", schema: "Schema"):
+    """The sensitivity of C under ``schema`` (a ``fedmf.sensitivity.Sensitivity``)."""
+    return mechanism.sensitivity(schema)
+
+
+def _noise_sens(sens: float, noise_sensitivity: float | None) -> float:
+    if noise_sensitivity is None:
+        return sens
+    return _validate.noise(noise_sensitivity, "noise sensitivity")
+
+
+def _min_sep(schema: "Schema", sampling: Sampling) -> int:
+    from ..participation import FixedEpoch, MinSep
+
+    if isinstance(schema, MinSep) or (isinstance(schema, FixedEpoch) and sampling.kind == "cyclic-poisson"):
+        return schema.min_sep
+    raise ValueError(f"{sampling.kind} sampling needs a min-sep schema (got {schema.name})")
+
+
+def _check_banded(mechanism: "Mechanism", b: int, what: str) -> int:
+    bands = mechanism.strategy_bands
+    if bands is None:
+        raise ValueError(f"{what} amplification needs a banded strategy C; {mechanism.kind} is not banded")
+    if bands > b:
+        raise ValueError(f"{what} amplification needs bands <= min_sep, got {bands} bands > b={b}")
+    if mechanism.noise_rows != mechanism.rounds:
+        raise ValueError(f"{what} amplification needs a square strategy C ({mechanism.kind} is not)")
+    return bands
+
+
+def _max_column_norm(mechanism: "Mechanism") -> float:
+    return float(math.sqrt(max(mechanism.column_norms_sq())))
+
+
+def _sens_details(sens) -> dict[str, Any]:
+    return {"sensitivity_method": sens.method, "sensitivity_exact": sens.exact}
+
+
+def _unamplified_guarantee(accountant: str, exact: bool) -> str:
+    if accountant == "rdp":
+        return "upper bound (RDP)"
+    return "exact (Gaussian privacy loss distribution)" if exact else "upper bound (sensitivity bound)"
+
+
+def epsilon(mechanism: "Mechanism", noise_multiplier: float, delta: float, schema: "Schema", *,
+            sampling: Sampling | str | None = None, accountant: str = "pld",
+            noise_sensitivity: float | None = None, per_round: bool = False,
+            monte_carlo: MonteCarloOptions = MonteCarloOptions()) -> Accounting:
+    """epsilon at ``delta`` of a run of ``mechanism`` with noise multiplier z under
+    ``schema`` and ``sampling``. See the module docstring for the noise convention."""
+    started = time.perf_counter()
+    z = _validate.noise(noise_multiplier)
+    delta = _validate.delta(delta)
+    gaussian.check_accountant(accountant)
+    sampling = parse_sampling(sampling)
+    if per_round and sampling.kind == "bminsep":
+        raise ValueError("per-round spend is not available for bminsep sampling")
+    sens = schema_sensitivity(mechanism, schema)
+    if not sens.value > 0:
+        raise ValueError("the mechanism has zero sensitivity under this schema")
+    noise_sens = _noise_sens(sens.value, noise_sensitivity)
+    std = z * noise_sens
+    details: dict[str, Any] = _sens_details(sens)
+    if noise_sensitivity is not None:
+        details["noise_sensitivity"] = noise_sens
+    if sampling.kind == "none":
+        z_eff = z if noise_sensitivity is None else std / sens.value
+        eps = gaussian.epsilon(z_eff, delta, accountant)
+        name, guarantee = f"gaussian-{accountant}", _unamplified_guarantee(accountant, sens.exact)
+        details["effective_noise_multiplier"] = z_eff
+    elif sampling.kind == "cyclic-poisson":
+        b = _min_sep(schema, sampling)
+        _check_banded(mechanism, b, "cyclic-Poisson")
+        col = _max_column_norm(mechanism)
+        count = cyclic_poisson.steps(mechanism.rounds, b)
+        z_step = std / col
+        eps = cyclic_poisson.epsilon(z_step, sampling.probability, count, delta, accountant)
+        name, guarantee = f"cyclic-poisson-{accountant}", f"upper bound ({accountant.upper()})"
+        details.update(steps=count, step_noise_multiplier=z_step, max_column_norm=col,
+                       sampling_probability=sampling.probability)
+    else:
+        eps, name, guarantee, more = _bminsep_epsilon(mechanism, z, std, delta, schema, sens, sampling, accountant,
+                                                       monte_carlo)
+        details.update(more)
+    result = Accounting(eps, delta, z, sens.value, std, name, guarantee, str(sampling), 0.0, details)
+    if per_round:
+        from .per_round import epsilon_by_round
+
+        by_round = epsilon_by_round(mechanism, z, delta, schema, sampling=sampling, accountant=accountant,
+                                    noise_sensitivity=noise_sensitivity, final=eps)
+        result.epsilon_by_round = by_round.epsilons.tolist()
+        result.details["per_round_method"] = by_round.method
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def _bminsep_accountant(mechanism: "Mechanism", schema: "Schema", sampling: Sampling, options: MonteCarloOptions):
+    from .bminsep import BMinSep, MonteCarloAccountant
+
+    b = _min_sep(schema, sampling)
+    _check_banded(mechanism, b, "b-min-sep")
+    scheme = BMinSep.from_mechanism(mechanism, b, sampling.probability, sampling.warm_start)
+    return MonteCarloAccountant(scheme, workers=options.workers, chunk_size=options.chunk_size, keep=options.keep)
+
+
+def _bminsep_epsilon(mechanism, z, std, delta, schema, sens, sampling, accountant, options):
+    """MC-verified epsilon at a fixed noise: the smallest eps whose estimate is <= base
+    delta in both directions, with base chosen so that overall_delta(s, base) <= delta.
+    By monotonicity of the estimate in eps, the probability that this eps is not
+    (eps, overall_delta)-DP is at most the verifier's failure bound q (as in EVR); the
+    un-amplified epsilon (always a guarantee) is reported instead when it is smaller."""
+    from . import evr
+
+    mc = _bminsep_accountant(mechanism, schema, sampling, options)
+    samples = options.samples or evr.minimum_samples(delta)
+    base = evr.base_delta(samples, delta)
+    losses = mc.losses(std, samples, options.seed, key=(2,))
+    eps_mc = losses.epsilon(base)
+    eps_unamplified = gaussian.epsilon(std / sens.value, delta, accountant)
+    dp, dn = losses.delta(eps_mc)
+    more = {
+        "samples": samples, "base_delta": base, "overall_delta": evr.overall_delta(samples, base),
+        "epsilon_monte_carlo": eps_mc, "epsilon_estimate": losses.epsilon(delta),
+        "epsilon_unamplified": eps_unamplified, "delta_positive": dp, "delta_negative": dn,
+        "seed": losses.seed, "monte_carlo_seconds": losses.seconds, "scheme": mc.scheme.to_dict(),
+    }
+    if eps_unamplified <= eps_mc:
+        return eps_unamplified, f"gaussian-{accountant}", _unamplified_guarantee(accountant, sens.exact), more
+    return (eps_mc, "bminsep-monte-carlo",
+            "verified: (epsilon, delta)-DP unless the Monte Carlo verification failed, which has "
+            "probability <= the bound folded into delta (Thm A.1 of arXiv 2602.09338); use calibrate for EVR", more)
+
+
+def calibrate(mechanism: "Mechanism", epsilon: float, delta: float, schema: "Schema", *,
+              sampling: Sampling | str | None = None, accountant: str = "pld", per_round: bool = False,
+              monte_carlo: MonteCarloOptions = MonteCarloOptions()) -> Accounting:
+    """The smallest noise multiplier z (noise std = z·ζ·sens_schema) whose run is
+    (epsilon, delta)-DP. Cached for the analytic accountants; b-min-sep runs EVR."""
+    started = time.perf_counter()
+    epsilon = _validate.epsilon(epsilon)
+    delta = _validate.delta(delta)
+    gaussian.check_accountant(accountant)
+    sampling = parse_sampling(sampling)
+    if per_round and sampling.kind == "bminsep":
+        raise ValueError("per-round spend is not available for bminsep sampling")
+    sens = schema_sensitivity(mechanism, schema)
+    if not sens.value > 0:
+        raise ValueError("the mechanism has zero sensitivity under this schema")
+    details: dict[str, Any] = _sens_details(sens)
+    if sampling.kind == "none":
+        z = gaussian.calibrate(epsilon, delta, accountant)
+        name, guarantee = f"gaussian-{accountant}", _unamplified_guarantee(accountant, sens.exact)
+    elif sampling.kind == "cyclic-poisson":
+        b = _min_sep(schema, sampling)
+        _check_banded(mechanism, b, "cyclic-Poisson")
+        col = _max_column_norm(mechanism)
+        count = cyclic_poisson.steps(mechanism.rounds, b)
+        z_step = cyclic_poisson.calibrate(epsilon, delta, sampling.probability, count, accountant)
+        z = z_step * col / sens.value
+        name, guarantee = f"cyclic-poisson-{accountant}", f"upper bound ({accountant.upper()})"
+        details.update(steps=count, step_noise_multiplier=z_step, max_column_norm=col,
+                       sampling_probability=sampling.probability)
+    else:
+        from . import evr
+
+        mc = _bminsep_accountant(mechanism, schema, sampling, monte_carlo)
+        samples = monte_carlo.samples or evr.minimum_samples(delta)
+        base = evr.base_delta(samples, delta)
+        # analytic fallback: the same run, un-amplified, (epsilon, base)-DP
+        fallback = gaussian.calibrate(epsilon, base) * sens.value
+        result = evr.calibrate(mc, epsilon, delta, fallback, samples=samples, base=base,
+                               candidates=monte_carlo.candidates, ratio=monte_carlo.ratio,
+                               pilot_samples=monte_carlo.pilot_samples, seed=monte_carlo.seed)
+        z = result.noise_multiplier / sens.value
+        name = "bminsep-evr" if result.verified else "bminsep-evr-fallback"
+        guarantee = ("(epsilon, delta)-DP for the run that uses this noise as chosen by Estimate-Verify-Release "
+                     "(Thm A.1 of arXiv 2602.09338)" if result.verified else
+                     "exact (un-amplified fallback chosen by Estimate-Verify-Release)")
+        details["evr"] = result.to_dict()
+        details["scheme"] = mc.scheme.to_dict()
+    std = z * sens.value
+    out = Accounting(epsilon, delta, z, sens.value, std, name, guarantee, str(sampling), 0.0, details)
+    if per_round:
+        from .per_round import epsilon_by_round
+
+        by_round = epsilon_by_round(mechanism, z, delta, schema, sampling=sampling, accountant=accountant)
+        out.epsilon_by_round = by_round.epsilons.tolist()
+        out.details["per_round_method"] = by_round.method
+    out.seconds = time.perf_counter() - started
+    return out

@@ -1,0 +1,188 @@
+"""``fedmf epsilon`` and ``fedmf calibrate``.
+
+    fedmf epsilon   --mechanism FILE --noise-multiplier Z --delta D [--participations K --min-sep B]
+                    [--sampling none|bminsep:P[:warm]|cyclic-poisson:Q] [--per-round] [--json]
+    fedmf calibrate --mechanism FILE --epsilon E --delta D [same options] [--json]
+
+The schema is the one the mechanism file was planned for, unless --participations /
+--min-sep override it (what is not given keeps its planned value). The noise multiplier
+follows the fedmf convention: noise std = Z · clip norm · sensitivity under that schema.
+``add_commands(subparsers)`` registers both commands on fedmf's argparse sub-parsers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from typing import Any
+
+__all__ = ["add_commands", "cmd_epsilon", "cmd_calibrate"]
+
+_SAMPLING_HELP = "none (default) | bminsep:P[:warm] (b-min-sep Poisson, b = min-sep) | cyclic-poisson:Q"
+
+
+def _usage_error(message: str) -> Exception:
+    from ..cli import UsageError
+
+    return UsageError(message)
+
+
+def _positive_float(name: str):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{name} must be finite, got {text!r}")
+        return value
+
+    return parse
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--mechanism", required=True, help="a file written by `fedmf mechanism --out`")
+    parser.add_argument("--delta", type=_positive_float("--delta"), required=True, help="delta, in (0, 1)")
+    parser.add_argument("--participations", type=int, help="k (default: as planned)")
+    parser.add_argument("--min-sep", type=int, help="b (default: as planned)")
+    parser.add_argument("--sampling", default="none", help=_SAMPLING_HELP)
+    parser.add_argument("--accountant", choices=("pld", "rdp"), default="pld",
+                        help="dp_accounting PLD (default) or RDP")
+    parser.add_argument("--per-round", action="store_true", help="also epsilon after every round")
+    mc = parser.add_argument_group("b-min-sep Monte Carlo")
+    mc.add_argument("--samples", type=int, help="samples per verification (default: the fewest that certify delta)")
+    mc.add_argument("--seed", type=int, help="random seed of the Monte Carlo accountant (default: fresh)")
+    mc.add_argument("--workers", type=int, default=1, help="processes for the Monte Carlo accountant")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def add_commands(subparsers: Any) -> None:
+    """Register ``epsilon`` and ``calibrate`` on argparse sub-parsers (``add_subparsers()``)."""
+    eps = subparsers.add_parser("epsilon", help="epsilon of a mechanism at a noise multiplier")
+    eps.add_argument("--noise-multiplier", type=_positive_float("--noise-multiplier"), required=True,
+                     help="Z: noise std / (clip norm x sensitivity)")
+    _common(eps)
+    eps.set_defaults(func=cmd_epsilon)
+
+    cal = subparsers.add_parser("calibrate", help="the noise multiplier for a target (epsilon, delta)")
+    cal.add_argument("--epsilon", type=_positive_float("--epsilon"), required=True, help="target epsilon > 0")
+    _common(cal)
+    cal.set_defaults(func=cmd_calibrate)
+
+
+def _schema(args: argparse.Namespace, mechanism, planned):
+    """The planned schema, with --participations / --min-sep overriding it."""
+    from ..cli import _minsep_schema
+    from ..participation import FixedEpoch, MinSep
+
+    n = mechanism.rounds
+    k, b = args.participations, args.min_sep
+    if k is not None and k <= 0:
+        raise _usage_error(f"--participations must be positive, got {k}")
+    if b is not None and b <= 0:
+        raise _usage_error(f"--min-sep must be positive, got {b}")
+    if k is None and b is None and planned is not None:
+        return planned
+    if isinstance(planned, (MinSep, FixedEpoch)):
+        k = planned.max_participations if k is None else k
+        b = planned.min_sep if b is None else b
+    return _minsep_schema(n, k, b)
+
+
+def _options(args: argparse.Namespace):
+    from .accountant import MonteCarloOptions
+
+    for name in ("samples", "workers"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            raise _usage_error(f"--{name} must be positive, got {value}")
+    return MonteCarloOptions(samples=args.samples, seed=args.seed, workers=args.workers)
+
+
+def _load(args: argparse.Namespace):
+    from ..mechanisms.io import load_with_schema
+
+    if not 0.0 < args.delta < 1.0:
+        raise _usage_error(f"--delta must lie in (0, 1), got {args.delta:g}")
+    mechanism, planned, checksum = load_with_schema(args.mechanism)
+    schema = _schema(args, mechanism, planned)
+    schema.validate(mechanism.rounds)
+    from .sampling import parse_sampling
+
+    sampling = parse_sampling(args.sampling)
+    if args.per_round and sampling.kind == "bminsep":
+        raise _usage_error("--per-round is not available with bminsep sampling")
+    return mechanism, schema, sampling, checksum
+
+
+def _report(result, args, mechanism, schema, checksum, started: float) -> dict[str, Any]:
+    out = result.to_dict()
+    body: dict[str, Any] = {
+        "epsilon": out.pop("epsilon"), "delta": out.pop("delta"), "noise_multiplier": out.pop("noise_multiplier"),
+        "sensitivity": out.pop("sensitivity"), "accountant": out.pop("accountant"),
+        "noise_std": out.pop("noise_std"), "guarantee": out.pop("guarantee"), "sampling": out.pop("sampling"),
+        "kind": mechanism.kind, "rounds": mechanism.rounds, "schema": schema.name,
+        "participations": schema.participations(mechanism.rounds), "min_sep": schema.min_sep,
+        "file": args.mechanism, "checksum": checksum,
+    }
+    body.update(out.pop("details"))
+    out.pop("seconds")
+    if "epsilon_by_round" in out:
+        body["epsilon_by_round"] = out.pop("epsilon_by_round")
+    body["seconds"] = round(time.perf_counter() - started, 6)
+    return body
+
+
+def _print(report: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(report, default=_jsonable))
+        return
+    width = max(len(k) for k in report)
+    for key, value in report.items():
+        if isinstance(value, float):
+            value = f"{value:.6g}"
+        elif isinstance(value, list) and value and all(isinstance(v, float) for v in value):
+            value = " ".join(f"{v:.6g}" for v in value)
+        elif isinstance(value, (dict, list)):
+            value = json.dumps(value, default=_jsonable)
+        print(f"{key:<{width}}  {value}")
+
+
+def _jsonable(value: Any) -> Any:
+    import numpy as np
+
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, (np.floating, np.integer)):
+        return value.item()
+    if isinstance(value, tuple):
+        return list(value)
+    raise TypeError(f"not JSON serializable: {type(value).__name__}")
+
+
+def cmd_epsilon(args: argparse.Namespace) -> int:
+    from . import accountant
+
+    started = time.perf_counter()
+    if not args.noise_multiplier > 0:
+        raise _usage_error(f"--noise-multiplier must be positive, got {args.noise_multiplier:g}")
+    mechanism, schema, sampling, checksum = _load(args)
+    result = accountant.epsilon(mechanism, args.noise_multiplier, args.delta, schema, sampling=sampling,
+                                accountant=args.accountant, per_round=args.per_round, monte_carlo=_options(args))
+    _print(_report(result, args, mechanism, schema, checksum, started), args.json)
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from . import accountant
+
+    started = time.perf_counter()
+    if not args.epsilon > 0:
+        raise _usage_error(f"--epsilon must be positive, got {args.epsilon:g}")
+    mechanism, schema, sampling, checksum = _load(args)
+    result = accountant.calibrate(mechanism, args.epsilon, args.delta, schema, sampling=sampling,
+                                  accountant=args.accountant, per_round=args.per_round, monte_carlo=_options(args))
+    _print(_report(result, args, mechanism, schema, checksum, started), args.json)
+    return 0

@@ -1,0 +1,232 @@
+"""Per-round privacy spend: epsilon after each round t = 1 … n.
+
+After t rounds the adversary has seen the rows of C·X + Z released in rounds < t, i.e.
+the prefix C_t = C[:R(t), :t] (R(t) = noise rows consumed by then; R(t) = t for square C),
+and a user can only have taken part in rounds < t. So epsilon_t is the epsilon of one
+Gaussian mechanism with sensitivity sens_t = sens(C_t) under the schema restricted to
+rounds < t, at the noise actually added (std z·sens_planned): multiplier z·sens/sens_t
+("Multi-Epoch MF", Thm 2.2 applied to the prefix; post-processing covers the prefix).
+sens_t never exceeds sens_n (patterns and rows only grow with t), so the curve is
+non-decreasing; it ends at the planned epsilon.
+
+Exact sens_t for every t where a closed form applies under MinSep(b, k):
+  * Toeplitz C with <= b bands, or with non-negative non-increasing coefficients:
+    sens_t² = sum_{r<t} S_r², S = sum_{i<k} shift(c, i·b) ("Beyond Square Roots", Thm 1;
+    Kalinin & Lampert 2024, Thm 2; the shifts starting at >= t do not reach rows < t);
+  * banded C with <= b bands: VecSens over the prefix column norms (Choquette-Choo et al.
+    2024, Alg. 3), vectorized over t.
+Otherwise sens_t is computed exactly at up to ``max_points`` checkpoints and every other
+round takes the value of the next checkpoint (an upper bound, since sens_t grows with t).
+Cyclic-Poisson sampling: epsilon_t composes ceil(t/b) subsampled Gaussians (same checkpoint
+rule when there are more than ``max_points`` distinct counts).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+
+from .. import sensitivity as _sens
+from . import _validate, cyclic_poisson, gaussian
+from .sampling import Sampling, parse_sampling
+
+if TYPE_CHECKING:
+    from ..mechanisms.base import Mechanism
+    from ..participation import Schema
+
+__all__ = ["ByRound", "epsilon_by_round", "prefix_sensitivities"]
+
+
+@dataclass
+class ByRound:
+    epsilons: np.ndarray  # epsilon after rounds 1 … n (index t-1)
+    sensitivities: np.ndarray | None  # sens_t (un-amplified) or None
+    method: str
+
+    def to_dict(self) -> dict:
+        return {"epsilon_by_round": self.epsilons.tolist(), "per_round_method": self.method}
+
+
+class _Prefix:
+    """Duck-typed view of the first t rounds of a mechanism for ``fedmf.sensitivity``."""
+
+    def __init__(self, mechanism: "Mechanism", t: int, full: np.ndarray) -> None:
+        rows = sum(mechanism.fresh_rows(s) for s in range(t))
+        self.rounds = t
+        self.kind = mechanism.kind
+        self._matrix = full[:rows, :t]
+        coef = mechanism.strategy_toeplitz
+        self.strategy_toeplitz = None if coef is None or rows != t else coef
+        self.strategy_bands = mechanism.strategy_bands if rows == t else None
+
+    def strategy_matrix(self) -> np.ndarray:
+        return self._matrix
+
+    def strategy_columns(self, indices: Sequence[int]) -> np.ndarray:
+        return self._matrix[:, list(indices)]
+
+    def column_norms_sq(self) -> np.ndarray:
+        return np.sum(self._matrix**2, axis=0)
+
+    def gram(self) -> np.ndarray:
+        return self._matrix.T @ self._matrix
+
+
+def _toeplitz_closed_form(coef: np.ndarray, n: int, b: int, k: int) -> np.ndarray:
+    c = np.zeros(n)
+    m = min(n, coef.size)
+    c[:m] = coef[:m]
+    s = np.zeros(n)
+    for i in range(k):
+        start = i * b
+        if start >= n:
+            break
+        s[start:] += c[: n - start]
+    return np.sqrt(np.cumsum(s**2))
+
+
+def _banded_vecsens(mechanism: "Mechanism", n: int, b: int, k: int, bands: int) -> np.ndarray:
+    """sens_t for t = 1 … n of a banded C (<= b bands), O(n·(k + bands)).
+
+    With <= b bands the columns of a b-min-sep pattern have disjoint supports, so
+    sens_t² = max over patterns in [0, t) of sum_j w_t(j), w_t(j) = sum_{r<t} C[r, j]²
+    (VecSens, Choquette-Choo et al. 2024). w_t(j) is the full column norm except for the
+    last bands-1 columns, of which a pattern holds at most one (they are < b apart). With
+    G[m, κ] = best sum of full norms over patterns in [0, m) with <= κ elements (forward
+    DP G[m, κ] = max(G[m-1, κ], w(m-1) + G[m-b, κ-1])):
+        sens_t² = max(G[t-L+1, k], max_{t-L < j < t} w_t(j) + G[j-b+1, k-1])."""
+    full = np.asarray(mechanism.column_norms_sq(), dtype=np.float64)
+    matrix = mechanism.strategy_matrix()
+    g = np.zeros((n + 1, k + 1))
+    for m in range(1, n + 1):
+        g[m, 1:] = np.maximum(g[m - 1, 1:], full[m - 1] + g[max(m - b, 0), :-1])
+    out = np.empty(n)
+    for t in range(1, n + 1):
+        best = g[max(t - bands + 1, 0), k]
+        for j in range(max(t - bands + 1, 0), t):
+            w = float(np.sum(matrix[j:t, j] ** 2))
+            best = max(best, w + g[max(j - b + 1, 0), k - 1])
+        out[t - 1] = math.sqrt(best)
+    return out
+
+
+def _checkpoints(n: int, max_points: int) -> np.ndarray:
+    if n <= max_points:
+        return np.arange(1, n + 1)
+    pts = np.unique(np.round(np.linspace(1, n, max_points)).astype(int))
+    return pts
+
+
+def _fill(points: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:
+    """Value of the next checkpoint >= t for every t = 1 … n."""
+    idx = np.searchsorted(points, np.arange(1, n + 1), side="left")
+    return values[idx]
+
+
+def _generic(mechanism: "Mechanism", schema: "Schema", max_points: int) -> tuple[np.ndarray, str]:
+    from ..participation import FixedEpoch, MinSep, Observed
+
+    n = mechanism.rounds
+    full = mechanism.strategy_matrix()
+    points = _checkpoints(n, max_points)
+    values = np.empty(points.size)
+    for j, t in enumerate(points):
+        prefix = _Prefix(mechanism, int(t), full)
+        if isinstance(schema, MinSep):
+            if schema.participations(int(t)) == 1 or schema.min_sep > t:
+                value = math.sqrt(float(np.max(prefix.column_norms_sq())))
+            else:
+                value = _sens.minsep(prefix, MinSep(schema.min_sep, schema.participations(int(t)))).value
+        elif isinstance(schema, FixedEpoch):
+            pats = [[r for r in p if r < t] for p in schema.patterns()]
+            value = max(_sens.pattern_sensitivity(prefix.strategy_columns(p).T @ prefix.strategy_columns(p)).value
+                        for p in pats if p)
+        elif isinstance(schema, Observed):
+            pats = [[r for r in rounds if r < t] for _, rounds in schema.rounds_by_user]
+            value = max((_sens.pattern_sensitivity(prefix.strategy_columns(p).T @ prefix.strategy_columns(p)).value
+                         for p in pats if p), default=0.0)
+        else:
+            raise TypeError(f"unknown schema {schema!r}")
+        values[j] = value
+    exact = points.size == n
+    return _fill(points, values, n), "checkpoints-exact" if exact else f"checkpoints({points.size})-upper-bound"
+
+
+def prefix_sensitivities(mechanism: "Mechanism", schema: "Schema", max_points: int = 64) -> tuple[np.ndarray, str]:
+    """sens_t for t = 1 … n (see the module docstring) and how they were obtained."""
+    from ..participation import MinSep
+
+    n = mechanism.rounds
+    if isinstance(schema, MinSep):
+        schema.validate(n)
+        b, k = schema.min_sep, schema.participations(n)
+        coef = mechanism.strategy_toeplitz
+        bands = mechanism.strategy_bands
+        square = mechanism.noise_rows == n
+        if coef is not None and square and ((bands is not None and bands <= b) or k == 1
+                                            or _sens.is_nonnegative_nonincreasing(coef)):
+            return _toeplitz_closed_form(np.asarray(coef, dtype=np.float64), n, b, k), "toeplitz-closed-form"
+        if bands is not None and bands <= b and square:
+            return _banded_vecsens(mechanism, n, b, k, bands), "banded-exact"
+    return _generic(mechanism, schema, max_points)
+
+
+def _monotone(eps: np.ndarray, final: float) -> np.ndarray:
+    """Running maximum, capped at the final (planned) epsilon: both are valid upper bounds
+    on a non-decreasing true curve."""
+    out = np.minimum(np.maximum.accumulate(eps), final)
+    out[-1] = final
+    return out
+
+
+def epsilon_by_round(mechanism: "Mechanism", noise_multiplier: float, delta: float, schema: "Schema", *,
+                     sampling: Sampling | str | None = None, accountant: str = "pld",
+                     noise_sensitivity: float | None = None, final: float | None = None,
+                     max_points: int = 64) -> ByRound:
+    """epsilon after each round (un-amplified or cyclic-Poisson). ``final``: the planned
+    epsilon when already known (the curve ends exactly there)."""
+    z = _validate.noise(noise_multiplier)
+    delta = _validate.delta(delta)
+    gaussian.check_accountant(accountant)
+    sampling = parse_sampling(sampling)
+    max_points = _validate.positive_int("max_points", max_points)
+    n = mechanism.rounds
+    sens = mechanism.sensitivity(schema).value
+    noise_sens = sens if noise_sensitivity is None else _validate.noise(noise_sensitivity, "noise sensitivity")
+    std = z * noise_sens
+    if sampling.kind == "bminsep":
+        raise ValueError("per-round spend is not available for bminsep sampling (Monte Carlo accounting covers the "
+                         "whole run only)")
+    if sampling.kind == "cyclic-poisson":
+        from .accountant import _check_banded, _max_column_norm, _min_sep
+
+        b = _min_sep(schema, sampling)
+        _check_banded(mechanism, b, "cyclic-Poisson")
+        z_step = std / _max_column_norm(mechanism)
+        counts = -(-np.arange(1, n + 1) // b)  # ceil(t/b)
+        distinct = np.unique(counts)
+        points = distinct if distinct.size <= max_points else _checkpoints(int(distinct[-1]), max_points)
+        values = np.array([cyclic_poisson.epsilon(z_step, sampling.probability, int(c), delta, accountant)
+                           for c in points])
+        eps = values[np.searchsorted(points, counts, side="left")]
+        if final is None:
+            final = float(values[-1])
+        method = "cyclic-poisson" + ("" if distinct.size <= max_points else f"-checkpoints({points.size})")
+        return ByRound(_monotone(eps, final), None, method)
+    sens_t, method = prefix_sensitivities(mechanism, schema, max_points)
+    sens_t = np.minimum(sens_t, sens)
+    sens_t[-1] = sens
+    with np.errstate(divide="ignore"):
+        multipliers = np.where(sens_t > 0, std / np.maximum(sens_t, 1e-300), np.inf)
+    if final is None:
+        final = gaussian.epsilon(z if noise_sensitivity is None else std / sens, delta, accountant)
+    if accountant == "pld":
+        eps = gaussian.epsilons(multipliers, delta)
+    else:
+        cache: dict[float, float] = {}
+        eps = np.array([0.0 if not np.isfinite(m) else cache.setdefault(m, gaussian.epsilon(m, delta, accountant))
+                        for m in multipliers])
+    return ByRound(_monotone(eps, final), sens_t, method)

@@ -1,0 +1,68 @@
+"""How clients are sampled, as the accountants see it: ``none`` (un-amplified: any
+schedule that respects the participation schema), ``bminsep:P[:warm]`` (b-min-sep Poisson
+sampling with probability P, b = the schema's min_sep) and ``cyclic-poisson:Q`` (b groups
+in turn, each client of the active group included with probability Q)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import _validate
+
+__all__ = ["Sampling", "parse_sampling", "NONE"]
+
+KINDS = ("none", "bminsep", "cyclic-poisson")
+
+
+@dataclass(frozen=True)
+class Sampling:
+    kind: str = "none"
+    probability: float | None = None
+    warm_start: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown sampling {self.kind!r} (use none, bminsep:P or cyclic-poisson:Q)")
+        if self.kind == "none":
+            if self.probability is not None or self.warm_start:
+                raise ValueError("sampling 'none' takes no probability")
+            return
+        object.__setattr__(self, "probability", _validate.probability(self.probability, f"{self.kind} probability"))
+        if self.warm_start and self.kind != "bminsep":
+            raise ValueError("warm start applies to bminsep sampling only")
+
+    def __str__(self) -> str:
+        if self.kind == "none":
+            return "none"
+        return f"{self.kind}:{self.probability:g}" + (":warm" if self.warm_start else "")
+
+    @property
+    def amplified(self) -> bool:
+        return self.kind != "none"
+
+
+NONE = Sampling()
+
+
+def parse_sampling(text: str | Sampling | None) -> Sampling:
+    """'none' | 'bminsep:P' | 'bminsep:P:warm' | 'cyclic-poisson:Q'."""
+    if text is None:
+        return NONE
+    if isinstance(text, Sampling):
+        return text
+    parts = str(text).strip().split(":")
+    kind = parts[0]
+    if kind == "none" and len(parts) == 1:
+        return NONE
+    if kind not in ("bminsep", "cyclic-poisson") or len(parts) not in (2, 3):
+        raise ValueError(f"--sampling must be none, bminsep:P[:warm] or cyclic-poisson:Q, got {text!r}")
+    warm = False
+    if len(parts) == 3:
+        if kind != "bminsep" or parts[2] not in ("warm", "cold"):
+            raise ValueError(f"--sampling must be none, bminsep:P[:warm] or cyclic-poisson:Q, got {text!r}")
+        warm = parts[2] == "warm"
+    try:
+        probability = float(parts[1])
+    except ValueError:
+        raise ValueError(f"sampling probability must be a number, got {parts[1]!r}") from None
+    return Sampling(kind, probability, warm)
