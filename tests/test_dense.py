@@ -1,0 +1,235 @@
+"""The dense (optimal multi-epoch) mechanism: reference losses, feasibility, duality, structure."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from functools import lru_cache
+
+import numpy as np
+import pytest
+
+from fedmf.mechanisms.dense import DenseMechanism, corner_signs, optimize_dense
+from fedmf.mechanisms.optimize import Progress
+from fedmf.participation import FixedEpoch, MinSep
+from fedmf.sensitivity import fixed_epoch
+from fedmf.workloads import Workload
+from tests.reference import case_id, check, load_cases
+
+DENSE_CASES = [c for c in load_cases("mechanisms.json") if c["kind"] == "dense"]
+MOMENTUM = Workload(0.95, 0.25)
+TIGHT = 1e-7
+
+
+@lru_cache(maxsize=None)
+def solve(n: int, k: int, workload: Workload = Workload(), tolerance: float = TIGHT):
+    return optimize_dense(n, FixedEpoch(k, n // k), workload, tolerance=tolerance, device="cpu")
+
+
+def brute_force_sens_sq(c: np.ndarray, k: int, b: int) -> float:
+    """max over patterns and sign vectors of ||C u||^2 (scalar sensitivity, Multi-Epoch MF Sec. 3.2)."""
+    best = 0.0
+    for j in range(b):
+        cols = c[:, [j + e * b for e in range(k)]]
+        for signs in itertools.product((1.0, -1.0), repeat=k):
+            best = max(best, float(np.sum((cols @ np.array(signs)) ** 2)))
+    return best
+
+
+# ---- reference values ---------------------------------------------------------------------
+@pytest.mark.parametrize("case", DENSE_CASES, ids=[case_id(c) for c in DENSE_CASES])
+def test_reference_loss(case):
+    n, k, b = case["rounds"], case["max_participations"], case["min_sep"]
+    assert case["schema"] == "fixed-epoch" and case["metric"] == "loss"
+    mech, result = solve(n, k)
+    assert result.converged
+    check(mech.evaluate(FixedEpoch(k, b))["loss"], case)
+
+
+# total losses tr(A^T A X^-1) at the optimum (notes on Multi-Epoch MF, Sec. 10.5)
+NOTE_TOTALS = [
+    (2, 1, Workload(), (3 + math.sqrt(5)) / 2),
+    (3, 1, Workload(), 4.607862),
+    (4, 1, Workload(), 6.874144),
+    (8, 1, Workload(), 17.866177),
+    (16, 1, Workload(), 45.665357),
+    (6, 3, Workload(), 41.743033),
+    (8, 2, Workload(), 36.873868),
+    (12, 3, Workload(), 102.51211),
+    (12, 4, Workload(), 149.69843),
+    (12, 1, MOMENTUM, 456.580436),
+    (16, 2, MOMENTUM, 1693.853),
+    (12, 3, MOMENTUM, 1336.1637),
+]
+
+
+@pytest.mark.parametrize("n,k,workload,total", NOTE_TOTALS)
+def test_dual_optimum_matches_note(n, k, workload, total):
+    mech, result = solve(n, k, workload)
+    digits = 10 ** -(len(repr(total).split(".")[1]) if "." in repr(total) else 0)
+    for value in (result.details["primal_value"] * n, result.details["dual_value"] * n, mech.primal_value):
+        assert abs(value - total) <= max(digits, 2e-7 * total), (value, total)
+
+
+@pytest.mark.parametrize("n,k", [(12, 1), (16, 2)])
+def test_momentum_loss_via_evaluate(n, k):
+    """k <= 2: fedmf's sensitivity is exact for any sign pattern, so evaluate gives the optimum."""
+    mech, result = solve(n, k, MOMENTUM)
+    loss = mech.evaluate(FixedEpoch(k, n // k))["loss"]
+    assert loss == pytest.approx(result.details["primal_value"], rel=1e-9)
+
+
+def test_momentum_k3_vector_sensitivity_is_not_below_scalar():
+    """For momentum with k = 3 the scalar-optimal X has negative same-pattern entries, so the
+    vector-valued sensitivity may exceed the scalar one (notes Sec. 3.2): evaluate >= primal."""
+    mech, result = solve(12, 3, MOMENTUM)
+    assert brute_force_sens_sq(mech.strategy_matrix(), 3, 4) == pytest.approx(1.0, abs=1e-9)
+    assert mech.evaluate(FixedEpoch(3, 4))["loss"] >= result.details["primal_value"] * (1 - 1e-12)
+
+
+# ---- structure of the mechanism -----------------------------------------------------------
+@pytest.mark.parametrize("n,k,workload", [(8, 2, Workload()), (12, 3, Workload()), (12, 4, Workload()), (16, 2, MOMENTUM)])
+def test_feasible_triangular_and_inverse(n, k, workload):
+    mech, _ = solve(n, k, workload)
+    b = n // k
+    c = mech.strategy_matrix()
+    assert np.array_equal(np.triu(c, 1), np.zeros_like(c))
+    assert np.all(np.diag(c) > 0)
+    np.testing.assert_allclose(c.T @ c, mech.gram_matrix, rtol=0, atol=1e-12 * np.abs(c).max() ** 2)
+    assert brute_force_sens_sq(c, k, b) == pytest.approx(1.0, abs=1e-9)
+    sens = fixed_epoch(mech, FixedEpoch(k, b))
+    if sens.exact:
+        assert sens.value == pytest.approx(1.0, abs=1e-9)
+    else:  # k >= 3 with tiny negative same-pattern entries: fedmf's vector-safe bound
+        assert 1.0 - 1e-9 <= sens.value <= 1.0 + 1e-6
+    inverse = mech.inverse_matrix()
+    np.testing.assert_allclose(inverse @ c, np.eye(n), atol=1e-9)
+    np.testing.assert_allclose(np.array(list(mech.inverse_rows())), inverse, atol=1e-9)
+
+
+@pytest.mark.parametrize("n,k,workload", [(12, 3, Workload()), (16, 2, MOMENTUM)])
+def test_loss_is_trace_formula(n, k, workload):
+    """evaluate's loss = tr(A^T A X^-1)/n with sens normalized to 1 (Multi-Epoch MF, Eq. 6)."""
+    mech, _ = solve(n, k, workload)
+    a = workload.matrix(n)
+    direct = float(np.trace(a.T @ a @ np.linalg.inv(mech.gram_matrix))) / n
+    assert mech.evaluate(FixedEpoch(k, n // k))["loss"] == pytest.approx(direct, rel=1e-9)
+    assert mech.primal_value / n == pytest.approx(direct, rel=1e-9)
+
+
+def test_inverse_stream_on_vectors():
+    mech, _ = solve(8, 2)
+    rng = np.random.default_rng(0)
+    z = rng.standard_normal((8, 3, 2))
+    stream = mech.inverse_stream()
+    out = np.array([stream.step(z[t : t + 1]) for t in range(8)])
+    np.testing.assert_allclose(out, np.einsum("ts,sij->tij", mech.inverse_matrix(), z), atol=1e-12)
+    with pytest.raises(ValueError, match="past the end"):
+        stream.step(z[:1])
+
+
+# ---- duality gap and optimizer reporting --------------------------------------------------
+@pytest.mark.parametrize("tolerance", [1e-3, 1e-6])
+@pytest.mark.parametrize("n,k,workload", [(12, 3, Workload()), (12, 4, Workload()), (12, 3, MOMENTUM)])
+def test_duality_gap(n, k, workload, tolerance):
+    mech, result = solve(n, k, workload, tolerance)
+    d = result.details
+    assert result.converged
+    assert d["relative_duality_gap"] >= 0 and d["duality_gap"] >= 0
+    assert d["relative_duality_gap"] <= tolerance
+    assert d["primal_value"] >= d["dual_value"]
+    assert d["duality_gap"] == pytest.approx(d["primal_value"] - d["dual_value"], rel=1e-9)
+    assert result.objective == d["primal_value"]
+    assert mech.primal_value / n == pytest.approx(d["primal_value"], rel=1e-12)
+    assert mech.dual_value <= mech.primal_value
+
+
+def test_not_converged_is_reported():
+    mech, result = optimize_dense(12, FixedEpoch(4, 3), tolerance=1e-12, max_steps=3, device="cpu")
+    assert not result.converged and result.steps == 3
+    assert result.details["relative_duality_gap"] > 1e-12
+    assert fixed_epoch(mech, FixedEpoch(4, 3)).value == pytest.approx(1.0, abs=1e-9)
+
+
+def test_progress_updates():
+    class Recorder(Progress):
+        def __init__(self):
+            super().__init__("dense", interval=0.0)
+            self.calls: list[tuple[int, float]] = []
+
+        def update(self, step, objective, extra="", force=False):
+            self.calls.append((step, objective))
+
+    recorder = Recorder()
+    _, result = optimize_dense(12, FixedEpoch(3, 4), tolerance=1e-6, device="cpu", progress=recorder)
+    steps = [s for s, _ in recorder.calls]
+    assert steps == sorted(steps) and steps[-1] == result.steps
+    assert recorder.calls[-1][1] == pytest.approx(result.objective)
+
+
+# ---- description, determinism -------------------------------------------------------------
+def test_params_round_trip_and_determinism():
+    mech, _ = solve(12, 3)
+    params = mech.params()
+    text = json.dumps(params)
+    assert len(text) < 2000 and set(params) == {"max_participations", "min_sep", "duals"}
+    again = DenseMechanism.from_params(12, Workload(), json.loads(text))
+    assert np.array_equal(again.duals, mech.duals)
+    assert np.array_equal(again.strategy_matrix(), mech.strategy_matrix())
+    other, _ = optimize_dense(12, FixedEpoch(3, 4), tolerance=TIGHT, device="cpu")
+    assert np.array_equal(other.duals, mech.duals)
+    assert np.array_equal(other.strategy_matrix(), mech.strategy_matrix())
+
+
+def test_corner_signs():
+    s = corner_signs(3)
+    assert s.shape == (4, 3) and np.all(s[:, 0] == 1)
+    assert len({tuple(r) for r in s} | {tuple(-r) for r in s}) == 8
+
+
+# ---- bad input ----------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "rounds,schema,match",
+    [
+        (12, FixedEpoch(3, 5), "rounds = k x b"),
+        (13 * 2, FixedEpoch(13, 2), "too many"),
+        (12, MinSep(4, 3), "FixedEpoch"),
+        (0, FixedEpoch(3, 4), "rounds"),
+    ],
+)
+def test_bad_input(rounds, schema, match):
+    with pytest.raises(ValueError, match=match):
+        optimize_dense(rounds, schema)
+
+
+@pytest.mark.parametrize(
+    "duals,match",
+    [
+        (np.ones((4, 2)), "shape"),
+        (-np.ones((4, 4)), "non-negative"),
+        (np.full((4, 4), np.nan), "finite"),
+        (np.array([[1.0, 0, 0, 0]] * 4), "span"),
+    ],
+)
+def test_bad_duals(duals, match):
+    with pytest.raises(ValueError, match=match):
+        DenseMechanism(12, 3, 4, duals)
+
+
+def test_bad_options():
+    with pytest.raises(ValueError, match="tolerance"):
+        optimize_dense(4, FixedEpoch(1, 4), tolerance=0.0)
+    with pytest.raises(ValueError, match="max_steps"):
+        optimize_dense(4, FixedEpoch(1, 4), max_steps=0)
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("n,k,workload", [(342, 6, Workload()), (120, 6, MOMENTUM), (128, 2, MOMENTUM)])
+def test_larger_cases_converge(n, k, workload):
+    """Default tolerance on larger geometries (a minute or more on 2 CPU cores)."""
+    mech, result = optimize_dense(n, FixedEpoch(k, n // k), workload, device="cpu")
+    assert result.converged and 0 <= result.details["relative_duality_gap"] <= 1e-3
+    assert brute_force_sens_sq(mech.strategy_matrix(), k, n // k) == pytest.approx(1.0, abs=1e-9)
+    loss = mech.evaluate(FixedEpoch(k, n // k))["loss"]
+    assert result.details["primal_value"] * (1 - 1e-12) <= loss
