@@ -241,6 +241,9 @@ def _parser() -> argparse.ArgumentParser:
     from .accounting.cli import add_commands as add_accounting  # fedmf epsilon / fedmf calibrate
 
     add_accounting(sub)
+    from .ledger.cli import add_commands as add_ledger  # fedmf audit
+
+    add_ledger(sub)
     return parser
 
 

@@ -38,33 +38,33 @@ _CLASSES: dict[str, type[Mechanism]] = {
 }
 
 
-def _register_optional() -> None:
-    """Kinds whose modules may be absent in a partial checkout register when importable."""
-    import importlib
+#: kinds whose modules import torch: loaded on first use so that the CLI starts fast
+_LAZY: dict[str, tuple[str, str]] = {
+    "dense": ("dense", "DenseMechanism"),
+    "blt": ("blt", "BufferedLinearToeplitz"),
+    "banded": ("banded", "ColumnNormalizedBanded"),
+}
 
-    for module, name in (("dense", "DenseMechanism"), ("blt", "BufferedLinearToeplitz"), ("banded", "ColumnNormalizedBanded")):
-        try:
-            cls = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-        except (ImportError, AttributeError):
-            continue
-        _CLASSES[cls.kind] = cls
-
-
-_register_optional()
 
 #: kinds built from closed forms by ``build``
 CLOSED_FORM_KINDS = ("dp-sgd", "tree", "bsr", "bisr", "bifr")
 #: kinds found by numerical optimization (``plan``)
-OPTIMIZED_KINDS = tuple(k for k in ("banded-toeplitz", "banded", "blt", "dense", "robust") if k in _CLASSES)
+OPTIMIZED_KINDS = ("banded-toeplitz", "banded", "blt", "dense", "robust")
 #: every kind ``plan`` can produce
 KINDS = CLOSED_FORM_KINDS + OPTIMIZED_KINDS
 
 
 def mechanism_class(kind: str) -> type[Mechanism]:
+    if kind not in _CLASSES and kind in _LAZY:
+        import importlib
+
+        module, name = _LAZY[kind]
+        _CLASSES[kind] = getattr(importlib.import_module(f"{__name__}.{module}"), name)
     try:
         return _CLASSES[kind]
     except KeyError:
-        raise ValueError(f"unknown mechanism kind {kind!r} (known: {', '.join(sorted(_CLASSES))})") from None
+        known = sorted(set(_CLASSES) | set(_LAZY))
+        raise ValueError(f"unknown mechanism kind {kind!r} (known: {', '.join(known)})") from None
 
 
 def default_bands(rounds: int, schema: Schema) -> int:
@@ -138,8 +138,6 @@ def plan(
     if kind in CLOSED_FORM_KINDS:
         return build(kind, rounds, schema, workload, num_bands, gamma), None
     mechanism_class(kind)
-    if kind not in OPTIMIZED_KINDS:
-        raise ValueError(f"kind {kind!r} is not available in this installation")
     if gamma is not None:
         raise ValueError(f"--gamma applies to bifr only, not {kind}")
     options: dict[str, Any] = {"progress": progress}

@@ -1,0 +1,34 @@
+"""The participation ledger: who took part in which round, durably and atomically.
+
+* ``models``      SQLAlchemy 2 typed ORM models (runs, rounds, participations, client_state,
+                  privacy_snapshots)
+* ``migrations``  Alembic migrations, the same for SQLite and PostgreSQL (run by ``db``)
+* ``db``          URLs, read-write and read-only engines, migrations, the schema-version check
+* ``keys``        HMAC-SHA256 pseudonymous client keys under the server secret
+* ``repository``  the API the server calls: ``Ledger``, ``RunLedger``
+* ``privacy``     per-round and per-user sensitivities of a recorded run
+* ``audit``       the read-only audit behind ``fedmf audit`` (``cli``)
+
+Names are imported lazily, so ``import fedmf.ledger.cli`` (the CLI wiring) stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = ["Ledger", "RunLedger", "RunInfo", "RoundSummary", "LedgerError", "ServerSecret", "head_revision",
+           "resolve_url", "AuditReport"]
+
+_EXPORTS = {
+    "Ledger": "repository", "RunLedger": "repository", "RunInfo": "repository", "RoundSummary": "repository",
+    "LedgerError": "db", "head_revision": "db", "resolve_url": "db", "ServerSecret": "keys",
+    "AuditReport": "audit",  # the function: fedmf.ledger.audit.audit (the module shares its name)
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)

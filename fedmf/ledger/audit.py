@@ -1,0 +1,379 @@
+"""The read-only privacy audit of a recorded run (``fedmf audit``).
+
+It opens the ledger read-only (SQLite ``mode=ro``; PostgreSQL READ ONLY transactions),
+reads one consistent snapshot of a run, and recomputes from the participations alone:
+the worst user's ε and the plan's ε after every committed round, the realized minimum
+separation and maximum participations, the participation histogram and the users who
+broke the plan (there are none when the server enforced it). Nothing is ever written
+to the ledger; the CSV and PNG files are written only after the audit succeeded.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from sqlalchemy import func, select
+from sqlalchemy.engine import URL, Connection
+
+from ..mechanisms.base import Mechanism
+from ..participation import FixedEpoch, schema_from_dict
+from .db import LedgerError, check_version, database_errors, display_url, reader_engine, resolve_url
+from .models import ClientState, PrivacySnapshot, Round, Run
+from .privacy import run_privacy
+from .repository import RunInfo, fetch_contributions
+
+__all__ = ["AuditReport", "audit", "ROUND_COLUMNS"]
+
+ROUND_COLUMNS = [
+    "round", "status", "attempts", "selected", "contributed", "dropped", "rejected", "clipped",
+    "noise_std", "norm_min", "norm_median", "norm_mean", "norm_max",
+    "sensitivity_worst_user", "epsilon_worst_user", "sensitivity_planned", "epsilon_planned",
+    "recorded_epsilon_worst_user", "recorded_epsilon_planned", "min_separation", "max_participations",
+]
+_REL_TOL = 1e-9
+
+
+@dataclass
+class AuditReport:
+    ledger: str
+    schema_version: str
+    run: dict[str, Any]
+    planned: dict[str, Any]
+    realized: dict[str, Any]
+    histogram: dict[int, int]
+    flagged: list[dict[str, Any]]
+    rounds: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ledger": self.ledger,
+            "schema_version": self.schema_version,
+            "run": self.run,
+            "planned": self.planned,
+            "realized": self.realized,
+            "participation_histogram": {str(k): v for k, v in sorted(self.histogram.items())},
+            "flagged_users": self.flagged,
+            "rounds": self.rounds,
+        }
+
+    # ---- outputs ---------------------------------------------------------------------------
+    def write_csv(self, path: str | os.PathLike) -> None:
+        def write(f) -> None:
+            writer = csv.DictWriter(f, fieldnames=ROUND_COLUMNS, lineterminator="\n")
+            writer.writeheader()
+            for row in self.rounds:
+                writer.writerow({k: "" if row.get(k) is None else _csv_value(row[k]) for k in ROUND_COLUMNS})
+
+        _atomic_write(path, write, text=True)
+
+    def plot(self, path: str | os.PathLike) -> None:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+
+        committed = [r for r in self.rounds if r["status"] == "committed"]
+        fig = Figure(figsize=(11, 4.2), dpi=110)
+        FigureCanvasAgg(fig)
+        ax, bx = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1.6, 1]})
+        t = [r["round"] for r in committed]
+        ax.plot(t, [r["epsilon_planned"] for r in committed], color="tab:blue", lw=4, alpha=0.35,
+                label="planned: worst pattern the plan allows", zorder=2)
+        ax.plot(t, [r["epsilon_worst_user"] for r in committed], color="tab:red", lw=1.4,
+                label="worst recorded user", zorder=3)
+        rec = [(r["round"], r["recorded_epsilon_worst_user"]) for r in committed
+               if r.get("recorded_epsilon_worst_user") is not None]
+        if rec:
+            ax.plot(*zip(*rec), ls="none", marker=".", ms=3, color="black", label="recorded by the server",
+                    zorder=4)
+        ax.axhline(self.planned["epsilon"], color="tab:blue", lw=1, ls="--",
+                   label=f"plan at the end of the run: ε = {self.planned['epsilon']:.3g}")
+        target = self.run.get("target_epsilon")
+        if target is not None and abs(target - self.planned["epsilon"]) > 1e-3 * target:
+            ax.axhline(target, color="gray", lw=1, ls=":", label=f"target ε = {target:g}")
+        ax.set_xlabel("round")
+        ax.set_ylabel(f"ε spent (δ = {self.run['delta']:g})")
+        ax.set_title(f"run {self.run['id']}: ε after each committed round")
+        ax.set_xlim(0, max(self.run["rounds"] - 1, 1))
+        ax.set_ylim(0, 1.08 * max([self.planned["epsilon"], target or 0.0]
+                                  + [r["epsilon_worst_user"] for r in committed]))
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right", fontsize=8)
+        k = self.planned["max_participations"]
+        top = max([k] + list(self.histogram)) + 1
+        counts = list(range(1, top))
+        values = [self.histogram.get(c, 0) for c in counts]
+        bx.bar(counts, values, color=["tab:red" if c > k else "tab:green" for c in counts], width=0.8)
+        bx.axvline(k + 0.5, color="gray", ls=":", lw=1, label=f"plan: at most k = {k}")
+        bx.set_xlabel("rounds a user took part in")
+        bx.set_ylabel("users")
+        bx.set_title(f"participation histogram ({self.realized['users']} users)")
+        bx.xaxis.get_major_locator().set_params(integer=True)
+        bx.set_xlim(0.4, top - 0.4)
+        bx.legend(fontsize=8, loc="upper left")
+        bx.grid(alpha=0.3, axis="y")
+        fig.tight_layout()
+        _atomic_write(path, lambda f: fig.savefig(f, format="png"), text=False)
+
+    def lines(self, max_flagged: int = 10) -> list[str]:
+        """The human-readable summary."""
+        p, r = self.planned, self.realized
+        out = [
+            f"ledger              {self.ledger} (schema {self.schema_version})",
+            f"run                 {self.run['id']}{' ' + repr(self.run['name']) if self.run['name'] else ''}: "
+            f"{self.run['mechanism_kind']}, {self.run['rounds']} rounds, z = {self.run['noise_multiplier']:g}, "
+            f"clip {self.run['clip_norm']:g}, δ = {self.run['delta']:g}",
+            f"plan                {p['schema']}: min_sep b = {p['min_sep']}, max_participations k = "
+            f"{p['max_participations']}, sensitivity {p['sensitivity']:.6g}"
+            f"{'' if p['sensitivity_exact'] else ' (upper bound)'}, ε = {p['epsilon']:.6g}",
+            f"rounds              {r['rounds_committed']} committed (last {r['last_committed_round']}), "
+            f"{r['rounds_aborted']} aborted, {r['rounds_open']} open",
+            f"users               {r['users']} ({r['contributions']} contributions)",
+            f"realized            min separation {r['min_separation']}, max participations {r['max_participations']}",
+            f"ε spent             worst user {_fmt(r['epsilon_worst_user'])} "
+            f"(planned so far {_fmt(r['epsilon_planned_so_far'])}, plan at the end {p['epsilon']:.6g})",
+            "participations      " + ", ".join(f"{c}: {n}" for c, n in sorted(self.histogram.items())),
+        ]
+        if r["rounds_below_planned_noise"]:
+            out.append(f"WARNING             {len(r['rounds_below_planned_noise'])} rounds had noise below the plan's "
+                       f"std {p['noise_std']:.6g}: {r['rounds_below_planned_noise'][:10]}")
+        if not r["client_state_consistent"]:
+            out.append("WARNING             the client_state table (eligibility) disagrees with the participations")
+        out.append(f"flagged users       {r['flagged_users']}")
+        for user in self.flagged[:max_flagged]:
+            out.append(f"  {user['user']}  participations {user['participations']}, min separation "
+                       f"{user['min_separation']}, ε {user['epsilon']:.6g}: {', '.join(user['reasons'])}")
+        if len(self.flagged) > max_flagged:
+            out.append(f"  … and {len(self.flagged) - max_flagged} more (--json or --csv lists every round)")
+        return out
+
+
+def _fmt(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.6g}"
+
+
+def _csv_value(v: Any) -> Any:
+    return repr(v) if isinstance(v, float) else v
+
+
+def _atomic_write(path: str | os.PathLike, write, *, text: bool) -> None:
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent if str(path.parent) else ".", prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        with os.fdopen(fd, "w" if text else "wb", **({"newline": ""} if text else {})) as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+# ---- reading --------------------------------------------------------------------------------
+
+def _mechanism_from_document(text: str, checksum: str) -> Mechanism:
+    """Rebuild the run's mechanism from the stored file, checking both checksums."""
+    from ..mechanisms import from_params
+    from ..mechanisms.io import FORMAT, VERSION, _checksum
+    from ..workloads import Workload
+
+    try:
+        document = json.loads(text)
+        body = document["body"]
+        ok = (document.get("format") == FORMAT and document.get("version") == VERSION
+              and document.get("checksum") == _checksum(body) == checksum)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        ok = False
+    if not ok:
+        raise LedgerError("the run's stored mechanism file failed its checksum: the ledger was modified or damaged")
+    try:
+        return from_params(body["kind"], body["rounds"], Workload.from_dict(body["workload"]), body["params"])
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise LedgerError(f"the run's stored mechanism is invalid: {e}") from None
+
+
+def _read(conn: Connection, url: URL, run_id: int | None):
+    """One snapshot of a run: its row, rounds, snapshots, contributions and client state."""
+    from sqlalchemy.orm import Session
+
+    session = Session(bind=conn)
+    if run_id is None:
+        run_id = conn.execute(select(func.max(Run.id))).scalar()
+        if run_id is None:
+            raise LedgerError(f"ledger {display_url(url)} holds no runs")
+    run = session.get(Run, run_id)
+    if run is None:
+        raise LedgerError(f"no run with id {run_id} in ledger {display_url(url)}")
+    rounds = list(session.scalars(select(Round).where(Round.run_id == run_id).order_by(Round.round_index)))
+    snaps = {s.round_index: s for s in session.scalars(select(PrivacySnapshot).where(PrivacySnapshot.run_id == run_id))}
+    contributions = fetch_contributions(conn, run_id)
+    state = conn.execute(
+        select(ClientState.client_key, ClientState.contributions, ClientState.last_round)
+        .where(ClientState.run_id == run_id).order_by(ClientState.client_key)
+    ).cursor.fetchall()
+    session.expunge_all()
+    return run, rounds, snaps, contributions, state
+
+
+def audit(url: str | os.PathLike, run_id: int | None = None) -> AuditReport:
+    """Audit run ``run_id`` (default: the latest) of the ledger at ``url``, read-only."""
+    if run_id is not None and (isinstance(run_id, bool) or not isinstance(run_id, int) or run_id < 1):
+        raise LedgerError(f"a run id is a positive integer, got {run_id!r}")
+    resolved = resolve_url(url)
+    with database_errors(resolved, "cannot read ledger"):
+        engine = reader_engine(resolved)
+    try:
+        with database_errors(resolved, "cannot read ledger"), engine.connect() as conn:
+            transaction = conn.begin()  # one snapshot for every read; nothing to keep afterwards
+            try:
+                version = check_version(conn, resolved, allow_empty=False, allow_older=False)
+                run, rounds, snaps, contributions, state = _read(conn, resolved, run_id)
+            finally:
+                transaction.rollback()
+    finally:
+        engine.dispose()
+    return _report(display_url(resolved), version, run, rounds, snaps, *contributions, state)
+
+
+def _report(ledger: str, version: str, run: Run, rounds: list[Round], snaps: dict[int, PrivacySnapshot],
+            unique: np.ndarray, users: np.ndarray, r_sorted: np.ndarray, state: list) -> AuditReport:
+    info = RunInfo.from_row(run)
+    mechanism = _mechanism_from_document(run.mechanism_document, run.mechanism_checksum)
+    schema = schema_from_dict(run.participation_schema)
+    n = info.rounds
+    if mechanism.rounds != n:
+        raise LedgerError(f"run {info.id}: the stored mechanism has {mechanism.rounds} rounds, the run {n}")
+    b, k = schema.min_sep, schema.participations(n)
+    committed = [r.round_index for r in rounds if r.status == "committed"]
+    last = max(committed) if committed else None
+    if r_sorted.size and (r_sorted.min() < 0 or r_sorted.max() >= n):
+        raise LedgerError(f"run {info.id}: a participation lies outside the run's {n} rounds")
+    n_users = len(unique)
+    z, delta = info.noise_multiplier, info.delta
+    priv = run_privacy(mechanism, schema, z, delta, users, r_sorted, n_users)
+    s_plan = priv.sensitivity_plan
+    upto = (last + 1) if last is not None else 0
+
+    # realized separation and participations, per user and after each round
+    big = np.iinfo(np.int64).max
+    bounds = np.searchsorted(users, np.arange(n_users + 1))
+    counts = np.diff(bounds)
+    same = users[1:] == users[:-1]
+    gaps = np.where(same, r_sorted[1:] - r_sorted[:-1], big)
+    user_min_gap = np.full(n_users, big)
+    np.minimum.at(user_min_gap, users[1:], gaps)
+    min_gap_by_round = np.full(n, big)
+    np.minimum.at(min_gap_by_round, r_sorted[1:][same], gaps[same])
+    min_gap_by_round = np.minimum.accumulate(min_gap_by_round)
+    ordinal = np.arange(len(users)) - bounds[users] + 1
+    max_part_by_round = np.zeros(n, dtype=np.int64)
+    np.maximum.at(max_part_by_round, r_sorted, ordinal)
+    max_part_by_round = np.maximum.accumulate(max_part_by_round)
+
+    # users who may have broken the plan, and the worst user: accounted by the post-hoc API
+    suspect = (counts > k) | (user_min_gap < b) | (priv.user_sensitivity > s_plan * (1 + _REL_TOL))
+    if isinstance(schema, FixedEpoch) and n_users:
+        slot = r_sorted % schema.min_sep
+        suspect |= np.logical_or.reduceat(slot != slot[bounds[:-1]][users], bounds[:-1])
+    chosen = set(np.flatnonzero(suspect).tolist())
+    if n_users:
+        chosen.add(int(np.argmax(priv.user_sensitivity)))
+    posthoc = _posthoc(mechanism, z, delta, schema, unique, bounds, r_sorted, sorted(chosen))
+    flagged = []
+    for u, account in posthoc.items():
+        if account.violation is None:
+            continue
+        flagged.append({
+            "user": unique[u].tobytes().hex()[:16],
+            "participations": int(counts[u]),
+            "min_separation": None if user_min_gap[u] == big else int(user_min_gap[u]),
+            "rounds": list(account.rounds),
+            "sensitivity": account.sensitivity,
+            "sensitivity_exact": account.sensitivity_exact,
+            "epsilon": account.epsilon,
+            "reasons": [account.violation],
+        })
+    flagged.sort(key=lambda f: (-f["epsilon"], f["user"]))
+    # the eligibility table must agree with the participations it was derived from
+    last_round = r_sorted[bounds[1:] - 1] if n_users else np.zeros(0, np.int64)
+    state_keys = np.frombuffer(b"".join(bytes(k) for k, _, _ in state), dtype=np.uint8).reshape(-1, 32)
+    consistent = (len(state) == n_users and bool(np.array_equal(state_keys, unique))
+                  and [(c, lr) for _, c, lr in state] == list(zip(counts.tolist(), last_round.tolist())))
+    eps_end = max([float(priv.epsilon_user.max(initial=0.0))] + [a.epsilon for a in posthoc.values()])
+
+    planned_std = z * info.clip_norm * s_plan
+    rows = []
+    below = []
+    for r in rounds:
+        if r.status == "planned":
+            continue
+        t = r.round_index
+        done = r.status == "committed"
+        snap = snaps.get(t)
+        if done and r.noise_std is not None and r.noise_std < planned_std * (1 - _REL_TOL):
+            below.append(t)
+        rows.append({
+            "round": t, "status": r.status, "attempts": r.attempts, "selected": r.selected,
+            "contributed": r.contributed, "dropped": r.dropped, "rejected": r.rejected, "clipped": r.clipped,
+            "noise_std": r.noise_std, "norm_min": r.norm_min, "norm_median": r.norm_median,
+            "norm_mean": r.norm_mean, "norm_max": r.norm_max,
+            "sensitivity_worst_user": float(priv.worst_by_round[t]) if done else None,
+            "epsilon_worst_user": float(priv.epsilon_worst_by_round[t]) if done else None,
+            "sensitivity_planned": float(priv.plan_by_round[t]) if done else None,
+            "epsilon_planned": float(priv.epsilon_plan_by_round[t]) if done else None,
+            "recorded_epsilon_worst_user": snap.epsilon_worst_user if snap else None,
+            "recorded_epsilon_planned": snap.epsilon_planned if snap else None,
+            "min_separation": None if min_gap_by_round[t] == big else int(min_gap_by_round[t]),
+            "max_participations": int(max_part_by_round[t]),
+        })
+
+    realized_gap = int(user_min_gap.min()) if n_users and user_min_gap.min() != big else None
+    hist = {int(c): int(v) for c, v in enumerate(np.bincount(counts)) if c > 0 and v > 0} if n_users else {}
+    planned = {
+        "schema": schema.name, "min_sep": b, "max_participations": k,
+        "sensitivity": s_plan, "sensitivity_method": priv.sensitivity_plan_method,
+        "sensitivity_exact": priv.sensitivity_plan_exact, "curve_method": priv.plan_curve_method,
+        "curve_exact": priv.plan_curve_exact, "epsilon": priv.epsilon_plan, "target_epsilon": info.target_epsilon, "noise_std": planned_std,
+    }
+    realized = {
+        "rounds_committed": len(committed), "last_committed_round": last,
+        "rounds_aborted": sum(1 for r in rounds if r.status == "aborted"),
+        "rounds_open": sum(1 for r in rounds if r.status == "open"),
+        "aborts": sum(max(r.attempts - 1, 0) + (r.status == "aborted") for r in rounds),
+        "users": n_users, "contributions": int(len(users)),
+        "min_separation": realized_gap, "max_participations": int(counts.max()) if n_users else 0,
+        "worst_user_sensitivity": float(priv.user_sensitivity.max()) if n_users else 0.0,
+        "sensitivity_exact": priv.observed_exact,
+        "epsilon_worst_user": float(priv.epsilon_worst_by_round[upto - 1]) if upto else None,
+        "epsilon_planned_so_far": float(priv.epsilon_plan_by_round[upto - 1]) if upto else None,
+        "epsilon_worst_user_at_end": eps_end,
+        "flagged_users": len(flagged),
+        "rounds_below_planned_noise": below,
+        "client_state_consistent": consistent,
+    }
+    run_dict = info.to_dict()
+    return AuditReport(ledger, version, run_dict, planned, realized, hist, flagged, rows)
+
+
+def _posthoc(mechanism: Mechanism, z: float, delta: float, schema, unique: np.ndarray, bounds: np.ndarray,
+             rounds: np.ndarray, chosen: list[int]) -> dict[int, Any]:
+    """``fedmf.accounting.posthoc.account_observed`` for the chosen users: their own
+    sensitivity, ε and why they broke the plan. (It takes about a millisecond per user,
+    so the population's values come from the vectorized ``run_privacy`` instead.)"""
+    from ..accounting.posthoc import account_observed
+    from ..participation import Observed
+
+    if not chosen:
+        return {}
+    items = tuple((unique[u].tobytes().hex(), tuple(int(x) for x in rounds[bounds[u] : bounds[u + 1]]))
+                  for u in chosen)
+    report = account_observed(mechanism, z, delta, Observed(items), schema)
+    return dict(zip(chosen, report.users))

@@ -1,0 +1,251 @@
+"""Database URLs, engines (read-write and read-only), migrations and the schema-version check.
+
+SQLite is the embedded default: a plain path (``ledger.db``) means ``sqlite:///ledger.db``.
+PostgreSQL comes by URL (``postgresql://user@host/db``, run through psycopg 3). Every
+failure to reach or recognise a ledger is a ``LedgerError`` with a one-line message that
+never shows a password.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sqlite3
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+from urllib.parse import quote
+
+from sqlalchemy import create_engine, event, inspect, pool, text
+from sqlalchemy.engine import URL, Connection, Engine, make_url
+from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, SQLAlchemyError
+
+from .models import VERSION_TABLE
+
+__all__ = [
+    "LedgerError",
+    "resolve_url",
+    "display_url",
+    "writer_engine",
+    "reader_engine",
+    "upgrade",
+    "check_version",
+    "head_revision",
+    "database_errors",
+]
+
+MIGRATIONS = Path(__file__).with_name("migrations")
+CONNECT_TIMEOUT_S = 10
+
+
+class LedgerError(ValueError):
+    """A ledger that cannot be reached, trusted or used as asked (one-line message)."""
+
+
+def _one_line(text_: object) -> str:
+    lines = [line.strip() for line in str(text_).splitlines() if line.strip()]
+    return lines[0] if lines else type(text_).__name__
+
+
+def resolve_url(url: str | os.PathLike) -> URL:
+    """A SQLAlchemy URL for ``url``: a path means SQLite; postgres(ql):// means psycopg 3."""
+    if isinstance(url, os.PathLike) or (isinstance(url, str) and "://" not in url):
+        path = os.fspath(url)
+        if not path:
+            raise LedgerError("empty ledger URL")
+        return URL.create("sqlite", database=os.path.abspath(path))
+    if not isinstance(url, str):
+        raise LedgerError(f"a ledger URL must be a string, not {type(url).__name__}")
+    try:
+        parsed = make_url(url)
+    except (ArgumentError, ValueError):
+        raise LedgerError(f"not a database URL: {_safe_text(url)!r}") from None
+    backend = parsed.get_backend_name()
+    if backend in ("postgres", "postgresql"):
+        if parsed.drivername in ("postgres", "postgresql"):
+            parsed = parsed.set(drivername="postgresql+psycopg")
+        elif parsed.drivername != "postgresql+psycopg":
+            raise LedgerError(f"unsupported PostgreSQL driver {parsed.drivername!r} (use postgresql://…)")
+        return parsed
+    if backend == "sqlite":
+        if parsed.drivername != "sqlite":
+            raise LedgerError(f"unsupported SQLite driver {parsed.drivername!r} (use sqlite:///PATH)")
+        return parsed
+    raise LedgerError(
+        f"unsupported ledger database {backend!r}: use a path, sqlite:///PATH or postgresql://USER@HOST/DB"
+    )
+
+
+def _safe_text(url: str) -> str:
+    """``url`` with any password replaced (for messages about unparsable URLs)."""
+    if "@" in url and "://" in url:
+        scheme, rest = url.split("://", 1)
+        creds, host = rest.rsplit("@", 1)
+        if ":" in creds:
+            creds = creds.split(":", 1)[0] + ":***"
+        return f"{scheme}://{creds}@{host}"
+    return url
+
+
+def display_url(url: URL) -> str:
+    return url.render_as_string(hide_password=True)
+
+
+def _is_memory(url: URL) -> bool:
+    return url.get_backend_name() == "sqlite" and url.database in (None, "", ":memory:")
+
+
+def _sqlite_transactions(engine: Engine, *, foreign_keys: bool) -> None:
+    """pysqlite's own transaction handling skips BEGIN before DDL and SELECT; take it over
+    so that migrations and reads are real transactions (SQLAlchemy's documented recipe)."""
+
+    @event.listens_for(engine, "connect")
+    def _connect(dbapi_connection, _record):  # pragma: no cover - exercised through every test
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        if foreign_keys:  # the writer
+            cursor.execute("PRAGMA foreign_keys = ON")
+            cursor.execute("PRAGMA cache_size = -65536")  # 64 MiB: keys land all over the eligibility index
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _begin(conn):  # pragma: no cover
+        conn.exec_driver_sql("BEGIN")
+
+
+def writer_engine(url: URL) -> Engine:
+    """An engine that may create and migrate the ledger."""
+    if url.get_backend_name() == "sqlite":
+        if _is_memory(url):
+            engine = create_engine(url, poolclass=pool.StaticPool, connect_args={"check_same_thread": False})
+        else:
+            directory = Path(url.database).parent
+            if not directory.is_dir():
+                raise LedgerError(f"cannot create ledger {display_url(url)}: directory {str(directory)!r} does not exist")
+            engine = create_engine(url, connect_args={"timeout": 30})
+        _sqlite_transactions(engine, foreign_keys=True)
+        return engine
+    return create_engine(url, connect_args={"connect_timeout": CONNECT_TIMEOUT_S}, pool_pre_ping=True)
+
+
+def reader_engine(url: URL) -> Engine:
+    """An engine that cannot write: SQLite opened with mode=ro (a missing file is an error,
+    never created), PostgreSQL sessions in READ ONLY, REPEATABLE READ transactions."""
+    if url.get_backend_name() == "sqlite":
+        if _is_memory(url):
+            raise LedgerError("an in-memory SQLite database holds no ledger to audit")
+        path = Path(url.database)
+        if not path.is_file():
+            raise LedgerError(f"no ledger at {str(path)!r}: file not found")
+        uri = f"file:{quote(str(path.resolve()))}?mode=ro"
+
+        def creator() -> sqlite3.Connection:
+            return sqlite3.connect(uri, uri=True, timeout=30, check_same_thread=False)
+
+        engine = create_engine("sqlite://", creator=creator, poolclass=pool.NullPool)
+        _sqlite_transactions(engine, foreign_keys=False)
+        return engine
+    engine = create_engine(url, connect_args={"connect_timeout": CONNECT_TIMEOUT_S}, poolclass=pool.NullPool)
+    return engine.execution_options(postgresql_readonly=True, isolation_level="REPEATABLE READ")
+
+
+@contextmanager
+def database_errors(url: URL, doing: str) -> Iterator[None]:
+    """Turn driver errors into one-line LedgerErrors that name the ledger (password hidden)."""
+    try:
+        yield
+    except LedgerError:
+        raise
+    except DBAPIError as e:
+        orig = getattr(e, "orig", None) or e
+        raise LedgerError(f"{doing} {display_url(url)}: {_one_line(orig)}") from None
+    except (NoSuchModuleError, ArgumentError) as e:
+        raise LedgerError(f"{doing} {display_url(url)}: {_one_line(e)}") from None
+    except SQLAlchemyError as e:
+        raise LedgerError(f"{doing} {display_url(url)}: {_one_line(e)}") from None
+
+
+# ---- migrations and versions ----------------------------------------------------------------
+
+def _alembic_config(connection: Connection | None = None):
+    from alembic.config import Config
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS))
+    if connection is not None:
+        cfg.attributes["connection"] = connection
+    return cfg
+
+
+@functools.lru_cache(maxsize=1)
+def _script():
+    from alembic.script import ScriptDirectory
+
+    return ScriptDirectory.from_config(_alembic_config())
+
+
+def head_revision() -> str:
+    return _script().get_current_head()
+
+
+def known_revisions() -> list[str]:
+    return [s.revision for s in _script().walk_revisions()]
+
+
+def current_revision(connection: Connection) -> str | None:
+    from alembic.runtime.migration import MigrationContext
+
+    context = MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE})
+    return context.get_current_revision()
+
+
+def check_version(connection: Connection, url: URL, *, allow_empty: bool, allow_older: bool) -> str | None:
+    """The ledger's schema revision after checking it is one this fedmf can use.
+
+    Returns None for an empty database when ``allow_empty``. Raises LedgerError for a
+    database without the ledger's tables, a revision from a newer fedmf, an unknown
+    revision, or (unless ``allow_older``) an older one.
+    """
+    tables = set(inspect(connection).get_table_names())
+    head = head_revision()
+    if VERSION_TABLE not in tables:
+        if tables & {"runs", "rounds", "participations"} or (tables and not allow_empty):
+            raise LedgerError(f"{display_url(url)} is not a fedmf ledger (no {VERSION_TABLE} table)")
+        if not allow_empty:
+            raise LedgerError(f"{display_url(url)} holds no fedmf ledger (empty database)")
+        return None
+    revision = current_revision(connection)
+    if revision is None:
+        if allow_empty:
+            return None
+        raise LedgerError(f"{display_url(url)} holds no fedmf ledger (no schema version recorded)")
+    known = known_revisions()
+    if revision not in known:
+        if revision.isdigit() and head.isdigit() and int(revision) > int(head):
+            raise LedgerError(
+                f"ledger {display_url(url)} has schema version {revision}, newer than this fedmf "
+                f"understands ({head}); upgrade fedmf to read it"
+            )
+        raise LedgerError(f"ledger {display_url(url)} has an unknown schema version {revision!r}")
+    if revision != head and not allow_older:
+        raise LedgerError(
+            f"ledger {display_url(url)} has schema version {revision}, older than this fedmf's {head}; "
+            "open it once with the server (fedmf.ledger.Ledger.open) to migrate it"
+        )
+    return revision
+
+
+def upgrade(engine: Engine, url: URL) -> str:
+    """Create or migrate the ledger to the head revision in one transaction; returns it."""
+    from alembic import command
+
+    with database_errors(url, "cannot open ledger"):
+        with engine.begin() as connection:
+            if connection.dialect.name == "postgresql":
+                # two servers starting at once must not both migrate
+                connection.execute(text("SELECT pg_advisory_xact_lock(7213540911)"))
+            revision = check_version(connection, url, allow_empty=True, allow_older=True)
+            head = head_revision()
+            if revision != head:
+                command.upgrade(_alembic_config(connection), "head")
+            return head

@@ -1,0 +1,1 @@
+"""Alembic migrations of the ledger (run programmatically by ``fedmf.ledger.db``)."""

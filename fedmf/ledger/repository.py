@@ -1,0 +1,623 @@
+"""The repository API the server calls.
+
+    ledger = Ledger.open("ledger.db", secret=server_secret)          # or postgresql://…
+    run = ledger.create_run("so.mech.json", noise_multiplier=z, clip_norm=1.0, delta=1e-6)
+    run.open_round(t)
+    chosen = run.record_selection(t, candidates)     # refuses clients that would break MinSep(b, k)
+    run.record_contribution(t, client, update_norm=…)
+    run.record_rejection(t, client, "non-finite update")
+    run.commit_round(t, noise_std=σ)                 # all of round t's rows, or (abort_round) none
+    run.eligible(clients, t) -> [bool, …]            # one indexed query
+    ledger.observed_pattern(run.id) -> Observed      # what really happened, for post-hoc accounting
+
+A round's selections and contributions are held in memory until ``commit_round`` writes
+them, with the round's counts and the accountant's ε snapshot, in one transaction;
+``abort_round`` discards them and marks the round aborted (it may be re-opened). Rows of
+the ``participations`` table therefore exist only for committed rounds. A round left
+open by a server that stopped is marked aborted when the run is resumed.
+
+Only contributions count as participations (a dropped or rejected update was never
+summed, so it spends no privacy); eligibility and the observed pattern use them alone.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+import os
+import secrets
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+from sqlalchemy import Text, cast, func, insert, select, update
+from sqlalchemy.dialects.postgresql import aggregate_order_by
+from sqlalchemy.engine import URL, Connection, Engine
+from sqlalchemy.orm import Session
+
+from ..participation import FixedEpoch, MinSep, Observed, schema_from_dict
+from .db import LedgerError, database_errors, display_url, resolve_url, upgrade, writer_engine
+from .keys import ServerSecret
+from .models import ClientState, Participation, PrivacySnapshot, Round, Run
+
+__all__ = ["Ledger", "RunLedger", "RunInfo", "RoundSummary", "fetch_contributions", "observed_from_arrays"]
+
+_IN_CHUNK = 5000  # keys per IN (...) list
+_HISTORY_SQL = "SELECT client_key, contributions, last_round FROM client_state WHERE run_id = %s AND client_key {}"
+
+
+def _upsert_client_state(dialect: str):
+    """INSERT … ON CONFLICT (run_id, client_key) DO UPDATE: one more contribution, in round t."""
+    if dialect == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert as dialect_insert
+    else:
+        from sqlalchemy.dialects.sqlite import insert as dialect_insert
+    stmt = dialect_insert(ClientState)
+    return stmt.on_conflict_do_update(
+        index_elements=[ClientState.run_id, ClientState.client_key],
+        set_={"contributions": ClientState.contributions + 1, "last_round": stmt.excluded.last_round},
+    )
+_REASON_MAX = 200
+
+
+def _now() -> dt.datetime:
+    return dt.datetime.now(dt.timezone.utc)
+
+
+def _key_label(key: bytes) -> str:
+    """How a client appears in messages and audits: a prefix of its pseudonymous key."""
+    return key.hex()[:16]
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    id: int
+    uid: str
+    name: str | None
+    created_at: dt.datetime
+    code_version: str
+    rounds: int
+    noise_multiplier: float
+    clip_norm: float
+    delta: float
+    target_epsilon: float | None
+    schema: MinSep | FixedEpoch
+    sampling: str
+    mechanism_kind: str
+    mechanism_checksum: str
+    config: dict[str, Any]
+
+    @property
+    def min_sep(self) -> int:
+        return self.schema.min_sep
+
+    @property
+    def max_participations(self) -> int:
+        return self.schema.participations(self.rounds)
+
+    @classmethod
+    def from_row(cls, row: Run) -> "RunInfo":
+        return cls(
+            id=row.id, uid=row.uid, name=row.name, created_at=row.created_at, code_version=row.code_version,
+            rounds=row.rounds, noise_multiplier=row.noise_multiplier, clip_norm=row.clip_norm, delta=row.delta,
+            target_epsilon=row.target_epsilon, schema=schema_from_dict(row.participation_schema),
+            sampling=row.sampling, mechanism_kind=row.mechanism_kind, mechanism_checksum=row.mechanism_checksum,
+            config=dict(row.config or {}),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        created = self.created_at
+        if created.tzinfo is None:  # SQLite keeps no time zone; the ledger writes UTC
+            created = created.replace(tzinfo=dt.timezone.utc)
+        return {
+            "id": self.id, "name": self.name, "created_at": created.isoformat(),
+            "code_version": self.code_version, "rounds": self.rounds,
+            "noise_multiplier": self.noise_multiplier, "clip_norm": self.clip_norm, "delta": self.delta,
+            "target_epsilon": self.target_epsilon, "schema": self.schema.to_dict(self.rounds),
+            "sampling": self.sampling, "mechanism_kind": self.mechanism_kind,
+            "mechanism_checksum": self.mechanism_checksum, "config": self.config,
+        }
+
+
+@dataclass(frozen=True)
+class RoundSummary:
+    round_index: int
+    status: str
+    attempts: int
+    selected: int
+    contributed: int
+    dropped: int
+    rejected: int
+    clipped: int
+    norm_min: float | None
+    norm_median: float | None
+    norm_mean: float | None
+    norm_max: float | None
+    noise_std: float | None
+
+    @classmethod
+    def from_row(cls, row: Round) -> "RoundSummary":
+        return cls(**{f: getattr(row, f) for f in cls.__dataclass_fields__})
+
+
+class _Pending:
+    """The open round's rows, in memory until commit."""
+
+    def __init__(self, t: int, attempt: int) -> None:
+        self.t = t
+        self.attempt = attempt  # the round row's attempts when this handle opened it
+        self.selected: dict[bytes, None] = {}
+        self.contributed: dict[bytes, tuple[float | None, bool]] = {}
+        self.rejected: dict[bytes, str] = {}
+        self.n_selected = 0  # accepted by record_selection (some may be rejected later)
+
+
+def _finite_float(name: str, value: object, *, positive: bool = False, allow_none: bool = False) -> float | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    v = float(value)
+    if not math.isfinite(v) or v < 0 or (positive and v == 0):
+        raise ValueError(f"{name} must be a finite {'positive' if positive else 'non-negative'} number, got {value!r}")
+    return v
+
+
+class Ledger:
+    """A connection to one ledger database (SQLite file or PostgreSQL), migrated to the head
+    schema on open. ``secret`` (bytes, >= 16) is needed to write rounds or ask eligibility."""
+
+    def __init__(self, engine: Engine, url: URL, secret: ServerSecret | None) -> None:
+        self.engine = engine
+        self.url = url
+        self._secret = secret
+
+    def __repr__(self) -> str:
+        return f"Ledger({display_url(self.url)!r})"
+
+    @classmethod
+    def open(cls, url: str | os.PathLike, secret: bytes | str | ServerSecret | None = None) -> "Ledger":
+        """Open (creating or migrating) the ledger at ``url``; refuses one from a newer fedmf."""
+        resolved = resolve_url(url)
+        if secret is not None and not isinstance(secret, ServerSecret):
+            secret = ServerSecret(secret)
+        with database_errors(resolved, "cannot open ledger"):
+            engine = writer_engine(resolved)
+        try:
+            upgrade(engine, resolved)
+        except BaseException:
+            engine.dispose()
+            raise
+        return cls(engine, resolved, secret)
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    def __enter__(self) -> "Ledger":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _errors(self, doing: str = "ledger error on"):
+        return database_errors(self.url, doing)
+
+    # ---- runs ----------------------------------------------------------------------------------
+    def create_run(
+        self,
+        mechanism: str | os.PathLike | Any,
+        *,
+        noise_multiplier: float,
+        clip_norm: float,
+        delta: float,
+        target_epsilon: float | None = None,
+        schema: MinSep | FixedEpoch | None = None,
+        sampling: str = "fixed-order",
+        name: str | None = None,
+        config: dict[str, Any] | None = None,
+    ) -> "RunLedger":
+        """Record a new run and its plan; returns it ready for round 0.
+
+        ``mechanism`` is a mechanism file (its text and checksum are stored, so the ledger
+        alone suffices for an audit) or a Mechanism (stored as ``fedmf.mechanisms.io`` would
+        save it). ``schema`` defaults to the schema the file was planned for.
+        """
+        from .. import __version__
+        from ..mechanisms.io import load_with_schema
+
+        secret = self._need_secret()
+        z = _finite_float("noise_multiplier", noise_multiplier, positive=True)
+        zeta = _finite_float("clip_norm", clip_norm, positive=True)
+        d = _finite_float("delta", delta, positive=True)
+        if not d < 1:
+            raise ValueError(f"delta must lie in (0, 1), got {delta!r}")
+        eps = _finite_float("target_epsilon", target_epsilon, positive=True, allow_none=True)
+        document, path_label = _mechanism_document(mechanism, schema)
+        with tempfile.TemporaryDirectory() as tmp:  # validate through the one loader
+            check = Path(tmp) / "mechanism.json"
+            check.write_text(document, encoding="utf-8")
+            mech, planned, checksum = load_with_schema(check)
+        if schema is None:
+            schema = planned
+        if schema is None:
+            raise ValueError(f"{path_label} records no participation schema: pass schema=MinSep(b, k)")
+        if not isinstance(schema, (MinSep, FixedEpoch)):
+            raise ValueError(f"a run is planned for MinSep or FixedEpoch, not {type(schema).__name__}")
+        schema.validate(mech.rounds)
+        row = Run(
+            uid=secrets.token_hex(16), name=name, created_at=_now(), code_version=f"fedmf {__version__}",
+            config=dict(config or {}), mechanism_kind=mech.kind, mechanism_checksum=checksum,
+            mechanism_document=document, rounds=mech.rounds, noise_multiplier=z, clip_norm=zeta, delta=d,
+            target_epsilon=eps, participation_schema=schema.to_dict(mech.rounds), sampling=str(sampling)[:200],
+            key_check=secret.key_check(),
+        )
+        with self._errors("cannot write to ledger"), Session(self.engine) as session, session.begin():
+            session.add(row)
+            session.flush()
+            run_id = row.id
+            session.execute(
+                insert(Round),
+                [
+                    {"run_id": run_id, "round_index": t, "status": "planned", "attempts": 0, "selected": 0,
+                     "contributed": 0, "dropped": 0, "rejected": 0, "clipped": 0}
+                    for t in range(mech.rounds)
+                ],
+            )
+        return self.run(run_id)
+
+    def runs(self) -> list[RunInfo]:
+        with self._errors(), Session(self.engine) as session:
+            return [RunInfo.from_row(r) for r in session.scalars(select(Run).order_by(Run.id))]
+
+    def run(self, run_id: int) -> "RunLedger":
+        """Resume a run (needs the secret it was created with). A round that a stopped server
+        left open stays open until ``open_round`` takes it over (as a new attempt)."""
+        secret = self._need_secret()
+        with self._errors(), Session(self.engine) as session, session.begin():
+            row = _get_run(session, run_id, self.url)
+            if row.key_check != secret.key_check():
+                raise LedgerError(f"run {run_id}: the server secret is not the one this run was recorded with")
+            info = RunInfo.from_row(row)
+        return RunLedger(self, info, secret)
+
+    def observed_pattern(self, run_id: int) -> Observed:
+        """Every client's contributed rounds (committed rounds only), keyed by key hex."""
+        with self._errors(), Session(self.engine) as session:
+            row = _get_run(session, run_id, self.url)
+            keys, users, rounds = fetch_contributions(session.connection(), row.id)
+        return observed_from_arrays(keys, users, rounds)
+
+    def _need_secret(self) -> ServerSecret:
+        if self._secret is None:
+            raise LedgerError("this operation needs the server secret: Ledger.open(url, secret=...)")
+        return self._secret
+
+
+def _get_run(session: Session, run_id: int, url: URL) -> Run:
+    if isinstance(run_id, bool) or not isinstance(run_id, (int, np.integer)):
+        raise LedgerError(f"a run id is an integer, got {run_id!r}")
+    row = session.get(Run, int(run_id))
+    if row is None:
+        raise LedgerError(f"no run with id {run_id} in ledger {display_url(url)}")
+    return row
+
+
+def _mechanism_document(mechanism: Any, schema: MinSep | FixedEpoch | None) -> tuple[str, str]:
+    """The mechanism file's text (a Mechanism object is saved the way io.save writes it)."""
+    from ..mechanisms.base import Mechanism
+    from ..mechanisms.io import save
+
+    if isinstance(mechanism, Mechanism):
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "mechanism.json"
+            save(mechanism, path, schema)
+            return path.read_text(encoding="utf-8"), f"mechanism {mechanism.kind!r}"
+    if not isinstance(mechanism, (str, os.PathLike)):
+        raise TypeError("mechanism must be a mechanism file path or a Mechanism")
+    path = Path(mechanism)
+    try:
+        return path.read_text(encoding="utf-8"), repr(str(path))
+    except OSError as e:
+        raise ValueError(f"cannot read mechanism file {str(path)!r}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{str(path)!r} is not a mechanism file (not UTF-8 text)") from None
+
+
+def fetch_contributions(conn: Connection, run_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every contributed (client, round) of a run, grouped by client in one indexed scan.
+
+    Returns (keys (U, 32) uint8 in key order, users (N,), rounds (N,)), sorted by (user,
+    round). Each client's rounds arrive as one aggregated string, so a key crosses the
+    wire once, not once per round."""
+    rounds_text = (
+        func.string_agg(cast(Participation.round_index, Text), aggregate_order_by(",", Participation.round_index))
+        if conn.dialect.name == "postgresql"
+        else func.group_concat(Participation.round_index)
+    )
+    stmt = (
+        select(Participation.client_key, rounds_text)
+        .where(Participation.run_id == run_id, Participation.status == "contributed")
+        .group_by(Participation.client_key)
+        .order_by(Participation.client_key)
+    )
+    rows = conn.execute(stmt).cursor.fetchall()  # plain driver rows: no per-row processing
+    keys = [bytes(key) for key, _ in rows]
+    texts = [text_ for _, text_ in rows]
+    if not keys:
+        return np.zeros((0, 32), dtype=np.uint8), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    rounds = np.array(",".join(texts).split(","), dtype=np.int64)
+    counts = np.fromiter((t.count(",") + 1 for t in texts), dtype=np.int64, count=len(texts))
+    users = np.repeat(np.arange(len(keys), dtype=np.int64), counts)
+    order = np.lexsort((rounds, users))  # group_concat promises no order within a group
+    return np.frombuffer(b"".join(keys), dtype=np.uint8).reshape(-1, 32), users[order], rounds[order]
+
+
+def observed_from_arrays(keys: np.ndarray, users: np.ndarray, rounds: np.ndarray) -> Observed:
+    bounds = np.searchsorted(users, np.arange(len(keys) + 1))
+    items = sorted(
+        (keys[u].tobytes().hex(), tuple(int(x) for x in rounds[bounds[u] : bounds[u + 1]])) for u in range(len(keys))
+    )
+    return Observed(tuple(items))
+
+
+class RunLedger:
+    """One run's rounds: the server's handle (from ``Ledger.create_run`` or ``Ledger.run``)."""
+
+    def __init__(self, ledger: Ledger, info: RunInfo, secret: ServerSecret) -> None:
+        self.ledger = ledger
+        self.info = info
+        self._secret = secret
+        self._pending: _Pending | None = None
+
+    def __repr__(self) -> str:
+        return f"RunLedger(run={self.info.id}, ledger={display_url(self.ledger.url)!r})"
+
+    @property
+    def id(self) -> int:
+        return self.info.id
+
+    def key(self, client: object) -> bytes:
+        """The client's pseudonymous key in this run (HMAC-SHA256 under the server secret)."""
+        return self._secret.client_key(self.info.uid, client)
+
+    def keys(self, clients: Iterable[object]) -> list[bytes]:
+        """The pseudonymous keys of many clients (one HMAC each)."""
+        return self._secret.client_keys(self.info.uid, list(clients))
+
+    # ---- state ---------------------------------------------------------------------------------
+    @property
+    def next_round(self) -> int:
+        """The round to open next: one past the last committed round."""
+        with self.ledger._errors(), self.ledger.engine.connect() as conn:
+            last = conn.execute(
+                select(func.max(Round.round_index)).where(Round.run_id == self.id, Round.status == "committed")
+            ).scalar()
+        return 0 if last is None else int(last) + 1
+
+    def round(self, t: int) -> RoundSummary:
+        with self.ledger._errors(), Session(self.ledger.engine) as session:
+            row = session.get(Round, (self.id, t))
+            if row is None:
+                raise LedgerError(f"run {self.id} has no round {t}")
+            return RoundSummary.from_row(row)
+
+    # ---- rounds --------------------------------------------------------------------------------
+    def open_round(self, t: int) -> None:
+        """Open round t = ``next_round``: a planned round, one aborted before, or one that a
+        stopped server left open (taken over as a new attempt; the old handle can no longer
+        commit it)."""
+        if self._pending is not None:
+            raise LedgerError(f"round {self._pending.t} is still open: commit or abort it first")
+        self._check_index(t)
+        expected = self.next_round
+        if t != expected:
+            raise LedgerError(f"run {self.id}: the next round to open is {expected}, not {t}")
+        where = (Round.run_id == self.id, Round.round_index == t)
+        with self.ledger._errors("cannot write to ledger"), self.ledger.engine.begin() as conn:
+            done = conn.execute(
+                update(Round)
+                .where(*where, Round.status.in_(("planned", "aborted", "open")))
+                .values(status="open", attempts=Round.attempts + 1, opened_at=_now(), closed_at=None,
+                        abort_reason=None)
+            ).rowcount
+            attempt = conn.execute(select(Round.attempts).where(*where)).scalar()
+        if done != 1:
+            raise LedgerError(f"run {self.id}: round {t} cannot be opened (it is committed)")
+        self._pending = _Pending(t, int(attempt))
+
+    def record_selection(self, t: int, clients: Iterable[object], *, enforce: bool = True) -> list[object]:
+        """Select ``clients`` for the open round t; returns those accepted.
+
+        With ``enforce`` (the default) a client that would break MinSep(b, k) is not selected
+        but recorded as rejected with the reason; ``enforce=False`` records every client
+        (a test or a simulation of a server that did not enforce the plan).
+        """
+        pending = self._open(t)
+        clients = list(clients)
+        keys = self.keys(clients)
+        if len(set(keys)) != len(keys):
+            raise ValueError("a client is listed twice in one selection")
+        for key in keys:
+            if key in pending.selected or key in pending.rejected:
+                raise ValueError(f"client {_key_label(key)} was already selected or rejected in round {t}")
+        reasons = self._ineligibility(keys, t) if enforce else [None] * len(keys)
+        accepted = []
+        for client, key, reason in zip(clients, keys, reasons):
+            if reason is None:
+                pending.selected[key] = None
+                pending.n_selected += 1
+                accepted.append(client)
+            else:
+                pending.rejected[key] = reason
+        return accepted
+
+    def record_contribution(self, t: int, client: object, update_norm: float | None = None,
+                            clipped: bool | None = None) -> None:
+        """A selected client's update was summed into round t (``update_norm``: before clipping;
+        ``clipped`` defaults to update_norm > clip_norm)."""
+        pending = self._open(t)
+        key = self.key(client)
+        norm = _finite_float("update_norm", update_norm, allow_none=True)
+        if key not in pending.selected:
+            raise ValueError(f"client {_key_label(key)} was not selected in round {t}")
+        if key in pending.contributed:
+            raise ValueError(f"client {_key_label(key)} already contributed to round {t}")
+        if clipped is None:
+            clipped = norm is not None and norm > self.info.clip_norm
+        pending.contributed[key] = (norm, bool(clipped))
+
+    def record_contributions(self, t: int, clients: Iterable[object],
+                             update_norms: Iterable[float | None] | None = None) -> None:
+        clients = list(clients)
+        norms = [None] * len(clients) if update_norms is None else list(update_norms)
+        if len(norms) != len(clients):
+            raise ValueError("update_norms must have one entry per client")
+        for client, norm in zip(clients, norms):
+            self.record_contribution(t, client, norm)
+
+    def record_rejection(self, t: int, client: object, reason: str) -> None:
+        """The client's update was not summed (invalid, late, not selected …): recorded with
+        ``reason`` (which must not name the client)."""
+        pending = self._open(t)
+        key = self.key(client)
+        if key in pending.contributed:
+            raise ValueError(f"client {_key_label(key)} already contributed to round {t}")
+        if key in pending.rejected:
+            raise ValueError(f"client {_key_label(key)} was already rejected in round {t}")
+        pending.selected.pop(key, None)
+        pending.rejected[key] = str(reason)[:_REASON_MAX] or "rejected"
+
+    def commit_round(self, t: int, *, noise_std: float | None = None, epsilon_worst_user: float | None = None,
+                     epsilon_planned: float | None = None) -> RoundSummary:
+        """Write round t's rows, counts, update-norm summary and ε snapshot in one transaction."""
+        pending = self._open(t)
+        noise = _finite_float("noise_std", noise_std, allow_none=True)
+        eps_w = _finite_float("epsilon_worst_user", epsilon_worst_user, allow_none=True)
+        eps_p = _finite_float("epsilon_planned", epsilon_planned, allow_none=True)
+        rows: list[dict[str, Any]] = []
+        for key, (norm, clipped) in pending.contributed.items():
+            rows.append({"run_id": self.id, "round_index": t, "client_key": key, "status": "contributed",
+                         "reason": None, "update_norm": norm, "clipped": clipped})
+        dropped = [k for k in pending.selected if k not in pending.contributed]
+        for key in dropped:
+            rows.append({"run_id": self.id, "round_index": t, "client_key": key, "status": "dropped",
+                         "reason": "no update received", "update_norm": None, "clipped": None})
+        for key, reason in pending.rejected.items():
+            rows.append({"run_id": self.id, "round_index": t, "client_key": key, "status": "rejected",
+                         "reason": reason, "update_norm": None, "clipped": None})
+        norms = np.array([n for n, _ in pending.contributed.values() if n is not None], dtype=np.float64)
+        counts = {
+            "selected": pending.n_selected,
+            "contributed": len(pending.contributed),
+            "dropped": len(dropped),
+            "rejected": len(pending.rejected),
+            "clipped": sum(1 for _, c in pending.contributed.values() if c),
+        }
+        values = {
+            "status": "committed", "closed_at": _now(), "noise_std": noise, **counts,
+            "norm_min": float(norms.min()) if norms.size else None,
+            "norm_median": float(np.median(norms)) if norms.size else None,
+            "norm_mean": float(norms.mean()) if norms.size else None,
+            "norm_max": float(norms.max()) if norms.size else None,
+        }
+        with self.ledger._errors("cannot write to ledger"), self.ledger.engine.begin() as conn:
+            status, attempts = conn.execute(
+                select(Round.status, Round.attempts)
+                .where(Round.run_id == self.id, Round.round_index == t)
+                .with_for_update()
+            ).one()
+            self._check_still_ours(t, status, attempts, "committed")
+            if rows:
+                conn.execute(insert(Participation), rows)
+            if pending.contributed:
+                conn.execute(_upsert_client_state(conn.dialect.name),
+                             [{"run_id": self.id, "client_key": key, "contributions": 1, "last_round": t}
+                              for key in pending.contributed])
+            conn.execute(update(Round).where(Round.run_id == self.id, Round.round_index == t).values(**values))
+            if eps_w is not None or eps_p is not None:
+                conn.execute(insert(PrivacySnapshot).values(
+                    run_id=self.id, round_index=t, epsilon_worst_user=eps_w, epsilon_planned=eps_p, created_at=_now()))
+        self._pending = None
+        return self.round(t)
+
+    def abort_round(self, t: int, reason: str = "aborted") -> None:
+        """Discard round t's rows (none was written) and mark it aborted; it may be re-opened."""
+        pending = self._open(t)
+        with self.ledger._errors("cannot write to ledger"), self.ledger.engine.begin() as conn:
+            done = conn.execute(
+                update(Round)
+                .where(Round.run_id == self.id, Round.round_index == t, Round.status == "open",
+                       Round.attempts == pending.attempt)
+                .values(status="aborted", closed_at=_now(), abort_reason=str(reason)[:_REASON_MAX])
+            ).rowcount
+        self._pending = None
+        if done != 1:
+            raise LedgerError(f"run {self.id}: round {t} was taken over by another handle; nothing to abort")
+
+    # ---- queries -------------------------------------------------------------------------------
+    def history(self, keys: Sequence[bytes]) -> dict[bytes, tuple[int, int]]:
+        """(contributions, last contributed round) of each key that has any: primary-key
+        lookups in ``client_state``, one query per 5000 keys. The SQL is fixed text run on the
+        driver (PostgreSQL: ``= ANY(array)``, so psycopg prepares it once)."""
+        out: dict[bytes, tuple[int, int]] = {}
+        with self.ledger._errors(), self.ledger.engine.connect() as conn:
+            postgres = conn.dialect.name == "postgresql"
+            cursor = conn.connection.dbapi_connection.cursor()
+            try:
+                for i in range(0, len(keys), _IN_CHUNK):
+                    chunk = list(keys[i : i + _IN_CHUNK])
+                    if postgres:  # binary parameters: the keys travel as bytes, not as hex text
+                        cursor.execute(_HISTORY_SQL.format("= ANY(%s)"), (self.id, chunk), binary=True)
+                    else:
+                        cursor.execute(_HISTORY_SQL.format("IN (" + ",".join("?" * len(chunk)) + ")").replace("%s", "?"),
+                                       (self.id, *chunk))
+                    for key, count, last in cursor.fetchall():
+                        out[bytes(key)] = (int(count), int(last))
+            finally:
+                cursor.close()
+            conn.rollback()
+        return out
+
+    def _ineligibility(self, keys: Sequence[bytes], t: int) -> list[str | None]:
+        self._check_index(t)
+        b, k = self.info.min_sep, self.info.max_participations
+        hist = self.history(list(dict.fromkeys(keys)))
+        out: list[str | None] = []
+        for key in keys:
+            count, last = hist.get(key, (0, None))
+            if count == 0:
+                out.append(None)
+            elif count >= k:
+                out.append(f"ineligible: already took part in {count} rounds (max_participations={k})")
+            elif t - last < b:
+                out.append(f"ineligible: took part in round {last}, less than min_sep={b} rounds before {t}")
+            else:
+                out.append(None)
+        return out
+
+    def eligible(self, clients: Iterable[object], t: int) -> list[bool]:
+        """Whether each client may take part in round t under MinSep(b, k): fewer than k
+        contributions so far and the last one at least b rounds before t."""
+        return [r is None for r in self._ineligibility(self.keys(list(clients)), t)]
+
+    def observed_pattern(self) -> Observed:
+        return self.ledger.observed_pattern(self.id)
+
+    # ---- helpers -------------------------------------------------------------------------------
+    def _check_index(self, t: int) -> None:
+        if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < self.info.rounds:
+            raise ValueError(f"round index must be an integer in [0, {self.info.rounds}), got {t!r}")
+
+    def _check_still_ours(self, t: int, status: str, attempts: int, doing: str) -> None:
+        if status != "open":
+            raise LedgerError(f"run {self.id}: round {t} is {status}, not open; it cannot be {doing}")
+        if attempts != self._pending.attempt:
+            raise LedgerError(f"run {self.id}: round {t} was re-opened by another handle (attempt {attempts}); "
+                              f"it cannot be {doing} here")
+
+    def _open(self, t: int) -> _Pending:
+        if self._pending is None or self._pending.t != t:
+            raise LedgerError(f"run {self.id}: round {t} is not open")
+        return self._pending

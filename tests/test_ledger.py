@@ -1,0 +1,443 @@
+"""The participation ledger's repository API, on SQLite and on the real PostgreSQL server."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import random
+
+import pytest
+from sqlalchemy import func, select, text
+
+from fedmf import FixedEpoch, MinSep
+from fedmf.ledger import Ledger, LedgerError, ServerSecret, head_revision
+from fedmf.ledger.models import VERSION_TABLE, Base, ClientState, Participation, PrivacySnapshot, Round, Run
+from fedmf.mechanisms.io import load_with_schema
+
+from .test_ledger_helpers import SECRET, dump_database, ledger_url, mechanism_file, pg_admin, pg_url  # noqa: F401
+
+
+def _run(url, tmp_path, schema=MinSep(4, 6), rounds=24, **kwargs):
+    ledger = Ledger.open(url, secret=SECRET)
+    run = ledger.create_run(mechanism_file(tmp_path, rounds=rounds, schema=schema), noise_multiplier=2.0,
+                            clip_norm=1.0, delta=1e-6, target_epsilon=3.0, **kwargs)
+    return ledger, run
+
+
+def _participations(ledger, run_id):
+    with ledger.engine.connect() as conn:
+        return conn.execute(
+            select(Participation.round_index, Participation.client_key, Participation.status, Participation.reason,
+                   Participation.update_norm, Participation.clipped)
+            .where(Participation.run_id == run_id).order_by(Participation.round_index, Participation.client_key)
+        ).all()
+
+
+# ---- keys ---------------------------------------------------------------------------------------
+
+def test_client_key_is_hmac_sha256_under_the_secret_and_salted_per_run():
+    secret = ServerSecret(SECRET)
+    expected = hmac.new(SECRET, b"fedmf-ledger/v1/client\x00" + b"run-a" + b"\x00" + b"s" + b"alice",
+                        hashlib.sha256).digest()
+    assert secret.client_key("run-a", "alice") == expected
+    assert len(expected) == 32
+    assert secret.client_key("run-a", 7) == secret.client_key("run-a", "7")  # Flower node ids
+    assert secret.client_key("run-b", "alice") != expected  # unlinkable across runs
+    assert ServerSecret(b"another-secret-of-32-bytes-long!").client_key("run-a", "alice") != expected
+    assert secret.client_keys("run-a", ["alice", "bob"]) == [expected, secret.client_key("run-a", "bob")]
+    assert SECRET.decode() not in repr(secret) and SECRET.decode() not in str(secret)
+    assert secret.key_check() == hmac.new(SECRET, b"fedmf-ledger/v1/key-check", hashlib.sha256).hexdigest()
+    with pytest.raises(ValueError, match="at least 16 bytes"):
+        ServerSecret(b"short")
+    with pytest.raises(TypeError):
+        import pickle
+
+        pickle.dumps(secret)
+
+
+# ---- schema and migrations ------------------------------------------------------------------------
+
+def test_migrations_create_exactly_the_models(ledger_url):
+    from alembic.autogenerate import compare_metadata
+    from alembic.runtime.migration import MigrationContext
+
+    with Ledger.open(ledger_url) as ledger, ledger.engine.connect() as conn:
+        context = MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE, "compare_type": True})
+        assert compare_metadata(context, Base.metadata) == []
+        assert context.get_current_revision() == head_revision() == "0001"
+        from sqlalchemy import inspect
+
+        indexes = {ix["name"]: ix["column_names"] for ix in inspect(conn).get_indexes("participations")}
+        assert indexes["ix_participations_client"] == ["run_id", "client_key", "status", "round_index"]
+    with Ledger.open(ledger_url) as again:  # idempotent: a second open migrates nothing
+        assert len(again.runs()) == 0
+
+
+def test_newer_schema_version_is_refused_and_nothing_is_written(ledger_url, tmp_path):
+    with Ledger.open(ledger_url) as ledger, ledger.engine.begin() as conn:
+        conn.execute(text(f"UPDATE {VERSION_TABLE} SET version_num = '0002'"))
+    before = open(ledger_url, "rb").read() if "://" not in ledger_url else None
+    with pytest.raises(LedgerError, match=r"schema version 0002, newer than this fedmf understands \(0001\)") as e:
+        Ledger.open(ledger_url, secret=SECRET)
+    assert "\n" not in str(e.value)
+    if before is not None:
+        assert open(ledger_url, "rb").read() == before
+
+
+def test_unknown_revision_and_foreign_database(tmp_path):
+    import sqlite3
+
+    path = tmp_path / "other.db"
+    con = sqlite3.connect(path)
+    con.execute("CREATE TABLE runs (x INTEGER)")
+    con.commit()
+    con.close()
+    with pytest.raises(LedgerError, match="is not a fedmf ledger"):
+        Ledger.open(str(path))
+    path2 = tmp_path / "l.db"
+    with Ledger.open(str(path2)) as ledger, ledger.engine.begin() as conn:
+        conn.execute(text(f"UPDATE {VERSION_TABLE} SET version_num = 'abc123'"))
+    with pytest.raises(LedgerError, match="unknown schema version 'abc123'"):
+        Ledger.open(str(path2))
+
+
+@pytest.mark.parametrize("url, message", [
+    ("mysql://root@localhost/test", "unsupported ledger database 'mysql'"),
+    ("postgresql+asyncpg://u@h/db", "unsupported PostgreSQL driver"),
+    ("://nothing", "not a database URL"),
+    ("postgresql://postgres:hunter2@127.0.0.1:1/test", r"cannot open ledger postgresql\+psycopg://postgres:\*\*\*@127.0.0.1:1/test"),
+])
+def test_bad_urls_are_one_line_errors(url, message):
+    with pytest.raises(LedgerError, match=message) as e:
+        Ledger.open(url)
+    assert "\n" not in str(e.value) and "hunter2" not in str(e.value)
+
+
+def test_missing_directory_is_an_error_and_plain_paths_mean_sqlite(tmp_path):
+    with pytest.raises(LedgerError, match="does not exist"):
+        Ledger.open(str(tmp_path / "no" / "such" / "ledger.db"))
+    with Ledger.open(tmp_path / "x.db") as ledger:
+        assert ledger.url.get_backend_name() == "sqlite"
+        assert ledger.url.database == str(tmp_path / "x.db")
+    assert (tmp_path / "x.db").is_file()
+
+
+# ---- runs ------------------------------------------------------------------------------------------
+
+def test_create_run_stores_the_plan_and_the_mechanism_verbatim(ledger_url, tmp_path):
+    path = mechanism_file(tmp_path, rounds=24, schema=MinSep(4, 6))
+    with Ledger.open(ledger_url, secret=SECRET) as ledger:
+        run = ledger.create_run(path, noise_multiplier=2.5, clip_norm=0.7, delta=1e-5, target_epsilon=4.0,
+                                sampling="fixed-order", name="so", config={"lr": 0.1})
+        _, _, checksum = load_with_schema(path)
+        info = run.info
+        assert (info.id, info.rounds, info.noise_multiplier, info.clip_norm, info.delta) == (1, 24, 2.5, 0.7, 1e-5)
+        assert info.schema == MinSep(4, 6) and (info.min_sep, info.max_participations) == (4, 6)
+        assert info.mechanism_checksum == checksum and info.mechanism_kind == "bsr"
+        assert info.config == {"lr": 0.1} and info.name == "so" and info.target_epsilon == 4.0
+        with ledger.engine.connect() as conn:
+            doc = conn.execute(select(Run.mechanism_document)).scalar_one()
+            statuses = conn.execute(select(Round.status, func.count()).group_by(Round.status)).all()
+        assert doc == open(path).read()
+        assert statuses == [("planned", 24)]
+        assert run.next_round == 0
+        assert [r.id for r in ledger.runs()] == [1]
+        second = ledger.create_run(path, noise_multiplier=1.0, clip_norm=1.0, delta=1e-6, schema=MinSep(6, 4))
+        assert second.id == 2 and second.info.schema == MinSep(6, 4)
+        assert second.info.uid != info.uid
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"noise_multiplier": 0.0}, "noise_multiplier must be a finite positive"),
+    ({"noise_multiplier": float("nan")}, "noise_multiplier must be a finite"),
+    ({"delta": 1.0}, r"delta must lie in \(0, 1\)"),
+    ({"clip_norm": -1.0}, "clip_norm must be a finite positive"),
+    ({"schema": MinSep(30, 1)}, "exceeds the number of rounds"),
+])
+def test_create_run_rejects_bad_plans(tmp_path, kwargs, message):
+    args = {"noise_multiplier": 1.0, "clip_norm": 1.0, "delta": 1e-6, **kwargs}
+    with Ledger.open(str(tmp_path / "l.db"), secret=SECRET) as ledger:
+        with pytest.raises(ValueError, match=message):
+            ledger.create_run(mechanism_file(tmp_path), **args)
+        assert ledger.runs() == []
+        with pytest.raises(ValueError, match="cannot read mechanism file"):
+            ledger.create_run(str(tmp_path / "missing.json"), noise_multiplier=1.0, clip_norm=1.0, delta=1e-6)
+
+
+def test_writing_needs_the_secret_and_a_resumed_run_needs_the_same_one(ledger_url, tmp_path):
+    ledger, run = _run(ledger_url, tmp_path)
+    ledger.close()
+    with Ledger.open(ledger_url) as no_secret:
+        with pytest.raises(LedgerError, match="needs the server secret"):
+            no_secret.run(run.id)
+        assert no_secret.observed_pattern(run.id).rounds_by_user == ()  # reading needs no secret
+    with Ledger.open(ledger_url, secret=b"a-different-secret-of-enough-len") as other:
+        with pytest.raises(LedgerError, match="not the one this run was recorded with") as e:
+            other.run(run.id)
+        assert "different" not in str(e.value)
+    with Ledger.open(ledger_url, secret=SECRET) as same:
+        assert same.run(run.id).info == run.info
+        with pytest.raises(LedgerError, match="no run with id 99"):
+            same.run(99)
+
+
+# ---- rounds ----------------------------------------------------------------------------------------
+
+def test_a_round_records_selection_contributions_rejections_and_drops(ledger_url, tmp_path):
+    ledger, run = _run(ledger_url, tmp_path)
+    with ledger:
+        run.open_round(0)
+        accepted = run.record_selection(0, ["a", "b", "c", "d", "e"])
+        assert accepted == ["a", "b", "c", "d", "e"]
+        run.record_contribution(0, "a", 0.5)
+        run.record_contribution(0, "b", 2.0)  # clipped: norm > clip_norm 1.0
+        run.record_contribution(0, "c", 1.0, clipped=False)
+        run.record_rejection(0, "d", "non-finite update")
+        run.record_rejection(0, "mallory", "not selected")  # an update nobody asked for
+        summary = run.commit_round(0, noise_std=3.5, epsilon_worst_user=0.4, epsilon_planned=0.5)
+        assert (summary.status, summary.attempts) == ("committed", 1)
+        assert (summary.selected, summary.contributed, summary.dropped, summary.rejected, summary.clipped) == (5, 3, 1, 2, 1)
+        assert (summary.norm_min, summary.norm_median, summary.norm_max) == (0.5, 1.0, 2.0)
+        assert summary.norm_mean == pytest.approx(3.5 / 3) and summary.noise_std == 3.5
+        rows = _participations(ledger, run.id)
+        by_key = {bytes(k): (st, reason, norm, clip) for _, k, st, reason, norm, clip in rows}
+        assert by_key[run.key("a")] == ("contributed", None, 0.5, False)
+        assert by_key[run.key("b")] == ("contributed", None, 2.0, True)
+        assert by_key[run.key("d")] == ("rejected", "non-finite update", None, None)
+        assert by_key[run.key("e")] == ("dropped", "no update received", None, None)
+        assert by_key[run.key("mallory")] == ("rejected", "not selected", None, None)
+        assert len(rows) == 6
+        with ledger.engine.connect() as conn:
+            snap = conn.execute(select(PrivacySnapshot.epsilon_worst_user, PrivacySnapshot.epsilon_planned)).one()
+        assert tuple(snap) == (0.4, 0.5)
+        assert run.next_round == 1
+
+
+def test_commit_is_atomic_all_rows_or_none(ledger_url, tmp_path):
+    ledger, run = _run(ledger_url, tmp_path)
+    with ledger:
+        run.open_round(0)
+        run.record_selection(0, ["a", "b"])
+        run.record_contribution(0, "a", 0.3)
+        # break the commit half-way: a row that collides with the primary key
+        pending = run._pending
+        pending.rejected[run.key("a")] = "duplicate on purpose"
+        with pytest.raises(LedgerError, match="cannot write to ledger"):
+            run.commit_round(0, noise_std=1.0)
+        assert _participations(ledger, run.id) == []
+        assert run.round(0).status == "open"  # the round row's update was rolled back too
+        del pending.rejected[run.key("a")]
+        summary = run.commit_round(0, noise_std=1.0)  # the round is still open: a retry succeeds
+        assert (summary.contributed, summary.dropped) == (1, 1)
+        assert len(_participations(ledger, run.id)) == 2
+
+
+def test_abort_discards_the_round_and_it_can_be_reopened(ledger_url, tmp_path):
+    ledger, run = _run(ledger_url, tmp_path)
+    with ledger:
+        run.open_round(0)
+        run.record_selection(0, ["a", "b", "c"])
+        run.record_contribution(0, "a", 0.1)
+        run.abort_round(0, "too few updates")
+        assert _participations(ledger, run.id) == []
+        r = run.round(0)
+        assert (r.status, r.attempts, r.contributed) == ("aborted", 1, 0)
+        assert run.next_round == 0
+        with pytest.raises(LedgerError, match="round 0 is not open"):
+            run.record_contribution(0, "a", 0.1)
+        run.open_round(0)
+        assert run.round(0).status == "open"
+        run.record_selection(0, ["a", "b", "c"])  # not counted against the plan: round 0 was aborted
+        run.record_contributions(0, ["b", "c"], [0.2, 0.3])
+        summary = run.commit_round(0)
+        assert (summary.attempts, summary.contributed, summary.dropped) == (2, 2, 1)
+        assert {bytes(k) for _, k, st, *_ in _participations(ledger, run.id) if st == "contributed"} == {
+            run.key("b"), run.key("c")}
+
+
+def test_round_order_and_misuse_are_refused(ledger_url, tmp_path):
+    ledger, run = _run(ledger_url, tmp_path)
+    with ledger:
+        with pytest.raises(LedgerError, match="next round to open is 0, not 1"):
+            run.open_round(1)
+        with pytest.raises(ValueError, match=r"round index must be an integer in \[0, 24\)"):
+            run.open_round(24)
+        run.open_round(0)
+        with pytest.raises(LedgerError, match="round 0 is still open"):
+            run.open_round(1)
+        run.record_selection(0, ["alice"])
+        with pytest.raises(ValueError, match="already selected") as e:
+            run.record_selection(0, ["alice"])
+        assert "alice" not in str(e.value) and run.key("alice").hex()[:16] in str(e.value)
+        with pytest.raises(ValueError, match="listed twice"):
+            run.record_selection(0, ["x", "x"])
+        with pytest.raises(ValueError, match="was not selected") as e:
+            run.record_contribution(0, "bob", 0.1)
+        assert "bob" not in str(e.value)
+        with pytest.raises(ValueError, match="update_norm must be a finite"):
+            run.record_contribution(0, "alice", float("inf"))
+        run.record_contribution(0, "alice", 0.1)
+        with pytest.raises(ValueError, match="already contributed"):
+            run.record_contribution(0, "alice", 0.1)
+        with pytest.raises(ValueError, match="already contributed"):
+            run.record_rejection(0, "alice", "late")
+        run.commit_round(0)
+        with pytest.raises(LedgerError, match="round 0 is not open"):
+            run.commit_round(0)
+
+
+def test_a_round_left_open_by_a_stopped_server_is_taken_over_on_resume(ledger_url, tmp_path):
+    ledger, run = _run(ledger_url, tmp_path)
+    run.open_round(0)
+    run.record_selection(0, ["a"])
+    run.record_contribution(0, "a", 0.1)
+    ledger.close()  # the server stops without committing
+    with Ledger.open(ledger_url, secret=SECRET) as again:
+        resumed = again.run(run.id)
+        r = resumed.round(0)
+        assert (r.status, r.attempts) == ("open", 1)  # resuming alone changes nothing
+        assert resumed.next_round == 0 and _participations(again, run.id) == []
+        resumed.open_round(0)
+        assert resumed.round(0).attempts == 2
+        resumed.record_selection(0, ["a", "b"])
+        resumed.record_contribution(0, "b", 0.1)
+        # the stale handle can neither commit nor abort the round it lost
+        with pytest.raises(LedgerError, match=r"re-opened by another handle \(attempt 2\)"):
+            run.commit_round(0)
+        assert _participations(again, run.id) == []
+        summary = resumed.commit_round(0)
+        assert (summary.attempts, summary.contributed, summary.dropped) == (2, 1, 1)
+        with pytest.raises(LedgerError, match="round 0 is committed, not open"):
+            run.commit_round(0)
+
+
+# ---- eligibility -----------------------------------------------------------------------------------
+
+def _brute_eligible(history: dict[str, list[int]], client: str, t: int, b: int, k: int) -> bool:
+    rounds = history.get(client, [])
+    return len(rounds) < k and all(t - r >= b for r in rounds)
+
+
+@pytest.mark.parametrize("schema", [MinSep(3, 4), MinSep(5, 2), FixedEpoch(3, 6)])
+def test_eligibility_matches_brute_force_under_minsep(ledger_url, tmp_path, schema):
+    ledger, run = _run(ledger_url, tmp_path, schema=schema, rounds=18)
+    b, k = schema.min_sep, schema.participations(18)
+    rng = random.Random(3)
+    clients = [f"client-{i}" for i in range(12)]
+    history: dict[str, list[int]] = {}
+    with ledger:
+        for t in range(18):
+            verdict = run.eligible(clients, t)
+            assert verdict == [_brute_eligible(history, c, t, b, k) for c in clients], t
+            candidates = rng.sample(clients, 7)
+            run.open_round(t)
+            accepted = run.record_selection(t, candidates)
+            assert accepted == [c for c in candidates if _brute_eligible(history, c, t, b, k)]
+            contributors = [c for c in accepted if rng.random() < 0.8]  # some drop out
+            for c in contributors:
+                run.record_contribution(t, c, 0.5)
+                history.setdefault(c, []).append(t)
+            summary = run.commit_round(t)
+            assert summary.rejected == len(candidates) - len(accepted)
+            assert summary.dropped == len(accepted) - len(contributors)
+        observed = run.observed_pattern()
+        assert observed.rounds_by_user == tuple(sorted((run.key(c).hex(), tuple(r)) for c, r in history.items()))
+        assert schema.participations(18) >= observed.participations(18)
+        if observed.min_sep is not None:
+            assert observed.min_sep >= b
+        reasons = {r for *_, st, reason, _, _ in _participations(ledger, run.id) if st == "rejected"
+                   for r in [reason]}
+        assert all(r.startswith("ineligible: ") for r in reasons) and reasons
+
+
+def test_enforce_false_records_plan_breakers_and_eligibility_sees_them(ledger_url, tmp_path):
+    ledger, run = _run(ledger_url, tmp_path, schema=MinSep(4, 2), rounds=12)
+    with ledger:
+        for t in range(3):
+            run.open_round(t)
+            assert run.record_selection(t, ["greedy"], enforce=False) == ["greedy"]
+            run.record_contribution(t, "greedy", 0.1)
+            run.commit_round(t)
+        assert run.eligible(["greedy", "new"], 8) == [False, True]  # 3 > k = 2 contributions
+        assert run.history([run.key("greedy")]) == {run.key("greedy"): (3, 2)}  # (contributions, last)
+        observed = ledger.observed_pattern(run.id)
+        assert observed.rounds_by_user == ((run.key("greedy").hex(), (0, 1, 2)),)
+
+
+def test_only_contributions_count_for_eligibility(ledger_url, tmp_path):
+    ledger, run = _run(ledger_url, tmp_path, schema=MinSep(5, 3), rounds=12)
+    with ledger:
+        run.open_round(0)
+        run.record_selection(0, ["dropper", "rejected", "contributor"])
+        run.record_rejection(0, "rejected", "non-finite update")
+        run.record_contribution(0, "contributor", 0.2)
+        run.commit_round(0)
+        assert run.eligible(["dropper", "rejected", "contributor"], 1) == [True, True, False]
+        assert run.eligible(["contributor"], 5) == [True]
+
+
+def test_eligibility_is_an_indexed_query(ledger_url, tmp_path):
+    ledger, run = _run(ledger_url, tmp_path, schema=MinSep(2, 12), rounds=24)
+    with ledger:
+        keys = [run.key(f"c{i}") for i in range(300)]
+        with ledger.engine.begin() as conn:  # 300 clients with 12 contributions each, written in bulk
+            conn.execute(ClientState.__table__.insert(), [
+                {"run_id": run.id, "client_key": k, "contributions": 12, "last_round": 22} for k in keys])
+            conn.exec_driver_sql("ANALYZE")
+        sql = "SELECT client_key, contributions, last_round FROM client_state WHERE run_id = 1 AND client_key IN ({})"
+        with ledger.engine.connect() as conn:
+            if conn.dialect.name == "sqlite":
+                plan = " ".join(str(r[-1]) for r in conn.exec_driver_sql(
+                    "EXPLAIN QUERY PLAN " + sql.format(", ".join("?" * 3)), tuple(keys[:3])))
+                assert "USING PRIMARY KEY (run_id=? AND client_key=?)" in plan
+            else:
+                conn.exec_driver_sql("SET enable_seqscan = off")  # the table is small; ask for the index path
+                plan = " ".join(r[0] for r in conn.exec_driver_sql(
+                    "EXPLAIN " + sql.format(", ".join(["%s"] * 3)), tuple(keys[:3])))
+                assert "client_state_pkey" in plan and "client_key = ANY" in plan
+        assert run.history(keys[:5] + [run.key("newcomer")]) == {k: (12, 22) for k in keys[:5]}
+        assert run.eligible(["c1", "newcomer"], 23) == [False, True]  # k = 12 reached
+
+
+def test_client_state_follows_the_committed_contributions(ledger_url, tmp_path):
+    ledger, run = _run(ledger_url, tmp_path, schema=MinSep(2, 12), rounds=24)
+    rng = random.Random(7)
+    expected: dict[bytes, list[int]] = {}
+    with ledger:
+        for t in range(10):
+            run.open_round(t)
+            chosen = run.record_selection(t, rng.sample([f"c{i}" for i in range(6)], 4))
+            for c in chosen[:3]:
+                run.record_contribution(t, c, 0.1)
+            if t == 4:
+                run.abort_round(t)  # an aborted attempt leaves no trace in the client state
+                run.open_round(t)
+                chosen = run.record_selection(t, rng.sample([f"c{i}" for i in range(6)], 4))
+                for c in chosen[:3]:
+                    run.record_contribution(t, c, 0.1)
+            run.commit_round(t)
+            for c in chosen[:3]:
+                expected.setdefault(run.key(c), []).append(t)
+        with ledger.engine.connect() as conn:
+            state = {bytes(k): (n, last) for k, n, last in conn.execute(
+                select(ClientState.client_key, ClientState.contributions, ClientState.last_round))}
+    assert state == {k: (len(r), max(r)) for k, r in expected.items()}
+
+
+# ---- privacy of identifiers ---------------------------------------------------------------------------
+
+def test_neither_the_secret_nor_client_ids_reach_the_ledger(ledger_url, tmp_path):
+    ledger, run = _run(ledger_url, tmp_path)
+    clients = ["alice@example.org", "node-8417", "bob-the-client"]
+    with ledger:
+        run.open_round(0)
+        run.record_selection(0, clients)
+        run.record_contribution(0, clients[0], 0.3)
+        run.record_rejection(0, clients[1], "non-finite update")
+        run.commit_round(0)
+    dump = dump_database(ledger_url)
+    if "://" not in ledger_url:
+        dump += open(ledger_url, "rb").read()
+    for needle in [SECRET, SECRET.hex().encode(), *(c.encode() for c in clients)]:
+        assert needle not in dump
+    assert ServerSecret(SECRET).client_key(run.info.uid, clients[0]) in dump  # what is stored instead
