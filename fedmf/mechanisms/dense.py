@@ -19,9 +19,10 @@ from __future__ import annotations
 import itertools
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -36,6 +37,11 @@ __all__ = ["DenseMechanism", "optimize_dense", "corner_signs", "MAX_PARTICIPATIO
 
 #: largest k whose 2^(k-1) sign corners per pattern are enumerated
 MAX_PARTICIPATIONS = 12
+
+#: up to this many rounds a CPU solve runs single-threaded with torch's eigh: at this size each
+#: op takes microseconds and thread hand-offs (torch's OpenMP pool, scipy's BLAS pool) cost more
+#: than they save (benchmarks/mechanisms.py, dense n=128)
+SMALL_ROUNDS = 256
 
 _DTYPE = torch.float64
 
@@ -118,18 +124,19 @@ class _Dual:
         self.t = torch.from_numpy(np.ascontiguousarray(t[np.ix_(perm, perm)])).to(device, _DTYPE)
         self.signs = torch.from_numpy(corner_signs(k)).to(device, _DTYPE)
         self.perm = perm
+        self.scipy_eigh = device.type == "cpu" and self.n > SMALL_ROUNDS
 
     @property
     def corners(self) -> int:
         return int(self.signs.shape[0])
 
     def blocks(self, v: torch.Tensor) -> torch.Tensor:
-        """U_j = sum_s v_{j,s} s s^T for every pattern j, shape (b, k, k)."""
-        return torch.einsum("jm,ma,mc->jac", v, self.signs, self.signs)
+        """U_j = sum_s v_{j,s} s s^T = S^T diag(v_j) S for every pattern j, shape (b, k, k)."""
+        return self.signs.T @ (v.unsqueeze(2) * self.signs)
 
     def quad(self, blocks: torch.Tensor) -> torch.Tensor:
         """s^T Y_j s for every pattern j and corner s, shape (b, m)."""
-        return torch.einsum("ma,jac,mc->jm", self.signs, blocks, self.signs)
+        return ((self.signs @ blocks) * self.signs).sum(2)
 
     def evaluate(self, v: torch.Tensor) -> _Point:
         """X(v) in factored form: one k x k eigh per pattern and one n x n eigh."""
@@ -147,7 +154,7 @@ class _Dual:
         left = (root @ self.t.view(b, k, n)).reshape(n, n)  # U^{1/2} T
         inner = (root @ left.T.reshape(b, k, n)).reshape(n, n)  # U^{1/2} T U^{1/2}
         try:
-            lam, vec = _eigh(0.5 * (inner + inner.T))
+            lam, vec = _eigh(0.5 * (inner + inner.T), self.scipy_eigh)
         except (torch.linalg.LinAlgError, np.linalg.LinAlgError, ValueError) as exc:
             raise _Singular(str(exc)) from None
         if not bool(torch.all(torch.isfinite(lam))) or float(lam[0]) <= 0.0:
@@ -183,7 +190,7 @@ class _Dual:
             flat = e.reshape(-1, self.n)
             ke = (flat @ kernel).reshape(e.shape)
             g = e @ ke.transpose(1, 2)  # (c, pairs, pairs)
-            out.append(-torch.einsum("mp,jpq,mq->jm", weights, g, weights))
+            out.append(-((weights @ g) * weights).sum(2))  # w_m^T G_j w_m
         return torch.cat(out)
 
     def gram(self, point: _Point) -> np.ndarray:
@@ -197,10 +204,10 @@ class _Dual:
         return out
 
 
-def _eigh(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric eigendecomposition, ascending. On CPU LAPACK's divide-and-conquer via scipy
-    (faster than torch's CPU path here); on accelerators torch."""
-    if a.device.type != "cpu":
+def _eigh(a: torch.Tensor, scipy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric eigendecomposition, ascending: LAPACK's divide-and-conquer via scipy (large CPU
+    problems) or torch (accelerators, small CPU problems)."""
+    if not scipy:
         return torch.linalg.eigh(a)
     from scipy.linalg import eigh
 
@@ -284,12 +291,14 @@ class DenseMechanism(Mechanism):
     @cached_property
     def _solution(self) -> tuple[np.ndarray, float, float]:
         """(feasible X, primal value tr(T X^{-1}), dual value g(v)) from the stored duals."""
-        problem = _Dual(self.workload.matrix(self.rounds), self.max_participations, self.min_sep, torch.device("cpu"))
-        try:
-            point = problem.evaluate(torch.from_numpy(self.duals.copy()))
-        except _Singular as exc:
-            raise ValueError(f"dense duals give no positive definite X(v): {exc}") from None
-        return problem.gram(point), point.primal, point.dual
+        cpu = torch.device("cpu")
+        with _threads(_thread_count(self.rounds, cpu)):
+            problem = _Dual(self.workload.matrix(self.rounds), self.max_participations, self.min_sep, cpu)
+            try:
+                point = problem.evaluate(torch.from_numpy(self.duals.copy()))
+            except _Singular as exc:
+                raise ValueError(f"dense duals give no positive definite X(v): {exc}") from None
+            return problem.gram(point), point.primal, point.dual
 
     @property
     def gram_matrix(self) -> np.ndarray:
@@ -398,6 +407,24 @@ def _to_boundary(z: torch.Tensor, d: torch.Tensor, radius: float) -> float:
     return (-zd + math.sqrt(max(zd * zd + dd * (radius * radius - zz), 0.0))) / dd
 
 
+def _thread_count(rounds: int, device: torch.device) -> int | None:
+    """torch intra-op threads for a solve: 1 for small CPU problems, else unchanged."""
+    return 1 if device.type == "cpu" and rounds <= SMALL_ROUNDS else None
+
+
+@contextmanager
+def _threads(count: int | None) -> Iterator[None]:
+    """Run the block with torch's intra-op thread count set to ``count`` (None: unchanged)."""
+    before = torch.get_num_threads()
+    if count is not None:
+        torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        if count is not None:
+            torch.set_num_threads(before)
+
+
 def optimize_dense(
     rounds: int,
     schema: FixedEpoch,
@@ -422,13 +449,15 @@ def optimize_dense(
         raise ValueError(f"max_steps must be a positive integer, got {max_steps!r}")
     started = time.perf_counter()
     dev = _device(device)
-    problem = _Dual(workload.matrix(rounds), k, b, dev)
-    tracker, hvps, message = _trust_region(problem, tolerance, max_steps, progress)
-    best = tracker.best
+    with _threads(_thread_count(rounds, dev)):
+        problem = _Dual(workload.matrix(rounds), k, b, dev)
+        tracker, hvps, message = _trust_region(problem, tolerance, max_steps, progress)
+        best = tracker.best
+        gram = problem.gram(best) if dev.type == "cpu" else None
     duals = best.v.cpu().numpy().copy()
     mechanism = DenseMechanism(rounds, k, b, duals, workload)
-    if dev.type == "cpu":  # same inputs, same code path: seed the cache instead of recomputing
-        mechanism.__dict__["_solution"] = (problem.gram(best), best.primal, best.dual)
+    if gram is not None:  # same inputs, same code path: seed the cache instead of recomputing
+        mechanism.__dict__["_solution"] = (gram, best.primal, best.dual)
     gap, rel = tracker.gap, tracker.relative_gap
     if rel < -1e-9:
         raise AssertionError(f"duality gap is negative ({gap}): primal {best.primal} < dual {tracker.dual}")
