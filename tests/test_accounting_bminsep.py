@@ -149,8 +149,7 @@ def test_pair_sampler_matches_the_loss_of_its_draws(b):
     privacy_loss in log space on the y it stands for: y_Q = σz, y_P = Cx + σz."""
     sigma, n, count = 0.7, 30, 400
     scheme = BMinSep.from_coefficients([0.8, 0.5, 0.3], n, b, 0.15, warm_start=True)
-    a, signal = bminsep._sample_pair(scheme, sigma, np.random.default_rng(5), count, scheme.gram_band())
-    loss_q, loss_p = bminsep._pair_losses(a, signal, b, 0.15, True, "auto")
+    loss_q, loss_p = bminsep._chunk_losses(scheme, sigma, np.random.default_rng(5), count, scheme.gram_band(), "auto")
     # the same draws again, to rebuild y
     rng = np.random.default_rng(5)
     z = rng.standard_normal((n, count))

@@ -28,16 +28,18 @@ rounds; samples that come near float64 under/overflow are redone in log space) �
 numbers (tested to 1e-9) at a fraction of the cost of logaddexp. Both directions share one
 Gaussian draw per sample (y_Q = σz, y_P = Cx + σz): each direction's estimator is still an
 average of i.i.d. samples, which is all the verifier's tail bound needs. Chunks run in
-worker processes when ``workers`` > 1; chunk j always uses the stream (seed, key, j).
+worker threads when ``workers`` > 1 (numpy releases the GIL in the Gaussian fills and the
+array operations); chunk j always uses the stream SFC64(SeedSequence(seed, key + (j,))).
 """
 
 from __future__ import annotations
 
 import math
 import os
-from concurrent.futures import ProcessPoolExecutor
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import numpy as np
 
@@ -274,13 +276,20 @@ def _poisson(a: np.ndarray, p: float) -> np.ndarray:
     if p >= 1.0:
         return np.sum(a, axis=0)
     with np.errstate(over="ignore"):
-        v = np.exp(np.minimum(a, 700.0))
+        v = np.exp(a)
     v += 1.0 - p
     np.log(v, out=v)
-    big = a > 700.0
-    if np.any(big):
-        v[big] = a[big]  # (1-p) is negligible against p·LR_i > e^700
-    return np.sum(v, axis=0)
+    out = np.sum(v, axis=0)
+    bad = ~np.isfinite(out)  # some e^{a_i} overflowed: redo these columns with the guard
+    if np.any(bad):
+        sub = a[:, bad]
+        v = np.exp(np.minimum(sub, 700.0))
+        v += 1.0 - p
+        np.log(v, out=v)
+        big = sub > 700.0
+        v[big] = sub[big]  # (1-p) is negligible against p·LR_i > e^700
+        out[bad] = np.sum(v, axis=0)
+    return out
 
 
 def _dp_log(a: np.ndarray, b: int, p: float, warm: bool) -> np.ndarray:
@@ -315,7 +324,7 @@ def _scaled_ok(b: int, p: float) -> bool:
     return b > 1 and p < 1.0 and -b * math.log1p(-p) <= _EXP_LIMIT
 
 
-def _scaled_core(e: np.ndarray, b: int, p: float, warm: bool, patch=None) -> tuple[np.ndarray, np.ndarray]:
+def _scaled_core(e: np.ndarray, b: int, p: float, warm: bool) -> tuple[np.ndarray, np.ndarray]:
     """The recursion in linear space, in the form h_i = h_{i+1} + e'_i·h_{i+b}.
 
     With g_i = (1-p)^{n-i}·h_i the recursion f_i = (1-p)·f_{i+1} + p·LR_i·f_{i+b} becomes
@@ -327,13 +336,8 @@ def _scaled_core(e: np.ndarray, b: int, p: float, warm: bool, patch=None) -> tup
     e'·h_{i+b} next to h_{i+1} >= 1 (the newest value is 1 right after a renormalization
     and only grows), a contribution below e^600·1e-308. Overflow between renormalizations
     shows as a non-finite newest value: such samples are flagged (returned mask) for the
-    log-space recursion.
-
-    ``patch = (starts, cols, factors)``: run 2S samples, the second half with e'·factor at
-    the sparse positions (rows i: entries starts[i]:starts[i+1]) — the P-draws, which share
-    their Gaussian draw with the Q-draws (first half)."""
-    n, S = e.shape
-    width = 2 * S if patch is not None else S
+    log-space recursion."""
+    n, width = e.shape
     q = 1.0 - p
     lq = math.log(q)
     period = max(2 * b, 64)
@@ -342,21 +346,11 @@ def _scaled_core(e: np.ndarray, b: int, p: float, warm: bool, patch=None) -> tup
         g[j % b] = q ** (j - n)
     scale = np.zeros(width)
     bad = np.zeros(width, dtype=bool)
-    if patch is not None:
-        starts, cols, factors = patch
-        cols = cols + S
     with np.errstate(over="ignore", under="ignore", invalid="ignore", divide="ignore"):
         for step, i in enumerate(range(n - 1, -1, -1), 1):
             s, s1 = i % b, (i + 1) % b
             row = g[s]
-            if patch is None:
-                row *= e[i]
-            else:
-                row[:S] *= e[i]
-                row[S:] *= e[i]
-                lo, hi = starts[i], starts[i + 1]
-                if hi > lo:
-                    row[cols[lo:hi]] *= factors[lo:hi]
+            row *= e[i]
             row += g[s1]
             if step % period == 0 or i == 0:
                 top = row.copy()
@@ -462,78 +456,113 @@ def _participations(scheme: BMinSep, rng: np.random.Generator, count: int) -> tu
     return np.concatenate(rows), np.concatenate(cols)
 
 
-def _sample_pair(scheme: BMinSep, sigma: float, rng: np.random.Generator, count: int, gram: np.ndarray):
-    """One chunk of both directions from one Gaussian draw z (n, count):
-    y_Q = σz gives a = ln(p·LR) directly; y_P = Cx + σz adds <C e_i, C x>/σ² = (C^T C x)_i/σ²
-    to a_i, which is non-zero only within L-1 rounds of a participation. Returns a (the
-    Q-draws) and the P-draws' additions as (rows, cols, values), sorted by row, one entry
-    per position (overlapping windows summed), plus row starts (length n+1)."""
+class _Buffers:
+    """Scratch arrays reused across the chunks of one worker (no re-allocation per chunk)."""
+
+    def __init__(self) -> None:
+        self._arrays: dict[str, np.ndarray] = {}
+
+    def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        a = self._arrays.get(name)
+        if a is None or a.shape != shape:
+            a = self._arrays[name] = np.empty(shape)
+        return a
+
+
+def _correlate_into(scheme: BMinSep, z: np.ndarray, factor: float, out: np.ndarray, work: _Buffers) -> np.ndarray:
+    """out[i] = factor·<C e_i, z> (as ``_correlate``) into ``out`` (n, S), z left intact."""
+    L, n = scheme.bands.shape
+    toeplitz = scheme.toeplitz is not None
+    if toeplitz and L > 12:
+        out[...] = _correlate(scheme, z, factor)
+        return out
+    first = factor * scheme.bands[0, 0] if toeplitz else factor * scheme.bands[0][:, None]
+    np.multiply(z, first, out=out)
+    if L > 1:
+        tmp = work.get("tmp", z.shape)
+        for k in range(1, min(L, n)):
+            m = n - k
+            coef = factor * scheme.bands[k, 0] if toeplitz else factor * scheme.bands[k, :m, None]
+            np.multiply(z[k:], coef, out=tmp[:m])
+            np.add(out[:m], tmp[:m], out=out[:m])
+    return out
+
+
+def _signal(scheme: BMinSep, t: np.ndarray, cols: np.ndarray, gram: np.ndarray, sigma: float):
+    """The P-draws' additions to a = ln(p·LR): (C^T C x)_r/σ² at r = t + d, |d| < L, one
+    (rows, cols, values) triple per offset d (positions are distinct within one d; windows
+    of two participations may overlap across offsets when b < 2L-1)."""
     n, L = scheme.rounds, scheme.num_bands
-    # a_i = (2<C e_i, σz> - ||C e_i||²)/(2σ²) + ln p = <C e_i, z>/σ - ||C e_i||²/(2σ²) + ln p
-    a = _correlate(scheme, rng.standard_normal((n, count)), 1.0 / sigma, inplace=True)
-    a += _row_offsets(scheme, sigma)[:, None]
-    t, cols = _participations(scheme, rng, count)
     inv = 1.0 / sigma**2
-    flat, vals = [], []
     for d in range(-(L - 1), L):
         r = t + d
+        if d == 0:
+            yield r, cols, gram[L - 1, t] * inv
+            continue
         ok = (r >= 0) & (r < n)
         if np.any(ok):
-            flat.append(r[ok] * count + cols[ok])
-            vals.append(gram[d + L - 1, t[ok]] * inv)
-    if not flat:
-        empty = np.zeros(0, dtype=np.int64)
-        return a, (empty, empty, np.zeros(0), np.zeros(n + 1, dtype=np.int64))
-    flat, vals = np.concatenate(flat), np.concatenate(vals)
-    if scheme.min_sep < 2 * L - 1:
-        # windows of two participations may overlap: sum the additions per position
-        flat, inverse = np.unique(flat, return_inverse=True)  # sorted by row, then column
-        vals = np.bincount(inverse, weights=vals, minlength=flat.size)
-        rows, cols = np.divmod(flat, count)
-    else:
-        # participations >= b >= 2L-1 apart: every position appears once; group by row
-        # (a stable radix sort on 16-bit keys when n allows)
-        rows, cols = np.divmod(flat, count)
-        order = np.argsort(rows.astype(np.uint16) if n < 1 << 16 else rows, kind="stable")
-        rows, cols, vals = rows[order], cols[order], vals[order]
-    starts = np.searchsorted(rows, np.arange(n + 1))
-    return a, (rows, cols, vals, starts)
+            yield r[ok], cols[ok], gram[d + L - 1, t[ok]] * inv
 
 
-def _pair_losses(a: np.ndarray, signal: tuple, b: int, p: float, warm: bool,
-                 method: str) -> tuple[np.ndarray, np.ndarray]:
-    """ln P/Q on the Q-draws (a) and on the P-draws (a + signal) of one chunk."""
-    n, S = a.shape
-    rows, cols, vals, starts = signal
+def _chunk_losses(scheme: BMinSep, sigma: float, rng: np.random.Generator, count: int, gram: np.ndarray,
+                  method: str, work: _Buffers | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """ln P/Q on ``count`` Q-draws and on ``count`` P-draws that share one Gaussian draw z
+    (n, count): y_Q = σz gives a = ln(p·LR) = <C e_i, z>/σ - ||C e_i||²/(2σ²) + ln p
+    directly; y_P = Cx + σz adds <C e_i, C x>/σ² = (C^T C x)_i/σ² to a_i, non-zero only
+    within L-1 rounds of a participation (x from ``_participations``, drawn after z)."""
+    work = _Buffers() if work is None else work
+    n, L = scheme.rounds, scheme.num_bands
+    b, p, warm = scheme.min_sep, scheme.sampling_probability, scheme.warm_start
+    S = count
+    z = work.get("z", (n, S))
+    rng.standard_normal(out=z)
+    t, cols = _participations(scheme, rng, S)
+    order = np.argsort(t.astype(np.uint16) if n < 1 << 16 else t, kind="stable")
+    t, cols = t[order], cols[order]  # by round: the scattered updates below walk memory in order
+    offsets = _row_offsets(scheme, sigma)
     if b == 1:
         # Poisson: ln f_0 = sum_i ln((1-p) + e^{a_i}) is a sum over rounds, so the P-draws
-        # differ from the Q-draws only in the rounds the signal touches.
+        # differ from the Q-draws only in the rounds the signal touches (L = 1: one each).
+        a = _correlate(scheme, z, 1.0 / sigma, inplace=True)
+        a += offsets[:, None]
         loss_q = _poisson(a, p)
-        old = a[rows, cols]
+        old = a[t, cols]
+        vals = gram[0, t] / sigma**2
         change = _poisson((old + vals)[None, :], p) - _poisson(old[None, :], p)
         return loss_q, loss_q + np.bincount(cols, weights=change, minlength=S)
     if method == "log" or not _scaled_ok(b, p):
+        a = _correlate(scheme, z, 1.0 / sigma, inplace=True)
+        a += offsets[:, None]
         ap = a.copy()
-        ap[rows, cols] += vals
+        for r, c, v in _signal(scheme, t, cols, gram, sigma):
+            ap[r, c] += v
         return _dp_log(a, b, p, warm), _dp_log(ap, b, p, warm)
-    e = _scaled_exp(a, b, p)
-    with np.errstate(over="ignore"):
-        factors = np.exp(vals)
-        peak = np.empty(2 * S)
-        peak[:S] = e.max(axis=0)
-        peak[S:] = peak[:S]
-        np.maximum.at(peak, cols + S, e[rows, cols] * factors)
-    big = ~(peak <= math.exp(_EXP_LIMIT))
-    out, bad = _scaled_core(e, b, p, warm, patch=(starts, cols, factors))
+    # scaled recursion on 2S columns: e' = exp(a - b·ln(1-p)) for the Q-draws, then the
+    # same times exp(signal) for the P-draws (one factor per offset d)
+    e = work.get("e", (n, 2 * S))
+    eq = _correlate_into(scheme, z, 1.0 / sigma, e[:, :S], work)
+    eq += (offsets - b * math.log1p(-p))[:, None]
+    flat = e.reshape(-1)
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):  # inf·0: flagged below
+        np.exp(eq, out=eq)
+        e[:, S:] = eq
+        for r, c, v in _signal(scheme, t, cols, gram, sigma):
+            idx = r * (2 * S) + S + c
+            flat[idx] *= np.exp(v)
+    big = ~(e.max(axis=0) <= math.exp(_EXP_LIMIT))
+    out, bad = _scaled_core(e, b, p, warm)
     bad |= big
-    if np.any(bad):  # rebuild a (Q-draws) or a + signal (P-draws) for these samples only
+    if np.any(bad):  # a (Q-draws) or a + signal (P-draws) in log space, for these samples only
         idx = np.flatnonzero(bad)
-        sub = np.ascontiguousarray(a[:, np.where(idx < S, idx, idx - S)])
-        where = np.full(2 * S, -1)
-        where[idx] = np.arange(idx.size)
-        j = where[cols + S]
-        ok = j >= 0
-        sub[rows[ok], j[ok]] += vals[ok]
+        j = np.where(idx < S, idx, idx - S)
+        sub = _correlate(scheme, np.ascontiguousarray(z[:, j]), 1.0 / sigma)
+        sub += offsets[:, None]
+        where = np.full(S, -1)
+        where[j[idx >= S]] = np.flatnonzero(idx >= S)
+        for r, c, v in _signal(scheme, t, cols, gram, sigma):
+            k = where[c]
+            ok = k >= 0
+            sub[r[ok], k[ok]] += v[ok]
         out[idx] = _dp_log(sub, b, p, warm)
     return out[:S], out[S:]
 
@@ -656,23 +685,22 @@ class MonteCarloEstimate:
 def _chunk_size(n: int, requested: int | None) -> int:
     if requested is not None:
         return _validate.positive_int("chunk_size", requested)
-    return int(min(1 << 16, max(256, (1 << 21) // max(n, 1))))
+    return int(min(1 << 16, max(256, (1 << 19) // max(n, 1))))  # ~4 MiB per (n, S) array: cache-friendly
 
 
-def _run_chunks(scheme_state: dict, sigma: float, seed_entropy: int, key: tuple, chunks: list[tuple[int, int]],
+def _run_chunks(scheme: BMinSep, sigma: float, seed_entropy: int, key: tuple, chunks: Iterator[tuple[int, int]],
                 keep: int, method: str, epsilons: tuple[float, ...] = ()) -> tuple:
-    """Worker: the losses of the given (chunk index, size) list. Returns the ``keep``
-    largest of each direction, the largest dropped loss, and for each eps in ``epsilons``
-    the exact sums of the estimand max(0, 1 - e^{eps - L}) in both directions."""
-    scheme = BMinSep(**scheme_state)
+    """Worker: the losses of the (chunk index, size) pairs it takes from ``chunks`` (shared
+    between workers). Returns the ``keep`` largest of each direction, the largest dropped
+    loss, and for each eps in ``epsilons`` the exact sums of the estimand
+    max(0, 1 - e^{eps - L}) in both directions."""
     gram = scheme.gram_band()
+    work = _Buffers()
     pos_keep, neg_keep = _TopK(keep), _TopK(keep)
     sums = np.zeros((len(epsilons), 2))
-    b, p, warm = scheme.min_sep, scheme.sampling_probability, scheme.warm_start
     for index, size in chunks:
-        rng = np.random.default_rng(np.random.SeedSequence(seed_entropy, spawn_key=key + (index,)))
-        a, signal = _sample_pair(scheme, sigma, rng, size, gram)
-        loss_q, loss_p = _pair_losses(a, signal, b, p, warm, method)
+        rng = np.random.Generator(np.random.SFC64(np.random.SeedSequence(seed_entropy, spawn_key=key + (index,))))
+        loss_q, loss_p = _chunk_losses(scheme, sigma, rng, size, gram, method, work)
         np.negative(loss_q, out=loss_q)  # y ~ Q: the privacy loss of Q against P is -ln P/Q
         for j, eps in enumerate(epsilons):
             sums[j, 0] += delta_estimate(loss_p, eps, 1)
@@ -682,12 +710,19 @@ def _run_chunks(scheme_state: dict, sigma: float, seed_entropy: int, key: tuple,
     return pos_keep.result(), neg_keep.result(), max(pos_keep.floor, neg_keep.floor), sums
 
 
-def _context():
-    """fork where available (workers only run numpy; no re-import of the caller's
-    modules), else spawn."""
-    import multiprocessing
+class _Shared:
+    """A thread-safe iterator over a list (the chunks, taken by the workers in turn)."""
 
-    return multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+    def __init__(self, items: list) -> None:
+        self._items = iter(items)
+        self._lock = threading.Lock()
+
+    def __iter__(self) -> "_Shared":
+        return self
+
+    def __next__(self):
+        with self._lock:
+            return next(self._items)
 
 
 class _TopK:
@@ -722,7 +757,7 @@ class _TopK:
 class MonteCarloAccountant:
     """Monte Carlo privacy accounting of a ``BMinSep`` scheme (App. A of arXiv 2602.09338).
 
-    ``workers`` > 1 spreads the chunks over processes (results do not depend on it: chunk
+    ``workers`` > 1 spreads the chunks over threads (results do not depend on it: chunk
     j always uses the random stream (seed, key, j))."""
 
     def __init__(self, scheme: BMinSep, *, workers: int | None = 1, chunk_size: int | None = None,
@@ -734,11 +769,6 @@ class MonteCarloAccountant:
         self.chunk_size = _chunk_size(scheme.rounds, chunk_size)
         self.method = method
         self.keep = _validate.positive_int("keep", keep)
-
-    def _state(self) -> dict:
-        s = self.scheme
-        return {"bands": np.asarray(s.bands), "min_sep": s.min_sep, "sampling_probability": s.sampling_probability,
-                "warm_start": s.warm_start, "toeplitz": None if s.toeplitz is None else np.asarray(s.toeplitz)}
 
     def losses(self, noise_multiplier: float, samples: int, seed: int | None = None,
                key: tuple[int, ...] = (), epsilons: Sequence[float] = ()) -> LossSamples:
@@ -755,15 +785,15 @@ class MonteCarloAccountant:
         started = time.perf_counter()
         sizes = [(j, min(self.chunk_size, samples - j * self.chunk_size))
                  for j in range(-(-samples // self.chunk_size))]
-        state = self._state()
         workers = min(self.workers, len(sizes))
-        args = (state, sigma, entropy, tuple(key))
+        args = (self.scheme, sigma, entropy, tuple(key))
         if workers <= 1:
-            parts = [_run_chunks(*args, sizes, self.keep, self.method, epsilons)]
-        else:
-            groups = [sizes[w::workers] for w in range(workers)]
-            with ProcessPoolExecutor(workers, mp_context=_context()) as pool:
-                futures = [pool.submit(_run_chunks, *args, g, self.keep, self.method, epsilons) for g in groups]
+            parts = [_run_chunks(*args, iter(sizes), self.keep, self.method, epsilons)]
+        else:  # threads: numpy releases the GIL in the Gaussian fills and the array operations
+            shared = _Shared(sizes)
+            with ThreadPoolExecutor(workers, thread_name_prefix="fedmf-mc") as pool:
+                futures = [pool.submit(_run_chunks, *args, shared, self.keep, self.method, epsilons)
+                           for _ in range(workers)]
                 parts = [f.result() for f in futures]
         pos_k, neg_k = _TopK(self.keep), _TopK(self.keep)
         floor = max(part[2] for part in parts)

@@ -54,7 +54,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
     mc = parser.add_argument_group("b-min-sep Monte Carlo")
     mc.add_argument("--samples", type=int, help="samples per verification (default: the fewest that certify delta)")
     mc.add_argument("--seed", type=int, help="random seed of the Monte Carlo accountant (default: fresh)")
-    mc.add_argument("--workers", type=int, default=1, help="processes for the Monte Carlo accountant")
+    mc.add_argument("--workers", type=int, default=1, help="threads for the Monte Carlo accountant")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
