@@ -8,7 +8,9 @@ tensor of the same size. Bytes touched per round (float32, d parameters):
   banded C^{-1}, p bands, buffered:  write z, read z and p-1 past draws, write output  -> (p + 2)·4d
   BLT, m buffers:                    write z, read/write m buffers, write output         -> (2m + 3)·4d
 Generating Gaussians is compute, not memory traffic; the ratio shows what it costs.
-Also times bare torch.randn (the generation floor) for reference.
+Also times one bare torch.randn call (one generator, so one CPU thread) for reference.
+"into buffer" passes ``out=`` (one reused output tensor); "fresh tensor" allocates the
+output every round (on CPU a large fresh tensor costs its page faults).
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ def copy_bandwidth(d: int, device: torch.device, repeats: int = 7) -> float:
 
 
 def randn_time(d: int, device: torch.device, repeats: int = 5) -> float:
+    """One torch.randn call over all d values (one generator: one thread on CPU)."""
     out = torch.empty(d, device=device)
     g = torch.Generator(device=device)
     times = []
@@ -88,14 +91,15 @@ def randn_time(d: int, device: torch.device, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
-def per_round(gen: NoiseGenerator, rounds: int, warmup: int) -> float:
+def per_round(gen: NoiseGenerator, rounds: int, warmup: int, into_buffer: bool) -> float:
+    buffer = torch.empty(gen.hi - gen.lo, dtype=gen.dtype, device=gen.device) if into_buffer else None
     for _ in range(warmup):
-        gen.next()
+        gen.next(out=buffer)
     times = []
     for _ in range(rounds):
         _sync(gen.device)
         t = time.perf_counter()
-        gen.next()
+        gen.next(out=buffer)
         _sync(gen.device)
         times.append(time.perf_counter() - t)
     return statistics.median(times)
@@ -106,11 +110,14 @@ def main() -> None:
     parser.add_argument("--sizes", default="1e6,1e7")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--max-gb", type=float, default=12.0,
+                        help="skip structures whose state and output would exceed this many GB")
     args = parser.parse_args()
     device = torch.device(args.device)
     print(f"device {device}, torch {torch.__version__}, threads {torch.get_num_threads()}")
-    print("| d | structure | s/round (median) | bytes/round | copy GB/s | bound s | ratio | randn s (floor) | jax_privacy s/round |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| d | structure | s/round into buffer (median) | s/round fresh tensor | bytes/round | copy GB/s | bound s "
+          "| ratio (buffer) | one-thread randn s | jax_privacy s/round |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for d in (int(float(x)) for x in args.sizes.split(",")):
         bw = copy_bandwidth(max(d, 1 << 25), device)
         floor = randn_time(d, device)
@@ -124,13 +131,19 @@ def main() -> None:
         blt = BufferedLinearToeplitz.from_decays(1024, np.array([0.99, 0.9, 0.6, 0.2]), np.array([0.95, 0.8, 0.4, 0.1]))
         cases.append(("BLT, 4 buffers", blt, (2 * 4 + 3) * 4 * d, 2))
         for name, mech, nbytes, warmup in cases:
+            if nbytes > args.max_gb * 1e9:
+                print(f"| {d:.0e} | {name} | skipped: needs about {nbytes / 1e9:.0f} GB (--max-gb {args.max_gb:g}) "
+                      "| | | | | | | |", flush=True)
+                continue
             gen = NoiseGenerator(mech, d, 1.0, dtype=torch.float32, device=device, seed=b"bench")
-            t = per_round(gen, args.rounds, warmup)
+            t = per_round(gen, args.rounds, warmup, into_buffer=True)
+            gen = NoiseGenerator(mech, d, 1.0, dtype=torch.float32, device=device, seed=b"bench")
+            t_fresh = per_round(gen, args.rounds, warmup, into_buffer=False)
             bound = nbytes / bw
             jax_kind = "iir" if name.startswith("banded C,") else "blt" if name.startswith("BLT") else None
             jt = jax_per_round(jax_kind, mech, d, args.rounds) if (jax_kind and device.type == "cpu") else None
             jcell = "-" if jt is None else f"{jt:.4f} ({jt / t:.1f}x ours)"
-            print(f"| {d:.0e} | {name} | {t:.4f} | {nbytes / 1e6:.0f} MB | {bw / 1e9:.1f} | {bound:.4f} | "
+            print(f"| {d:.0e} | {name} | {t:.4f} | {t_fresh:.4f} | {nbytes / 1e6:.0f} MB | {bw / 1e9:.1f} | {bound:.4f} | "
                   f"{t / bound:.1f}x | {floor:.4f} | {jcell} |", flush=True)
 
 

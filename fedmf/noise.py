@@ -24,6 +24,8 @@ import hashlib
 import math
 import secrets
 import struct
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Mapping, Sequence, Union
 
 import numpy as np
@@ -34,7 +36,8 @@ from .mechanisms.base import Mechanism
 __all__ = ["NoiseGenerator", "Layout", "CHUNK_SIZE"]
 
 Layout = Union[int, Mapping[str, Sequence[int]]]
-CHUNK_SIZE = 1 << 20
+CHUNK_SIZE = 1 << 18
+BLOCK_SIZE = 1 << 17
 _STATE_FORMAT = 1
 
 
@@ -50,47 +53,92 @@ def _key(seed: bytes | int | None) -> bytes:
     raise ValueError("seed must be None, a non-negative int, or 1 to 64 bytes")
 
 
+_POOL: ThreadPoolExecutor | None = None
+_LOCAL = threading.local()
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(max_workers=max(1, torch.get_num_threads()), thread_name_prefix="fedmf-noise")
+    return _POOL
+
+
+def _thread_generator(device: torch.device) -> torch.Generator:
+    cache = _LOCAL.__dict__.setdefault("generators", {})
+    if device not in cache:
+        cache[device] = torch.Generator(device=device)
+    return cache[device]
+
+
 class _Draws:
-    """Counter-based Gaussian rows for the flat range [lo, hi) of a size-``total`` vector."""
+    """Counter-based Gaussian rows, scaled by ``scale``, for the flat range [lo, hi) of a
+    size-``total`` vector. On CPU the chunks of a row are drawn on several threads (each
+    chunk has its own seed, so the result does not depend on the thread count)."""
 
     def __init__(self, key: bytes, total: int, lo: int, hi: int, dtype: torch.dtype, device: torch.device,
-                 chunk: int) -> None:
+                 chunk: int, scale: float = 1.0) -> None:
         self.key, self.total, self.lo, self.hi = key, total, lo, hi
-        self.dtype, self.device, self.chunk = dtype, device, chunk
+        self.dtype, self.device, self.chunk, self.scale = dtype, device, chunk, float(scale)
         self.generator = torch.Generator(device=device)
 
     def _seed(self, row: int, chunk: int) -> int:
         h = hashlib.blake2b(struct.pack("<QQ", row, chunk), key=self.key, digest_size=8, person=b"fedmf-noise-v1")
         return int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
 
+    def _fill_chunk(self, row: int, c: int, out: torch.Tensor, generator: torch.Generator) -> None:
+        start, stop = c * self.chunk, min((c + 1) * self.chunk, self.total)
+        generator.manual_seed(self._seed(row, c))
+        a, b = max(start, self.lo), min(stop, self.hi)
+        if a == start and b == stop:
+            out[a - self.lo : b - self.lo].normal_(0.0, self.scale, generator=generator)
+        else:
+            full = torch.empty(stop - start, dtype=self.dtype, device=self.device).normal_(0.0, self.scale,
+                                                                                           generator=generator)
+            out[a - self.lo : b - self.lo].copy_(full[a - start : b - start])
+
+    def _fill_group(self, row: int, chunks: Sequence[int], out: torch.Tensor) -> None:
+        generator = _thread_generator(self.device)
+        for c in chunks:
+            self._fill_chunk(row, c, out, generator)
+
     def fill(self, row: int, out: torch.Tensor) -> torch.Tensor:
-        """Write the shard's slice of fresh row ``row`` into ``out`` (length hi - lo)."""
-        c0, c1 = self.lo // self.chunk, (self.hi - 1) // self.chunk if self.hi > self.lo else -1
-        for c in range(c0, c1 + 1):
-            start, stop = c * self.chunk, min((c + 1) * self.chunk, self.total)
-            self.generator.manual_seed(self._seed(row, c))
-            a, b = max(start, self.lo), min(stop, self.hi)
-            if a == start and b == stop:
-                torch.randn(stop - start, generator=self.generator, dtype=self.dtype, device=self.device,
-                            out=out[a - self.lo : b - self.lo])
-            else:
-                full = torch.randn(stop - start, generator=self.generator, dtype=self.dtype, device=self.device)
-                out[a - self.lo : b - self.lo].copy_(full[a - start : b - start])
+        """Write the shard's slice of fresh row ``row`` (times ``scale``) into ``out`` (length hi - lo)."""
+        if self.hi <= self.lo:
+            return out
+        chunks = list(range(self.lo // self.chunk, (self.hi - 1) // self.chunk + 1))
+        workers = min(len(chunks), torch.get_num_threads()) if self.device.type == "cpu" else 1
+        if workers <= 1:
+            for c in chunks:
+                self._fill_chunk(row, c, out, self.generator)
+            return out
+        groups = [chunks[i * len(chunks) // workers : (i + 1) * len(chunks) // workers] for i in range(workers)]
+        for future in [_pool().submit(self._fill_group, row, g, out) for g in groups]:
+            future.result()
         return out
 
     def new(self, row: int) -> torch.Tensor:
         return self.fill(row, torch.empty(self.hi - self.lo, dtype=self.dtype, device=self.device))
 
 
-class _Structure:
-    """Interprets one mechanism's L for the generator: ``step(t)`` returns (L z)_t."""
+def _blocks(size: int, device: torch.device) -> list[slice]:
+    """Cache-sized pieces for the fused per-round passes on CPU (one piece on accelerators):
+    each output piece stays in cache while the past vectors stream through it once."""
+    step = size if device.type != "cpu" else BLOCK_SIZE
+    return [slice(a, min(a + step, size)) for a in range(0, size, max(step, 1))]
 
-    rows_per_round: Any = None
+
+class _Structure:
+    """Interprets one mechanism's L for the generator: ``step(t, row, out)`` writes (L z)_t
+    into ``out`` (fresh draws already carry the noise std)."""
 
     def __init__(self, draws: _Draws) -> None:
         self.draws = draws
 
-    def step(self, t: int, row: int) -> torch.Tensor:
+    def _empty(self) -> torch.Tensor:
+        return torch.empty(self.draws.hi - self.draws.lo, dtype=self.draws.dtype, device=self.draws.device)
+
+    def step(self, t: int, row: int, out: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
     def state(self) -> dict[str, Any]:
@@ -105,33 +153,46 @@ class _Structure:
 
 
 class _Fir(_Structure):
-    """w_t = sum_{j<p} a_j z_{t-j} (banded lower-triangular Toeplitz L)."""
+    """w_t = sum_{j<p} a_j z_{t-j} (banded lower-triangular Toeplitz L), one fused pass:
+    reads the p - 1 kept draws once and writes w_t once."""
 
     def __init__(self, draws: _Draws, taps: np.ndarray, regenerate: bool) -> None:
         super().__init__(draws)
         self.taps = [float(a) for a in taps]
         self.regenerate = regenerate
         self.past: list[torch.Tensor] = []  # z_{t-1}, z_{t-2}, …
+        self.spare: torch.Tensor | None = None  # storage of the draw that fell out of the window
 
-    def step(self, t: int, row: int) -> torch.Tensor:
-        z = self.draws.new(row)
-        out = z * self.taps[0] if self.taps[0] != 1.0 else z.clone()
-        for j in range(1, min(len(self.taps), t + 1)):
-            past = self.draws.new(row - j) if self.regenerate else self.past[j - 1]
-            out.add_(past, alpha=self.taps[j])
-        if not self.regenerate and len(self.taps) > 1:
-            self.past = [z] + self.past[: len(self.taps) - 2]
+    def step(self, t: int, row: int, out: torch.Tensor) -> torch.Tensor:
+        p = len(self.taps)
+        if p == 1 and self.taps[0] == 1.0:
+            return self.draws.fill(row, out)
+        z = self.spare if self.spare is not None else self._empty()
+        self.spare = None
+        self.draws.fill(row, z)
+        count = min(p - 1, t)
+        past = [self.draws.new(row - j) for j in range(1, count + 1)] if self.regenerate else self.past[:count]
+        for s in _blocks(out.numel(), out.device):
+            piece = torch.mul(z[s], self.taps[0], out=out[s])
+            for a, x in zip(self.taps[1:], past):
+                piece.add_(x[s], alpha=a)
+        if not self.regenerate and p > 1:
+            if len(self.past) == p - 1:
+                self.spare = self.past.pop()
+            self.past.insert(0, z)
         return out
 
     def load(self, state: dict[str, Any], t: int, row: int) -> None:
         # the past fresh draws are regenerated from the seed: nothing to store
+        self.spare = None
         if not self.regenerate:
             self.past = [self.draws.new(row - j) for j in range(1, min(len(self.taps) - 1, t) + 1)]
 
 
 class _Iir(_Structure):
     """y_t = (z_t - sum_{r=1}^{p-1} C[t, t-r] y_{t-r}) / C[t, t] for banded C
-    ("Scaling up BandMF", Alg. 1); Toeplitz C has constant bands."""
+    ("Scaling up BandMF", Alg. 1); Toeplitz C has constant bands. One fused pass; y_t
+    overwrites the oldest kept output piece by piece once that piece has been read."""
 
     def __init__(self, draws: _Draws, bands: np.ndarray) -> None:
         super().__init__(draws)
@@ -141,41 +202,55 @@ class _Iir(_Structure):
     def _coef(self, r: int, t: int) -> float:
         return float(self.bands[r] if self.bands.ndim == 1 else self.bands[r, t - r])
 
-    def step(self, t: int, row: int) -> torch.Tensor:
-        acc = self.draws.new(row)
-        for r, past in enumerate(self.past, start=1):
-            acc.add_(past, alpha=-self._coef(r, t))
-        acc.mul_(1.0 / self._coef(0, t))
+    def step(self, t: int, row: int, out: torch.Tensor) -> torch.Tensor:
         p = self.bands.shape[0]
+        self.draws.fill(row, out)
+        coefs = [-self._coef(r, t) for r in range(1, len(self.past) + 1)]
+        scale = 1.0 / self._coef(0, t)
+        keep = None
         if p > 1:
-            self.past = [acc] + self.past[: p - 2]
-            return acc.clone()
-        return acc
+            keep = self.past[-1] if len(self.past) == p - 1 else self._empty()
+        for s in _blocks(out.numel(), out.device):
+            piece = out[s]
+            for c, y in zip(coefs, self.past):
+                piece.add_(y[s], alpha=c)
+            piece.mul_(scale)
+            if keep is not None:
+                keep[s].copy_(piece)
+        if keep is not None:
+            self.past = [keep] + self.past[: p - 2]
+        return out
 
     def state(self) -> dict[str, Any]:
         return {"outputs": list(self.past)}
 
     def load(self, state: dict[str, Any], t: int, row: int) -> None:
-        self.past = [x.to(self.draws.device, self.draws.dtype) for x in state["outputs"]]
+        self.past = [x.to(self.draws.device, self.draws.dtype).clone() for x in state["outputs"]]
 
 
 class _Blt(_Structure):
     """C^{-1} as a BLT: x_t = z_t + sum_i w_i buf_i ; buf_i <- d_i buf_i + z_t, where
-    C^{-1} has coefficients 1, sum_i w_i d_i^(t-1) (McMahan et al. 2024, arXiv 2408.08868, Alg. 2)."""
+    C^{-1} has coefficients 1, sum_i w_i d_i^(t-1) (McMahan et al. 2024, arXiv 2408.08868, Alg. 2).
+    One fused pass over z and the m buffers."""
 
     def __init__(self, draws: _Draws, decay: np.ndarray, scale: np.ndarray) -> None:
         super().__init__(draws)
         self.decay = [float(x) for x in decay]
         self.scale = [float(x) for x in scale]
-        self.buffers = [torch.zeros(draws.hi - draws.lo, dtype=draws.dtype, device=draws.device) for _ in self.decay]
+        self.buffers = [self._empty().zero_() for _ in self.decay]
+        self.z: torch.Tensor | None = None
 
-    def step(self, t: int, row: int) -> torch.Tensor:
-        z = self.draws.new(row)
-        out = z.clone()
-        for w, buf in zip(self.scale, self.buffers):
-            out.add_(buf, alpha=w)
-        for d, buf in zip(self.decay, self.buffers):
-            buf.mul_(d).add_(z)
+    def step(self, t: int, row: int, out: torch.Tensor) -> torch.Tensor:
+        if self.z is None:
+            self.z = self._empty()
+        z = self.draws.fill(row, self.z)
+        for s in _blocks(out.numel(), out.device):
+            zs, piece = z[s], out[s]
+            piece.copy_(zs)
+            for w, buf in zip(self.scale, self.buffers):
+                piece.add_(buf[s], alpha=w)
+            for d, buf in zip(self.decay, self.buffers):
+                buf[s].mul_(d).add_(zs)
         return out
 
     def state(self) -> dict[str, Any]:
@@ -193,7 +268,7 @@ class _Tree(_Structure):
         self.alpha = [float(a) for a in alpha]
         self.stack: list[torch.Tensor] = []
 
-    def step(self, t: int, row: int) -> torch.Tensor:
+    def step(self, t: int, row: int, out: torch.Tensor) -> torch.Tensor:
         height = ((t + 1) & -(t + 1)).bit_length() - 1
         estimate = self.draws.new(row)
         removed = None
@@ -202,7 +277,7 @@ class _Tree(_Structure):
             removed = left if removed is None else removed.add_(left)
             estimate.add_(left).mul_(1 - self.alpha[h]).add_(self.draws.new(row + h), alpha=self.alpha[h])
         self.stack.append(estimate)
-        return estimate.clone() if removed is None else estimate - removed
+        return out.copy_(estimate) if removed is None else torch.sub(estimate, removed, out=out)
 
     def state(self) -> dict[str, Any]:
         return {"stack": list(self.stack)}
@@ -218,8 +293,8 @@ class _Dense(_Structure):
         super().__init__(draws)
         self.inverse = np.asarray(inverse, dtype=np.float64)
 
-    def step(self, t: int, row: int) -> torch.Tensor:
-        out = torch.zeros(self.draws.hi - self.draws.lo, dtype=self.draws.dtype, device=self.draws.device)
+    def step(self, t: int, row: int, out: torch.Tensor) -> torch.Tensor:
+        out.zero_()
         scratch = torch.empty_like(out)
         for s in np.flatnonzero(self.inverse[t]):
             out.add_(self.draws.fill(int(s), scratch), alpha=float(self.inverse[t, s]))
@@ -301,7 +376,8 @@ class NoiseGenerator:
         self.regenerate = regenerate
         self.chunk_size = int(chunk_size)
         self._key = _key(seed)
-        self._draws = _Draws(self._key, self.total, self.lo, self.hi, dtype, self.device, self.chunk_size)
+        self._draws = _Draws(self._key, self.total, self.lo, self.hi, dtype, self.device, self.chunk_size,
+                             self.std)
         self._structure = _structure(mechanism, self._draws, regenerate)
         self.round = 0
         self._row = 0  # next fresh noise row
@@ -314,19 +390,28 @@ class NoiseGenerator:
     def rounds(self) -> int:
         return self.mechanism.rounds
 
-    def next(self) -> torch.Tensor | dict[str, torch.Tensor]:
-        """The noise of the next round; raises once the mechanism's horizon is reached."""
+    def next(self, out: torch.Tensor | None = None) -> torch.Tensor | dict[str, torch.Tensor]:
+        """The noise of the next round; raises once the mechanism's horizon is reached.
+
+        ``out``: an optional flat, contiguous tensor of this shard's size, dtype and device to
+        write into (reusing one buffer saves a fresh allocation, and its page faults, per round);
+        the result is then a view of ``out``."""
         t = self.round
         if t >= self.mechanism.rounds:
             raise RuntimeError(
                 f"noise for round {t} requested, but the mechanism covers rounds 0..{self.mechanism.rounds - 1}; "
                 "noise is never repeated or reused"
             )
-        flat = self._structure.step(t, self._row)
+        size = self.hi - self.lo
+        if out is None:
+            out = torch.empty(size, dtype=self.dtype, device=self.device)
+        elif not (isinstance(out, torch.Tensor) and out.shape == (size,) and out.dtype == self.dtype
+                  and out.device == self.device and out.is_contiguous()):
+            raise ValueError(f"out must be a contiguous flat tensor of {size} elements, dtype {self.dtype}, "
+                             f"device {self.device}")
+        flat = self._structure.step(t, self._row, out)
         self._row += self.mechanism.fresh_rows(t)
         self.round += 1
-        if self.std != 1.0:
-            flat = flat.mul_(self.std)
         return self._unflatten(flat)
 
     def _unflatten(self, flat: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:

@@ -229,3 +229,47 @@ def test_bad_input(kwargs, match):
     layout, std = args.pop("layout"), args.pop("std")
     with pytest.raises(ValueError, match=match):
         NoiseGenerator(MECHANISMS["bisr"], layout, std, device="cpu", **args)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_fused_blocks_and_threaded_chunks_do_not_change_the_noise(kind, monkeypatch):
+    """Cache blocks (any size) and the chunk threads only reorder work: per element the
+    arithmetic is the same, so the noise is bit-identical and shards still concatenate."""
+    import fedmf.noise as noise_module
+
+    mech, d = MECHANISMS[kind], 1001
+    reference = _run(NoiseGenerator(mech, d, 0.9, device="cpu", seed=SEED, chunk_size=64), N)
+    monkeypatch.setattr(noise_module, "BLOCK_SIZE", 37)
+    blocked = _run(NoiseGenerator(mech, d, 0.9, device="cpu", seed=SEED, chunk_size=64), N)
+    np.testing.assert_array_equal(blocked, reference)
+    shards = [NoiseGenerator(mech, d, 0.9, device="cpu", seed=SEED, chunk_size=64, shard=(i, 3)) for i in range(3)]
+    np.testing.assert_array_equal(np.concatenate([_run(s, N) for s in shards], axis=1), reference)
+    serial = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one_thread = _run(NoiseGenerator(mech, d, 0.9, device="cpu", seed=SEED, chunk_size=64), N)
+    finally:
+        torch.set_num_threads(serial)
+    np.testing.assert_array_equal(one_thread, reference)
+
+
+@pytest.mark.parametrize("kind", ["dp-sgd", "bifr", "banded", "blt", "tree", "dense"])
+def test_next_into_a_reused_buffer_equals_fresh_tensors(kind):
+    if kind not in MECHANISMS:
+        pytest.skip("dense needs torch")
+    mech = MECHANISMS[kind]
+    fresh = _run(NoiseGenerator(mech, 50, 1.2, device="cpu", seed=SEED, chunk_size=16), N)
+    gen = NoiseGenerator(mech, 50, 1.2, device="cpu", seed=SEED, chunk_size=16)
+    buffer = torch.full((50,), float("nan"))
+    for t in range(N):
+        result = gen.next(out=buffer)
+        assert result.data_ptr() == buffer.data_ptr()
+        np.testing.assert_array_equal(buffer.numpy(), fresh[t])
+
+
+def test_next_into_a_wrong_buffer_is_refused():
+    gen = NoiseGenerator(MECHANISMS["bisr"], 8, 1.0, device="cpu")
+    for bad in (torch.empty(7), torch.empty(8, dtype=torch.float64), torch.empty(16)[::2], torch.empty(2, 4)):
+        with pytest.raises(ValueError, match="out must be"):
+            gen.next(out=bad)
+    assert gen.round == 0
