@@ -6,7 +6,7 @@ from typing import Any
 
 from ..participation import FixedEpoch, MinSep, Schema
 from ..workloads import Workload
-from .base import Mechanism
+from .base import Mechanism, check_rounds
 from .identity import DpSgd
 from .toeplitz import (
     BandedInverseFractionalRoot,
@@ -86,8 +86,7 @@ def build(
     if kind not in CLOSED_FORM_KINDS:
         mechanism_class(kind)  # unknown kinds get the list of known ones
         raise ValueError(f"kind {kind!r} is optimized, not built from a closed form (use plan)")
-    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
-        raise ValueError(f"rounds must be a positive integer, got {rounds!r}")
+    check_rounds(rounds)
     schema.validate(rounds)
     if gamma is not None and kind != "bifr":
         raise ValueError(f"--gamma applies to bifr only, not {kind}")

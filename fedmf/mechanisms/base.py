@@ -23,6 +23,13 @@ from ..workloads import Workload, WorkloadStream
 __all__ = ["Mechanism", "InverseStream", "FirStream", "IirStream"]
 
 
+def check_rounds(rounds: Any) -> int:
+    """``rounds`` if it is a positive int, else a one-line ValueError."""
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds must be a positive integer, got {rounds!r}")
+    return rounds
+
+
 class InverseStream(ABC):
     """Applies L row by row: ``step(z)`` takes this round's fresh noise rows
     (shape (fresh_rows, *dims)) and returns this round's correlated noise (shape dims)."""

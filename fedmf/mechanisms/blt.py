@@ -34,7 +34,7 @@ import torch
 from .. import sensitivity as _sens
 from ..participation import MinSep, Schema
 from ..workloads import Workload
-from .base import InverseStream, Mechanism
+from .base import InverseStream, Mechanism, check_rounds
 from .optimize import OptimizationResult, Progress
 
 __all__ = [
@@ -311,8 +311,7 @@ class BufferedLinearToeplitz(Mechanism):
     workload: Workload = Workload()
 
     def __post_init__(self) -> None:
-        if isinstance(self.rounds, bool) or not isinstance(self.rounds, int) or self.rounds < 1:
-            raise ValueError(f"rounds must be a positive integer, got {self.rounds!r}")
+        check_rounds(self.rounds)
         a, ahat = _frozen(np.sort(self.decay_rates)), _frozen(np.sort(self.inverse_decay_rates))
         if a.size == 0 or a.size != ahat.size:
             raise ValueError(f"a BLT needs m >= 1 decay rates for C and m for C^-1, got {a.size} and {ahat.size}")
@@ -606,8 +605,7 @@ def optimize_blt(
     ftol on log(loss). ``result.objective`` is the rmse ("mean") or max_error ("max");
     ``result.converged`` is True only if every run it took stopped at a stationary point.
     """
-    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
-        raise ValueError(f"rounds must be a positive integer, got {rounds!r}")
+    check_rounds(rounds)
     if not isinstance(schema, MinSep):
         raise ValueError("optimize_blt needs a MinSep(b, k) schema")
     if error not in ("mean", "max"):

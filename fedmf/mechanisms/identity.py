@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from ..workloads import Workload
-from .base import FirStream, InverseStream, Mechanism
+from .base import FirStream, InverseStream, Mechanism, check_rounds
 
 __all__ = ["DpSgd"]
 
@@ -22,8 +22,7 @@ class DpSgd(Mechanism):
     workload: Workload = Workload()
 
     def __post_init__(self) -> None:
-        if isinstance(self.rounds, bool) or not isinstance(self.rounds, int) or self.rounds < 1:
-            raise ValueError(f"rounds must be a positive integer, got {self.rounds!r}")
+        check_rounds(self.rounds)
 
     def params(self) -> dict[str, Any]:
         return {}

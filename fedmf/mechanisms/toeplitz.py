@@ -15,7 +15,7 @@ import numpy as np
 from ..filters import series_inverse
 from ..participation import Schema
 from ..workloads import Workload
-from .base import FirStream, IirStream, InverseStream, Mechanism
+from .base import FirStream, IirStream, InverseStream, Mechanism, check_rounds
 from .optimize import grid_then_golden
 
 __all__ = [
@@ -42,8 +42,7 @@ def fractional_power_coefficients(gamma: float, count: int) -> np.ndarray:
 def _check_bands(num_bands: int, rounds: int) -> None:
     if isinstance(num_bands, bool) or not isinstance(num_bands, int) or num_bands < 1:
         raise ValueError(f"bands must be a positive integer, got {num_bands!r}")
-    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
-        raise ValueError(f"rounds must be a positive integer, got {rounds!r}")
+    check_rounds(rounds)
     if num_bands > rounds:
         raise ValueError(f"bands p={num_bands} exceeds the number of rounds n={rounds}")
 

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from ..workloads import Workload
-from .base import InverseStream, Mechanism
+from .base import InverseStream, Mechanism, check_rounds
 
 __all__ = ["TreeAggregation", "honaker_weights"]
 
@@ -75,8 +75,7 @@ class TreeAggregation(Mechanism):
     workload: Workload = Workload()
 
     def __post_init__(self) -> None:
-        if isinstance(self.rounds, bool) or not isinstance(self.rounds, int) or self.rounds < 1:
-            raise ValueError(f"rounds must be a positive integer, got {self.rounds!r}")
+        check_rounds(self.rounds)
 
     def params(self) -> dict[str, Any]:
         return {}
