@@ -124,3 +124,25 @@ def test_validation():
         epsilon_by_round(mechanism, 1.0, 0.0, SCHEMA)
     with pytest.raises(ValueError, match="noise"):
         epsilon_by_round(mechanism, -1.0, 1e-6, SCHEMA)
+
+
+def test_bound_checkpoints_are_not_labelled_exact():
+    """Tree under MinSep(5, 4): for t > 5 (k_t > 1) sens_t is the Gram upper bound, so the
+    curve must not claim exactness even with a checkpoint at every round; rounds with one
+    possible participation (max column norm) are exact, as brute force confirms."""
+    schema = MinSep(5, 4)
+    mechanism = build("tree", 40, schema)
+    sens, method = prefix_sensitivities(mechanism, schema, max_points=64)
+    assert method == "checkpoints-upper-bound"
+    by_round = epsilon_by_round(mechanism, 1.0, 1e-6, schema)
+    assert by_round.exact[:5].all() and not by_round.exact[5:].any()
+    assert by_round.to_dict()["per_round_exact"] is False
+    for t in range(1, 6):
+        assert sens[t - 1] == pytest.approx(brute(mechanism, schema, t), rel=1e-12)
+    assert epsilon(mechanism, 1.0, 1e-6, schema, per_round=True).details["per_round_exact"] is False
+
+
+def test_closed_forms_are_labelled_exact():
+    by_round = epsilon_by_round(MECHANISMS["bsr"](), 1.0, 1e-6, SCHEMA)
+    assert by_round.method == "toeplitz-closed-form" and by_round.exact.all()
+    assert epsilon(MECHANISMS["bsr"](), 1.0, 1e-6, SCHEMA, per_round=True).details["per_round_exact"] is True

@@ -160,6 +160,7 @@ def epsilon(mechanism: "Mechanism", noise_multiplier: float, delta: float, schem
                                     noise_sensitivity=noise_sensitivity, final=eps)
         result.epsilon_by_round = by_round.epsilons.tolist()
         result.details["per_round_method"] = by_round.method
+        result.details["per_round_exact"] = bool(by_round.exact.all())
     result.seconds = time.perf_counter() - started
     return result
 
@@ -256,5 +257,6 @@ def calibrate(mechanism: "Mechanism", epsilon: float, delta: float, schema: "Sch
         by_round = epsilon_by_round(mechanism, z, delta, schema, sampling=sampling, accountant=accountant)
         out.epsilon_by_round = by_round.epsilons.tolist()
         out.details["per_round_method"] = by_round.method
+        out.details["per_round_exact"] = bool(by_round.exact.all())
     out.seconds = time.perf_counter() - started
     return out

@@ -15,8 +15,11 @@ Exact sens_t for every t where a closed form applies under MinSep(b, k):
     Kalinin & Lampert 2024, Thm 2; the shifts starting at >= t do not reach rows < t);
   * banded C with <= b bands: VecSens over the prefix column norms (Choquette-Choo et al.
     2024, Alg. 3), vectorized over t.
-Otherwise sens_t is computed exactly at up to ``max_points`` checkpoints and every other
-round takes the value of the next checkpoint (an upper bound, since sens_t grows with t).
+Otherwise sens_t is computed at up to ``max_points`` checkpoints (exactly where
+``fedmf.sensitivity`` has an exact method, else its sound upper bound, e.g. the Gram bound
+for general C under MinSep with k > 1) and every other round takes the value of the next
+checkpoint (an upper bound, since sens_t grows with t). ``ByRound.exact`` marks the rounds
+whose epsilon rests on an exact sens_t; a method name ends in "-exact" only when all do.
 Cyclic-Poisson sampling: epsilon_t composes ceil(t/b) subsampled Gaussians (same checkpoint
 rule when there are more than ``max_points`` distinct counts).
 """
@@ -45,9 +48,11 @@ class ByRound:
     epsilons: np.ndarray  # epsilon after rounds 1 … n (index t-1)
     sensitivities: np.ndarray | None  # sens_t (un-amplified) or None
     method: str
+    exact: np.ndarray  # per round: True where epsilon_t is the value itself, False where an upper bound
 
     def to_dict(self) -> dict:
-        return {"epsilon_by_round": self.epsilons.tolist(), "per_round_method": self.method}
+        return {"epsilon_by_round": self.epsilons.tolist(), "per_round_method": self.method,
+                "per_round_exact": bool(np.all(self.exact))}
 
 
 class _Prefix:
@@ -126,37 +131,42 @@ def _fill(points: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:
     return values[idx]
 
 
-def _generic(mechanism: "Mechanism", schema: "Schema", max_points: int) -> tuple[np.ndarray, str]:
+def _generic(mechanism: "Mechanism", schema: "Schema", max_points: int) -> tuple[np.ndarray, str, np.ndarray]:
     from ..participation import FixedEpoch, MinSep, Observed
 
     n = mechanism.rounds
     full = mechanism.strategy_matrix()
     points = _checkpoints(n, max_points)
     values = np.empty(points.size)
+    exact = np.zeros(points.size, dtype=bool)
     for j, t in enumerate(points):
         prefix = _Prefix(mechanism, int(t), full)
         if isinstance(schema, MinSep):
             if schema.participations(int(t)) == 1 or schema.min_sep > t:
-                value = math.sqrt(float(np.max(prefix.column_norms_sq())))
+                value, exact[j] = math.sqrt(float(np.max(prefix.column_norms_sq()))), True
             else:
-                value = _sens.minsep(prefix, MinSep(schema.min_sep, schema.participations(int(t)))).value
-        elif isinstance(schema, FixedEpoch):
-            pats = [[r for r in p if r < t] for p in schema.patterns()]
-            value = max(_sens.pattern_sensitivity(prefix.strategy_columns(p).T @ prefix.strategy_columns(p)).value
-                        for p in pats if p)
-        elif isinstance(schema, Observed):
-            pats = [[r for r in rounds if r < t] for _, rounds in schema.rounds_by_user]
-            value = max((_sens.pattern_sensitivity(prefix.strategy_columns(p).T @ prefix.strategy_columns(p)).value
-                         for p in pats if p), default=0.0)
+                sens = _sens.minsep(prefix, MinSep(schema.min_sep, schema.participations(int(t))))
+                value, exact[j] = sens.value, sens.exact
+        elif isinstance(schema, (FixedEpoch, Observed)):
+            pats = (schema.patterns() if isinstance(schema, FixedEpoch)
+                    else [rounds for _, rounds in schema.rounds_by_user])
+            results = [_sens.pattern_sensitivity(prefix.strategy_columns(c).T @ prefix.strategy_columns(c))
+                       for c in ([r for r in p if r < t] for p in pats) if c]
+            worst = _sens._worst(results, "exact", "bound") if results else _sens.Sensitivity(0.0, "exact", True)
+            value, exact[j] = worst.value, worst.exact
         else:
             raise TypeError(f"unknown schema {schema!r}")
         values[j] = value
-    exact = points.size == n
-    return _fill(points, values, n), "checkpoints-exact" if exact else f"checkpoints({points.size})-upper-bound"
+    # rounds between checkpoints take the next checkpoint's value: an upper bound
+    per_round = np.zeros(n, dtype=bool)
+    per_round[points - 1] = exact
+    name = "checkpoints" if points.size == n else f"checkpoints({points.size})"
+    return _fill(points, values, n), name + ("-exact" if per_round.all() else "-upper-bound"), per_round
 
 
-def prefix_sensitivities(mechanism: "Mechanism", schema: "Schema", max_points: int = 64) -> tuple[np.ndarray, str]:
-    """sens_t for t = 1 … n (see the module docstring) and how they were obtained."""
+def _prefix_sensitivities(mechanism: "Mechanism", schema: "Schema",
+                          max_points: int) -> tuple[np.ndarray, str, np.ndarray]:
+    """sens_t, the method, and per round whether sens_t is exact (not only an upper bound)."""
     from ..participation import MinSep
 
     n = mechanism.rounds
@@ -168,10 +178,18 @@ def prefix_sensitivities(mechanism: "Mechanism", schema: "Schema", max_points: i
         square = mechanism.noise_rows == n
         if coef is not None and square and ((bands is not None and bands <= b) or k == 1
                                             or _sens.is_nonnegative_nonincreasing(coef)):
-            return _toeplitz_closed_form(np.asarray(coef, dtype=np.float64), n, b, k), "toeplitz-closed-form"
+            sens_t = _toeplitz_closed_form(np.asarray(coef, dtype=np.float64), n, b, k)
+            return sens_t, "toeplitz-closed-form", np.ones(n, dtype=bool)
         if bands is not None and bands <= b and square:
-            return _banded_vecsens(mechanism, n, b, k, bands), "banded-exact"
+            return _banded_vecsens(mechanism, n, b, k, bands), "banded-exact", np.ones(n, dtype=bool)
     return _generic(mechanism, schema, max_points)
+
+
+def prefix_sensitivities(mechanism: "Mechanism", schema: "Schema", max_points: int = 64) -> tuple[np.ndarray, str]:
+    """sens_t for t = 1 … n (see the module docstring) and how they were obtained
+    ("…-exact" only when every sens_t is exact)."""
+    sens_t, method, _ = _prefix_sensitivities(mechanism, schema, max_points)
+    return sens_t, method
 
 
 def _monotone(eps: np.ndarray, final: float) -> np.ndarray:
@@ -194,7 +212,8 @@ def epsilon_by_round(mechanism: "Mechanism", noise_multiplier: float, delta: flo
     sampling = parse_sampling(sampling)
     max_points = _validate.positive_int("max_points", max_points)
     n = mechanism.rounds
-    sens = mechanism.sensitivity(schema).value
+    planned = mechanism.sensitivity(schema)
+    sens = planned.value
     noise_sens = sens if noise_sensitivity is None else _validate.noise(noise_sensitivity, "noise sensitivity")
     std = z * noise_sens
     if sampling.kind == "bminsep":
@@ -215,10 +234,13 @@ def epsilon_by_round(mechanism: "Mechanism", noise_multiplier: float, delta: flo
         if final is None:
             final = float(values[-1])
         method = "cyclic-poisson" + ("" if distinct.size <= max_points else f"-checkpoints({points.size})")
-        return ByRound(_monotone(eps, final), None, method)
-    sens_t, method = prefix_sensitivities(mechanism, schema, max_points)
+        curve = _monotone(eps, final)
+        return ByRound(curve, None, method, np.isin(counts, points) & (curve == eps))
+    sens_t, method, exact = _prefix_sensitivities(mechanism, schema, max_points)
+    exact = exact & (sens_t <= sens)  # where capped at the planned sensitivity, that one decides
     sens_t = np.minimum(sens_t, sens)
     sens_t[-1] = sens
+    exact[-1] = planned.exact
     with np.errstate(divide="ignore"):
         multipliers = np.where(sens_t > 0, std / np.maximum(sens_t, 1e-300), np.inf)
     if final is None:
@@ -229,4 +251,6 @@ def epsilon_by_round(mechanism: "Mechanism", noise_multiplier: float, delta: flo
         cache: dict[float, float] = {}
         eps = np.array([0.0 if not np.isfinite(m) else cache.setdefault(m, gaussian.epsilon(m, delta, accountant))
                         for m in multipliers])
-    return ByRound(_monotone(eps, final), sens_t, method)
+    curve = _monotone(eps, final)
+    # the running maximum / final cap replaces a value only by an upper bound of it
+    return ByRound(curve, sens_t, method, exact & (curve == eps))
