@@ -16,7 +16,7 @@ import argparse
 import json
 import math
 import time
-from typing import Any
+from typing import Any, Callable
 
 __all__ = ["add_commands", "cmd_epsilon", "cmd_calibrate"]
 
@@ -60,16 +60,17 @@ def _common(parser: argparse.ArgumentParser) -> None:
 
 def add_commands(subparsers: Any) -> None:
     """Register ``epsilon`` and ``calibrate`` on argparse sub-parsers (``add_subparsers()``)."""
-    eps = subparsers.add_parser("epsilon", help="epsilon of a mechanism at a noise multiplier")
-    eps.add_argument("--noise-multiplier", type=_positive_float("--noise-multiplier"), required=True,
-                     help="Z: noise std / (clip norm x sensitivity)")
-    _common(eps)
-    eps.set_defaults(func=cmd_epsilon)
-
-    cal = subparsers.add_parser("calibrate", help="the noise multiplier for a target (epsilon, delta)")
-    cal.add_argument("--epsilon", type=_positive_float("--epsilon"), required=True, help="target epsilon > 0")
-    _common(cal)
-    cal.set_defaults(func=cmd_calibrate)
+    commands = (
+        ("epsilon", "epsilon of a mechanism at a noise multiplier", "--noise-multiplier",
+         "Z: noise std / (clip norm x sensitivity)", cmd_epsilon),
+        ("calibrate", "the noise multiplier for a target (epsilon, delta)", "--epsilon", "target epsilon > 0",
+         cmd_calibrate),
+    )
+    for name, summary, flag, flag_help, func in commands:
+        sub = subparsers.add_parser(name, help=summary)
+        sub.add_argument(flag, type=_positive_float(flag), required=True, help=flag_help)
+        _common(sub)
+        sub.set_defaults(func=func)
 
 
 def _schema(args: argparse.Namespace, mechanism, planned):
@@ -162,27 +163,27 @@ def _jsonable(value: Any) -> Any:
     raise TypeError(f"not JSON serializable: {type(value).__name__}")
 
 
+def _command(args: argparse.Namespace, compute: Callable[..., Any], flag: str, value: float) -> int:
+    """Shared body of ``epsilon`` and ``calibrate``: check ``flag`` (its parsed ``value``)
+    is positive, load the mechanism and schema, run ``compute(mechanism, value, delta,
+    schema, …)`` (``accountant.epsilon`` or ``accountant.calibrate``), print the report."""
+    started = time.perf_counter()
+    if not value > 0:
+        raise _usage_error(f"{flag} must be positive, got {value:g}")
+    mechanism, schema, sampling, checksum = _load(args)
+    result = compute(mechanism, value, args.delta, schema, sampling=sampling, accountant=args.accountant,
+                     per_round=args.per_round, monte_carlo=_options(args))
+    _print(_report(result, args, mechanism, schema, checksum, started), args.json)
+    return 0
+
+
 def cmd_epsilon(args: argparse.Namespace) -> int:
     from . import accountant
 
-    started = time.perf_counter()
-    if not args.noise_multiplier > 0:
-        raise _usage_error(f"--noise-multiplier must be positive, got {args.noise_multiplier:g}")
-    mechanism, schema, sampling, checksum = _load(args)
-    result = accountant.epsilon(mechanism, args.noise_multiplier, args.delta, schema, sampling=sampling,
-                                accountant=args.accountant, per_round=args.per_round, monte_carlo=_options(args))
-    _print(_report(result, args, mechanism, schema, checksum, started), args.json)
-    return 0
+    return _command(args, accountant.epsilon, "--noise-multiplier", args.noise_multiplier)
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from . import accountant
 
-    started = time.perf_counter()
-    if not args.epsilon > 0:
-        raise _usage_error(f"--epsilon must be positive, got {args.epsilon:g}")
-    mechanism, schema, sampling, checksum = _load(args)
-    result = accountant.calibrate(mechanism, args.epsilon, args.delta, schema, sampling=sampling,
-                                  accountant=args.accountant, per_round=args.per_round, monte_carlo=_options(args))
-    _print(_report(result, args, mechanism, schema, checksum, started), args.json)
-    return 0
+    return _command(args, accountant.calibrate, "--epsilon", args.epsilon)
