@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
@@ -24,6 +25,7 @@ __all__ = [
     "Sensitivity",
     "max_over_patterns",
     "toeplitz_minsep",
+    "shifted_sum",
     "banded_minsep",
     "gram_upper_bound",
     "pattern_sensitivity",
@@ -83,13 +85,23 @@ def toeplitz_minsep(coefficients: np.ndarray, n: int, min_sep: int, max_particip
     c[: coef.size] = coef
     if not is_nonnegative_nonincreasing(c):
         raise ValueError("Toeplitz closed form needs non-negative, non-increasing coefficients")
+    return Sensitivity(float(np.linalg.norm(shifted_sum(c, n, min_sep, max_participations))),
+                       "toeplitz-closed-form", True)
+
+
+def shifted_sum(coefficients: np.ndarray, n: int, min_sep: int, max_participations: int) -> np.ndarray:
+    """S = sum_{i<k} shift(c, i·b), truncated to n rows: C·x for the Toeplitz C with first
+    column c and the pattern x = rounds 0, b, 2b, … ("Beyond Square Roots", Theorem 1)."""
+    c = np.zeros(n)
+    coef = np.asarray(coefficients, dtype=np.float64)[:n]
+    c[: coef.size] = coef
     s = np.zeros(n)
     for i in range(max_participations):
         start = i * min_sep
         if start >= n:
             break
         s[start:] += c[: n - start]
-    return Sensitivity(float(np.linalg.norm(s)), "toeplitz-closed-form", True)
+    return s
 
 
 def banded_minsep(column_norms_sq: np.ndarray, num_bands: int, min_sep: int, max_participations: int) -> Sensitivity:
@@ -115,13 +127,88 @@ def gram_upper_bound(gram: np.ndarray, min_sep: int, max_participations: int) ->
     return Sensitivity(float(np.sqrt(value)), "upper-bound", False)
 
 
-def pattern_sensitivity(sub_gram: np.ndarray) -> Sensitivity:
-    """Sensitivity of one participation pattern pi from X[pi, pi].
+#: largest pattern size whose 2^(k-1) sign vectors are enumerated (2048 at k = 12)
+_SIGN_ENUMERATION = 12
+#: an upper bound within this relative distance of a sign vector's value certifies that sign
+#: vector optimal for every model dimension ("pattern-sdp-exact")
+_CERTIFY_RTOL = 1e-9
 
-    Exact when X[pi, pi] >= 0 (Multi-Epoch MF, Eq. 3 and Corollary 2.1: the all-ones
-    direction is worst, for any model dimension) or when |pi| <= 2 (Theorem H.1 case 1:
-    the max over sign vectors is exact for any dimension). Otherwise the sound bound
-    min(sum |X_ij|, |pi|·lambda_max) (Theorem 2.1 and the absolute-value bound).
+
+@lru_cache(maxsize=None)
+def _sign_vectors(k: int) -> np.ndarray:
+    """The 2^(k-1) vectors in {+-1}^k with first entry +1, shape (2^(k-1), k)."""
+    tails = np.array(list(itertools.product((1.0, -1.0), repeat=k - 1))).reshape(-1, k - 1)
+    return np.hstack([np.ones((tails.shape[0], 1)), tails])
+
+
+def _dual_bound(x: np.ndarray, lam: np.ndarray) -> float:
+    """Weak-duality upper bound on max tr(X Y) over PSD Y with diag(Y) <= 1, from any lam:
+    tr(X Y) = tr((X - diag lam) Y) + sum lam_i Y_ii <= k·mu+ + sum lam_i+, with
+    mu = lambda_max(X - diag lam) (Boyd & Vandenberghe, Sec. 5.2; the max-cut SDP dual,
+    Goemans & Williamson 1995). A slack covers eigvalsh's backward error (Golub & Van Loan,
+    Sec. 8.1: |error| <= c·k·eps·||.||_2)."""
+    k = x.shape[0]
+    shifted = x - np.diag(lam)
+    mu = float(np.linalg.eigvalsh(shifted)[-1])
+    slack = 4.0 * k * np.finfo(np.float64).eps * float(np.linalg.norm(shifted))
+    return float(np.maximum(lam, 0.0).sum()) + k * max(mu + slack, 0.0)
+
+
+def _mixing(x: np.ndarray, sweeps: int = 500) -> tuple[np.ndarray, np.ndarray]:
+    """Approximate maximizer of tr(X V V^T) over V with unit rows (the SDP with Y = V V^T of rank
+    <= k) by the mixing method (Wang, Chang & Kolter 2017, arXiv 1706.00476, Alg. 1): v_i <-
+    g_i/||g_i||, g_i = sum_{j != i} X_ij v_j. Returns (V, lam) with lam_i = X_ii + ||g_i||, the
+    dual variables of its KKT condition (diag(lam) - X) Y = 0. Deterministic start."""
+    k = x.shape[0]
+    v = np.random.default_rng(0).normal(size=(k, k))
+    v /= np.linalg.norm(v, axis=1, keepdims=True)
+    off = x - np.diag(np.diag(x))
+    before = -np.inf
+    for _ in range(sweeps):
+        for i in range(k):
+            g = off[i] @ v
+            norm = float(np.linalg.norm(g))
+            if norm > 0.0:
+                v[i] = g / norm
+        value = float(np.sum((x @ v) * v))
+        if value - before <= 1e-15 * abs(value):
+            break
+        before = value
+    return v, np.diag(x) + np.linalg.norm(off @ v, axis=1)
+
+
+def _best_sign(x: np.ndarray, v: np.ndarray | None) -> np.ndarray:
+    """A sign vector u maximizing u^T X u: all 2^(k-1) for k <= 12, else the best hyperplane
+    rounding of V (Goemans & Williamson 1995) improved by single flips (a lower bound only)."""
+    k = x.shape[0]
+    if k <= _SIGN_ENUMERATION:
+        signs = _sign_vectors(k)
+        return signs[int(np.argmax(np.sum((signs @ x) * signs, axis=1)))]
+    if v is None:
+        raise ValueError(f"|pi| = {k} > {_SIGN_ENUMERATION} needs the SDP solution V to round")
+    candidates = np.sign(v @ np.random.default_rng(1).normal(size=(k, 64))).T
+    candidates[candidates == 0] = 1.0
+    u = candidates[int(np.argmax(np.sum((candidates @ x) * candidates, axis=1)))].copy()
+    while True:  # flipping u_i changes u^T X u by -4 u_i (sum_{j != i} X_ij u_j)
+        gain = -4.0 * u * (x @ u - np.diag(x) * u)
+        i = int(np.argmax(gain))
+        if gain[i] <= 1e-15 * abs(float(u @ x @ u)):
+            return u
+        u[i] = -u[i]
+
+
+def pattern_sensitivity(sub_gram: np.ndarray) -> Sensitivity:
+    """Sensitivity of one participation pattern pi from X = X[pi, pi], for updates of any
+    dimension d: sens^2 = max sum_ij X_ij g_i.g_j over ||g_i|| <= 1, i.e. max tr(X Y) over Gram
+    matrices Y of such vectors (Multi-Epoch MF, Definition 1 and App. H).
+
+    Exact when X >= 0 (Eq. 3, Corollary 2.1: the all-ones direction is worst) or |pi| <= 2
+    (Theorem H.1 case 1: the best sign vector is worst). Otherwise the least of sound upper
+    bounds: the SDP dual bound (``_dual_bound``) at the best sign vector's multipliers
+    lam = u o (X u) and at the mixing method's multipliers, sum |X_ij|, and |pi|·lambda_max
+    (Theorem 2.1). When that bound is within 1e-9 (relative) of the best sign vector's value
+    u^T X u it certifies u optimal for every d: "pattern-sdp-exact". "pattern-sdp" is exact for
+    d >= |pi| up to the solver's accuracy, but above the scalar (d = 1) value.
     """
     x = np.asarray(sub_gram, dtype=np.float64)
     k = x.shape[0]
@@ -133,8 +220,21 @@ def pattern_sensitivity(sub_gram: np.ndarray) -> Sensitivity:
         signs = np.array([[1.0] * k, [1.0, -1.0][:k]])
         value = max(float(s @ x @ s) for s in signs)
         return Sensitivity(float(np.sqrt(value)), "pattern-exact", True)
-    bound = min(float(np.abs(x).sum()), k * float(np.linalg.eigvalsh(x)[-1]))
-    return Sensitivity(float(np.sqrt(bound)), "pattern-bound", False)
+    mixing = None if k <= _SIGN_ENUMERATION else _mixing(x)
+    u = _best_sign(x, None if mixing is None else mixing[0])
+    lower = float(u @ x @ u)
+    bounds = {"pattern-sdp-exact": _dual_bound(x, u * (x @ u))}
+    if bounds["pattern-sdp-exact"] > lower * (1.0 + _CERTIFY_RTOL):
+        if mixing is None:
+            mixing = _mixing(x)
+        bounds = {"pattern-sdp": min(bounds.pop("pattern-sdp-exact"), _dual_bound(x, mixing[1]))}
+        bounds["pattern-bound"] = min(float(np.abs(x).sum()), k * float(np.linalg.eigvalsh(x)[-1]))
+    method = min(bounds, key=bounds.__getitem__)
+    value = bounds[method]
+    exact = bool(value <= lower * (1.0 + _CERTIFY_RTOL))
+    if exact:
+        method = "pattern-sdp-exact"
+    return Sensitivity(float(np.sqrt(value)), method, exact)
 
 
 def _worst(results: Sequence[Sensitivity], exact_name: str, bound_name: str) -> Sensitivity:

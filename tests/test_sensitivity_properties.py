@@ -416,17 +416,79 @@ def test_pattern_sensitivity_up_to_two_is_max_over_signs(k, m, seed):
 
 
 @SETTINGS
-@given(k=st.integers(3, 6), m=st.integers(1, 8), seed=seeds)
+@given(k=st.integers(3, 8), m=st.integers(1, 8), seed=seeds)
 def test_pattern_sensitivity_is_a_sound_vector_bound(k, m, seed):
     c = np.random.default_rng(seed).normal(size=(m, k))
     x = c.T @ c
     got = S.pattern_sensitivity(x)
     lower = vector_sens_sq_lower_bound(x)
-    assert lower >= max_sign_quadratic(x) * (1 - RTOL)
+    scalar = max_sign_quadratic(x)
+    assert lower >= scalar * (1 - RTOL)
     assert got.value**2 >= lower * (1 - 1e-7)
-    assert got.value**2 <= np.abs(x).sum() * (1 + RTOL)
+    # never looser than the two closed-form bounds (Theorem 2.1 and sum |X_ij|)
+    assert got.value**2 <= min(np.abs(x).sum(), k * np.linalg.eigvalsh(x)[-1]) * (1 + RTOL)
     if np.any(x < 0):
-        assert not got.exact and got.method == "pattern-bound"
+        assert got.method in ("pattern-sdp-exact", "pattern-sdp", "pattern-bound")
+    if got.exact:  # certified: the best sign vector is worst for every dimension
+        assert math.isclose(got.value**2, scalar, rel_tol=1e-9)
+    else:
+        assert got.value**2 > scalar * (1 + 1e-9)
+
+
+@SETTINGS
+@given(k=st.integers(3, 8), m=st.integers(1, 8), seed=seeds)
+def test_pattern_sensitivity_sdp_bound_is_tight(k, m, seed):
+    """The SDP dual bound is within 1e-6 of a long block-coordinate ascent's lower bound on
+    the vector sensitivity max tr(X G) (the SDP value for d >= k)."""
+    c = np.random.default_rng(seed).normal(size=(m, k))
+    x = c.T @ c
+    got = S.pattern_sensitivity(x)
+    assert got.value**2 <= vector_sens_sq_lower_bound(x, sweeps=3000) * (1 + 1e-6)
+
+
+@SETTINGS
+@given(k=st.integers(3, 8), seed=seeds, scale=st.sampled_from([1e-14, 1e-12, 1e-10]))
+def test_pattern_sensitivity_tiny_negative_entries_are_certified(k, seed, scale):
+    """X >= 0 up to tiny negative off-diagonal entries (as in the dense optimum): the all-ones
+    sign vector is certified worst, and the value is sqrt(1^T X 1) to 1e-9."""
+    rng = np.random.default_rng(seed)
+    c = np.abs(rng.normal(size=(k + 2, k)))
+    x = c.T @ c
+    i, j = sorted(rng.choice(k, size=2, replace=False))
+    x[i, j] = x[j, i] = -scale * np.max(np.diag(x))
+    got = S.pattern_sensitivity(x)
+    assert got.exact and got.method == "pattern-sdp-exact"
+    assert math.isclose(got.value**2, x.sum(), rel_tol=1e-9)
+    assert got.value**2 >= max_sign_quadratic(x)
+
+
+@pytest.mark.parametrize("k", [13, 14])
+def test_pattern_sensitivity_beyond_sign_enumeration(k):
+    """|pi| > 12: signs from rounding the SDP solution; still a sound bound above brute force,
+    and exact claims match brute force over all 2^(k-1) sign vectors."""
+    signs = np.array([(1.0,) + s for s in itertools.product((1.0, -1.0), repeat=k - 1)])
+    rng = np.random.default_rng(k)
+    for m in (2, 4, 30):
+        c = rng.normal(size=(m, k))
+        x = c.T @ c
+        got = S.pattern_sensitivity(x)
+        scalar = float(np.max(np.sum((signs @ x) * signs, axis=1)))
+        assert got.value**2 >= scalar * (1 - RTOL)
+        assert got.value**2 >= vector_sens_sq_lower_bound(x, sweeps=200) * (1 - 1e-7)
+        if got.exact:
+            assert math.isclose(got.value**2, scalar, rel_tol=1e-9)
+
+
+def test_pattern_sensitivity_frustrated_triangle():
+    """X = I/3 + a·S with S_12 = S_23 = 1, S_13 = -1 (the sign pattern of the momentum optimum,
+    notes Sec. 3.2): scalar sens^2 = 1 + 2a (every sign vector breaks one pair), vector
+    (d >= 3) sens^2 = 1 + 3a at Y_12 = Y_23 = 1/2, Y_13 = -1/2."""
+    a = 0.0273
+    x = np.eye(3) / 3 + a * np.array([[0.0, 1.0, -1.0], [1.0, 0.0, 1.0], [-1.0, 1.0, 0.0]])
+    assert math.isclose(max_sign_quadratic(x), 1.0 + 2 * a, rel_tol=1e-12)
+    got = S.pattern_sensitivity(x)
+    assert not got.exact and got.method in ("pattern-sdp", "pattern-bound")
+    assert math.isclose(got.value**2, 1.0 + 3 * a, rel_tol=1e-8)
 
 
 def test_pattern_sensitivity_empty():
@@ -444,9 +506,11 @@ def test_multi_epoch_counterexample_h2_is_not_exact():
     vector = vector_sens_sq_lower_bound(x)
     assert vector >= 1.1  # vectors beat every sign choice
     got = S.pattern_sensitivity(x)
-    assert not got.exact and got.method == "pattern-bound"
+    assert not got.exact and got.method in ("pattern-sdp", "pattern-bound")
     assert got.value >= math.sqrt(1.1)
     assert got.value**2 >= vector * (1 - 1e-9)
+    # the SDP value (d >= 3): 27/24 at Y_12 = Y_13 = 1/2, Y_23 = -1/2
+    assert math.isclose(got.value**2, 27 / 24, rel_tol=1e-8)
     mech = DenseStrategy(H2)
     for schema in (FixedEpoch(3, 1), Observed.from_mapping({"u": [0, 1, 2]}), MinSep(1, 3)):
         s = S.sensitivity(mech, schema)
@@ -548,3 +612,25 @@ def test_observed_rejects_rounds_outside_run():
         S.sensitivity(DpSgd(4), Observed.from_mapping({"u": [1, 4]}))
     with pytest.raises(ValueError):
         Observed.from_mapping({"u": [1, 1]})
+
+
+@pytest.mark.parametrize("n,k", [(60, 6), (96, 6), (48, 4)])
+def test_dense_optimum_fixed_epoch_sensitivity_is_tight(n, k):
+    """The dense optimum is scaled to max_u u^T X_pi u = 1 over sign vectors; its same-pattern
+    Gram entries may be slightly negative, so the vector sensitivity can exceed 1 a little. The
+    SDP certificate matches a block-coordinate ascent's lower bound on it to 1e-7 (the
+    |X|-sum bound overshoots it)."""
+    from fedmf.mechanisms.dense import optimize_dense
+
+    schema = FixedEpoch(k, n // k)
+    mech, _ = optimize_dense(n, schema, device="cpu")
+    x = mech.gram_matrix
+    blocks = [x[np.ix_(p, p)] for p in schema.patterns()]
+    scalar = max(max_sign_quadratic(block) for block in blocks)
+    vector = max(vector_sens_sq_lower_bound(block, sweeps=300) for block in blocks)
+    got = S.sensitivity(mech, schema)
+    assert math.isclose(scalar, 1.0, rel_tol=1e-9)
+    assert got.value**2 >= vector * (1 - RTOL)
+    assert got.value**2 <= vector * (1 + 1e-7)
+    if got.exact:
+        assert got.method == "fixed-epoch-exact" and math.isclose(got.value**2, scalar, rel_tol=1e-9)
