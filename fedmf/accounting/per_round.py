@@ -81,16 +81,9 @@ class _Prefix:
 
 
 def _toeplitz_closed_form(coef: np.ndarray, n: int, b: int, k: int) -> np.ndarray:
-    c = np.zeros(n)
-    m = min(n, coef.size)
-    c[:m] = coef[:m]
-    s = np.zeros(n)
-    for i in range(k):
-        start = i * b
-        if start >= n:
-            break
-        s[start:] += c[: n - start]
-    return np.sqrt(np.cumsum(s**2))
+    """sens_t = ||S[:t]|| with S the shifted sum of ``fedmf.sensitivity.shifted_sum``
+    ("Beyond Square Roots", Thm 1: the shifts starting at >= t do not reach rows < t)."""
+    return np.sqrt(np.cumsum(_sens.shifted_sum(coef, n, b, k) ** 2))
 
 
 def _banded_vecsens(mechanism: "Mechanism", n: int, b: int, k: int, bands: int) -> np.ndarray:
