@@ -119,9 +119,8 @@ class _Dual:
         self.k, self.b, self.n = k, b, k * b
         self.device = device
         perm = pattern_major(k, b)
-        a = np.asarray(workload_matrix, dtype=np.float64)
-        t = a.T @ a  # T = A^T A (Sec. 3, Eq. 6)
-        self.t = torch.from_numpy(np.ascontiguousarray(t[np.ix_(perm, perm)])).to(device, _DTYPE)
+        a = torch.from_numpy(np.asarray(workload_matrix, dtype=np.float64)[:, perm]).to(device, _DTYPE)
+        self.t = a.T @ a  # T = A^T A (Sec. 3, Eq. 6), rows and columns in the working order
         self.signs = torch.from_numpy(corner_signs(k)).to(device, _DTYPE)
         self.perm = perm
         self.scipy_eigh = device.type == "cpu" and self.n > SMALL_ROUNDS
@@ -218,9 +217,12 @@ def _eigh(a: torch.Tensor, scipy: bool) -> tuple[torch.Tensor, torch.Tensor]:
 # ---- the mechanism ------------------------------------------------------------------------
 def _reversed_cholesky(x: np.ndarray) -> np.ndarray:
     """Lower-triangular C with C^T C = X: P = reversal, L = chol(P X P), C = P L^T P
-    (Multi-Epoch MF code, strategy_from_X; notes Sec. 5.6)."""
-    lower = np.linalg.cholesky(x[::-1, ::-1])
-    return np.ascontiguousarray(lower.T[::-1, ::-1])
+    (Multi-Epoch MF code, strategy_from_X; notes Sec. 5.6). On CPU with torch, single-threaded
+    for small n like the solve (numpy's BLAS pool would contend with torch's)."""
+    cpu = torch.device("cpu")
+    with _threads(_thread_count(x.shape[0], cpu)):
+        lower = torch.linalg.cholesky(torch.from_numpy(np.ascontiguousarray(x[::-1, ::-1])))
+        return np.ascontiguousarray(lower.numpy().T[::-1, ::-1])
 
 
 class _ForwardSubstitution(InverseStream):
