@@ -2,8 +2,9 @@
 
 Fresh Gaussian rows z_r are counter-based: the values of row r in chunk c of the flat
 parameter vector come from a generator seeded with a keyed hash of (secret seed, r, c)
-(BLAKE2b), so any past draw can be regenerated exactly and any slice of the parameters
-(a shard) can be produced alone and equals the same slice of the unsharded noise
+(BLAKE2b; values by ``fedmf.normal``, tails to 8.6σ), so any past draw can be regenerated
+exactly and any slice of the parameters (a shard) can be produced alone and equals the same
+slice of the unsharded noise
 ("Scaling up BandMF", Sec. 3.3: coordinate-wise independence).
 
 State is bounded by the mechanism's structure ("Scaling up BandMF" Alg. 1 for banded C;
@@ -24,7 +25,6 @@ import hashlib
 import math
 import secrets
 import struct
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Mapping, Sequence, Union
 
@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from .mechanisms.base import Mechanism
+from .normal import fill_normal
 
 __all__ = ["NoiseGenerator", "Layout", "CHUNK_SIZE"]
 
@@ -54,7 +55,6 @@ def _key(seed: bytes | int | None) -> bytes:
 
 
 _POOL: ThreadPoolExecutor | None = None
-_LOCAL = threading.local()
 
 
 def _pool() -> ThreadPoolExecutor:
@@ -64,43 +64,34 @@ def _pool() -> ThreadPoolExecutor:
     return _POOL
 
 
-def _thread_generator(device: torch.device) -> torch.Generator:
-    cache = _LOCAL.__dict__.setdefault("generators", {})
-    if device not in cache:
-        cache[device] = torch.Generator(device=device)
-    return cache[device]
-
-
 class _Draws:
     """Counter-based Gaussian rows, scaled by ``scale``, for the flat range [lo, hi) of a
-    size-``total`` vector. On CPU the chunks of a row are drawn on several threads (each
-    chunk has its own seed, so the result does not depend on the thread count)."""
+    size-``total`` vector (values from ``fedmf.normal.fill_normal``, whose tails are not cut
+    at 5.8σ as float32 ``torch.randn``'s are). On CPU the chunks of a row are drawn on several
+    threads; each chunk has its own seed, so the result does not depend on the thread count."""
 
     def __init__(self, key: bytes, total: int, lo: int, hi: int, dtype: torch.dtype, device: torch.device,
                  chunk: int, scale: float = 1.0) -> None:
         self.key, self.total, self.lo, self.hi = key, total, lo, hi
         self.dtype, self.device, self.chunk, self.scale = dtype, device, chunk, float(scale)
-        self.generator = torch.Generator(device=device)
 
     def _seed(self, row: int, chunk: int) -> int:
-        h = hashlib.blake2b(struct.pack("<QQ", row, chunk), key=self.key, digest_size=8, person=b"fedmf-noise-v1")
-        return int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
+        h = hashlib.blake2b(struct.pack("<QQ", row, chunk), key=self.key, digest_size=16, person=b"fedmf-noise-v2")
+        return int.from_bytes(h.digest(), "little")
 
-    def _fill_chunk(self, row: int, c: int, out: torch.Tensor, generator: torch.Generator) -> None:
+    def _fill_chunk(self, row: int, c: int, out: torch.Tensor) -> None:
         start, stop = c * self.chunk, min((c + 1) * self.chunk, self.total)
-        generator.manual_seed(self._seed(row, c))
         a, b = max(start, self.lo), min(stop, self.hi)
         if a == start and b == stop:
-            out[a - self.lo : b - self.lo].normal_(0.0, self.scale, generator=generator)
+            fill_normal(out[a - self.lo : b - self.lo], self._seed(row, c), self.scale)
         else:
-            full = torch.empty(stop - start, dtype=self.dtype, device=self.device).normal_(0.0, self.scale,
-                                                                                           generator=generator)
+            full = fill_normal(torch.empty(stop - start, dtype=self.dtype, device=self.device), self._seed(row, c),
+                               self.scale)
             out[a - self.lo : b - self.lo].copy_(full[a - start : b - start])
 
     def _fill_group(self, row: int, chunks: Sequence[int], out: torch.Tensor) -> None:
-        generator = _thread_generator(self.device)
         for c in chunks:
-            self._fill_chunk(row, c, out, generator)
+            self._fill_chunk(row, c, out)
 
     def fill(self, row: int, out: torch.Tensor) -> torch.Tensor:
         """Write the shard's slice of fresh row ``row`` (times ``scale``) into ``out`` (length hi - lo)."""
@@ -109,8 +100,7 @@ class _Draws:
         chunks = list(range(self.lo // self.chunk, (self.hi - 1) // self.chunk + 1))
         workers = min(len(chunks), torch.get_num_threads()) if self.device.type == "cpu" else 1
         if workers <= 1:
-            for c in chunks:
-                self._fill_chunk(row, c, out, self.generator)
+            self._fill_group(row, chunks, out)
             return out
         groups = [chunks[i * len(chunks) // workers : (i + 1) * len(chunks) // workers] for i in range(workers)]
         for future in [_pool().submit(self._fill_group, row, g, out) for g in groups]:
