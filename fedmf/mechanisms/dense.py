@@ -416,7 +416,8 @@ def _thread_count(rounds: int, device: torch.device) -> int | None:
 
 @contextmanager
 def _threads(count: int | None) -> Iterator[None]:
-    """Run the block with torch's intra-op thread count set to ``count`` (None: unchanged)."""
+    """Run the block with torch's intra-op thread count set to ``count`` (None: unchanged).
+    The setting is process-wide; it is restored on exit."""
     before = torch.get_num_threads()
     if count is not None:
         torch.set_num_threads(count)
