@@ -325,7 +325,15 @@ def _scaled_ok(b: int, p: float) -> bool:
 
 
 def _scaled_core(e: np.ndarray, b: int, p: float, warm: bool) -> tuple[np.ndarray, np.ndarray]:
-    """The recursion in linear space, in the form h_i = h_{i+1} + e'_i·h_{i+b}.
+    """``_scaled_rows`` over the rows of e (n, S)."""
+    n, width = e.shape
+    return _scaled_rows((e[i] for i in range(n - 1, -1, -1)), n, width, b, p, warm)
+
+
+def _scaled_rows(rows: Iterator[np.ndarray], n: int, width: int, b: int, p: float,
+                 warm: bool) -> tuple[np.ndarray, np.ndarray]:
+    """The recursion in linear space, in the form h_i = h_{i+1} + e'_i·h_{i+b}, with the
+    rows e'_{n-1}, …, e'_0 (each of ``width`` samples) taken from ``rows`` in that order.
 
     With g_i = (1-p)^{n-i}·h_i the recursion f_i = (1-p)·f_{i+1} + p·LR_i·f_{i+b} becomes
     h_i = h_{i+1} + e'_i·h_{i+b}, e'_i = p·LR_i·(1-p)^{-b} (``e``, shape (n, S), all
@@ -337,7 +345,6 @@ def _scaled_core(e: np.ndarray, b: int, p: float, warm: bool) -> tuple[np.ndarra
     and only grows), a contribution below e^600·1e-308. Overflow between renormalizations
     shows as a non-finite newest value: such samples are flagged (returned mask) for the
     log-space recursion."""
-    n, width = e.shape
     q = 1.0 - p
     lq = math.log(q)
     period = max(2 * b, 64)
@@ -347,10 +354,10 @@ def _scaled_core(e: np.ndarray, b: int, p: float, warm: bool) -> tuple[np.ndarra
     scale = np.zeros(width)
     bad = np.zeros(width, dtype=bool)
     with np.errstate(over="ignore", under="ignore", invalid="ignore", divide="ignore"):
-        for step, i in enumerate(range(n - 1, -1, -1), 1):
+        for step, (i, e_i) in enumerate(zip(range(n - 1, -1, -1), rows), 1):
             s, s1 = i % b, (i + 1) % b
             row = g[s]
-            row *= e[i]
+            row *= e_i
             row += g[s1]
             if step % period == 0 or i == 0:
                 top = row.copy()
@@ -469,23 +476,47 @@ class _Buffers:
         return a
 
 
-def _correlate_into(scheme: BMinSep, z: np.ndarray, factor: float, out: np.ndarray, work: _Buffers) -> np.ndarray:
-    """out[i] = factor·<C e_i, z> (as ``_correlate``) into ``out`` (n, S), z left intact."""
-    L, n = scheme.bands.shape
-    toeplitz = scheme.toeplitz is not None
-    if toeplitz and L > 12:
-        out[...] = _correlate(scheme, z, factor)
-        return out
-    first = factor * scheme.bands[0, 0] if toeplitz else factor * scheme.bands[0][:, None]
-    np.multiply(z, first, out=out)
-    if L > 1:
-        tmp = work.get("tmp", z.shape)
-        for k in range(1, min(L, n)):
-            m = n - k
-            coef = factor * scheme.bands[k, 0] if toeplitz else factor * scheme.bands[k, :m, None]
-            np.multiply(z[k:], coef, out=tmp[:m])
-            np.add(out[:m], tmp[:m], out=out[:m])
-    return out
+_BLOCK = 1 << 16  # elements of e' computed at a time (512 KiB: in cache for the recursion)
+
+
+def _pair_rows(scheme: BMinSep, sigma: float, z: np.ndarray, t: np.ndarray, cols: np.ndarray, gram: np.ndarray,
+               work: _Buffers, peak: np.ndarray) -> Iterator[np.ndarray]:
+    """The rows e'_i = exp(a_i - b·ln(1-p)), i = n-1 … 0, of 2S samples: the Q-draws
+    (a from z, as in ``_chunk_losses``) and then the P-draws (the same times
+    exp((C^T C x)_i/σ²) at the participations' windows). Computed a block of rounds at a
+    time, small enough to stay in cache for the recursion that consumes it. ``peak`` (S,)
+    receives the running column maximum of ln e' over the Q-draws."""
+    n, S = z.shape
+    L, width = scheme.num_bands, 2 * S
+    bands, toeplitz = scheme.bands / sigma, scheme.toeplitz is not None
+    shift = _row_offsets(scheme, sigma) - scheme.min_sep * math.log1p(-scheme.sampling_probability)
+    with np.errstate(over="ignore"):  # an infinite factor is caught by the bound on ``peak``
+        patches = [(r, c + S, np.exp(v)) for r, c, v in _signal(scheme, t, cols, gram, sigma)]  # sorted by r
+    block = max(4, _BLOCK // width)
+    buf = work.get("block", (block, width))
+    tmp = work.get("tmp", (block, S))
+    flat = buf.reshape(-1)
+    for hi in range(n, 0, -block):
+        lo = max(0, hi - block)
+        eq = buf[: hi - lo, :S]
+        with np.errstate(over="ignore", under="ignore", invalid="ignore"):  # inf·0 is caught by ``peak``
+            np.multiply(z[lo:hi], bands[0, 0] if toeplitz else bands[0, lo:hi, None], out=eq)
+            for k in range(1, L):  # a_i += c_k·z_{i+k}/σ for i + k < n
+                top = min(hi, n - k)
+                if top > lo:
+                    part = tmp[: top - lo]
+                    np.multiply(z[lo + k : top + k], bands[k, 0] if toeplitz else bands[k, lo:top, None], out=part)
+                    np.add(eq[: top - lo], part, out=eq[: top - lo])
+            eq += shift[lo:hi, None]
+            np.maximum(peak, np.max(eq, axis=0), out=peak)
+            np.exp(eq, out=eq)
+            buf[: hi - lo, S:] = eq
+            for r, c, f in patches:
+                i0, i1 = np.searchsorted(r, (lo, hi))
+                if i1 > i0:
+                    flat[(r[i0:i1] - lo) * width + c[i0:i1]] *= f[i0:i1]
+        for j in range(hi - lo - 1, -1, -1):
+            yield buf[j]
 
 
 def _signal(scheme: BMinSep, t: np.ndarray, cols: np.ndarray, gram: np.ndarray, sigma: float):
@@ -502,6 +533,39 @@ def _signal(scheme: BMinSep, t: np.ndarray, cols: np.ndarray, gram: np.ndarray, 
         ok = (r >= 0) & (r < n)
         if np.any(ok):
             yield r[ok], cols[ok], gram[d + L - 1, t[ok]] * inv
+
+
+def _poisson_blocked(scheme: BMinSep, sigma: float, z: np.ndarray, work: _Buffers) -> np.ndarray:
+    """``_poisson`` of a = C z/σ + ln p - ||C e_i||²/(2σ²) for a diagonal C (b = 1), a
+    block of rounds at a time (in cache), as the log of the block's product of
+    (1-p) + e^{a_i} (one log per block and sample instead of one per round; each factor
+    lies in [1-p, e^{a_i} + 1], and a non-finite product sends the sample to the guarded
+    ``_poisson``); z is left intact."""
+    n, S = z.shape
+    p = scheme.sampling_probability
+    scaled = scheme.bands[0] / sigma
+    offsets = _row_offsets(scheme, sigma)
+    if p >= 1.0:
+        return scaled @ z + offsets.sum()
+    block = min(16, max(4, _BLOCK // S))  # (1-p)^16 > 0 and 16 factors e^{a_i} rarely overflow
+    buf = work.get("block", (block, S))
+    prod = work.get("product", (S,))
+    out = np.zeros(S)
+    for lo in range(0, n, block):
+        hi = min(n, lo + block)
+        a = buf[: hi - lo]
+        np.multiply(z[lo:hi], scaled[lo:hi, None], out=a)
+        a += offsets[lo:hi, None]
+        with np.errstate(over="ignore", invalid="ignore"):
+            np.exp(a, out=a)
+            a += 1.0 - p
+            np.multiply.reduce(a, axis=0, out=prod)
+            np.log(prod, out=prod)
+        out += prod
+    bad = ~np.isfinite(out)  # some e^{a_i} overflowed: the guarded ``_poisson`` for these columns
+    if np.any(bad):
+        out[bad] = _poisson(z[:, bad] * scaled[:, None] + offsets[:, None], p)
+    return out
 
 
 def _chunk_losses(scheme: BMinSep, sigma: float, rng: np.random.Generator, count: int, gram: np.ndarray,
@@ -523,10 +587,8 @@ def _chunk_losses(scheme: BMinSep, sigma: float, rng: np.random.Generator, count
     if b == 1:
         # Poisson: ln f_0 = sum_i ln((1-p) + e^{a_i}) is a sum over rounds, so the P-draws
         # differ from the Q-draws only in the rounds the signal touches (L = 1: one each).
-        a = _correlate(scheme, z, 1.0 / sigma, inplace=True)
-        a += offsets[:, None]
-        loss_q = _poisson(a, p)
-        old = a[t, cols]
+        loss_q = _poisson_blocked(scheme, sigma, z, work)
+        old = z[t, cols] * (scheme.bands[0, t] / sigma) + offsets[t]
         vals = gram[0, t] / sigma**2
         change = _poisson((old + vals)[None, :], p) - _poisson(old[None, :], p)
         return loss_q, loss_q + np.bincount(cols, weights=change, minlength=S)
@@ -537,21 +599,15 @@ def _chunk_losses(scheme: BMinSep, sigma: float, rng: np.random.Generator, count
         for r, c, v in _signal(scheme, t, cols, gram, sigma):
             ap[r, c] += v
         return _dp_log(a, b, p, warm), _dp_log(ap, b, p, warm)
-    # scaled recursion on 2S columns: e' = exp(a - b·ln(1-p)) for the Q-draws, then the
-    # same times exp(signal) for the P-draws (one factor per offset d)
-    e = work.get("e", (n, 2 * S))
-    eq = _correlate_into(scheme, z, 1.0 / sigma, e[:, :S], work)
-    eq += (offsets - b * math.log1p(-p))[:, None]
-    flat = e.reshape(-1)
-    with np.errstate(over="ignore", under="ignore", invalid="ignore"):  # inf·0: flagged below
-        np.exp(eq, out=eq)
-        e[:, S:] = eq
-        for r, c, v in _signal(scheme, t, cols, gram, sigma):
-            idx = r * (2 * S) + S + c
-            flat[idx] *= np.exp(v)
-    big = ~(e.max(axis=0) <= math.exp(_EXP_LIMIT))
-    out, bad = _scaled_core(e, b, p, warm)
-    bad |= big
+    # scaled recursion on 2S columns (Q-draws, then P-draws), fed block by block
+    peak = np.full(S, -np.inf)
+    out, bad = _scaled_rows(_pair_rows(scheme, sigma, z, t, cols, gram, work, peak), n, 2 * S, b, p, warm)
+    # ln e' <= 600 for the Q-draws; a P-draw adds at most ceil((2L-1)/b) signal terms (from
+    # participations >= b apart whose windows of 2L-1 rounds cover the round) to it
+    hits = -(-(2 * L - 1) // b)
+    lift = hits * float(np.max(gram)) / sigma**2 if t.size else 0.0
+    bad[:S] |= ~(peak <= _EXP_LIMIT)
+    bad[S:] |= ~(peak + lift <= _EXP_LIMIT)
     if np.any(bad):  # a (Q-draws) or a + signal (P-draws) in log space, for these samples only
         idx = np.flatnonzero(bad)
         j = np.where(idx < S, idx, idx - S)
@@ -685,7 +741,10 @@ class MonteCarloEstimate:
 def _chunk_size(n: int, requested: int | None) -> int:
     if requested is not None:
         return _validate.positive_int("chunk_size", requested)
-    return int(min(1 << 16, max(256, (1 << 19) // max(n, 1))))  # ~4 MiB per (n, S) array: cache-friendly
+    return int(min(1 << 16, max(256, _CHUNK // max(n, 1))))
+
+
+_CHUNK = 1 << 19  # default samples per chunk x rounds: the Gaussian draw z of a chunk is 4 MiB
 
 
 def _run_chunks(scheme: BMinSep, sigma: float, seed_entropy: int, key: tuple, chunks: Iterator[tuple[int, int]],
