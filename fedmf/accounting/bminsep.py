@@ -23,11 +23,13 @@ max(0, 1 - e^{eps - L}) (§4.1 / App. A), L = ln P/Q (y ~ P) or ln Q/P (y ~ Q): 
 divergence directions. It is vectorized over samples (chunks of (rounds, samples) arrays),
 float64 and overflow-safe: the dynamic program runs either in log space (``method="log"``,
 the reference) or, by default, as an equivalent linear recursion with a per-sample
-log-scale (``_scaled_core``: only additions of non-negative terms, renormalized every few
+log-scale (``_scaled_rows``: only additions of non-negative terms, renormalized every few
 rounds; samples that come near float64 under/overflow are redone in log space) — the same
 numbers (tested to 1e-9) at a fraction of the cost of logaddexp. Both directions share one
 Gaussian draw per sample (y_Q = σz, y_P = Cx + σz): each direction's estimator is still an
-average of i.i.d. samples, which is all the verifier's tail bound needs. Chunks run in
+average of i.i.d. samples, which is all the verifier's tail bound needs. A chunk's inputs
+to the recursion are computed a block of rounds at a time, so that they stay in cache
+(``_pair_rows``; b = 1: ``_poisson_blocked``). Chunks run in
 worker threads when ``workers`` > 1 (numpy releases the GIL in the Gaussian fills and the
 array operations); chunk j always uses the stream SFC64(SeedSequence(seed, key + (j,))).
 """
@@ -354,11 +356,11 @@ def _scaled_rows(rows: Iterator[np.ndarray], n: int, width: int, b: int, p: floa
     scale = np.zeros(width)
     bad = np.zeros(width, dtype=bool)
     with np.errstate(over="ignore", under="ignore", invalid="ignore", divide="ignore"):
+        slots = list(g)  # row views, made once
         for step, (i, e_i) in enumerate(zip(range(n - 1, -1, -1), rows), 1):
-            s, s1 = i % b, (i + 1) % b
-            row = g[s]
+            row = slots[i % b]
             row *= e_i
-            row += g[s1]
+            row += slots[(i + 1) % b]
             if step % period == 0 or i == 0:
                 top = row.copy()
                 bad |= ~((top < _HUGE) & (top > _TINY))
