@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import secrets
 import struct
 from concurrent.futures import ThreadPoolExecutor
@@ -62,6 +63,14 @@ def _pool() -> ThreadPoolExecutor:
     if _POOL is None:
         _POOL = ThreadPoolExecutor(max_workers=max(1, torch.get_num_threads()), thread_name_prefix="fedmf-noise")
     return _POOL
+
+
+def _forget_pool() -> None:
+    global _POOL
+    _POOL = None  # a forked child has none of the parent's threads: it makes its own pool
+
+
+os.register_at_fork(after_in_child=_forget_pool)
 
 
 class _Draws:

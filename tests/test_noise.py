@@ -273,3 +273,19 @@ def test_next_into_a_wrong_buffer_is_refused():
         with pytest.raises(ValueError, match="out must be"):
             gen.next(out=bad)
     assert gen.round == 0
+
+
+def test_a_forked_child_can_still_draw():
+    """The draw threads do not survive fork(); a child process (e.g. a simulation worker)
+    must make its own and produce the same noise."""
+    import multiprocessing
+
+    mech = MECHANISMS["bifr"]
+    expected = _run(NoiseGenerator(mech, 300, 1.0, device="cpu", seed=SEED, chunk_size=64), 3)
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        got = pool.apply_async(_noise_in_child, (300,)).get(timeout=60)
+    np.testing.assert_array_equal(got, expected)
+
+
+def _noise_in_child(d):
+    return _run(NoiseGenerator(MECHANISMS["bifr"], d, 1.0, device="cpu", seed=SEED, chunk_size=64), 3)
