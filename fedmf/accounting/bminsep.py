@@ -539,32 +539,34 @@ def _signal(scheme: BMinSep, t: np.ndarray, cols: np.ndarray, gram: np.ndarray, 
 
 def _poisson_blocked(scheme: BMinSep, sigma: float, z: np.ndarray, work: _Buffers) -> np.ndarray:
     """``_poisson`` of a = C z/σ + ln p - ||C e_i||²/(2σ²) for a diagonal C (b = 1), a
-    block of rounds at a time (in cache), as the log of the block's product of
-    (1-p) + e^{a_i} (one log per block and sample instead of one per round; each factor
-    lies in [1-p, e^{a_i} + 1], and a non-finite product sends the sample to the guarded
-    ``_poisson``); z is left intact."""
+    block of rounds at a time (in cache): with a_i = s_i z_i + o_i,
+    ln((1-p) + e^{a_i}) = o_i + ln((1-p)e^{-o_i} + e^{s_i z_i}), summed over a block as the
+    log of the product (one log per block and sample instead of one per round). A
+    non-finite product (an overflow) sends the sample to the guarded ``_poisson``; z is
+    left intact."""
     n, S = z.shape
     p = scheme.sampling_probability
     scaled = scheme.bands[0] / sigma
     offsets = _row_offsets(scheme, sigma)
     if p >= 1.0:
         return scaled @ z + offsets.sum()
-    block = min(16, max(4, _BLOCK // S))  # (1-p)^16 > 0 and 16 factors e^{a_i} rarely overflow
+    with np.errstate(over="ignore"):
+        lifted = (1.0 - p) * np.exp(-offsets)
+    block = min(16, max(4, _BLOCK // S))  # 16 factors rarely overflow
     buf = work.get("block", (block, S))
     prod = work.get("product", (S,))
-    out = np.zeros(S)
+    out = np.full(S, float(np.sum(offsets)))
     for lo in range(0, n, block):
         hi = min(n, lo + block)
         a = buf[: hi - lo]
         np.multiply(z[lo:hi], scaled[lo:hi, None], out=a)
-        a += offsets[lo:hi, None]
         with np.errstate(over="ignore", invalid="ignore"):
             np.exp(a, out=a)
-            a += 1.0 - p
+            a += lifted[lo:hi, None]
             np.multiply.reduce(a, axis=0, out=prod)
             np.log(prod, out=prod)
         out += prod
-    bad = ~np.isfinite(out)  # some e^{a_i} overflowed: the guarded ``_poisson`` for these columns
+    bad = ~np.isfinite(out)
     if np.any(bad):
         out[bad] = _poisson(z[:, bad] * scaled[:, None] + offsets[:, None], p)
     return out
