@@ -585,17 +585,22 @@ def _chunk_losses(scheme: BMinSep, sigma: float, rng: np.random.Generator, count
     z = work.get("z", (n, S))
     rng.standard_normal(out=z)
     t, cols = _participations(scheme, rng, S)
-    order = np.argsort(t.astype(np.uint16) if n < 1 << 16 else t, kind="stable")
-    t, cols = t[order], cols[order]  # by round: the scattered updates below walk memory in order
     offsets = _row_offsets(scheme, sigma)
     if b == 1:
         # Poisson: ln f_0 = sum_i ln((1-p) + e^{a_i}) is a sum over rounds, so the P-draws
-        # differ from the Q-draws only in the rounds the signal touches (L = 1: one each).
+        # differ from the Q-draws only in the rounds the signal touches (L = 1: one each):
+        # by ln((1-p) + e^{a_i + v_i}) - ln((1-p) + e^{a_i}), v_i = ||C e_i||²/σ²
         loss_q = _poisson_blocked(scheme, sigma, z, work)
         old = z[t, cols] * (scheme.bands[0, t] / sigma) + offsets[t]
         vals = gram[0, t] / sigma**2
-        change = _poisson((old + vals)[None, :], p) - _poisson(old[None, :], p)
+        with np.errstate(over="ignore", invalid="ignore"):
+            change = np.log((np.exp(old + vals) + (1.0 - p)) / (np.exp(old) + (1.0 - p)))
+        bad = ~np.isfinite(change)  # an overflow: the guarded form
+        if np.any(bad):
+            change[bad] = _poisson((old + vals)[None, bad], p) - _poisson(old[None, bad], p)
         return loss_q, loss_q + np.bincount(cols, weights=change, minlength=S)
+    order = np.argsort(t.astype(np.uint16) if n < 1 << 16 else t, kind="stable")
+    t, cols = t[order], cols[order]  # by round: the scattered updates below walk memory in order
     if method == "log" or not _scaled_ok(b, p):
         a = _correlate(scheme, z, 1.0 / sigma, inplace=True)
         a += offsets[:, None]
