@@ -842,7 +842,7 @@ class MonteCarloAccountant:
                key: tuple[int, ...] = (), epsilons: Sequence[float] = ()) -> LossSamples:
         """``samples`` privacy-loss samples per direction at this noise multiplier (noise std
         in clip-norm units, not divided by any column norm). Chunk j uses the random stream
-        SeedSequence(seed, spawn_key=key + (j,)); ``epsilons``: delta estimates that must be
+        SFC64(SeedSequence(seed, spawn_key=key + (j,))); ``epsilons``: delta estimates that must be
         exact whatever ``keep`` is."""
         import time
 
