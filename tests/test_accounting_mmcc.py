@@ -202,6 +202,18 @@ def test_between_independent_rows_and_unamplified():
     assert mmcc.lower_bound(np.eye(8), p, sigma, delta2) == mmcc.mmcc(np.eye(8), p, sigma, 5e-7, delta2).epsilon
 
 
+def test_full_participation_is_one_gaussian():
+    # p = 1: every user in every round, so each row is a Gaussian with sensitivity (rounded C 1)_i and
+    # their composition one Gaussian with sensitivity ||rounded C 1||_2; both PLDs pessimistic on the
+    # 1e-4 loss grid (observed difference 3e-8)
+    c = _bsr(6, 3)
+    result = mmcc.mmcc(c, 1.0, 5.0, 5e-7, 5e-7)
+    rows = (np.ceil(c / mmcc.GRID) * mmcc.GRID).sum(axis=1)
+    full = pld_lib.from_gaussian_mechanism(5.0 / np.linalg.norm(rows)).get_epsilon_for_delta(5e-7)
+    assert result.max_ratio == 1.0
+    assert result.epsilon == pytest.approx(full, abs=1e-4)
+
+
 @pytest.mark.parametrize("c,kwargs,message", [
     (-np.eye(3), {}, "non-negative"),
     (np.triu(np.ones((3, 3))), {}, "lower-triangular"),
