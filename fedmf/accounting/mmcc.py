@@ -19,7 +19,6 @@ C must be non-negative (Lemma C.3) and lower-triangular (adaptive rounds, Sec. 1
 from __future__ import annotations
 
 import functools
-import math
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
