@@ -228,7 +228,7 @@ def epsilon_by_round(mechanism: "Mechanism", noise_multiplier: float, delta: flo
             final = float(values[-1])
         method = "cyclic-poisson" + ("" if distinct.size <= max_points else f"-checkpoints({points.size})")
         curve = _monotone(eps, final)
-        return ByRound(curve, None, method, np.isin(counts, points) & (curve == eps))
+        return ByRound(curve, None, method, np.isin(counts, points) & np.isclose(curve, eps, rtol=1e-12, atol=0.0))
     sens_t, method, exact = _prefix_sensitivities(mechanism, schema, max_points)
     exact = exact & (sens_t <= sens)  # where capped at the planned sensitivity, that one decides
     sens_t = np.minimum(sens_t, sens)
@@ -246,4 +246,4 @@ def epsilon_by_round(mechanism: "Mechanism", noise_multiplier: float, delta: flo
                         for m in multipliers])
     curve = _monotone(eps, final)
     # the running maximum / final cap replaces a value only by an upper bound of it
-    return ByRound(curve, sens_t, method, exact & (curve == eps))
+    return ByRound(curve, sens_t, method, exact & np.isclose(curve, eps, rtol=1e-12, atol=0.0))
