@@ -97,7 +97,9 @@ def test_parse_sampling():
     assert parse_sampling("bminsep:0.25") == Sampling("bminsep", 0.25)
     assert parse_sampling("bminsep:0.25:warm") == Sampling("bminsep", 0.25, True)
     assert str(parse_sampling("cyclic-poisson:0.5")) == "cyclic-poisson:0.5"
-    for bad in ("bminsep", "bminsep:x", "poisson:0.1", "cyclic-poisson:0.1:warm", "bminsep:0", "none:1"):
+    assert parse_sampling("poisson:0.1") == Sampling("poisson", 0.1)
+    for bad in ("bminsep", "bminsep:x", "poisson", "poisson:0.1:warm", "cyclic-poisson:0.1:warm", "bminsep:0",
+                "none:1", "uniform:0.1"):
         with pytest.raises(ValueError):
             parse_sampling(bad)
 

@@ -168,3 +168,28 @@ def test_not_a_mechanism_file(capsys, main, tmp_path):
     for path in (bad, tmp_path / "missing.json"):
         rc, out, err = run(capsys, main, "epsilon", "--mechanism", str(path), "--noise-multiplier", "1", "--delta", "1e-6")
         assert rc == 2 and err.startswith("fedmf: error: ") and len(err.strip().splitlines()) == 1
+
+
+@pytest.fixture(scope="module")
+def small_mechanism_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("acc") / "bsr16.json"
+    save(build("bsr", 16, MinSep(4, 4), num_bands=4), path, MinSep(4, 4))
+    return str(path)
+
+
+def test_poisson_sampling_is_accounted_by_mmcc(capsys, small_mechanism_file):
+    from fedmf.accounting import mmcc
+    from fedmf.mechanisms.io import load
+
+    report = run_json(capsys, local_main, "epsilon", "--mechanism", small_mechanism_file, "--noise-multiplier", "3",
+                      "--delta", "1e-6", "--sampling", "poisson:0.1")
+    mech = load(small_mechanism_file)
+    direct = mmcc.epsilon(mech, 0.1, 3 * report["sensitivity"], 1e-6)
+    assert report["accountant"] == "mmcc-pld" and report["epsilon"] == pytest.approx(direct.epsilon, rel=1e-12)
+    unamplified = run_json(capsys, local_main, "epsilon", "--mechanism", small_mechanism_file, "--noise-multiplier",
+                           "3", "--delta", "1e-6")
+    assert report["epsilon"] < unamplified["epsilon"]
+    for argv in (("epsilon", "--noise-multiplier", "3", "--per-round"), ("calibrate", "--epsilon", "1")):
+        rc, out, err = run(capsys, local_main, *argv[:1], "--mechanism", small_mechanism_file, *argv[1:],
+                           "--delta", "1e-6", "--sampling", "poisson:0.1")
+        assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1 and "poisson" in err

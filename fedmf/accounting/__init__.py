@@ -7,6 +7,8 @@
 * ``cyclic_poisson``  amplified BandMF with cyclic Poisson sampling (dp_accounting)
 * ``bminsep``         b-min-sep sampling: dominating-pair privacy loss, Monte Carlo accountant
 * ``evr``             Estimate-Verify-Release calibration with an analytic fallback
+* ``mmcc``            MMCC: amplified epsilon of a non-negative lower-triangular C under
+                      Poisson sampling in every round (``--sampling poisson:P``)
 * ``cli``             the ``fedmf epsilon`` and ``fedmf calibrate`` commands
 
 Noise convention: noise std = z·ζ·sens, sens the sensitivity of C under the planned

@@ -123,8 +123,8 @@ def epsilon(mechanism: "Mechanism", noise_multiplier: float, delta: float, schem
     delta = _validate.delta(delta)
     gaussian.check_accountant(accountant)
     sampling = parse_sampling(sampling)
-    if per_round and sampling.kind == "bminsep":
-        raise ValueError("per-round spend is not available for bminsep sampling")
+    if per_round and sampling.kind in ("bminsep", "poisson"):
+        raise ValueError(f"per-round spend is not available for {sampling.kind} sampling")
     sens = schema_sensitivity(mechanism, schema)
     if not sens.value > 0:
         raise ValueError("the mechanism has zero sensitivity under this schema")
@@ -148,6 +148,15 @@ def epsilon(mechanism: "Mechanism", noise_multiplier: float, delta: float, schem
         name, guarantee = f"cyclic-poisson-{accountant}", f"upper bound ({accountant.upper()})"
         details.update(steps=count, step_noise_multiplier=z_step, max_column_norm=col,
                        sampling_probability=sampling.probability)
+    elif sampling.kind == "poisson":
+        from . import mmcc
+
+        if accountant != "pld":
+            raise ValueError("poisson (MMCC) sampling is accounted with PLD only (--accountant pld)")
+        run = mmcc.epsilon(mechanism, sampling.probability, std, delta)
+        eps, name = run.epsilon, "mmcc-pld"
+        guarantee = "upper bound (MMCC, Thm 4.3 of arXiv 2310.15526; Poisson sampling in every round)"
+        details.update({f"mmcc_{k}": v for k, v in run.to_dict().items() if k not in ("epsilon", "delta")})
     else:
         eps, name, guarantee, more = _bminsep_epsilon(mechanism, z, std, delta, schema, sens, sampling, accountant,
                                                        monte_carlo)
@@ -218,6 +227,8 @@ def calibrate(mechanism: "Mechanism", epsilon: float, delta: float, schema: "Sch
     if not sens.value > 0:
         raise ValueError("the mechanism has zero sensitivity under this schema")
     details: dict[str, Any] = _sens_details(sens)
+    if sampling.kind == "poisson":
+        raise ValueError("calibrate does not support poisson (MMCC) sampling yet: run epsilon at candidate z")
     if sampling.kind == "none":
         z = gaussian.calibrate(epsilon, delta, accountant)
         name, guarantee = f"gaussian-{accountant}", _unamplified_guarantee(accountant, sens.exact)

@@ -20,7 +20,8 @@ from typing import Any, Callable
 
 __all__ = ["add_commands", "cmd_epsilon", "cmd_calibrate"]
 
-_SAMPLING_HELP = "none (default) | bminsep:P[:warm] (b-min-sep Poisson, b = min-sep) | cyclic-poisson:Q"
+_SAMPLING_HELP = ("none (default) | bminsep:P[:warm] (b-min-sep Poisson, b = min-sep) | cyclic-poisson:Q | "
+                  "poisson:P (Poisson in every round, MMCC)")
 
 
 def _usage_error(message: str) -> Exception:
@@ -113,8 +114,8 @@ def _load(args: argparse.Namespace):
     from .sampling import parse_sampling
 
     sampling = parse_sampling(args.sampling)
-    if args.per_round and sampling.kind == "bminsep":
-        raise _usage_error("--per-round is not available with bminsep sampling")
+    if args.per_round and sampling.kind in ("bminsep", "poisson"):
+        raise _usage_error(f"--per-round is not available with {sampling.kind} sampling")
     return mechanism, schema, sampling, checksum
 
 

@@ -1,7 +1,8 @@
 """How clients are sampled, as the accountants see it: ``none`` (un-amplified: any
 schedule that respects the participation schema), ``bminsep:P[:warm]`` (b-min-sep Poisson
-sampling with probability P, b = the schema's min_sep) and ``cyclic-poisson:Q`` (b groups
-in turn, each client of the active group included with probability Q)."""
+sampling with probability P, b = the schema's min_sep), ``cyclic-poisson:Q`` (b groups
+in turn, each client of the active group included with probability Q) and ``poisson:P``
+(every client in every round with probability P; MMCC, ``accounting.mmcc``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from . import _validate
 
 __all__ = ["Sampling", "parse_sampling", "NONE"]
 
-KINDS = ("none", "bminsep", "cyclic-poisson")
+KINDS = ("none", "bminsep", "cyclic-poisson", "poisson")
 
 
 @dataclass(frozen=True)
@@ -22,7 +23,7 @@ class Sampling:
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
-            raise ValueError(f"unknown sampling {self.kind!r} (use none, bminsep:P or cyclic-poisson:Q)")
+            raise ValueError(f"unknown sampling {self.kind!r} (use none, bminsep:P, cyclic-poisson:Q or poisson:P)")
         if self.kind == "none":
             if self.probability is not None or self.warm_start:
                 raise ValueError("sampling 'none' takes no probability")
@@ -54,8 +55,8 @@ def parse_sampling(text: str | Sampling | None) -> Sampling:
     kind = parts[0]
     if kind == "none" and len(parts) == 1:
         return NONE
-    if kind not in ("bminsep", "cyclic-poisson") or len(parts) not in (2, 3):
-        raise ValueError(f"--sampling must be none, bminsep:P[:warm] or cyclic-poisson:Q, got {text!r}")
+    if kind not in ("bminsep", "cyclic-poisson", "poisson") or len(parts) not in (2, 3):
+        raise ValueError(f"--sampling must be none, bminsep:P[:warm], cyclic-poisson:Q or poisson:P, got {text!r}")
     warm = False
     if len(parts) == 3:
         if kind != "bminsep" or parts[2] not in ("warm", "cold"):
