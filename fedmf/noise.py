@@ -27,7 +27,7 @@ import os
 import secrets
 import struct
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Mapping, Sequence, Union
+from typing import Any, Callable, Mapping, Sequence, Union
 
 import numpy as np
 import torch
@@ -39,7 +39,8 @@ __all__ = ["NoiseGenerator", "Layout", "CHUNK_SIZE"]
 
 Layout = Union[int, Mapping[str, Sequence[int]]]
 CHUNK_SIZE = 1 << 18
-BLOCK_SIZE = 1 << 17
+#: on CPU a round's arithmetic runs block by block so each output block stays in cache
+BLOCK_SIZE = 1 << 19
 _STATE_FORMAT = 1
 
 
@@ -104,27 +105,54 @@ class _Draws:
 
     def fill(self, row: int, out: torch.Tensor) -> torch.Tensor:
         """Write the shard's slice of fresh row ``row`` (times ``scale``) into ``out`` (length hi - lo)."""
+        return self.run(row, out, None)
+
+    def run(self, row: int, out: torch.Tensor, kernel: Callable[[int, int], None] | None) -> torch.Tensor:
+        """``fill``, then ``kernel(a, b)`` on the local range in cache-sized blocks on CPU (one
+        call on accelerators): the structure's arithmetic for this round."""
         if self.hi <= self.lo:
             return out
         chunks = list(range(self.lo // self.chunk, (self.hi - 1) // self.chunk + 1))
         workers = min(len(chunks), torch.get_num_threads()) if self.device.type == "cpu" else 1
         if workers <= 1:
             self._fill_group(row, chunks, out)
-            return out
-        groups = [chunks[i * len(chunks) // workers : (i + 1) * len(chunks) // workers] for i in range(workers)]
-        for future in [_pool().submit(self._fill_group, row, g, out) for g in groups]:
-            future.result()
+        else:
+            groups = [chunks[i * len(chunks) // workers : (i + 1) * len(chunks) // workers] for i in range(workers)]
+            for future in [_pool().submit(self._fill_group, row, g, out) for g in groups]:
+                future.result()
+        if kernel is not None:
+            size = self.hi - self.lo
+            step = BLOCK_SIZE if self.device.type == "cpu" else size
+            for a in range(0, size, step):
+                kernel(a, min(a + step, size))
         return out
 
     def new(self, row: int) -> torch.Tensor:
         return self.fill(row, torch.empty(self.hi - self.lo, dtype=self.dtype, device=self.device))
 
 
-def _blocks(size: int, device: torch.device) -> list[slice]:
-    """Cache-sized pieces for the fused per-round passes on CPU (one piece on accelerators):
-    each output piece stays in cache while the past vectors stream through it once."""
-    step = size if device.type != "cpu" else BLOCK_SIZE
-    return [slice(a, min(a + step, size)) for a in range(0, size, max(step, 1))]
+class _TorchOps:
+    """The per-range arithmetic of the structures (torch ops on views)."""
+
+    @staticmethod
+    def view(x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    @staticmethod
+    def axpy(y: torch.Tensor, x: torch.Tensor, a: float) -> None:
+        y.add_(x, alpha=a)
+
+    @staticmethod
+    def scale_into(y: torch.Tensor, x: torch.Tensor, a: float) -> None:
+        torch.mul(x, a, out=y)
+
+    @staticmethod
+    def scale(y: torch.Tensor, a: float) -> None:
+        y.mul_(a)
+
+    @staticmethod
+    def copy(y: torch.Tensor, x: torch.Tensor) -> None:
+        y.copy_(x)
 
 
 class _Structure:
@@ -136,6 +164,8 @@ class _Structure:
 
     def _empty(self) -> torch.Tensor:
         return torch.empty(self.draws.hi - self.draws.lo, dtype=self.draws.dtype, device=self.draws.device)
+
+    ops = _TorchOps
 
     def step(self, t: int, row: int, out: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -168,13 +198,19 @@ class _Fir(_Structure):
             return self.draws.fill(row, out)
         z = self.spare if self.spare is not None else self._empty()
         self.spare = None
-        self.draws.fill(row, z)
         count = min(p - 1, t)
         past = [self.draws.new(row - j) for j in range(1, count + 1)] if self.regenerate else self.past[:count]
-        for s in _blocks(out.numel(), out.device):
-            piece = torch.mul(z[s], self.taps[0], out=out[s])
-            for a, x in zip(self.taps[1:], past):
-                piece.add_(x[s], alpha=a)
+        ops = self.ops
+        zv, ov, pv = ops.view(z), ops.view(out), [ops.view(x) for x in past]
+        taps = self.taps
+
+        def kernel(a: int, b: int) -> None:
+            piece = ov[a:b]
+            ops.scale_into(piece, zv[a:b], taps[0])
+            for tap, x in zip(taps[1:], pv):
+                ops.axpy(piece, x[a:b], tap)
+
+        self.draws.run(row, z, kernel)
         if not self.regenerate and p > 1:
             if len(self.past) == p - 1:
                 self.spare = self.past.pop()
@@ -203,19 +239,24 @@ class _Iir(_Structure):
 
     def step(self, t: int, row: int, out: torch.Tensor) -> torch.Tensor:
         p = self.bands.shape[0]
-        self.draws.fill(row, out)
         coefs = [-self._coef(r, t) for r in range(1, len(self.past) + 1)]
-        scale = 1.0 / self._coef(0, t)
+        inverse_diagonal = 1.0 / self._coef(0, t)
         keep = None
         if p > 1:
             keep = self.past[-1] if len(self.past) == p - 1 else self._empty()
-        for s in _blocks(out.numel(), out.device):
-            piece = out[s]
-            for c, y in zip(coefs, self.past):
-                piece.add_(y[s], alpha=c)
-            piece.mul_(scale)
-            if keep is not None:
-                keep[s].copy_(piece)
+        ops = self.ops
+        ov, pv = ops.view(out), [ops.view(y) for y in self.past]
+        kv = None if keep is None else ops.view(keep)
+
+        def kernel(a: int, b: int) -> None:
+            piece = ov[a:b]
+            for c, y in zip(coefs, pv):
+                ops.axpy(piece, y[a:b], c)
+            ops.scale(piece, inverse_diagonal)
+            if kv is not None:  # y_t overwrites the oldest kept output once this range of it is read
+                ops.copy(kv[a:b], piece)
+
+        self.draws.run(row, out, kernel)
         if keep is not None:
             self.past = [keep] + self.past[: p - 2]
         return out
@@ -242,14 +283,20 @@ class _Blt(_Structure):
     def step(self, t: int, row: int, out: torch.Tensor) -> torch.Tensor:
         if self.z is None:
             self.z = self._empty()
-        z = self.draws.fill(row, self.z)
-        for s in _blocks(out.numel(), out.device):
-            zs, piece = z[s], out[s]
-            piece.copy_(zs)
-            for w, buf in zip(self.scale, self.buffers):
-                piece.add_(buf[s], alpha=w)
-            for d, buf in zip(self.decay, self.buffers):
-                buf[s].mul_(d).add_(zs)
+        ops = self.ops
+        zv, ov, bv = ops.view(self.z), ops.view(out), [ops.view(x) for x in self.buffers]
+        scale, decay = self.scale, self.decay
+
+        def kernel(a: int, b: int) -> None:
+            zs, piece = zv[a:b], ov[a:b]
+            ops.copy(piece, zs)
+            for w, buf in zip(scale, bv):
+                ops.axpy(piece, buf[a:b], w)
+            for d, buf in zip(decay, bv):
+                ops.scale(buf[a:b], d)
+                ops.axpy(buf[a:b], zs, 1.0)
+
+        self.draws.run(row, self.z, kernel)
         return out
 
     def state(self) -> dict[str, Any]:

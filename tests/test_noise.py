@@ -231,17 +231,21 @@ def test_bad_input(kwargs, match):
         NoiseGenerator(MECHANISMS["bisr"], layout, std, device="cpu", **args)
 
 
+@pytest.mark.parametrize("block", [37, 1 << 17])
 @pytest.mark.parametrize("kind", KINDS)
-def test_fused_blocks_and_threaded_chunks_do_not_change_the_noise(kind, monkeypatch):
-    """Cache blocks (any size) and the chunk threads only reorder work: per element the
-    arithmetic is the same, so the noise is bit-identical and shards still concatenate."""
+def test_chunks_threads_blocks_and_shards_do_not_change_the_noise(kind, block, monkeypatch):
+    """Per element the arithmetic is the same whichever thread draws a chunk, how many threads
+    there are, how the round is cut into cache blocks and where a shard starts: the noise is
+    bit-identical, and equals the explicit L·Z."""
     import fedmf.noise as noise_module
 
+    monkeypatch.setattr(noise_module, "BLOCK_SIZE", block)
     mech, d = MECHANISMS[kind], 1001
     reference = _run(NoiseGenerator(mech, d, 0.9, device="cpu", seed=SEED, chunk_size=64), N)
-    monkeypatch.setattr(noise_module, "BLOCK_SIZE", 37)
-    blocked = _run(NoiseGenerator(mech, d, 0.9, device="cpu", seed=SEED, chunk_size=64), N)
-    np.testing.assert_array_equal(blocked, reference)
+    monkeypatch.setattr(noise_module, "BLOCK_SIZE", 1 << 17)
+    np.testing.assert_array_equal(_run(NoiseGenerator(mech, d, 0.9, device="cpu", seed=SEED, chunk_size=64), N),
+                                  reference)
+    monkeypatch.setattr(noise_module, "BLOCK_SIZE", block)
     shards = [NoiseGenerator(mech, d, 0.9, device="cpu", seed=SEED, chunk_size=64, shard=(i, 3)) for i in range(3)]
     np.testing.assert_array_equal(np.concatenate([_run(s, N) for s in shards], axis=1), reference)
     serial = torch.get_num_threads()
@@ -251,6 +255,9 @@ def test_fused_blocks_and_threaded_chunks_do_not_change_the_noise(kind, monkeypa
     finally:
         torch.set_num_threads(serial)
     np.testing.assert_array_equal(one_thread, reference)
+    gen = NoiseGenerator(mech, 37, 0.9, dtype=torch.float64, device="cpu", seed=SEED, chunk_size=8)
+    np.testing.assert_allclose(_run(gen, N), 0.9 * mech.inverse_matrix() @ _draws(mech, 37, chunk=8),
+                               rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("kind", ["dp-sgd", "bifr", "banded", "blt", "tree", "dense"])
