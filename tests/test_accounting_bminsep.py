@@ -275,3 +275,19 @@ def test_log_likelihood_ratio_validation(kwargs, match):
 def test_trailing_zero_bands_do_not_count():
     # a length-3 coefficient vector with a zero tail is a 2-band C: fine with b = 2
     assert log_likelihood_ratio([1, 1, 1], [1.0, 0.5, 0.0], 2, 0.5, 1.0) == pytest.approx(0.9239798890121712, abs=1e-12)
+
+
+def test_threads_give_the_same_result_as_one_worker_even_when_one_takes_every_chunk():
+    """Workers pull chunks from a shared queue, so one may get none (it used to crash) and the
+    order of the per-chunk sums varies; the result must equal the one-worker result exactly."""
+    from fedmf.accounting.bminsep import BMinSep, MonteCarloAccountant, _TopK
+
+    assert _TopK(10).result().size == 0
+    scheme = BMinSep.from_coefficients([1.0], 50, 1, 0.1)
+    one = MonteCarloAccountant(scheme, workers=1, chunk_size=500).losses(0.5, 1000, seed=3, epsilons=(0.5,))
+    for seed in range(20):
+        many = MonteCarloAccountant(scheme, workers=2, chunk_size=500).losses(0.5, 1000, seed=seed, epsilons=(0.5,))
+        if seed == 3:
+            assert many.exact == one.exact
+            np.testing.assert_array_equal(many.positive, one.positive)
+            np.testing.assert_array_equal(many.negative, one.negative)

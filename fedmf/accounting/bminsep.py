@@ -760,19 +760,18 @@ def _run_chunks(scheme: BMinSep, sigma: float, seed_entropy: int, key: tuple, ch
                 keep: int, method: str, epsilons: tuple[float, ...] = ()) -> tuple:
     """Worker: the losses of the (chunk index, size) pairs it takes from ``chunks`` (shared
     between workers). Returns the ``keep`` largest of each direction, the largest dropped
-    loss, and for each eps in ``epsilons`` the exact sums of the estimand
-    max(0, 1 - e^{eps - L}) in both directions."""
+    loss, and per chunk index, for each eps in ``epsilons``, the exact sums of the estimand
+    max(0, 1 - e^{eps - L}) in both directions (summed by the caller in chunk order, so the
+    result does not depend on which worker took which chunk)."""
     gram = scheme.gram_band()
     work = _Buffers()
     pos_keep, neg_keep = _TopK(keep), _TopK(keep)
-    sums = np.zeros((len(epsilons), 2))
+    sums: dict[int, np.ndarray] = {}
     for index, size in chunks:
         rng = np.random.Generator(np.random.SFC64(np.random.SeedSequence(seed_entropy, spawn_key=key + (index,))))
         loss_q, loss_p = _chunk_losses(scheme, sigma, rng, size, gram, method, work)
         np.negative(loss_q, out=loss_q)  # y ~ Q: the privacy loss of Q against P is -ln P/Q
-        for j, eps in enumerate(epsilons):
-            sums[j, 0] += delta_estimate(loss_p, eps, 1)
-            sums[j, 1] += delta_estimate(loss_q, eps, 1)
+        sums[index] = np.array([[delta_estimate(loss_p, eps, 1), delta_estimate(loss_q, eps, 1)] for eps in epsilons])
         neg_keep.add(loss_q)
         pos_keep.add(loss_p)
     return pos_keep.result(), neg_keep.result(), max(pos_keep.floor, neg_keep.floor), sums
@@ -809,6 +808,8 @@ class _TopK:
             self._shrink()
 
     def _shrink(self) -> None:
+        if not self.parts:  # a worker that took no chunk
+            return
         v = np.concatenate(self.parts)
         if v.size > self.k:
             cut = v.size - self.k
@@ -825,8 +826,9 @@ class _TopK:
 class MonteCarloAccountant:
     """Monte Carlo privacy accounting of a ``BMinSep`` scheme (App. A of arXiv 2602.09338).
 
-    ``workers`` > 1 spreads the chunks over threads (results do not depend on it: chunk
-    j always uses the random stream (seed, key, j))."""
+    ``workers`` > 1 spreads the chunks over threads; results do not depend on it, bit for bit:
+    chunk j always uses the random stream (seed, key, j) and per-chunk sums are added in chunk
+    order."""
 
     def __init__(self, scheme: BMinSep, *, workers: int | None = 1, chunk_size: int | None = None,
                  method: str = "auto", keep: int = 200_000) -> None:
@@ -865,11 +867,14 @@ class MonteCarloAccountant:
                 parts = [f.result() for f in futures]
         pos_k, neg_k = _TopK(self.keep), _TopK(self.keep)
         floor = max(part[2] for part in parts)
-        sums = np.zeros((len(epsilons), 2))
+        by_chunk: dict[int, np.ndarray] = {}
         for pos_part, neg_part, _, part_sums in parts:
             pos_k.add(pos_part)
             neg_k.add(neg_part)
-            sums += part_sums
+            by_chunk.update(part_sums)
+        sums = np.zeros((len(epsilons), 2))
+        for index in sorted(by_chunk):
+            sums += by_chunk[index].reshape(len(epsilons), 2)
         pos, neg = pos_k.result(), neg_k.result()
         floor = max(floor, pos_k.floor, neg_k.floor)
         exact = {eps: (float(sums[j, 0] / samples), float(sums[j, 1] / samples)) for j, eps in enumerate(epsilons)}
