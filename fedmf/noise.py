@@ -41,7 +41,7 @@ Layout = Union[int, Mapping[str, Sequence[int]]]
 CHUNK_SIZE = 1 << 18
 #: on CPU a round's arithmetic runs block by block so each output block stays in cache
 BLOCK_SIZE = 1 << 19
-_STATE_FORMAT = 1
+_STATE_FORMAT = 2  # 2: draws by fedmf.normal, std folded into the draws and the state
 
 
 def _key(seed: bytes | int | None) -> bytes:
@@ -441,7 +441,8 @@ class NoiseGenerator:
 
         ``out``: an optional flat, contiguous tensor of this shard's size, dtype and device to
         write into (reusing one buffer saves a fresh allocation, and its page faults, per round);
-        the result is then a view of ``out``."""
+        the result is then a view of ``out``, overwritten by the next call that gets the same
+        ``out``: copy it (or add it to the model) before asking for the next round."""
         t = self.round
         if t >= self.mechanism.rounds:
             raise RuntimeError(
@@ -482,6 +483,7 @@ class NoiseGenerator:
             "total": self.total,
             "shard": (self.shard_index, self.shard_count),
             "dtype": str(self.dtype),
+            "std": self.std,
             "regenerate": self.regenerate,
             "chunk_size": self.chunk_size,
             "seed": self._key,
@@ -491,9 +493,10 @@ class NoiseGenerator:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from a checkpoint written by ``state_dict`` for the same mechanism and layout."""
         if state.get("format") != _STATE_FORMAT:
-            raise ValueError(f"unsupported noise state format {state.get('format')!r}")
+            raise ValueError(f"unsupported noise state format {state.get('format')!r} (this fedmf writes and reads "
+                             f"format {_STATE_FORMAT}; format 1 used another sampler and unscaled state)")
         expected = {"kind": self.mechanism.kind, "rounds": self.mechanism.rounds, "total": self.total,
-                    "shard": (self.shard_index, self.shard_count), "dtype": str(self.dtype),
+                    "shard": (self.shard_index, self.shard_count), "dtype": str(self.dtype), "std": self.std,
                     "regenerate": self.regenerate, "chunk_size": self.chunk_size}
         for name, value in expected.items():
             got = tuple(state[name]) if name == "shard" else state.get(name)

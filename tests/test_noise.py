@@ -296,3 +296,15 @@ def test_a_forked_child_can_still_draw():
 
 def _noise_in_child(d):
     return _run(NoiseGenerator(MECHANISMS["bifr"], d, 1.0, device="cpu", seed=SEED, chunk_size=64), 3)
+
+
+def test_load_refuses_another_std_and_an_older_format():
+    """The state is std-scaled (std is folded into the draws): loading it into a generator
+    with another std, or loading a format-1 state, would release wrong noise."""
+    gen = NoiseGenerator(MECHANISMS["banded-toeplitz"], 6, 1.0, device="cpu", seed=SEED)
+    _run(gen, 4)
+    state = gen.state_dict()
+    with pytest.raises(ValueError, match="std"):
+        NoiseGenerator(MECHANISMS["banded-toeplitz"], 6, 5.0, device="cpu").load_state_dict(state)
+    with pytest.raises(ValueError, match="format"):
+        NoiseGenerator(MECHANISMS["banded-toeplitz"], 6, 1.0, device="cpu").load_state_dict({**state, "format": 1})
