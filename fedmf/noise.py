@@ -414,6 +414,8 @@ class NoiseGenerator:
         self.std = float(std)
         self.dtype = dtype
         self.device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+        if self.device.type == "cuda" and self.device.index is None:  # tensors report cuda:N, never bare cuda
+            self.device = torch.device("cuda", torch.cuda.current_device())
         index, count = shard
         if not (isinstance(count, int) and isinstance(index, int) and count >= 1 and 0 <= index < count):
             raise ValueError(f"shard must be (i, s) with 0 <= i < s, got {shard}")

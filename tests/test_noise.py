@@ -211,6 +211,16 @@ def test_cuda_matches_the_explicit_inverse(kind):
     np.testing.assert_allclose(out, mech.inverse_matrix() @ z, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_next_into_a_buffer_on_the_generators_device():
+    mech = MECHANISMS["bifr"]
+    gen = NoiseGenerator(mech, 1000, 1.0, dtype=torch.float32, device="cuda", seed=SEED)
+    buffer = torch.empty(1000, dtype=gen.dtype, device=gen.device)
+    fresh = NoiseGenerator(mech, 1000, 1.0, dtype=torch.float32, device="cuda", seed=SEED)
+    for _ in range(N):
+        assert torch.equal(gen.next(out=buffer), fresh.next())
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
