@@ -131,30 +131,6 @@ class _Draws:
         return self.fill(row, torch.empty(self.hi - self.lo, dtype=self.dtype, device=self.device))
 
 
-class _TorchOps:
-    """The per-range arithmetic of the structures (torch ops on views)."""
-
-    @staticmethod
-    def view(x: torch.Tensor) -> torch.Tensor:
-        return x
-
-    @staticmethod
-    def axpy(y: torch.Tensor, x: torch.Tensor, a: float) -> None:
-        y.add_(x, alpha=a)
-
-    @staticmethod
-    def scale_into(y: torch.Tensor, x: torch.Tensor, a: float) -> None:
-        torch.mul(x, a, out=y)
-
-    @staticmethod
-    def scale(y: torch.Tensor, a: float) -> None:
-        y.mul_(a)
-
-    @staticmethod
-    def copy(y: torch.Tensor, x: torch.Tensor) -> None:
-        y.copy_(x)
-
-
 class _Structure:
     """Interprets one mechanism's L for the generator: ``step(t, row, out)`` writes (L z)_t
     into ``out`` (fresh draws already carry the noise std)."""
@@ -165,7 +141,9 @@ class _Structure:
     def _empty(self) -> torch.Tensor:
         return torch.empty(self.draws.hi - self.draws.lo, dtype=self.draws.dtype, device=self.draws.device)
 
-    ops = _TorchOps
+    def _restore(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Checkpointed tensors, copied onto this generator's device and dtype."""
+        return [x.to(self.draws.device, self.draws.dtype).clone() for x in tensors]
 
     def step(self, t: int, row: int, out: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -200,15 +178,12 @@ class _Fir(_Structure):
         self.spare = None
         count = min(p - 1, t)
         past = [self.draws.new(row - j) for j in range(1, count + 1)] if self.regenerate else self.past[:count]
-        ops = self.ops
-        zv, ov, pv = ops.view(z), ops.view(out), [ops.view(x) for x in past]
         taps = self.taps
 
         def kernel(a: int, b: int) -> None:
-            piece = ov[a:b]
-            ops.scale_into(piece, zv[a:b], taps[0])
-            for tap, x in zip(taps[1:], pv):
-                ops.axpy(piece, x[a:b], tap)
+            piece = torch.mul(z[a:b], taps[0], out=out[a:b])
+            for tap, x in zip(taps[1:], past):
+                piece.add_(x[a:b], alpha=tap)
 
         self.draws.run(row, z, kernel)
         if not self.regenerate and p > 1:
@@ -244,17 +219,15 @@ class _Iir(_Structure):
         keep = None
         if p > 1:
             keep = self.past[-1] if len(self.past) == p - 1 else self._empty()
-        ops = self.ops
-        ov, pv = ops.view(out), [ops.view(y) for y in self.past]
-        kv = None if keep is None else ops.view(keep)
+        past = self.past
 
         def kernel(a: int, b: int) -> None:
-            piece = ov[a:b]
-            for c, y in zip(coefs, pv):
-                ops.axpy(piece, y[a:b], c)
-            ops.scale(piece, inverse_diagonal)
-            if kv is not None:  # y_t overwrites the oldest kept output once this range of it is read
-                ops.copy(kv[a:b], piece)
+            piece = out[a:b]
+            for c, y in zip(coefs, past):
+                piece.add_(y[a:b], alpha=c)
+            piece.mul_(inverse_diagonal)
+            if keep is not None:  # y_t overwrites the oldest kept output once this range of it is read
+                keep[a:b].copy_(piece)
 
         self.draws.run(row, out, kernel)
         if keep is not None:
@@ -265,7 +238,7 @@ class _Iir(_Structure):
         return {"outputs": list(self.past)}
 
     def load(self, state: dict[str, Any], t: int, row: int) -> None:
-        self.past = [x.to(self.draws.device, self.draws.dtype).clone() for x in state["outputs"]]
+        self.past = self._restore(state["outputs"])
 
 
 class _Blt(_Structure):
@@ -283,18 +256,15 @@ class _Blt(_Structure):
     def step(self, t: int, row: int, out: torch.Tensor) -> torch.Tensor:
         if self.z is None:
             self.z = self._empty()
-        ops = self.ops
-        zv, ov, bv = ops.view(self.z), ops.view(out), [ops.view(x) for x in self.buffers]
-        scale, decay = self.scale, self.decay
+        z, buffers, scale, decay = self.z, self.buffers, self.scale, self.decay
 
         def kernel(a: int, b: int) -> None:
-            zs, piece = zv[a:b], ov[a:b]
-            ops.copy(piece, zs)
-            for w, buf in zip(scale, bv):
-                ops.axpy(piece, buf[a:b], w)
-            for d, buf in zip(decay, bv):
-                ops.scale(buf[a:b], d)
-                ops.axpy(buf[a:b], zs, 1.0)
+            zs, piece = z[a:b], out[a:b]
+            piece.copy_(zs)
+            for w, buf in zip(scale, buffers):
+                piece.add_(buf[a:b], alpha=w)
+            for d, buf in zip(decay, buffers):
+                buf[a:b].mul_(d).add_(zs)
 
         self.draws.run(row, self.z, kernel)
         return out
@@ -303,7 +273,7 @@ class _Blt(_Structure):
         return {"buffers": list(self.buffers)}
 
     def load(self, state: dict[str, Any], t: int, row: int) -> None:
-        self.buffers = [x.to(self.draws.device, self.draws.dtype).clone() for x in state["buffers"]]
+        self.buffers = self._restore(state["buffers"])
 
 
 class _Tree(_Structure):
@@ -329,7 +299,7 @@ class _Tree(_Structure):
         return {"stack": list(self.stack)}
 
     def load(self, state: dict[str, Any], t: int, row: int) -> None:
-        self.stack = [x.to(self.draws.device, self.draws.dtype).clone() for x in state["stack"]]
+        self.stack = self._restore(state["stack"])
 
 
 class _Dense(_Structure):
