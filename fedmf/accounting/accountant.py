@@ -221,14 +221,14 @@ def calibrate(mechanism: "Mechanism", epsilon: float, delta: float, schema: "Sch
     delta = _validate.delta(delta)
     gaussian.check_accountant(accountant)
     sampling = parse_sampling(sampling)
+    if sampling.kind == "poisson":
+        raise ValueError("calibrate does not support poisson (MMCC) sampling yet: run epsilon at candidate z")
     if per_round and sampling.kind == "bminsep":
         raise ValueError("per-round spend is not available for bminsep sampling")
     sens = schema_sensitivity(mechanism, schema)
     if not sens.value > 0:
         raise ValueError("the mechanism has zero sensitivity under this schema")
     details: dict[str, Any] = _sens_details(sens)
-    if sampling.kind == "poisson":
-        raise ValueError("calibrate does not support poisson (MMCC) sampling yet: run epsilon at candidate z")
     if sampling.kind == "none":
         z = gaussian.calibrate(epsilon, delta, accountant)
         name, guarantee = f"gaussian-{accountant}", _unamplified_guarantee(accountant, sens.exact)
