@@ -13,15 +13,14 @@ from __future__ import annotations
 import csv
 import json
 import os
-import tempfile
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 from sqlalchemy import func, select
 from sqlalchemy.engine import URL, Connection
 
+from ..files import atomic_write
 from ..mechanisms.base import Mechanism
 from ..participation import FixedEpoch, schema_from_dict
 from .db import LedgerError, check_version, database_errors, display_url, reader_engine, resolve_url
@@ -71,7 +70,7 @@ class AuditReport:
             for row in self.rounds:
                 writer.writerow({k: "" if row.get(k) is None else _csv_value(row[k]) for k in ROUND_COLUMNS})
 
-        _atomic_write(path, write, text=True)
+        atomic_write(path, write, text=True)
 
     def plot(self, path: str | os.PathLike) -> None:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -118,7 +117,7 @@ class AuditReport:
         bx.legend(fontsize=8, loc="upper left")
         bx.grid(alpha=0.3, axis="y")
         fig.tight_layout()
-        _atomic_write(path, lambda f: fig.savefig(f, format="png"), text=False)
+        atomic_write(path, lambda f: fig.savefig(f, format="png"), text=False)
 
     def lines(self, max_flagged: int = 10) -> list[str]:
         """The human-readable summary."""
@@ -159,22 +158,6 @@ def _fmt(x: float | None) -> str:
 
 def _csv_value(v: Any) -> Any:
     return repr(v) if isinstance(v, float) else v
-
-
-def _atomic_write(path: str | os.PathLike, write, *, text: bool) -> None:
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent if str(path.parent) else ".", prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        with os.fdopen(fd, "w" if text else "wb", **({"newline": ""} if text else {})) as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 # ---- reading --------------------------------------------------------------------------------

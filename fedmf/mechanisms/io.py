@@ -11,10 +11,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from ..files import atomic_write
 from ..participation import Schema, schema_from_dict
 from ..workloads import Workload
 from .base import Mechanism
@@ -52,20 +52,12 @@ def save(mechanism: Mechanism, path: str | os.PathLike, schema: Schema | None = 
     }
     checksum = _checksum(body)
     document = {"format": FORMAT, "version": VERSION, "checksum": checksum, "body": body}
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent if str(path.parent) else ".", prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        with os.fdopen(fd, "w") as f:
-            json.dump(document, f, indent=1, allow_nan=False)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+
+    def write(f) -> None:
+        json.dump(document, f, indent=1, allow_nan=False)
+        f.write("\n")
+
+    atomic_write(path, write, text=True)
     return checksum
 
 
