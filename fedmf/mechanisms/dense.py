@@ -123,7 +123,7 @@ class _Dual:
         self.t = a.T @ a  # T = A^T A (Sec. 3, Eq. 6), rows and columns in the working order
         self.signs = torch.from_numpy(corner_signs(k)).to(device, _DTYPE)
         self.perm = perm
-        self.scipy_eigh = device.type == "cpu" and self.n > SMALL_ROUNDS
+        self.scipy_eigh = device.type == "cpu" and not _small_cpu(self.n, device)
 
     @property
     def corners(self) -> int:
@@ -220,7 +220,7 @@ def _reversed_cholesky(x: np.ndarray) -> np.ndarray:
     (Multi-Epoch MF code, strategy_from_X; notes Sec. 5.6). On CPU with torch, single-threaded
     for small n like the solve (numpy's BLAS pool would contend with torch's)."""
     cpu = torch.device("cpu")
-    with _threads(_thread_count(x.shape[0], cpu)):
+    with _solve_threads(x.shape[0], cpu):
         lower = torch.linalg.cholesky(torch.from_numpy(np.ascontiguousarray(x[::-1, ::-1])))
         return np.ascontiguousarray(lower.numpy().T[::-1, ::-1])
 
@@ -294,7 +294,7 @@ class DenseMechanism(Mechanism):
     def _solution(self) -> tuple[np.ndarray, float, float]:
         """(feasible X, primal value tr(T X^{-1}), dual value g(v)) from the stored duals."""
         cpu = torch.device("cpu")
-        with _threads(_thread_count(self.rounds, cpu)):
+        with _solve_threads(self.rounds, cpu):
             problem = _Dual(self.workload.matrix(self.rounds), self.max_participations, self.min_sep, cpu)
             try:
                 point = problem.evaluate(torch.from_numpy(self.duals.copy()))
@@ -409,22 +409,23 @@ def _to_boundary(z: torch.Tensor, d: torch.Tensor, radius: float) -> float:
     return (-zd + math.sqrt(max(zd * zd + dd * (radius * radius - zz), 0.0))) / dd
 
 
-def _thread_count(rounds: int, device: torch.device) -> int | None:
-    """torch intra-op threads for a solve: 1 for small CPU problems, else unchanged."""
-    return 1 if device.type == "cpu" and rounds <= SMALL_ROUNDS else None
+def _small_cpu(rounds: int, device: torch.device) -> bool:
+    """A CPU problem small enough to solve single-threaded with torch's eigh (SMALL_ROUNDS)."""
+    return device.type == "cpu" and rounds <= SMALL_ROUNDS
 
 
 @contextmanager
-def _threads(count: int | None) -> Iterator[None]:
-    """Run the block with torch's intra-op thread count set to ``count`` (None: unchanged).
+def _solve_threads(rounds: int, device: torch.device) -> Iterator[None]:
+    """Run the block single-threaded (torch intra-op) for a small CPU problem, else unchanged.
     The setting is process-wide; it is restored on exit."""
+    small = _small_cpu(rounds, device)
     before = torch.get_num_threads()
-    if count is not None:
-        torch.set_num_threads(count)
+    if small:
+        torch.set_num_threads(1)
     try:
         yield
     finally:
-        if count is not None:
+        if small:
             torch.set_num_threads(before)
 
 
@@ -452,7 +453,7 @@ def optimize_dense(
         raise ValueError(f"max_steps must be a positive integer, got {max_steps!r}")
     started = time.perf_counter()
     dev = _device(device)
-    with _threads(_thread_count(rounds, dev)):
+    with _solve_threads(rounds, dev):
         problem = _Dual(workload.matrix(rounds), k, b, dev)
         tracker, hvps, message = _trust_region(problem, tolerance, max_steps, progress)
         best = tracker.best
