@@ -1,0 +1,42 @@
+"""The one family of errors a user can cause: bad input, a plan that does not fit, a budget
+or horizon reached. Each carries a one-line message; the CLI catches ``FedmfError`` only, so
+that a real bug stays a traceback.
+
+``FedmfError`` subclasses ``ValueError`` so that code written against the engine's earlier
+``ValueError``s keeps working.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "FedmfError", "ConfigError", "PlanMismatch", "PrivacyBudgetExceeded", "HorizonReached", "RoundOrderError",
+    "CheckpointError",
+]
+
+
+class FedmfError(ValueError):
+    """Something the user (or a client, or a file) got wrong; the message is one line."""
+
+
+class ConfigError(FedmfError):
+    """A configuration value, CLI argument or plan parameter is invalid."""
+
+
+class PlanMismatch(FedmfError):
+    """A checkpoint, ledger or noise state belongs to another plan than the one configured."""
+
+
+class PrivacyBudgetExceeded(FedmfError):
+    """The next round would spend more than the target ε."""
+
+
+class HorizonReached(FedmfError):
+    """The mechanism covers no more rounds (noise is never repeated or reused)."""
+
+
+class RoundOrderError(FedmfError):
+    """A round was asked for out of order (the privatizer serves only the next round)."""
+
+
+class CheckpointError(FedmfError):
+    """A checkpoint that cannot be read, trusted or written."""
