@@ -1,0 +1,254 @@
+"""Checkpoints and secrets: the durable half of the atomic end of a round.
+
+The end of round t is one step (ARCHITECTURE.md, "One round, as data flows"):
+
+  1. ``CheckpointStore.save(t, state)`` writes {round, plan fingerprint, model, optimizer,
+     privatizer (noise state), scheduler, RNG states} to a temporary file, fsyncs it and renames
+     it into place; it returns the file's SHA-256;
+  2. the ledger commits round t naming that hash — the commit is the point of no return;
+  3. only then may anything derived from round t's noise leave the process (broadcast,
+     evaluation, metrics, logs), and the checkpoints of earlier rounds are pruned.
+
+After a crash the run resumes from the checkpoint of the last *committed* round (its hash must
+match the ledger's); a checkpoint written for an uncommitted round is ignored and that round
+is redone with the same noise draw — safe only because nothing of it was released.
+
+A checkpoint does not copy what can be regenerated from the seed (past Gaussian draws are
+counter-based) and writes each noise tensor that no longer changes once: the noise state's
+tensors labeled with the round that produced them (``structure_rounds``) live in files of
+their own, written in the round that produced them and referenced, with their hash, by later
+checkpoints. A round therefore writes the model, the optimizer state, one new noise tensor
+(banded C) or the few that change every round (BLT buffers), not the whole noise history.
+
+Secrets (noise seed, scheduler key, ledger HMAC secret) live in files of mode 0600 under
+``<directory>/secrets``; they are never in a checkpoint, the ledger or a log.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import re
+import secrets as _secrets
+import stat
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from .errors import CheckpointError
+
+__all__ = ["CheckpointStore", "load_or_create_secret", "RunSecrets"]
+
+_FORMAT = 1
+_NAME = re.compile(r"^round-(\d{6,})\.pt$")
+_TENSOR_NAME = re.compile(r"^noise-([a-z_]+)-r(\d{6,})\.pt$")
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that a crash leaves the old file or the new one, never half."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise CheckpointError(f"cannot write checkpoint {str(path)!r}: {e.strerror or e}") from None
+    _fsync_dir(path.parent)
+
+
+def _serialize(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _deserialize(data: bytes, where: str) -> Any:
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises many kinds on a damaged file
+        raise CheckpointError(f"cannot read checkpoint {where}: {type(e).__name__}") from None
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+# ---- secrets -------------------------------------------------------------------------------
+def load_or_create_secret(path: str | os.PathLike, nbytes: int = 32) -> bytes:
+    """The secret in ``path``, created from the OS's secure source (mode 0600) if absent.
+    A file readable by group or others is refused: the secret may have leaked."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        mode = stat.S_IMODE(path.stat().st_mode)
+        if mode & 0o077:
+            raise CheckpointError(f"secret file {str(path)!r} has mode {mode:o}; it must be 600 (chmod 600 it, "
+                                  "and consider the secret leaked)") from None
+        data = path.read_bytes()
+        if len(data) != nbytes:
+            raise CheckpointError(f"secret file {str(path)!r} is damaged (expected {nbytes} bytes)")
+        return data
+    except OSError as e:
+        raise CheckpointError(f"cannot create secret file {str(path)!r}: {e.strerror or e}") from None
+    data = _secrets.token_bytes(nbytes)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    _fsync_dir(path.parent)
+    return data
+
+
+class RunSecrets:
+    """The run's three secrets, each in its own 0600 file under ``directory``."""
+
+    def __init__(self, directory: str | os.PathLike) -> None:
+        directory = Path(directory)
+        self.noise_seed = load_or_create_secret(directory / "noise_seed")
+        self.schedule_key = load_or_create_secret(directory / "schedule_key")
+        self.ledger_secret = load_or_create_secret(directory / "ledger_secret")
+
+    def __repr__(self) -> str:  # never shows a secret
+        return "RunSecrets(<3 secrets>)"
+
+
+# ---- checkpoints ---------------------------------------------------------------------------
+class CheckpointStore:
+    """Round checkpoints in ``directory`` (``round-NNNNNN.pt`` plus shared noise tensor files)."""
+
+    def __init__(self, directory: str | os.PathLike) -> None:
+        self.directory = Path(directory)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CheckpointError(f"cannot create checkpoint directory {str(directory)!r}: {e.strerror or e}") from None
+        self.last_bytes = 0
+
+    def path(self, t: int) -> Path:
+        return self.directory / f"round-{t:06d}.pt"
+
+    def rounds(self) -> list[int]:
+        """Rounds that have a checkpoint file, ascending."""
+        return sorted(int(m.group(1)) for p in self.directory.iterdir() if (m := _NAME.match(p.name)))
+
+    def save(self, t: int, state: Mapping[str, Any]) -> str:
+        """Write round t's checkpoint (the state after round t); returns its SHA-256 (hex)."""
+        state = dict(state)
+        written = 0
+        if "privatizer" in state:
+            state["privatizer"], written = self._externalize(t, state["privatizer"])
+        data = _serialize({"format": _FORMAT, "round": t, "state": state})
+        _atomic_bytes(self.path(t), data)
+        self.last_bytes = written + len(data)
+        return _sha256(data)
+
+    def load(self, t: int, sha256: str | None) -> dict[str, Any]:
+        """Round t's checkpoint, verified against ``sha256`` (the hash the ledger committed)."""
+        path = self.path(t)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            raise CheckpointError(f"no checkpoint for round {t} in {str(self.directory)!r}") from None
+        except OSError as e:
+            raise CheckpointError(f"cannot read checkpoint {str(path)!r}: {e.strerror or e}") from None
+        if sha256 is not None and _sha256(data) != sha256:
+            raise CheckpointError(f"checkpoint {str(path)!r} does not match the hash the ledger committed for round {t}")
+        document = _deserialize(data, repr(str(path)))
+        if not isinstance(document, dict) or document.get("format") != _FORMAT or document.get("round") != t:
+            raise CheckpointError(f"{str(path)!r} is not a fedmf checkpoint of round {t}")
+        state = dict(document["state"])
+        if "privatizer" in state:
+            state["privatizer"] = self._internalize(state["privatizer"])
+        return state
+
+    def prune(self, keep: int) -> None:
+        """Remove every checkpoint but round ``keep``'s, and the noise files it does not use."""
+        used: set[str] = set()
+        keep_path = self.path(keep)
+        if keep_path.exists():
+            document = _deserialize(keep_path.read_bytes(), repr(str(keep_path)))
+            for ref in self._references(document["state"].get("privatizer", {})):
+                used.add(ref["file"])
+        for p in self.directory.iterdir():
+            if (_NAME.match(p.name) and p != keep_path) or (_TENSOR_NAME.match(p.name) and p.name not in used):
+                p.unlink(missing_ok=True)
+
+    # ---- noise tensors written once ---------------------------------------------------
+    def _externalize(self, t: int, privatizer: Mapping[str, Any]) -> tuple[dict[str, Any], int]:
+        privatizer = dict(privatizer)
+        noise = dict(privatizer["noise"])
+        labels = noise.get("structure_rounds", {})
+        structure, written = {}, 0
+        for name, tensors in noise.get("structure", {}).items():
+            rounds = labels.get(name, [None] * len(tensors))
+            kept = []
+            for tensor, label in zip(tensors, rounds):
+                if label is None:
+                    kept.append(tensor)
+                    continue
+                file = f"noise-{name}-r{int(label):06d}.pt"
+                path = self.directory / file
+                if label >= t or not path.exists():  # produced this round (or a redo of it): write it
+                    data = _serialize(tensor.detach().cpu().contiguous())
+                    _atomic_bytes(path, data)
+                    written += len(data)
+                    digest = _sha256(data)
+                else:
+                    digest = self._digest(path)
+                kept.append({"file": file, "sha256": digest})
+            structure[name] = kept
+        noise["structure"] = structure
+        privatizer["noise"] = noise
+        return privatizer, written
+
+    def _digest(self, path: Path) -> str:
+        cache = self.__dict__.setdefault("_digests", {})
+        stamp = path.stat()
+        key = (path.name, stamp.st_size, stamp.st_mtime_ns)
+        if key not in cache:
+            cache[key] = _sha256(path.read_bytes())
+        return cache[key]
+
+    def _internalize(self, privatizer: Mapping[str, Any]) -> dict[str, Any]:
+        privatizer = dict(privatizer)
+        noise = dict(privatizer["noise"])
+        structure = {}
+        for name, items in noise.get("structure", {}).items():
+            tensors = []
+            for item in items:
+                if isinstance(item, torch.Tensor):
+                    tensors.append(item)
+                    continue
+                path = self.directory / item["file"]
+                try:
+                    data = path.read_bytes()
+                except OSError:
+                    raise CheckpointError(f"checkpoint noise file {item['file']!r} is missing") from None
+                if _sha256(data) != item["sha256"]:
+                    raise CheckpointError(f"checkpoint noise file {item['file']!r} does not match its hash")
+                tensors.append(_deserialize(data, repr(item["file"])))
+            structure[name] = tensors
+        noise["structure"] = structure
+        privatizer["noise"] = noise
+        return privatizer
+
+    @staticmethod
+    def _references(privatizer: Mapping[str, Any]) -> list[dict[str, str]]:
+        noise = privatizer.get("noise", {}) if isinstance(privatizer, Mapping) else {}
+        return [item for items in noise.get("structure", {}).values() for item in items if isinstance(item, dict)]

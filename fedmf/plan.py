@@ -1,0 +1,239 @@
+"""RunPlan: the immutable description of one private run, and what follows from it.
+
+A plan names the mechanism (by its parameter fingerprint), the planned participation schema,
+how users are sampled, the clip norm ζ, the noise multiplier z (given, or calibrated once for
+a target (ε, δ)), δ, the expected number of users per round (the divisor of the noisy sum),
+the ℓ∞ zeroing threshold and the accountant. Derived: the sensitivity of C under the schema,
+the absolute noise std σ = z·ζ·sens ("Multi-Epoch Matrix Factorization Mechanisms", Thm 2.2:
+releasing x + σ·C⁻¹Z is (ε, δ)-DP with the Gaussian mechanism's ε at multiplier z), ε in
+total and after each round.
+
+The ledger's run row and every checkpoint carry ``to_dict()`` and ``fingerprint``; a
+checkpoint or ledger written for another plan is refused (``check_fingerprint``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import TYPE_CHECKING, Any, Mapping
+
+import numpy as np
+
+from .accounting.sampling import Sampling, parse_sampling
+from .errors import ConfigError, HorizonReached, PlanMismatch, PrivacyBudgetExceeded
+from .participation import FixedEpoch, MinSep, schema_from_dict
+
+if TYPE_CHECKING:
+    from .mechanisms.base import Mechanism
+    from .sensitivity import Sensitivity
+
+__all__ = ["RunPlan", "DEFAULT_ZERO_FACTOR", "PLAN_FORMAT"]
+
+PLAN_FORMAT = 1
+#: "Multi-Epoch MF" StackOverflow recipe: an update whose ℓ∞ norm exceeds 100·ζ is zeroed
+DEFAULT_ZERO_FACTOR = 100.0
+_ACCOUNTANTS = ("pld", "rdp")
+_EPS_RTOL = 1e-9  # a planned ε this close above the target is the calibration's rounding
+
+
+def _positive(name: str, value: object, *, allow_none: bool = False) -> float | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ConfigError(f"{name} must be a number, got {value!r}")
+    v = float(value)
+    if not (math.isfinite(v) and v > 0):
+        raise ConfigError(f"{name} must be a finite positive number, got {value!r}")
+    return v
+
+
+def _canonical(data: Mapping[str, Any]) -> bytes:
+    return json.dumps(data, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """One private run. Build it with ``RunPlan.create`` (validates, resolves defaults and
+    calibrates z once for a target ε); ``from_dict`` rebuilds it from ``to_dict``."""
+
+    mechanism: "Mechanism"
+    schema: MinSep | FixedEpoch
+    sampling: Sampling
+    clip_norm: float
+    noise_multiplier: float
+    delta: float
+    expected_users: float
+    zero_threshold: float | None
+    accountant: str = "pld"
+    target_epsilon: float | None = None
+    calibration: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    # ---- construction ----------------------------------------------------------------
+    @classmethod
+    def create(cls, mechanism: "Mechanism", schema: MinSep | FixedEpoch, *, clip_norm: float, delta: float,
+               expected_users: float, noise_multiplier: float | None = None, target_epsilon: float | None = None,
+               sampling: Sampling | str | None = None, zero_threshold: float | None | str = "default",
+               accountant: str = "pld") -> "RunPlan":
+        """Validate every value once; with ``target_epsilon`` (and no ``noise_multiplier``)
+        calibrate z for (ε, δ) with the plan's accountant and sampling (cached by fedmf.accounting)."""
+        from .mechanisms.base import Mechanism
+
+        if not isinstance(mechanism, Mechanism):
+            raise ConfigError(f"mechanism must be a fedmf Mechanism, got {type(mechanism).__name__}")
+        if not isinstance(schema, (MinSep, FixedEpoch)):
+            raise ConfigError(f"a run is planned for MinSep or FixedEpoch participation, not {type(schema).__name__}")
+        try:
+            schema.validate(mechanism.rounds)
+            sampling = parse_sampling(sampling)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        zeta = _positive("clip_norm", clip_norm)
+        delta = _positive("delta", delta)
+        if not delta < 1:
+            raise ConfigError(f"delta must lie in (0, 1), got {delta!r}")
+        m = _positive("expected_users", expected_users)
+        if accountant not in _ACCOUNTANTS:
+            raise ConfigError(f"accountant must be one of {', '.join(_ACCOUNTANTS)}, got {accountant!r}")
+        if isinstance(zero_threshold, str):
+            if zero_threshold != "default":
+                raise ConfigError(f"zero_threshold must be a number, None or 'default', got {zero_threshold!r}")
+            zero_threshold = DEFAULT_ZERO_FACTOR * zeta
+        threshold = _positive("zero_threshold", zero_threshold, allow_none=True)
+        eps = _positive("target_epsilon", target_epsilon, allow_none=True)
+        z = _positive("noise_multiplier", noise_multiplier, allow_none=True)
+        if sampling.kind == "poisson" and not (isinstance(schema, MinSep) and schema.min_sep == 1):
+            raise ConfigError("poisson sampling (MMCC) samples every user in every round: plan it with MinSep(1, n)")
+        if isinstance(schema, FixedEpoch) and sampling.kind not in ("none", "cyclic-poisson"):
+            raise ConfigError(f"{sampling.kind} sampling does not follow the fixed-epoch order; plan it with MinSep")
+        calibration: dict[str, Any] = {}
+        if z is None:
+            if eps is None:
+                raise ConfigError("give a noise_multiplier or a target_epsilon")
+            from .accounting import calibrate
+
+            result = calibrate(mechanism, eps, delta, schema, sampling=sampling, accountant=accountant)
+            z = float(result.noise_multiplier)
+            calibration = {"accountant": result.accountant, "guarantee": result.guarantee}
+        plan = cls(mechanism, schema, sampling, zeta, z, delta, m, threshold, accountant, eps, calibration)
+        if not plan.sensitivity.value > 0:
+            raise ConfigError("the mechanism has zero sensitivity under this schema")
+        return plan
+
+    # ---- derived ---------------------------------------------------------------------
+    @property
+    def rounds(self) -> int:
+        return self.mechanism.rounds
+
+    @cached_property
+    def sensitivity(self) -> "Sensitivity":
+        """Sensitivity of C under the planned schema (``.value``, ``.exact``, ``.method``)."""
+        return self.mechanism.sensitivity(self.schema)
+
+    @property
+    def noise_std(self) -> float:
+        """Absolute noise std σ = z·ζ·sens ("Multi-Epoch MF", Thm 2.2; ARCHITECTURE.md)."""
+        return self.noise_multiplier * self.clip_norm * self.sensitivity.value
+
+    @cached_property
+    def _accounting(self):
+        from .accounting import epsilon
+
+        return epsilon(self.mechanism, self.noise_multiplier, self.delta, self.schema, sampling=self.sampling,
+                       accountant=self.accountant)
+
+    def epsilon(self) -> float:
+        """ε of the whole run at δ (as planned)."""
+        return float(self._accounting.epsilon)
+
+    @cached_property
+    def _epsilon_by_round(self) -> np.ndarray:
+        total = self.epsilon()
+        if self.sampling.kind in ("bminsep", "poisson"):
+            # no per-round curve for these accountants: every round is charged the whole run's ε
+            return np.full(self.rounds, total)
+        from .accounting import epsilon_by_round
+
+        curve = epsilon_by_round(self.mechanism, self.noise_multiplier, self.delta, self.schema,
+                                 sampling=self.sampling, accountant=self.accountant, final=total)
+        return np.minimum(np.asarray(curve.epsilons, dtype=np.float64), total)
+
+    def epsilon_by_round(self) -> np.ndarray:
+        """ε spent after rounds 0..t for every t (planned; non-decreasing, ends at ``epsilon()``)."""
+        return self._epsilon_by_round.copy()
+
+    def epsilon_after(self, t: int) -> float:
+        """Planned ε once round t is done."""
+        return float(self._epsilon_by_round[t])
+
+    # ---- the guard -------------------------------------------------------------------
+    def guard(self, t: int, observed_epsilon: float | None = None) -> None:
+        """Refuse to open round t past the horizon, or when it would exceed the target ε
+        (planned; and ``observed_epsilon``: the worst user's ε so far, from the ledger)."""
+        if t >= self.rounds:
+            raise HorizonReached(f"round {t} is past the mechanism's horizon of {self.rounds} rounds")
+        if self.target_epsilon is None:
+            return
+        limit = self.target_epsilon * (1 + _EPS_RTOL)
+        planned = self.epsilon_after(t)
+        if planned > limit:
+            raise PrivacyBudgetExceeded(f"round {t} would spend epsilon {planned:.6g} as planned, "
+                                        f"above the target {self.target_epsilon:g}")
+        if observed_epsilon is not None and observed_epsilon > limit:
+            raise PrivacyBudgetExceeded(f"a user has already spent epsilon {observed_epsilon:.6g}, "
+                                        f"above the target {self.target_epsilon:g}; round {t} is not opened")
+
+    # ---- serialization ---------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready description; the mechanism appears as its kind and fingerprint."""
+        return {
+            "format": PLAN_FORMAT,
+            "mechanism": {"kind": self.mechanism.kind, "rounds": self.rounds,
+                          "fingerprint": self.mechanism.fingerprint},
+            "schema": self.schema.to_dict(self.rounds),
+            "sampling": str(self.sampling),
+            "clip_norm": self.clip_norm,
+            "noise_multiplier": self.noise_multiplier,
+            "target_epsilon": self.target_epsilon,
+            "delta": self.delta,
+            "expected_users": self.expected_users,
+            "zero_threshold": self.zero_threshold,
+            "accountant": self.accountant,
+        }
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """SHA-256 of the canonical ``to_dict()``: equal plans, equal fingerprints."""
+        return "sha256:" + hashlib.sha256(_canonical(self.to_dict())).hexdigest()
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], mechanism: "Mechanism") -> "RunPlan":
+        """Rebuild a plan written by ``to_dict`` for ``mechanism`` (its fingerprint must match)."""
+        if not isinstance(data, Mapping) or data.get("format") != PLAN_FORMAT:
+            raise PlanMismatch(f"not a fedmf run plan of format {PLAN_FORMAT}")
+        try:
+            recorded = data["mechanism"]["fingerprint"]
+            if recorded != mechanism.fingerprint:
+                raise PlanMismatch("the plan was made for another mechanism (fingerprints differ)")
+            schema = schema_from_dict(data["schema"])
+            return cls.create(mechanism, schema, clip_norm=data["clip_norm"], delta=data["delta"],
+                              expected_users=data["expected_users"], noise_multiplier=data["noise_multiplier"],
+                              target_epsilon=data["target_epsilon"], sampling=data["sampling"],
+                              zero_threshold=data["zero_threshold"], accountant=data["accountant"])
+        except (KeyError, TypeError) as e:
+            raise PlanMismatch(f"malformed run plan (missing or bad field {e})") from None
+
+    def check_fingerprint(self, recorded: str | None, where: str) -> None:
+        """Refuse ``where`` (a checkpoint, a ledger run) written for another plan."""
+        if recorded != self.fingerprint:
+            raise PlanMismatch(f"{where} was written for another plan than the one configured "
+                               f"({recorded or 'none'} != {self.fingerprint}); use the original configuration "
+                               "or a new checkpoint directory / ledger run")
+
+    def summary(self) -> dict[str, Any]:
+        """The plan with its derived values (for logs, metrics and the CLI)."""
+        return {**self.to_dict(), "sensitivity": self.sensitivity.value, "sensitivity_exact": self.sensitivity.exact,
+                "noise_std": self.noise_std, "epsilon": self.epsilon(), "fingerprint": self.fingerprint}

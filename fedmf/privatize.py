@@ -1,0 +1,278 @@
+"""One private round: validate each update, zero huge ℓ∞, clip ℓ2 to ζ, sum, add the round's
+correlated noise, divide by the planned expected number of users.
+
+    privatizer = RoundPrivatizer(plan, layout, seed=noise_seed)
+    mean, report = privatizer.privatize(t, {user: {name: tensor, …}, …}, selected=users)
+
+The order of operations is the privacy argument ("Multi-Epoch Matrix Factorization
+Mechanisms", Sec. 2 and Thm 2.2): every accepted update has ℓ2 norm ≤ ζ after clipping, so
+the sum x_t has the planned sensitivity; the noise σ·(C⁻¹Z)_t with σ = z·ζ·sens is drawn only
+once the sum is complete and is added exactly once; the result is divided by the *planned*
+expected number of users — never by the number received, which would depend on the data.
+An update that is invalid (wrong keys, shapes or dtype; not finite), from a user not selected
+for the round, or a second one from the same user is rejected and never summed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Collection, Hashable, Iterable, Mapping
+
+import torch
+
+from .errors import ConfigError, PlanMismatch, RoundOrderError
+from .noise import NoiseGenerator
+from .plan import RunPlan
+
+__all__ = ["check_update", "RoundPrivatizer", "RoundReport", "UserReport", "flat_size", "layout_of"]
+
+Layout = Mapping[str, tuple[int, ...]]
+_FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_STATE_FORMAT = 1
+
+
+def layout_of(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
+    """The layout (name → shape) of a model's parameters or state dict."""
+    return {str(name): tuple(int(x) for x in t.shape) for name, t in tensors.items()}
+
+
+def _check_layout(layout: Layout) -> dict[str, tuple[int, ...]]:
+    if not isinstance(layout, Mapping) or not layout:
+        raise ConfigError("layout must be a non-empty mapping name -> shape")
+    out = {}
+    for name, shape in layout.items():
+        if not isinstance(name, str):
+            raise ConfigError(f"layout names must be strings, got {name!r}")
+        try:
+            dims = tuple(shape)
+        except TypeError:
+            raise ConfigError(f"layout shape of {name!r} must be a tuple of ints, got {shape!r}") from None
+        if any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in dims):
+            raise ConfigError(f"layout shape of {name!r} must be non-negative ints, got {shape!r}")
+        out[name] = dims
+    if flat_size(out) == 0:
+        raise ConfigError("layout has no parameters")
+    return out
+
+
+def flat_size(layout: Layout) -> int:
+    return sum(math.prod(shape) for shape in layout.values())
+
+
+def check_update(update: object, layout: Layout) -> str | None:
+    """Why ``update`` cannot be summed (a one-line reason), or None when it is valid:
+    a mapping with exactly the layout's names, each a floating tensor of the layout's shape,
+    every value finite."""
+    if not isinstance(update, Mapping):
+        return f"update is not a mapping of tensors (got {type(update).__name__})"
+    names, expected = set(update), set(layout)
+    if names != expected:
+        missing, extra = sorted(map(str, expected - names)), sorted(map(str, names - expected))
+        parts = ([f"missing {', '.join(missing[:3])}"] if missing else []) + (
+            [f"unexpected {', '.join(extra[:3])}"] if extra else [])
+        return "update names differ from the model's: " + "; ".join(parts)
+    for name, shape in layout.items():
+        tensor = update[name]
+        if not isinstance(tensor, torch.Tensor):
+            return f"{name}: not a tensor (got {type(tensor).__name__})"
+        if tensor.dtype not in _FLOATING:
+            return f"{name}: dtype {tensor.dtype} is not floating point"
+        if tuple(tensor.shape) != tuple(shape):
+            return f"{name}: shape {tuple(tensor.shape)} != expected {tuple(shape)}"
+        if tensor.is_sparse or tensor.layout != torch.strided:
+            return f"{name}: not a dense tensor"
+        if not bool(torch.isfinite(tensor).all()):
+            return f"{name}: has non-finite values"
+    return None
+
+
+@dataclass(frozen=True)
+class UserReport:
+    """What happened to one user's update: ``status`` contributed or rejected."""
+
+    user: Hashable
+    status: str
+    reason: str | None = None
+    norm: float | None = None  # ℓ2 norm as received, before zeroing or clipping
+    clipped: bool = False
+    zeroed: bool = False
+
+
+@dataclass
+class RoundReport:
+    round: int
+    noise_std: float
+    expected_users: float
+    users: list[UserReport] = field(default_factory=list)
+
+    @property
+    def contributed(self) -> list[UserReport]:
+        return [u for u in self.users if u.status == "contributed"]
+
+    @property
+    def rejected(self) -> list[UserReport]:
+        return [u for u in self.users if u.status == "rejected"]
+
+    def counts(self) -> dict[str, int]:
+        good = self.contributed
+        return {"contributed": len(good), "rejected": len(self.users) - len(good),
+                "clipped": sum(u.clipped for u in good), "zeroed": sum(u.zeroed for u in good)}
+
+
+def _user_order(user: Hashable) -> str:
+    return str(user)
+
+
+class RoundPrivatizer:
+    """Clip, sum and noise the updates of each round of ``plan``, in order, on ``device``.
+
+    The noise generator is seeded with ``seed`` (a secret: keep it in a 0600 file; the
+    state dict never contains it). Sums are kept in one flat buffer of the model's
+    ``dtype`` on its ``device``."""
+
+    def __init__(self, plan: RunPlan, layout: Layout, *, device: str | torch.device | None = None,
+                 dtype: torch.dtype = torch.float32, seed: bytes | int | None = None) -> None:
+        if not isinstance(plan, RunPlan):
+            raise ConfigError(f"plan must be a RunPlan, got {type(plan).__name__}")
+        if dtype not in _FLOATING:
+            raise ConfigError(f"dtype must be floating point, got {dtype}")
+        self.plan = plan
+        self.layout = _check_layout(layout)
+        self.size = flat_size(self.layout)
+        self.noise = NoiseGenerator(plan.mechanism, self.layout, plan.noise_std, dtype=dtype, device=device, seed=seed)
+        self.device, self.dtype = self.noise.device, dtype
+        self._sum = torch.zeros(self.size, dtype=dtype, device=self.device)
+        self._scratch = torch.empty(self.size, dtype=dtype, device=self.device)
+        self._noise_buffer = torch.empty(self.size, dtype=dtype, device=self.device)
+        # clipping to exactly ζ in floating point can round up by an ulp; scale a hair below
+        self._clip_margin = 1.0 - 4.0 * torch.finfo(dtype).eps
+        self._open: RoundReport | None = None
+        self._seen: set[str] = set()
+        self._selected: set[str] | None = None
+
+    @property
+    def next_round(self) -> int:
+        """The only round this privatizer serves next."""
+        return self.noise.round
+
+    # ---- one round, step by step -----------------------------------------------------
+    def begin(self, t: int, selected: Iterable[Hashable] | None = None) -> None:
+        """Open round t (must be ``next_round``); ``selected``: the users whose updates may count."""
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise RoundOrderError(f"round index must be an int, got {t!r}")
+        if self._open is not None:
+            raise RoundOrderError(f"round {self._open.round} is still open")
+        if t != self.next_round:
+            raise RoundOrderError(f"this privatizer serves round {self.next_round} next, not {t} "
+                                  "(rounds are never skipped or repeated)")
+        if t >= self.plan.rounds:
+            from .errors import HorizonReached
+
+            raise HorizonReached(f"round {t} is past the mechanism's horizon of {self.plan.rounds} rounds")
+        self._sum.zero_()
+        self._open = RoundReport(t, self.plan.noise_std, self.plan.expected_users)
+        self._seen = set()
+        self._selected = None if selected is None else {_user_order(u) for u in selected}
+
+    def add(self, user: Hashable, update: object) -> UserReport:
+        """Validate, zero, clip and sum one user's update (or reject it with its reason)."""
+        report = self._require_open()
+        key = _user_order(user)
+        if key in self._seen:
+            return self._reject(user, f"a second update from this user in round {report.round}", record=False)
+        self._seen.add(key)
+        if self._selected is not None and key not in self._selected:
+            return self._reject(user, f"not selected for round {report.round}")
+        reason = check_update(update, self.layout)
+        if reason is not None:
+            return self._reject(user, reason)
+        flat = self._flatten(update)
+        norm = float(torch.linalg.vector_norm(flat, dtype=torch.float64))
+        threshold = self.plan.zero_threshold
+        if threshold is not None and float(torch.linalg.vector_norm(flat, ord=math.inf)) > threshold:
+            # "Multi-Epoch MF" StackOverflow recipe: an update with ℓ∞ > 100·ζ is replaced by zero
+            result = UserReport(user, "contributed", None, norm, False, True)
+        else:
+            clipped = norm > self.plan.clip_norm
+            # ℓ2 clipping of the whole update to ζ: x·min(1, ζ/‖x‖) (Multi-Epoch MF Sec. 2, ζ-bounded rows)
+            factor = self.plan.clip_norm / norm * self._clip_margin if clipped else 1.0
+            self._sum.add_(flat, alpha=factor)
+            result = UserReport(user, "contributed", None, norm, clipped, False)
+        report.users.append(result)
+        return result
+
+    def finish(self) -> tuple[dict[str, torch.Tensor], RoundReport]:
+        """Draw round t's noise (only now: the sum is complete), add it once, divide by the
+        planned expected number of users; returns the mean update in the layout and the report."""
+        report = self._require_open()
+        noise = self.noise.next(out=self._noise_buffer)  # σ·(C⁻¹Z)_t, Multi-Epoch MF Sec. 2
+        flat_noise = noise if isinstance(noise, torch.Tensor) else self._noise_buffer
+        mean = torch.add(self._sum, flat_noise).div_(self.plan.expected_users)
+        self._open = None
+        self._selected = None
+        return self._unflatten(mean), report
+
+    def abort(self) -> None:
+        """Drop an open round without drawing its noise (nothing was released)."""
+        self._open = None
+        self._selected = None
+
+    def privatize(self, t: int, updates: Mapping[Hashable, object],
+                  selected: Collection[Hashable] | None = None) -> tuple[dict[str, torch.Tensor], RoundReport]:
+        """Round t in one call. Updates are summed in the order of ``str(user)``, so the result
+        does not depend on the order in which they arrived."""
+        self.begin(t, selected)
+        try:
+            for user in sorted(updates, key=_user_order):
+                self.add(user, updates[user])
+        except BaseException:
+            self.abort()
+            raise
+        return self.finish()
+
+    # ---- checkpointing ---------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The state to continue exactly (no seed: the generator state carries a seed check)."""
+        if self._open is not None:
+            raise RoundOrderError("cannot checkpoint in the middle of a round")
+        return {"format": _STATE_FORMAT, "plan_fingerprint": self.plan.fingerprint,
+                "layout": {k: list(v) for k, v in self.layout.items()},
+                "noise": self.noise.state_dict(include_seed=False)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if not isinstance(state, Mapping) or state.get("format") != _STATE_FORMAT:
+            raise PlanMismatch("not a fedmf privatizer state")
+        self.plan.check_fingerprint(state.get("plan_fingerprint"), "privatizer state")
+        if {k: tuple(v) for k, v in state["layout"].items()} != self.layout:
+            raise PlanMismatch("privatizer state was written for another model layout")
+        self.noise.load_state_dict(state["noise"])
+        self._open = None
+
+    # ---- helpers ---------------------------------------------------------------------
+    def _require_open(self) -> RoundReport:
+        if self._open is None:
+            raise RoundOrderError("no round is open: call begin(t) first")
+        return self._open
+
+    def _reject(self, user: Hashable, reason: str, *, record: bool = True) -> UserReport:
+        result = UserReport(user, "rejected", reason)
+        if record:
+            self._open.users.append(result)
+        return result
+
+    def _flatten(self, update: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        flat, offset = self._scratch, 0
+        for name, shape in self.layout.items():
+            size = math.prod(shape)
+            flat[offset : offset + size].copy_(update[name].reshape(-1))
+            offset += size
+        return flat
+
+    def _unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        out, offset = {}, 0
+        for name, shape in self.layout.items():
+            size = math.prod(shape)
+            out[name] = flat[offset : offset + size].view(shape)
+            offset += size
+        return out
