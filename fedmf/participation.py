@@ -13,12 +13,14 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Union
 
+from .errors import ConfigError
+
 __all__ = ["MinSep", "FixedEpoch", "Observed", "Schema", "schema_from_dict"]
 
 
 def _positive_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
     return value
 
 
@@ -42,7 +44,7 @@ class MinSep:
     def validate(self, n: int) -> None:
         _positive_int("rounds", n)
         if self.min_sep > n:
-            raise ValueError(f"min_sep b={self.min_sep} exceeds the number of rounds n={n}")
+            raise ConfigError(f"min_sep b={self.min_sep} exceeds the number of rounds n={n}")
 
     def allows(self, rounds: Iterable[int], n: int) -> bool:
         r = sorted(rounds)
@@ -76,7 +78,7 @@ class FixedEpoch:
     def validate(self, n: int) -> None:
         _positive_int("rounds", n)
         if self.max_participations * self.min_sep != n:
-            raise ValueError(
+            raise ConfigError(
                 f"fixed-epoch needs rounds = participations x min_sep, got {n} != "
                 f"{self.max_participations} x {self.min_sep}"
             )
@@ -105,7 +107,7 @@ class Observed:
         for user, rounds in mapping.items():
             r = tuple(sorted(int(t) for t in rounds))
             if len(set(r)) != len(r):
-                raise ValueError(f"user {user!r} is listed twice in one round")
+                raise ConfigError(f"user {user!r} is listed twice in one round")
             items.append((str(user), r))
         return cls(tuple(sorted(items)))
 
@@ -113,7 +115,7 @@ class Observed:
         _positive_int("rounds", n)
         for user, rounds in self.rounds_by_user:
             if rounds and (rounds[0] < 0 or rounds[-1] >= n):
-                raise ValueError(f"user {user!r} has a round outside [0, {n})")
+                raise ConfigError(f"user {user!r} has a round outside [0, {n})")
 
     def participations(self, n: int) -> int:
         return max((len(r) for _, r in self.rounds_by_user), default=0)
@@ -141,4 +143,4 @@ def schema_from_dict(data: Mapping) -> Schema:
         return MinSep(data["min_sep"], data.get("max_participations"))
     if kind == "fixed-epoch":
         return FixedEpoch(data["max_participations"], data["min_sep"])
-    raise ValueError(f"unknown participation schema {kind!r}")
+    raise ConfigError(f"unknown participation schema {kind!r}")

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
+from .errors import ConfigError
 from .participation import FixedEpoch, MinSep, Observed, Schema
 
 if TYPE_CHECKING:
@@ -84,7 +85,7 @@ def toeplitz_minsep(coefficients: np.ndarray, n: int, min_sep: int, max_particip
     coef = np.asarray(coefficients, dtype=np.float64)[:n]
     c[: coef.size] = coef
     if not is_nonnegative_nonincreasing(c):
-        raise ValueError("Toeplitz closed form needs non-negative, non-increasing coefficients")
+        raise ConfigError("Toeplitz closed form needs non-negative, non-increasing coefficients")
     return Sensitivity(float(np.linalg.norm(shifted_sum(c, n, min_sep, max_participations))),
                        "toeplitz-closed-form", True)
 
@@ -112,7 +113,7 @@ def banded_minsep(column_norms_sq: np.ndarray, num_bands: int, min_sep: int, max
     2024, Sec. 4; exact for vector-valued updates too since the columns are orthogonal).
     """
     if num_bands > min_sep:
-        raise ValueError(f"banded closed form needs bands <= min_sep, got {num_bands} > {min_sep}")
+        raise ConfigError(f"banded closed form needs bands <= min_sep, got {num_bands} > {min_sep}")
     value = max_over_patterns(np.asarray(column_norms_sq), min_sep, max_participations)
     return Sensitivity(float(np.sqrt(value)), "banded-exact", True)
 
@@ -279,7 +280,7 @@ def minsep(mechanism: "Mechanism", schema: MinSep) -> Sensitivity:
     if coef is not None and is_nonnegative_nonincreasing(coef):
         return toeplitz_minsep(coef, n, b, k)
     if n > _GRAM_LIMIT:
-        raise ValueError(
+        raise ConfigError(
             f"no closed form applies to this strategy under min_sep={b}, and the general bound "
             f"needs an n x n Gram matrix (n={n} > {_GRAM_LIMIT})"
         )
@@ -319,7 +320,7 @@ def exhaustive_minsep(strategy: np.ndarray, min_sep: int, max_participations: in
     n = c.shape[1]
     k = MinSep(min_sep, max_participations).participations(n)
     if n > 24:
-        raise ValueError("exhaustive sensitivity is limited to n <= 24")
+        raise ConfigError("exhaustive sensitivity is limited to n <= 24")
     best = 0.0
     for pattern in _minsep_patterns(n, min_sep, k):
         if not pattern:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .errors import ConfigError
 from .filters import toeplitz_solve
 
 __all__ = ["Workload", "parse_workload"]
@@ -37,11 +38,11 @@ class Workload:
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.momentum < 1.0:
-            raise ValueError(f"momentum must lie in [0, 1), got {self.momentum}")
+            raise ConfigError(f"momentum must lie in [0, 1), got {self.momentum}")
         if not 0.0 <= self.cooldown <= 1.0:
-            raise ValueError(f"cooldown fraction must lie in [0, 1], got {self.cooldown}")
+            raise ConfigError(f"cooldown fraction must lie in [0, 1], got {self.cooldown}")
         if not 0.0 < self.cooldown_final <= 1.0:
-            raise ValueError(f"cooldown final factor must lie in (0, 1], got {self.cooldown_final}")
+            raise ConfigError(f"cooldown final factor must lie in (0, 1], got {self.cooldown_final}")
 
     @classmethod
     def prefix(cls) -> "Workload":
@@ -69,7 +70,7 @@ class Workload:
     def from_dict(cls, data: dict) -> "Workload":
         values = [data["momentum"], data["cooldown"], data["cooldown_final"]]
         if any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in values):
-            raise ValueError("workload parameters must be numbers")
+            raise ConfigError("workload parameters must be numbers")
         return cls(*(float(v) for v in values))
 
     def learning_rates(self, n: int) -> np.ndarray:
@@ -89,7 +90,7 @@ class Workload:
     def toeplitz_coefficients(self, n: int) -> np.ndarray:
         """First column of A when A is Toeplitz: a_j = (1 - beta^(j+1)) / (1 - beta)."""
         if not self.is_toeplitz:
-            raise ValueError("a workload with a learning-rate cooldown is not Toeplitz")
+            raise ConfigError("a workload with a learning-rate cooldown is not Toeplitz")
         return self.apply_toeplitz(np.eye(1, n).ravel())
 
     def apply_toeplitz(self, coefficients: np.ndarray) -> np.ndarray:
@@ -161,7 +162,7 @@ def parse_workload(text: str) -> Workload:
     if parts == ["prefix"]:
         return Workload.prefix()
     if parts[0] != "momentum" or len(parts) < 2:
-        raise ValueError(f"unknown workload {text!r} (expected prefix or momentum:BETA[:cooldown=F][:final=G])")
+        raise ConfigError(f"unknown workload {text!r} (expected prefix or momentum:BETA[:cooldown=F][:final=G])")
     try:
         beta = float(parts[1])
         options = {}
@@ -171,7 +172,7 @@ def parse_workload(text: str) -> Workload:
                 raise ValueError
             options[key] = float(value) if value else 0.25
     except ValueError:
-        raise ValueError(f"cannot parse workload {text!r} (expected momentum:BETA[:cooldown=F][:final=G])") from None
+        raise ConfigError(f"cannot parse workload {text!r} (expected momentum:BETA[:cooldown=F][:final=G])") from None
     if "final" in options and not options.get("cooldown"):
-        raise ValueError(f"workload {text!r}: final=G needs a cooldown")
+        raise ConfigError(f"workload {text!r}: final=G needs a cooldown")
     return Workload(beta, options.get("cooldown", 0.0), options.get("final", 0.05))

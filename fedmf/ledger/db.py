@@ -20,6 +20,7 @@ from sqlalchemy import create_engine, event, inspect, pool, text
 from sqlalchemy.engine import URL, Connection, Engine, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, SQLAlchemyError
 
+from ..errors import FedmfError
 from .models import VERSION_TABLE
 
 __all__ = [
@@ -38,7 +39,7 @@ MIGRATIONS = Path(__file__).with_name("migrations")
 CONNECT_TIMEOUT_S = 10
 
 
-class LedgerError(ValueError):
+class LedgerError(FedmfError):
     """A ledger that cannot be reached, trusted or used as asked (one-line message)."""
 
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
+from ..errors import ConfigError
 from ..participation import FixedEpoch, MinSep, Schema
 from ..workloads import Workload
-from .base import Mechanism, check_rounds
+from .base import Mechanism
 from .identity import DpSgd
 from .toeplitz import (
     BandedInverseFractionalRoot,
@@ -64,7 +66,7 @@ def mechanism_class(kind: str) -> type[Mechanism]:
         return _CLASSES[kind]
     except KeyError:
         known = sorted(set(_CLASSES) | set(_LAZY))
-        raise ValueError(f"unknown mechanism kind {kind!r} (known: {', '.join(known)})") from None
+        raise ConfigError(f"unknown mechanism kind {kind!r} (known: {', '.join(known)})") from None
 
 
 def default_bands(rounds: int, schema: Schema) -> int:
@@ -72,6 +74,31 @@ def default_bands(rounds: int, schema: Schema) -> int:
     may have and keep its exact MinSep sensitivity; 64 bounds the noise memory)."""
     b = schema.min_sep if isinstance(schema, (MinSep, FixedEpoch)) else rounds
     return max(1, min(b, 64, rounds))
+
+
+def _check_rounds(rounds: Any) -> int:
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ConfigError(f"rounds must be a positive integer, got {rounds!r}")
+    return rounds
+
+
+def _check_bands(num_bands: Any, rounds: int) -> None:
+    if num_bands is not None and (isinstance(num_bands, bool) or not isinstance(num_bands, int)
+                                  or not 1 <= num_bands <= rounds):
+        raise ConfigError(f"--bands must be an integer in [1, rounds={rounds}], got {num_bands!r}")
+
+
+def _check_options(tolerance: float | None, max_steps: int | None, error: str, weighting: str) -> None:
+    """The optimizer options ``plan`` passes on: checked here, so bad ones are a ConfigError."""
+    if tolerance is not None and not (isinstance(tolerance, (int, float)) and math.isfinite(tolerance)
+                                      and tolerance > 0):
+        raise ConfigError(f"--tolerance must be a positive number, got {tolerance!r}")
+    if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1):
+        raise ConfigError(f"--max-steps must be a positive integer, got {max_steps!r}")
+    if error not in ("mean", "max"):
+        raise ConfigError(f"--error must be 'mean' or 'max', got {error!r}")
+    if weighting not in ("worst", "mean"):
+        raise ConfigError(f"--weighting must be 'worst' or 'mean', got {weighting!r}")
 
 
 def build(
@@ -85,13 +112,14 @@ def build(
     """Construct a closed-form mechanism; bifr without ``gamma`` searches gamma for ``schema``."""
     if kind not in CLOSED_FORM_KINDS:
         mechanism_class(kind)  # unknown kinds get the list of known ones
-        raise ValueError(f"kind {kind!r} is optimized, not built from a closed form (use plan)")
-    check_rounds(rounds)
+        raise ConfigError(f"kind {kind!r} is optimized, not built from a closed form (use plan)")
+    _check_rounds(rounds)
     schema.validate(rounds)
+    _check_bands(num_bands, rounds)
     if gamma is not None and kind != "bifr":
-        raise ValueError(f"--gamma applies to bifr only, not {kind}")
+        raise ConfigError(f"--gamma applies to bifr only, not {kind}")
     if num_bands is not None and kind in ("dp-sgd", "tree"):
-        raise ValueError(f"--bands does not apply to {kind}")
+        raise ConfigError(f"--bands does not apply to {kind}")
     if kind == "dp-sgd":
         return DpSgd(rounds, workload)
     if kind == "tree":
@@ -103,9 +131,6 @@ def build(
         return BandedInverseSquareRoot(rounds, p, workload)
     if gamma is not None:
         return BandedInverseFractionalRoot(rounds, p, gamma, workload)
-    from .toeplitz import _check_bands
-
-    _check_bands(p, rounds)
     return optimal_gamma(rounds, p, schema, workload)
 
 
@@ -137,8 +162,11 @@ def plan(
     if kind in CLOSED_FORM_KINDS:
         return build(kind, rounds, schema, workload, num_bands, gamma), None
     mechanism_class(kind)
+    _check_rounds(rounds)
+    _check_bands(num_bands, rounds)
+    _check_options(tolerance, max_steps, error, weighting)
     if gamma is not None:
-        raise ValueError(f"--gamma applies to bifr only, not {kind}")
+        raise ConfigError(f"--gamma applies to bifr only, not {kind}")
     options: dict[str, Any] = {"progress": progress}
     if tolerance is not None:
         options["tolerance"] = tolerance
@@ -148,16 +176,23 @@ def plan(
         from .dense import optimize_dense
 
         if not isinstance(schema, FixedEpoch):
-            raise ValueError("dense is optimized for fixed-epoch participation (rounds = participations x min_sep)")
+            raise ConfigError("dense is optimized for fixed-epoch participation (rounds = participations x min_sep)")
         return optimize_dense(rounds, schema, workload, device=device, **options)
     if not isinstance(schema, MinSep):
-        raise ValueError(f"{kind} is optimized for MinSep participation")
+        raise ConfigError(f"{kind} is optimized for MinSep participation")
     schema.validate(rounds)
     if kind == "blt":
-        from .blt import optimize_blt
+        from .blt import DENSE_LIMIT, MAX_BUFFERS, optimize_blt
 
+        if not workload.is_toeplitz and rounds > DENSE_LIMIT:
+            raise ConfigError(f"a cooldown workload is optimized densely, up to n={DENSE_LIMIT} rounds (got {rounds})")
+        if num_buffers is not None and (isinstance(num_buffers, bool) or not isinstance(num_buffers, int)
+                                        or not 1 <= num_buffers <= MAX_BUFFERS):
+            raise ConfigError(f"--buffers must be an integer in [1, {MAX_BUFFERS}], got {num_buffers!r}")
         return optimize_blt(rounds, schema, workload, num_buffers=num_buffers, error=error, **options)
     p = default_bands(rounds, schema) if num_bands is None else num_bands
+    if kind in ("banded-toeplitz", "banded") and p > schema.min_sep:
+        raise ConfigError(f"{kind} needs --bands p <= min_sep b under MinSep (got {p} > {schema.min_sep})")
     if kind == "banded-toeplitz":
         from .banded_toeplitz import optimize_banded_toeplitz
 
@@ -170,7 +205,7 @@ def plan(
     from .banded_toeplitz import optimize_banded_toeplitz
 
     if min_sep_range is None:
-        raise ValueError("robust needs --min-sep-range B0:B1")
+        raise ConfigError("robust needs --min-sep-range B0:B1")
     b0, b1 = min_sep_range
     k = schema.max_participations
     if taper:

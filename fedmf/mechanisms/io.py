@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ..errors import FedmfError
 from ..files import atomic_write
 from ..participation import Schema, schema_from_dict
 from ..workloads import Workload
@@ -25,7 +26,7 @@ FORMAT = "fedmf-mechanism"
 VERSION = 1
 
 
-class MechanismFileError(ValueError):
+class MechanismFileError(FedmfError):
     """A mechanism file that cannot be trusted or read."""
 
 
