@@ -22,7 +22,7 @@ def test_unamplified_is_one_gaussian_with_multiplier_z():
         mechanism = build(kind, 32, MinSep(4, 6))
         result = epsilon(mechanism, 1.7, 1e-6, MinSep(4, 6))
         assert result.epsilon == gaussian.epsilon(1.7, 1e-6)
-        assert result.noise_std == pytest.approx(1.7 * mechanism.sensitivity(MinSep(4, 6)).value)
+        assert result.noise_std_per_clip_norm == pytest.approx(1.7 * mechanism.sensitivity(MinSep(4, 6)).value)
         assert result.accountant == "gaussian-pld"
 
 

@@ -78,7 +78,7 @@ def test_high_level_calibrate_bminsep():
                        monte_carlo=MonteCarloOptions(seed=5, candidates=2))
     sens = mech.sensitivity(schema).value
     assert result.accountant == "bminsep-evr"
-    assert result.noise_std == pytest.approx(result.noise_multiplier * sens)
+    assert result.noise_std_per_clip_norm == pytest.approx(result.noise_multiplier * sens)
     # amplification: less noise than the un-amplified calibration
     assert result.noise_multiplier < gaussian.calibrate(1.0, 2e-2)
     assert result.details["evr"]["fallback_noise_multiplier"] == pytest.approx(

@@ -2,7 +2,8 @@
 
 Noise convention (ARCHITECTURE.md): the server adds noise of standard deviation
 sigma = z·ζ·sens, sens = the sensitivity of C under the planned schema (``noise_sensitivity``,
-default: the schema given here). In clip-norm units the noise std is z·sens. Then
+default: the schema given here). In clip-norm units the noise std is z·sens
+(``Accounting.noise_std_per_clip_norm``; ``noise_std`` is always the absolute sigma). Then
   * none (un-amplified DP-MF): one Gaussian mechanism with sensitivity sens_schema and
     noise std z·sens, i.e. multiplier z·sens/sens_schema (= z when the noise was scaled
     for this schema) — "Multi-Epoch MF", Thm 2.2 / App. D.2;
@@ -15,13 +16,13 @@ default: the schema given here). In clip-norm units the noise std is z·sens. Th
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ..errors import ConfigError
 from . import _validate, cyclic_poisson, gaussian
-from .sampling import Sampling, parse_sampling
+from .sampling import Sampling, amplification_min_sep, check_banded, max_column_norm, parse_sampling
 
 if TYPE_CHECKING:
     from ..mechanisms.base import Mechanism
@@ -53,7 +54,7 @@ class Accounting:
     delta: float
     noise_multiplier: float
     sensitivity: float
-    noise_std: float  # noise standard deviation / clip norm = z·(noise sensitivity)
+    noise_std_per_clip_norm: float  # sigma / clip norm = z·(noise sensitivity)
     accountant: str
     guarantee: str
     sampling: str
@@ -79,29 +80,6 @@ def _noise_sens(sens: float, noise_sensitivity: float | None) -> float:
     return _validate.noise(noise_sensitivity, "noise sensitivity")
 
 
-def _min_sep(schema: "Schema", sampling: Sampling) -> int:
-    from ..participation import FixedEpoch, MinSep
-
-    if isinstance(schema, MinSep) or (isinstance(schema, FixedEpoch) and sampling.kind == "cyclic-poisson"):
-        return schema.min_sep
-    raise ValueError(f"{sampling.kind} sampling needs a min-sep schema (got {schema.name})")
-
-
-def _check_banded(mechanism: "Mechanism", b: int, what: str) -> int:
-    bands = mechanism.strategy_bands
-    if bands is None:
-        raise ValueError(f"{what} amplification needs a banded strategy C; {mechanism.kind} is not banded")
-    if bands > b:
-        raise ValueError(f"{what} amplification needs bands <= min_sep, got {bands} bands > b={b}")
-    if mechanism.noise_rows != mechanism.rounds:
-        raise ValueError(f"{what} amplification needs a square strategy C ({mechanism.kind} is not)")
-    return bands
-
-
-def _max_column_norm(mechanism: "Mechanism") -> float:
-    return float(math.sqrt(max(mechanism.column_norms_sq())))
-
-
 def _sens_details(sens) -> dict[str, Any]:
     return {"sensitivity_method": sens.method, "sensitivity_exact": sens.exact}
 
@@ -124,26 +102,26 @@ def epsilon(mechanism: "Mechanism", noise_multiplier: float, delta: float, schem
     gaussian.check_accountant(accountant)
     sampling = parse_sampling(sampling)
     if per_round and sampling.kind in ("bminsep", "poisson"):
-        raise ValueError(f"per-round spend is not available for {sampling.kind} sampling")
+        raise ConfigError(f"per-round spend is not available for {sampling.kind} sampling")
     sens = schema_sensitivity(mechanism, schema)
     if not sens.value > 0:
-        raise ValueError("the mechanism has zero sensitivity under this schema")
+        raise ConfigError("the mechanism has zero sensitivity under this schema")
     noise_sens = _noise_sens(sens.value, noise_sensitivity)
-    std = z * noise_sens
+    std_per_clip = z * noise_sens
     details: dict[str, Any] = _sens_details(sens)
     if noise_sensitivity is not None:
         details["noise_sensitivity"] = noise_sens
     if sampling.kind == "none":
-        z_eff = z if noise_sensitivity is None else std / sens.value
+        z_eff = z if noise_sensitivity is None else std_per_clip / sens.value
         eps = gaussian.epsilon(z_eff, delta, accountant)
         name, guarantee = f"gaussian-{accountant}", _unamplified_guarantee(accountant, sens.exact)
         details["effective_noise_multiplier"] = z_eff
     elif sampling.kind == "cyclic-poisson":
-        b = _min_sep(schema, sampling)
-        _check_banded(mechanism, b, "cyclic-Poisson")
-        col = _max_column_norm(mechanism)
+        b = amplification_min_sep(schema, sampling)
+        check_banded(mechanism, b, "cyclic-Poisson")
+        col = max_column_norm(mechanism)
         count = cyclic_poisson.steps(mechanism.rounds, b)
-        z_step = std / col
+        z_step = std_per_clip / col
         eps = cyclic_poisson.epsilon(z_step, sampling.probability, count, delta, accountant)
         name, guarantee = f"cyclic-poisson-{accountant}", f"upper bound ({accountant.upper()})"
         details.update(steps=count, step_noise_multiplier=z_step, max_column_norm=col,
@@ -152,16 +130,20 @@ def epsilon(mechanism: "Mechanism", noise_multiplier: float, delta: float, schem
         from . import mmcc
 
         if accountant != "pld":
-            raise ValueError("poisson (MMCC) sampling is accounted with PLD only (--accountant pld)")
-        run = mmcc.epsilon(mechanism, sampling.probability, std, delta)
+            raise ConfigError("poisson (MMCC) sampling is accounted with PLD only (--accountant pld)")
+        try:
+            mmcc.strategy(mechanism)
+        except ValueError as e:  # the strategy C does not suit MMCC: the user's choice
+            raise ConfigError(str(e)) from None
+        run = mmcc.epsilon(mechanism, sampling.probability, std_per_clip, delta)
         eps, name = run.epsilon, "mmcc-pld"
         guarantee = "upper bound (MMCC, Thm 4.3 of arXiv 2310.15526; Poisson sampling in every round)"
         details.update({f"mmcc_{k}": v for k, v in run.to_dict().items() if k not in ("epsilon", "delta")})
     else:
-        eps, name, guarantee, more = _bminsep_epsilon(mechanism, z, std, delta, schema, sens, sampling, accountant,
-                                                       monte_carlo)
+        eps, name, guarantee, more = _bminsep_epsilon(mechanism, z, std_per_clip, delta, schema, sens, sampling,
+                                                       accountant, monte_carlo)
         details.update(more)
-    result = Accounting(eps, delta, z, sens.value, std, name, guarantee, str(sampling), 0.0, details)
+    result = Accounting(eps, delta, z, sens.value, std_per_clip, name, guarantee, str(sampling), 0.0, details)
     if per_round:
         from .per_round import epsilon_by_round
 
@@ -177,13 +159,27 @@ def epsilon(mechanism: "Mechanism", noise_multiplier: float, delta: float, schem
 def _bminsep_accountant(mechanism: "Mechanism", schema: "Schema", sampling: Sampling, options: MonteCarloOptions):
     from .bminsep import BMinSep, MonteCarloAccountant
 
-    b = _min_sep(schema, sampling)
-    _check_banded(mechanism, b, "b-min-sep")
-    scheme = BMinSep.from_mechanism(mechanism, b, sampling.probability, sampling.warm_start)
+    b = amplification_min_sep(schema, sampling)
+    check_banded(mechanism, b, "b-min-sep")
+    try:
+        scheme = BMinSep.from_mechanism(mechanism, b, sampling.probability, sampling.warm_start)
+    except ValueError as e:  # e.g. a C with negative entries: the user's choice of mechanism
+        raise ConfigError(str(e)) from None
     return MonteCarloAccountant(scheme, workers=options.workers, chunk_size=options.chunk_size, keep=options.keep)
 
 
-def _bminsep_epsilon(mechanism, z, std, delta, schema, sens, sampling, accountant, options):
+def _samples(options: MonteCarloOptions, delta: float) -> tuple[int, float]:
+    """Samples per verification and the base delta with which they certify ``delta``."""
+    from . import evr
+
+    samples = options.samples or evr.minimum_samples(delta)
+    try:
+        return samples, evr.base_delta(samples, delta)
+    except ValueError as e:  # too few samples for this delta: the user's --samples
+        raise ConfigError(str(e)) from None
+
+
+def _bminsep_epsilon(mechanism, z, std_per_clip, delta, schema, sens, sampling, accountant, options):
     """MC-verified epsilon at a fixed noise: the smallest eps whose estimate is <= base
     delta in both directions, with base chosen so that overall_delta(s, base) <= delta.
     By monotonicity of the estimate in eps, the probability that this eps is not
@@ -192,11 +188,10 @@ def _bminsep_epsilon(mechanism, z, std, delta, schema, sens, sampling, accountan
     from . import evr
 
     mc = _bminsep_accountant(mechanism, schema, sampling, options)
-    samples = options.samples or evr.minimum_samples(delta)
-    base = evr.base_delta(samples, delta)
-    losses = mc.losses(std, samples, options.seed, key=(2,))
+    samples, base = _samples(options, delta)
+    losses = mc.losses(std_per_clip, samples, options.seed, key=(2,))
     eps_mc = losses.epsilon(base)
-    eps_unamplified = gaussian.epsilon(std / sens.value, delta, accountant)
+    eps_unamplified = gaussian.epsilon(std_per_clip / sens.value, delta, accountant)
     dp, dn = losses.delta(eps_mc)
     more = {
         "samples": samples, "base_delta": base, "overall_delta": evr.overall_delta(samples, base),
@@ -222,20 +217,20 @@ def calibrate(mechanism: "Mechanism", epsilon: float, delta: float, schema: "Sch
     gaussian.check_accountant(accountant)
     sampling = parse_sampling(sampling)
     if sampling.kind == "poisson":
-        raise ValueError("calibrate does not support poisson (MMCC) sampling yet: run epsilon at candidate z")
+        raise ConfigError("calibrate does not support poisson (MMCC) sampling yet: run epsilon at candidate z")
     if per_round and sampling.kind == "bminsep":
-        raise ValueError("per-round spend is not available for bminsep sampling")
+        raise ConfigError("per-round spend is not available for bminsep sampling")
     sens = schema_sensitivity(mechanism, schema)
     if not sens.value > 0:
-        raise ValueError("the mechanism has zero sensitivity under this schema")
+        raise ConfigError("the mechanism has zero sensitivity under this schema")
     details: dict[str, Any] = _sens_details(sens)
     if sampling.kind == "none":
         z = gaussian.calibrate(epsilon, delta, accountant)
         name, guarantee = f"gaussian-{accountant}", _unamplified_guarantee(accountant, sens.exact)
     elif sampling.kind == "cyclic-poisson":
-        b = _min_sep(schema, sampling)
-        _check_banded(mechanism, b, "cyclic-Poisson")
-        col = _max_column_norm(mechanism)
+        b = amplification_min_sep(schema, sampling)
+        check_banded(mechanism, b, "cyclic-Poisson")
+        col = max_column_norm(mechanism)
         count = cyclic_poisson.steps(mechanism.rounds, b)
         z_step = cyclic_poisson.calibrate(epsilon, delta, sampling.probability, count, accountant)
         z = z_step * col / sens.value
@@ -246,8 +241,7 @@ def calibrate(mechanism: "Mechanism", epsilon: float, delta: float, schema: "Sch
         from . import evr
 
         mc = _bminsep_accountant(mechanism, schema, sampling, monte_carlo)
-        samples = monte_carlo.samples or evr.minimum_samples(delta)
-        base = evr.base_delta(samples, delta)
+        samples, base = _samples(monte_carlo, delta)
         # analytic fallback: the same run, un-amplified, (epsilon, base)-DP
         fallback = gaussian.calibrate(epsilon, base) * sens.value
         result = evr.calibrate(mc, epsilon, delta, fallback, samples=samples, base=base,
@@ -260,8 +254,7 @@ def calibrate(mechanism: "Mechanism", epsilon: float, delta: float, schema: "Sch
                      "exact (un-amplified fallback chosen by Estimate-Verify-Release)")
         details["evr"] = result.to_dict()
         details["scheme"] = mc.scheme.to_dict()
-    std = z * sens.value
-    out = Accounting(epsilon, delta, z, sens.value, std, name, guarantee, str(sampling), 0.0, details)
+    out = Accounting(epsilon, delta, z, sens.value, z * sens.value, name, guarantee, str(sampling), 0.0, details)
     if per_round:
         from .per_round import epsilon_by_round
 

@@ -8,9 +8,9 @@ If C is lower-triangular with at most b bands, the columns of one user's rounds
 t, t+b, t+2b, … have disjoint row supports, so the run is the adaptive composition of
 ceil(n/b) Poisson-subsampled Gaussian mechanisms (worst group: the one active in round
 0), each with sensitivity ||C e_t|| <= max column norm:
-    SelfComposed(PoissonSampled(q, Gaussian(noise_std / max_col_norm)), ceil(n/b)).
+    SelfComposed(PoissonSampled(q, Gaussian(noise_std_per_clip_norm / max_col_norm)), ceil(n/b)).
 b = 1 and C = I is DP-SGD with Poisson sampling (n steps at rate q).
-``noise_std`` is the noise standard deviation in units of the clip norm.
+``noise_std_per_clip_norm`` is the noise standard deviation divided by the clip norm (z·sens).
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ import math
 import numpy as np
 from scipy import optimize, special
 
+from ..errors import ConfigError
 from . import _validate
 
 __all__ = ["ACCOUNTANTS", "delta_for_epsilon", "epsilon", "epsilons", "calibrate", "check_accountant"]
@@ -36,7 +37,7 @@ ACCOUNTANTS = ("pld", "rdp")
 
 def check_accountant(accountant: str) -> str:
     if accountant not in ACCOUNTANTS:
-        raise ValueError(f"unknown accountant {accountant!r} (use one of: {', '.join(ACCOUNTANTS)})")
+        raise ConfigError(f"unknown accountant {accountant!r} (use one of: {', '.join(ACCOUNTANTS)})")
     return accountant
 
 
@@ -62,7 +63,7 @@ def epsilons(noise_multipliers, delta: float) -> np.ndarray:
     delta = _validate.delta(delta)
     z = np.atleast_1d(np.asarray(noise_multipliers, dtype=np.float64))
     if np.any(~(z > 0)):
-        raise ValueError("noise multipliers must be positive")
+        raise ConfigError("noise multipliers must be positive")
     out = np.zeros(z.shape)
     live = np.isfinite(z)
     live[live] = delta_for_epsilon(z[live], 0.0) > delta  # else epsilon = 0 already suffices

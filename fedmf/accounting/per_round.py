@@ -33,8 +33,9 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from .. import sensitivity as _sens
+from ..errors import ConfigError
 from . import _validate, cyclic_poisson, gaussian
-from .sampling import Sampling, parse_sampling
+from .sampling import Sampling, amplification_min_sep, check_banded, max_column_norm, parse_sampling
 
 if TYPE_CHECKING:
     from ..mechanisms.base import Mechanism
@@ -208,16 +209,14 @@ def epsilon_by_round(mechanism: "Mechanism", noise_multiplier: float, delta: flo
     planned = mechanism.sensitivity(schema)
     sens = planned.value
     noise_sens = sens if noise_sensitivity is None else _validate.noise(noise_sensitivity, "noise sensitivity")
-    std = z * noise_sens
+    std_per_clip = z * noise_sens  # sigma / clip norm
     if sampling.kind == "bminsep":
-        raise ValueError("per-round spend is not available for bminsep sampling (Monte Carlo accounting covers the "
+        raise ConfigError("per-round spend is not available for bminsep sampling (Monte Carlo accounting covers the "
                          "whole run only)")
     if sampling.kind == "cyclic-poisson":
-        from .accountant import _check_banded, _max_column_norm, _min_sep
-
-        b = _min_sep(schema, sampling)
-        _check_banded(mechanism, b, "cyclic-Poisson")
-        z_step = std / _max_column_norm(mechanism)
+        b = amplification_min_sep(schema, sampling)
+        check_banded(mechanism, b, "cyclic-Poisson")
+        z_step = std_per_clip / max_column_norm(mechanism)
         counts = -(-np.arange(1, n + 1) // b)  # ceil(t/b)
         distinct = np.unique(counts)
         points = distinct if distinct.size <= max_points else _checkpoints(int(distinct[-1]), max_points)
@@ -235,9 +234,9 @@ def epsilon_by_round(mechanism: "Mechanism", noise_multiplier: float, delta: flo
     sens_t[-1] = sens
     exact[-1] = planned.exact
     with np.errstate(divide="ignore"):
-        multipliers = np.where(sens_t > 0, std / np.maximum(sens_t, 1e-300), np.inf)
+        multipliers = np.where(sens_t > 0, std_per_clip / np.maximum(sens_t, 1e-300), np.inf)
     if final is None:
-        final = gaussian.epsilon(z if noise_sensitivity is None else std / sens, delta, accountant)
+        final = gaussian.epsilon(z if noise_sensitivity is None else std_per_clip / sens, delta, accountant)
     if accountant == "pld":
         eps = gaussian.epsilons(multipliers, delta)
     else:
