@@ -141,7 +141,8 @@ class CheckpointStore:
         self.last_bytes = 0
 
     def path(self, t: int) -> Path:
-        return self.directory / f"round-{t:06d}.pt"
+        """Round t's checkpoint file; t = -1 is the initial state (before round 0)."""
+        return self.directory / ("initial.pt" if t == -1 else f"round-{t:06d}.pt")
 
     def rounds(self) -> list[int]:
         """Rounds that have a checkpoint file, ascending."""
