@@ -197,7 +197,7 @@ def bench_backend(name: str, url: str, g: dict, timed_rounds: int, work: Path, p
         report.plot(work / f"audit-{name}.png")
     out["audit_outputs_s"] = time.perf_counter() - t
     t = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "fedmf.ledger.cli", "audit", "--ledger", url, "--json",
+    subprocess.run([sys.executable, "-m", "fedmf.cli", "audit", "--ledger", url, "--json",
                     "--csv", str(work / f"cli-{name}.csv"), "--plot", str(work / f"cli-{name}.png")],
                    check=True, stdout=subprocess.DEVNULL)
     out["audit_cli_s"] = time.perf_counter() - t

@@ -1,52 +1,20 @@
-"""``fedmf epsilon`` and ``fedmf calibrate`` (fedmf.accounting.cli).
-
-Until fedmf/cli.py registers the commands, the tests run them through a parser built
-here with ``add_commands``; the tests against ``fedmf.cli.main`` skip until then.
-"""
+"""``fedmf epsilon`` and ``fedmf calibrate`` (fedmf.cli.accounting), through ``fedmf.cli.main``."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 import numpy as np
 import pytest
 
 from fedmf import MinSep
 from fedmf.accounting import gaussian
-from fedmf.accounting.cli import add_commands
+from fedmf.cli import build_parser, main
 from fedmf.mechanisms import build
 from fedmf.mechanisms.io import save
 
-REQUIRED = ("epsilon", "delta", "noise_multiplier", "sensitivity", "accountant", "seconds")
-
-
-def _registered() -> bool:
-    import fedmf.cli
-
-    parser = fedmf.cli._parser()
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return "epsilon" in sub.choices and "calibrate" in sub.choices
-
-
-def local_main(argv) -> int:
-    """fedmf.cli.main's error handling around a parser that has the new commands."""
-    import fedmf.cli
-
-    parser = fedmf.cli._parser()
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    if "epsilon" not in sub.choices:
-        add_commands(sub)
-    try:
-        args = parser.parse_args([str(a) for a in argv])
-        return args.func(args)
-    except ValueError as e:
-        print(f"fedmf: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
-        return 2
-    except OSError as e:
-        print(f"fedmf: error: {e}", file=sys.stderr)
-        return 2
+REQUIRED = ("epsilon", "delta", "noise_multiplier", "sensitivity", "noise_std_per_clip_norm", "accountant", "seconds")
 
 
 @pytest.fixture(scope="module")
@@ -56,14 +24,14 @@ def mechanism_file(tmp_path_factory):
     return str(path)
 
 
-def run(capsys, main, *argv):
+def run(capsys, *argv):
     rc = main(list(argv))
     out, err = capsys.readouterr()
     return rc, out, err
 
 
-def run_json(capsys, main, *argv) -> dict:
-    rc, out, err = run(capsys, main, *argv, "--json")
+def run_json(capsys, *argv) -> dict:
+    rc, out, err = run(capsys, *argv, "--json")
     assert rc == 0, err
     lines = out.strip().splitlines()
     assert len(lines) == 1
@@ -73,47 +41,37 @@ def run_json(capsys, main, *argv) -> dict:
     return report
 
 
-MAINS = [pytest.param(local_main, id="add_commands")]
-
-
-def _cli_main(argv):
-    import fedmf.cli
-
-    return fedmf.cli.main(argv)
-
-
-MAINS.append(pytest.param(_cli_main, id="fedmf.cli.main"))
-
-
 def test_commands_are_registered():
-    assert _registered()
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert {"mechanism", "evaluate", "epsilon", "calibrate", "audit"} <= set(sub.choices)
 
 
-@pytest.mark.parametrize("main", MAINS)
-def test_epsilon(capsys, main, mechanism_file):
-    report = run_json(capsys, main, "epsilon", "--mechanism", mechanism_file, "--noise-multiplier", "1.5",
+def test_epsilon(capsys, mechanism_file):
+    report = run_json(capsys, "epsilon", "--mechanism", mechanism_file, "--noise-multiplier", "1.5",
                       "--delta", "1e-6")
     assert report["epsilon"] == gaussian.epsilon(1.5, 1e-6)
     assert report["participations"] == 4 and report["min_sep"] == 8 and report["accountant"] == "gaussian-pld"
+    # z·sens: the absolute noise std divided by the clip norm; "noise_std" is reserved for the absolute std
+    assert report["noise_std_per_clip_norm"] == pytest.approx(1.5 * report["sensitivity"], rel=1e-15)
+    assert "noise_std" not in report
     # the schema options override the planned schema
-    more = run_json(capsys, main, "epsilon", "--mechanism", mechanism_file, "--noise-multiplier", "1.5",
+    more = run_json(capsys, "epsilon", "--mechanism", mechanism_file, "--noise-multiplier", "1.5",
                     "--delta", "1e-6", "--participations", "6")
     assert more["participations"] == 6 and more["sensitivity"] > report["sensitivity"]
 
 
-@pytest.mark.parametrize("main", MAINS)
-def test_epsilon_per_round(capsys, main, mechanism_file):
-    report = run_json(capsys, main, "epsilon", "--mechanism", mechanism_file, "--noise-multiplier", "1.0",
+def test_epsilon_per_round(capsys, mechanism_file):
+    report = run_json(capsys, "epsilon", "--mechanism", mechanism_file, "--noise-multiplier", "1.0",
                       "--delta", "1e-6", "--per-round")
     eps = report["epsilon_by_round"]
     assert len(eps) == 64 and eps[-1] == report["epsilon"] and np.all(np.diff(eps) >= 0)
 
 
-@pytest.mark.parametrize("main", MAINS)
-def test_calibrate(capsys, main, mechanism_file):
-    report = run_json(capsys, main, "calibrate", "--mechanism", mechanism_file, "--epsilon", "2", "--delta", "1e-6")
+def test_calibrate(capsys, mechanism_file):
+    report = run_json(capsys, "calibrate", "--mechanism", mechanism_file, "--epsilon", "2", "--delta", "1e-6")
     assert report["noise_multiplier"] == gaussian.calibrate(2.0, 1e-6) and report["epsilon"] == 2.0
-    amplified = run_json(capsys, main, "calibrate", "--mechanism", mechanism_file, "--epsilon", "2", "--delta",
+    assert report["noise_std_per_clip_norm"] == pytest.approx(report["noise_multiplier"] * report["sensitivity"])
+    amplified = run_json(capsys, "calibrate", "--mechanism", mechanism_file, "--epsilon", "2", "--delta",
                          "1e-6", "--sampling", "cyclic-poisson:0.5")
     assert amplified["noise_multiplier"] < report["noise_multiplier"]
     assert amplified["accountant"] == "cyclic-poisson-pld" and amplified["sampling"] == "cyclic-poisson:0.5"
@@ -121,19 +79,18 @@ def test_calibrate(capsys, main, mechanism_file):
 
 def test_bminsep_epsilon_and_calibrate(capsys, mechanism_file):
     common = ("--mechanism", mechanism_file, "--delta", "0.02", "--sampling", "bminsep:0.05", "--seed", "3")
-    report = run_json(capsys, local_main, "epsilon", "--noise-multiplier", "0.7", *common)
+    report = run_json(capsys, "epsilon", "--noise-multiplier", "0.7", *common)
     assert report["accountant"] == "bminsep-monte-carlo" and report["epsilon"] < report["epsilon_unamplified"]
-    cal = run_json(capsys, local_main, "calibrate", "--epsilon", "1.0", *common)
+    cal = run_json(capsys, "calibrate", "--epsilon", "1.0", *common)
     assert cal["accountant"] in ("bminsep-evr", "bminsep-evr-fallback") and cal["evr"]["overall_delta"] <= 0.02
 
 
 def test_text_output(capsys, mechanism_file):
-    rc, out, err = run(capsys, local_main, "epsilon", "--mechanism", mechanism_file, "--noise-multiplier", "1",
+    rc, out, err = run(capsys, "epsilon", "--mechanism", mechanism_file, "--noise-multiplier", "1",
                        "--delta", "1e-6")
     assert rc == 0 and err == "" and out.splitlines()[0].split()[0] == "epsilon"
 
 
-@pytest.mark.parametrize("main", MAINS)
 @pytest.mark.parametrize("argv", [
     ("epsilon", "--noise-multiplier", "1", "--delta", "0"),
     ("epsilon", "--noise-multiplier", "1", "--delta", "1"),
@@ -152,21 +109,23 @@ def test_text_output(capsys, mechanism_file):
     ("epsilon", "--noise-multiplier", "1", "--delta", "1e-6", "--min-sep", "65"),
     ("epsilon", "--noise-multiplier", "1", "--delta", "1e-6", "--sampling", "cyclic-poisson:0.1", "--min-sep", "4"),
     ("calibrate", "--epsilon", "1", "--delta", "1e-6", "--samples", "0"),
+    ("epsilon", "--noise-multiplier", "1", "--delta", "1e-3", "--sampling", "bminsep:0.1", "--samples", "10"),
+    ("calibrate", "--epsilon", "1", "--delta", "1e-3", "--sampling", "bminsep:0.1", "--samples", "10"),
+    ("epsilon", "--noise-multiplier", "1", "--delta", "1e-6", "--accountant", "rdp", "--sampling", "poisson:0.1"),
 ])
-def test_bad_input_exits_2_with_one_line(capsys, main, mechanism_file, argv):
-    rc, out, err = run(capsys, main, *argv[:1], "--mechanism", mechanism_file, *argv[1:])
+def test_bad_input_exits_2_with_one_line(capsys, mechanism_file, argv):
+    rc, out, err = run(capsys, *argv[:1], "--mechanism", mechanism_file, *argv[1:])
     assert rc == 2
     assert out == ""
     assert err.startswith("fedmf: error: ") and len(err.strip().splitlines()) == 1
     assert "Traceback" not in err
 
 
-@pytest.mark.parametrize("main", MAINS)
-def test_not_a_mechanism_file(capsys, main, tmp_path):
+def test_not_a_mechanism_file(capsys, tmp_path):
     bad = tmp_path / "x.json"
     bad.write_text('{"hello": 1}')
     for path in (bad, tmp_path / "missing.json"):
-        rc, out, err = run(capsys, main, "epsilon", "--mechanism", str(path), "--noise-multiplier", "1", "--delta", "1e-6")
+        rc, out, err = run(capsys, "epsilon", "--mechanism", str(path), "--noise-multiplier", "1", "--delta", "1e-6")
         assert rc == 2 and err.startswith("fedmf: error: ") and len(err.strip().splitlines()) == 1
 
 
@@ -181,15 +140,27 @@ def test_poisson_sampling_is_accounted_by_mmcc(capsys, small_mechanism_file):
     from fedmf.accounting import mmcc
     from fedmf.mechanisms.io import load
 
-    report = run_json(capsys, local_main, "epsilon", "--mechanism", small_mechanism_file, "--noise-multiplier", "3",
+    report = run_json(capsys, "epsilon", "--mechanism", small_mechanism_file, "--noise-multiplier", "3",
                       "--delta", "1e-6", "--sampling", "poisson:0.1")
     mech = load(small_mechanism_file)
     direct = mmcc.epsilon(mech, 0.1, 3 * report["sensitivity"], 1e-6)
     assert report["accountant"] == "mmcc-pld" and report["epsilon"] == pytest.approx(direct.epsilon, rel=1e-12)
-    unamplified = run_json(capsys, local_main, "epsilon", "--mechanism", small_mechanism_file, "--noise-multiplier",
+    unamplified = run_json(capsys, "epsilon", "--mechanism", small_mechanism_file, "--noise-multiplier",
                            "3", "--delta", "1e-6")
     assert report["epsilon"] < unamplified["epsilon"]
     for argv in (("epsilon", "--noise-multiplier", "3", "--per-round"), ("calibrate", "--epsilon", "1")):
-        rc, out, err = run(capsys, local_main, *argv[:1], "--mechanism", small_mechanism_file, *argv[1:],
+        rc, out, err = run(capsys, *argv[:1], "--mechanism", small_mechanism_file, *argv[1:],
                            "--delta", "1e-6", "--sampling", "poisson:0.1")
         assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1 and "poisson" in err
+
+
+def test_amplification_of_a_negative_strategy_is_refused(capsys, tmp_path):
+    """MMCC and b-min-sep need C >= 0: a user's choice of mechanism, so one line and exit 2."""
+    from fedmf.mechanisms.toeplitz import BandedToeplitz
+
+    path = tmp_path / "negative.json"
+    save(BandedToeplitz(16, np.array([1.0, -0.3])), path, MinSep(4, 4))
+    for sampling, words in (("poisson:0.1", "non-negative C"), ("bminsep:0.1", "non-negative coefficients")):
+        rc, out, err = run(capsys, "epsilon", "--mechanism", str(path), "--noise-multiplier", "1", "--delta", "0.02",
+                           "--sampling", sampling)
+        assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1 and words in err

@@ -402,6 +402,13 @@ BAD_MECHANISM = {
     "gamma-dpsgd": ["dp-sgd", "--rounds", "10", "--gamma", "0.5"],
     "gamma-tree": ["tree", "--rounds", "10", "--gamma", "0.3"],
     "unknown-option": ["bisr", "--rounds", "10", "--frobnicate"],
+    "final-without-cooldown": ["bisr", "--rounds", "10", "--workload", "momentum:0.9:final=0.1"],
+    "tolerance-negative": ["banded-toeplitz", "--rounds", "10", "--min-sep", "5", "--tolerance=-1", "--quiet"],
+    "tolerance-nan": ["banded-toeplitz", "--rounds", "10", "--min-sep", "5", "--tolerance", "nan", "--quiet"],
+    "max-steps-zero": ["blt", "--rounds", "10", "--min-sep", "5", "--max-steps", "0", "--quiet"],
+    "dense-tolerance-zero": ["dense", "--rounds", "8", "--participations", "2", "--tolerance", "0", "--quiet"],
+    "blt-cooldown-past-dense-limit": ["blt", "--rounds", "5000", "--min-sep", "1000", "--workload",
+                                      "momentum:0.9:cooldown=0.25", "--quiet"],
 }
 
 
@@ -453,6 +460,27 @@ def test_bad_input_subprocess(tmp_path, args):
     assert_usage_error(proc.returncode, proc.stdout, proc.stderr)
     assert not out_file.exists()
     assert os.listdir(tmp_path) == []
+
+
+def test_out_is_a_directory(capsys, tmp_path):
+    line = assert_usage_error(*run_main(capsys, "mechanism", "dp-sgd", "--rounds", "10", "--out", tmp_path))
+    assert "is a directory" in line and os.listdir(tmp_path) == []
+
+
+def test_only_fedmf_errors_are_usage_errors(capsys, monkeypatch):
+    """A FedmfError is one line and exit 2; any other ValueError is a bug and stays a traceback."""
+    from fedmf.errors import PlanMismatch
+
+    def fails_with(error):
+        def command(args):
+            raise error
+        return command
+
+    monkeypatch.setattr("fedmf.cli.mechanism.cmd_mechanism", fails_with(PlanMismatch("another plan\ndetails")))
+    assert assert_usage_error(*run_main(capsys, "mechanism", "bsr", "--rounds", "8")) == "fedmf: error: another plan"
+    monkeypatch.setattr("fedmf.cli.mechanism.cmd_mechanism", fails_with(ValueError("a bug")))
+    with pytest.raises(ValueError, match="a bug"):
+        main(["mechanism", "bsr", "--rounds", "8"])
 
 
 def test_out_into_missing_directory(tmp_path):

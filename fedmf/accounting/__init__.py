@@ -9,7 +9,8 @@
 * ``evr``             Estimate-Verify-Release calibration with an analytic fallback
 * ``mmcc``            MMCC: amplified epsilon of a non-negative lower-triangular C under
                       Poisson sampling in every round (``--sampling poisson:P``)
-* ``cli``             the ``fedmf epsilon`` and ``fedmf calibrate`` commands
+
+The ``fedmf epsilon`` and ``fedmf calibrate`` commands live in ``fedmf.cli.accounting``.
 
 Noise convention: noise std = z·ζ·sens, sens the sensitivity of C under the planned
 participation schema (see ``accountant``). Adjacency: add-or-remove (zero-out).

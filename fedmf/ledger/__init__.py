@@ -7,9 +7,9 @@
 * ``keys``        HMAC-SHA256 pseudonymous client keys under the server secret
 * ``repository``  the API the server calls: ``Ledger``, ``RunLedger``
 * ``privacy``     per-round and per-user sensitivities of a recorded run
-* ``audit``       the read-only audit behind ``fedmf audit`` (``cli``)
+* ``audit``       the read-only audit behind ``fedmf audit`` (``fedmf.cli.audit``)
 
-Names are imported lazily, so ``import fedmf.ledger.cli`` (the CLI wiring) stays cheap.
+Names are imported lazily, so ``import fedmf.ledger`` stays cheap.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@
 
 The schema is the one the mechanism file was planned for, unless --participations /
 --min-sep override it (what is not given keeps its planned value). The noise multiplier
-follows the fedmf convention: noise std = Z · clip norm · sensitivity under that schema.
-``add_commands(subparsers)`` registers both commands on fedmf's argparse sub-parsers.
+follows the fedmf convention: noise std = Z · clip norm · sensitivity under that schema; the
+JSON's ``noise_std_per_clip_norm`` is Z · sensitivity (the absolute std divided by the clip norm).
 """
 
 from __future__ import annotations
@@ -18,16 +18,12 @@ import math
 import time
 from typing import Any, Callable
 
-__all__ = ["add_commands", "cmd_epsilon", "cmd_calibrate"]
+from .common import UsageError, minsep_schema
+
+__all__ = ["register", "cmd_epsilon", "cmd_calibrate"]
 
 _SAMPLING_HELP = ("none (default) | bminsep:P[:warm] (b-min-sep Poisson, b = min-sep) | cyclic-poisson:Q | "
                   "poisson:P (Poisson in every round, MMCC)")
-
-
-def _usage_error(message: str) -> Exception:
-    from ..cli import UsageError
-
-    return UsageError(message)
 
 
 def _positive_float(name: str):
@@ -59,7 +55,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def add_commands(subparsers: Any) -> None:
+def register(subparsers: Any) -> None:
     """Register ``epsilon`` and ``calibrate`` on argparse sub-parsers (``add_subparsers()``)."""
     commands = (
         ("epsilon", "epsilon of a mechanism at a noise multiplier", "--noise-multiplier",
@@ -76,30 +72,29 @@ def add_commands(subparsers: Any) -> None:
 
 def _schema(args: argparse.Namespace, mechanism, planned):
     """The planned schema, with --participations / --min-sep overriding it."""
-    from ..cli import _minsep_schema
     from ..participation import FixedEpoch, MinSep
 
     n = mechanism.rounds
     k, b = args.participations, args.min_sep
     if k is not None and k <= 0:
-        raise _usage_error(f"--participations must be positive, got {k}")
+        raise UsageError(f"--participations must be positive, got {k}")
     if b is not None and b <= 0:
-        raise _usage_error(f"--min-sep must be positive, got {b}")
+        raise UsageError(f"--min-sep must be positive, got {b}")
     if k is None and b is None and planned is not None:
         return planned
     if isinstance(planned, (MinSep, FixedEpoch)):
         k = planned.max_participations if k is None else k
         b = planned.min_sep if b is None else b
-    return _minsep_schema(n, k, b)
+    return minsep_schema(n, k, b)
 
 
 def _options(args: argparse.Namespace):
-    from .accountant import MonteCarloOptions
+    from ..accounting.accountant import MonteCarloOptions
 
     for name in ("samples", "workers"):
         value = getattr(args, name)
         if value is not None and value <= 0:
-            raise _usage_error(f"--{name} must be positive, got {value}")
+            raise UsageError(f"--{name} must be positive, got {value}")
     return MonteCarloOptions(samples=args.samples, seed=args.seed, workers=args.workers)
 
 
@@ -107,15 +102,15 @@ def _load(args: argparse.Namespace):
     from ..mechanisms.io import load_with_schema
 
     if not 0.0 < args.delta < 1.0:
-        raise _usage_error(f"--delta must lie in (0, 1), got {args.delta:g}")
+        raise UsageError(f"--delta must lie in (0, 1), got {args.delta:g}")
     mechanism, planned, checksum = load_with_schema(args.mechanism)
     schema = _schema(args, mechanism, planned)
     schema.validate(mechanism.rounds)
-    from .sampling import parse_sampling
+    from ..accounting.sampling import parse_sampling
 
     sampling = parse_sampling(args.sampling)
     if args.per_round and sampling.kind in ("bminsep", "poisson"):
-        raise _usage_error(f"--per-round is not available with {sampling.kind} sampling")
+        raise UsageError(f"--per-round is not available with {sampling.kind} sampling")
     return mechanism, schema, sampling, checksum
 
 
@@ -124,7 +119,7 @@ def _report(result, args, mechanism, schema, checksum, started: float) -> dict[s
     body: dict[str, Any] = {
         "epsilon": out.pop("epsilon"), "delta": out.pop("delta"), "noise_multiplier": out.pop("noise_multiplier"),
         "sensitivity": out.pop("sensitivity"), "accountant": out.pop("accountant"),
-        "noise_std": out.pop("noise_std"), "guarantee": out.pop("guarantee"), "sampling": out.pop("sampling"),
+        "noise_std_per_clip_norm": out.pop("noise_std_per_clip_norm"), "guarantee": out.pop("guarantee"), "sampling": out.pop("sampling"),
         "kind": mechanism.kind, "rounds": mechanism.rounds, "schema": schema.name,
         "participations": schema.participations(mechanism.rounds), "min_sep": schema.min_sep,
         "file": args.mechanism, "checksum": checksum,
@@ -170,7 +165,7 @@ def _command(args: argparse.Namespace, compute: Callable[..., Any], flag: str, v
     schema, …)`` (``accountant.epsilon`` or ``accountant.calibrate``), print the report."""
     started = time.perf_counter()
     if not value > 0:
-        raise _usage_error(f"{flag} must be positive, got {value:g}")
+        raise UsageError(f"{flag} must be positive, got {value:g}")
     mechanism, schema, sampling, checksum = _load(args)
     result = compute(mechanism, value, args.delta, schema, sampling=sampling, accountant=args.accountant,
                      per_round=args.per_round, monte_carlo=_options(args))
@@ -179,12 +174,14 @@ def _command(args: argparse.Namespace, compute: Callable[..., Any], flag: str, v
 
 
 def cmd_epsilon(args: argparse.Namespace) -> int:
-    from . import accountant
+    """``fedmf epsilon``: epsilon of a saved mechanism at a noise multiplier."""
+    from ..accounting import accountant
 
     return _command(args, accountant.epsilon, "--noise-multiplier", args.noise_multiplier)
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from . import accountant
+    """``fedmf calibrate``: the noise multiplier that reaches a target (epsilon, delta)."""
+    from ..accounting import accountant
 
     return _command(args, accountant.calibrate, "--epsilon", args.epsilon)

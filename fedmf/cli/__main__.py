@@ -1,0 +1,7 @@
+"""``python -m fedmf.cli …``: the same as the ``fedmf`` console script."""
+
+import sys
+
+from . import main
+
+sys.exit(main())

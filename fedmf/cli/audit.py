@@ -1,0 +1,69 @@
+"""``fedmf audit``: the read-only privacy audit of a ledger.
+
+Bad input (an unreachable database, a wrong URL, a ledger from a newer fedmf, an unknown run)
+is one line on stderr and exit code 2, and nothing is written: the CSV and PNG only after the
+audit succeeded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from .common import check_output
+
+__all__ = ["register", "cmd_audit"]
+
+
+def cmd_audit(args: argparse.Namespace) -> int:
+    """``fedmf audit``: recompute a run's privacy from its ledger; print it, optionally CSV and PNG."""
+    from ..ledger.audit import audit
+
+    check_output("--csv", args.csv)
+    check_output("--plot", args.plot, ".png")
+    report = audit(args.ledger, args.run)
+    if args.csv:
+        report.write_csv(args.csv)
+    if args.plot:
+        report.plot(args.plot)
+    if args.json:
+        out = report.to_dict()
+        if args.csv:
+            out["csv"] = args.csv
+        if args.plot:
+            out["plot"] = args.plot
+        print(json.dumps(out, allow_nan=False))
+    else:
+        print("\n".join(report.lines()))
+        for option, path in (("csv", args.csv), ("plot", args.plot)):
+            if path:
+                print(f"{option:<19} {path}")
+    return 0
+
+
+def _run_id(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a run id is a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a run id is a positive integer, got {text!r}")
+    return value
+
+
+def register(subparsers: Any) -> None:
+    """Add ``audit`` to fedmf's sub-parsers."""
+    p = subparsers.add_parser(
+        "audit", help="read-only privacy audit of a participation ledger",
+        description="Recompute, from a ledger alone and without writing to it, the ε each round spent "
+                    "(worst user and plan), the realized separation and participations, and the users "
+                    "who broke the plan.",
+    )
+    p.add_argument("--ledger", required=True, metavar="URL",
+                   help="a SQLite path or sqlite:///PATH, or postgresql://USER@HOST/DB")
+    p.add_argument("--run", type=_run_id, metavar="ID", help="run id (default: the latest run)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--csv", metavar="FILE", help="write the per-round table as CSV")
+    p.add_argument("--plot", metavar="FILE.png", help="write ε-vs-round and the participation histogram (PNG)")
+    p.set_defaults(func=cmd_audit)
