@@ -407,6 +407,8 @@ BAD_MECHANISM = {
     "tolerance-nan": ["banded-toeplitz", "--rounds", "10", "--min-sep", "5", "--tolerance", "nan", "--quiet"],
     "max-steps-zero": ["blt", "--rounds", "10", "--min-sep", "5", "--max-steps", "0", "--quiet"],
     "dense-tolerance-zero": ["dense", "--rounds", "8", "--participations", "2", "--tolerance", "0", "--quiet"],
+    "robust-cooldown": ["robust", "--rounds", "100", "--min-sep-range", "10:20", "--workload",
+                        "momentum:0.9:cooldown=0.25", "--quiet"],
     "blt-cooldown-past-dense-limit": ["blt", "--rounds", "5000", "--min-sep", "1000", "--workload",
                                       "momentum:0.9:cooldown=0.25", "--quiet"],
 }

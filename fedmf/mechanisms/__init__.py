@@ -180,6 +180,9 @@ def plan(
         return optimize_dense(rounds, schema, workload, device=device, **options)
     if not isinstance(schema, MinSep):
         raise ConfigError(f"{kind} is optimized for MinSep participation")
+    if kind in ("banded-toeplitz", "robust") and not workload.is_toeplitz:
+        raise ConfigError(f"{kind} optimization needs a Toeplitz workload (prefix or momentum without cooldown); "
+                          "use kind 'banded' or 'dense' for a learning-rate cooldown")
     schema.validate(rounds)
     if kind == "blt":
         from .blt import DENSE_LIMIT, MAX_BUFFERS, optimize_blt
