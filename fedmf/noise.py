@@ -7,21 +7,31 @@ exactly and any slice of the parameters (a shard) can be produced alone and equa
 slice of the unsharded noise
 ("Scaling up BandMF", Sec. 3.3: coordinate-wise independence).
 
-State is bounded by the mechanism's structure ("Scaling up BandMF" Alg. 1 for banded C;
-"Beyond Square Roots" Sec. 4 for banded C^{-1}; McMahan et al. 2024 for BLT buffers):
-  banded C^{-1} (dp-sgd, bisr, bifr)   p - 1 past fresh draws (or none with regenerate=True)
-  banded C (bsr, banded-toeplitz, robust, banded)   p - 1 past outputs
-  blt                                  m buffers
-  tree                                 O(log n) node estimates
-  anything else (dense)                nothing: past draws are regenerated, O(t·d) per round
+L comes from the mechanism as one description (``Mechanism.streaming_inverse()``, see
+fedmf.mechanisms.streaming); each description type has one interpreter here, and the state
+is bounded by it ("Scaling up BandMF" Alg. 1 for banded C; "Beyond Square Roots" Sec. 4 for
+banded C^{-1}; McMahan et al. 2024 for BLT buffers):
+  Fir    banded C^{-1} (dp-sgd, bisr, bifr)   p - 1 past fresh draws (or none with regenerate=True);
+         none of them in the state: they are regenerated from the seed
+  Iir    banded C (bsr, banded-toeplitz, robust, banded)   p - 1 past outputs
+  Blt    m buffers
+  Tree   O(log n) node estimates
+  Dense  nothing: past draws are regenerated, O(t·d) per round
+
+The state (format 3) is bound to its mechanism by ``Mechanism.fingerprint``. Its
+``structure_rounds`` labels every kept tensor with the round whose ``next()`` produced it
+(unchanged while it stays in the state, so a checkpoint writer can store it once), or None
+for a tensor updated every round (BLT buffers).
 
 The seed is a secret (anyone holding it can subtract the noise): it is never printed,
-logged or put in error messages; ``state_dict()`` contains it and must be stored like a key.
+logged or put in error messages. ``state_dict()`` contains it (store it like a key) unless
+``include_seed=False``, which puts a keyed check value in its place.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import math
 import os
 import secrets
@@ -32,7 +42,9 @@ from typing import Any, Callable, Mapping, Sequence, Union
 import numpy as np
 import torch
 
+from .errors import CheckpointError, ConfigError, HorizonReached, PlanMismatch
 from .mechanisms.base import Mechanism
+from .mechanisms.streaming import Blt, Dense, Fir, Iir, StreamingInverse, Tree
 from .normal import fill_normal
 
 __all__ = ["NoiseGenerator", "Layout", "CHUNK_SIZE"]
@@ -41,19 +53,34 @@ Layout = Union[int, Mapping[str, Sequence[int]]]
 CHUNK_SIZE = 1 << 18
 #: on CPU a round's arithmetic runs block by block so each output block stays in cache
 BLOCK_SIZE = 1 << 19
-_STATE_FORMAT = 2  # 2: draws by fedmf.normal, std folded into the draws and the state
+#: 3: bound to the mechanism's fingerprint, seed or seed_check, structure_rounds
+#: (2: std folded into the draws by fedmf.normal; 1: another sampler, unscaled state)
+_STATE_FORMAT = 3
+_FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_SEED_CHECK_LABEL = b"fedmf noise state seed check"
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
 
 def _key(seed: bytes | int | None) -> bytes:
     if seed is None:
         return secrets.token_bytes(32)
-    if isinstance(seed, int) and not isinstance(seed, bool):
-        if seed < 0:
-            raise ValueError("an integer seed must be non-negative")
+    if _is_int(seed):
+        seed = int(seed)
+        if seed < 0 or seed.bit_length() > 512:  # BLAKE2b keys are at most 64 bytes
+            raise ConfigError("an integer seed must be non-negative and below 2^512")
         return seed.to_bytes(max(1, (seed.bit_length() + 7) // 8), "little")
     if isinstance(seed, (bytes, bytearray)) and 1 <= len(seed) <= 64:
         return bytes(seed)
-    raise ValueError("seed must be None, a non-negative int, or 1 to 64 bytes")
+    raise ConfigError("seed must be None, a non-negative int, or 1 to 64 bytes")
+
+
+def _seed_check(key: bytes) -> str:
+    """Keyed BLAKE2b (RFC 7693) of a fixed label under the seed, 16 bytes, hex: identifies the
+    seed without revealing it."""
+    return hashlib.blake2b(_SEED_CHECK_LABEL, key=key, digest_size=16, person=b"fedmf-seedcheck").hexdigest()
 
 
 _POOL: ThreadPoolExecutor | None = None
@@ -132,7 +159,7 @@ class _Draws:
 
 
 class _Structure:
-    """Interprets one mechanism's L for the generator: ``step(t, row, out)`` writes (L z)_t
+    """Interprets one description of L for the generator: ``step(t, row, out)`` writes (L z)_t
     into ``out`` (fresh draws already carry the noise std)."""
 
     def __init__(self, draws: _Draws) -> None:
@@ -148,24 +175,29 @@ class _Structure:
     def step(self, t: int, row: int, out: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def state(self) -> dict[str, Any]:
+    def state(self) -> dict[str, list[torch.Tensor]]:
         return {}
 
-    def load(self, state: dict[str, Any], t: int, row: int) -> None:
+    def rounds(self, t: int) -> dict[str, list[int | None]]:
+        """For each tensor of ``state()`` after t rounds: the round whose ``next()`` produced
+        its final value, or None if it changes every round."""
+        return {}
+
+    def load(self, state: Mapping[str, Any], t: int, row: int) -> None:
         pass
 
     def slice(self, lo: int, hi: int) -> dict[str, Any]:
         """The state restricted to the flat range [lo, hi) of this structure's range."""
-        return {k: [x[lo:hi].clone() for x in v] if isinstance(v, list) else v for k, v in self.state().items()}
+        return {k: [x[lo:hi].clone() for x in v] for k, v in self.state().items()}
 
 
 class _Fir(_Structure):
     """w_t = sum_{j<p} a_j z_{t-j} (banded lower-triangular Toeplitz L), one fused pass:
     reads the p - 1 kept draws once and writes w_t once."""
 
-    def __init__(self, draws: _Draws, taps: np.ndarray, regenerate: bool) -> None:
+    def __init__(self, draws: _Draws, spec: Fir, regenerate: bool) -> None:
         super().__init__(draws)
-        self.taps = [float(a) for a in taps]
+        self.taps = [float(a) for a in spec.taps]
         self.regenerate = regenerate
         self.past: list[torch.Tensor] = []  # z_{t-1}, z_{t-2}, …
         self.spare: torch.Tensor | None = None  # storage of the draw that fell out of the window
@@ -192,7 +224,7 @@ class _Fir(_Structure):
             self.past.insert(0, z)
         return out
 
-    def load(self, state: dict[str, Any], t: int, row: int) -> None:
+    def load(self, state: Mapping[str, Any], t: int, row: int) -> None:
         # the past fresh draws are regenerated from the seed: nothing to store
         self.spare = None
         if not self.regenerate:
@@ -204,18 +236,15 @@ class _Iir(_Structure):
     ("Scaling up BandMF", Alg. 1); Toeplitz C has constant bands. One fused pass; y_t
     overwrites the oldest kept output piece by piece once that piece has been read."""
 
-    def __init__(self, draws: _Draws, bands: np.ndarray) -> None:
+    def __init__(self, draws: _Draws, spec: Iir) -> None:
         super().__init__(draws)
-        self.bands = np.asarray(bands, dtype=np.float64)  # (p,) Toeplitz or (p, n) general
-        self.past: list[torch.Tensor] = []
-
-    def _coef(self, r: int, t: int) -> float:
-        return float(self.bands[r] if self.bands.ndim == 1 else self.bands[r, t - r])
+        self.spec = spec
+        self.past: list[torch.Tensor] = []  # y_{t-1}, y_{t-2}, …: each unchanged until it leaves the window
 
     def step(self, t: int, row: int, out: torch.Tensor) -> torch.Tensor:
-        p = self.bands.shape[0]
-        coefs = [-self._coef(r, t) for r in range(1, len(self.past) + 1)]
-        inverse_diagonal = 1.0 / self._coef(0, t)
+        p = self.spec.num_bands
+        coefs = [-self.spec.coefficient(r, t) for r in range(1, len(self.past) + 1)]
+        inverse_diagonal = 1.0 / self.spec.coefficient(0, t)
         keep = None
         if p > 1:
             keep = self.past[-1] if len(self.past) == p - 1 else self._empty()
@@ -234,10 +263,13 @@ class _Iir(_Structure):
             self.past = [keep] + self.past[: p - 2]
         return out
 
-    def state(self) -> dict[str, Any]:
+    def state(self) -> dict[str, list[torch.Tensor]]:
         return {"outputs": list(self.past)}
 
-    def load(self, state: dict[str, Any], t: int, row: int) -> None:
+    def rounds(self, t: int) -> dict[str, list[int | None]]:
+        return {"outputs": [t - 1 - j for j in range(min(t, self.spec.num_bands - 1))]}
+
+    def load(self, state: Mapping[str, Any], t: int, row: int) -> None:
         self.past = self._restore(state["outputs"])
 
 
@@ -246,10 +278,10 @@ class _Blt(_Structure):
     C^{-1} has coefficients 1, sum_i w_i d_i^(t-1) (McMahan et al. 2024, arXiv 2408.08868, Alg. 2).
     One fused pass over z and the m buffers."""
 
-    def __init__(self, draws: _Draws, decay: np.ndarray, scale: np.ndarray) -> None:
+    def __init__(self, draws: _Draws, spec: Blt) -> None:
         super().__init__(draws)
-        self.decay = [float(x) for x in decay]
-        self.scale = [float(x) for x in scale]
+        self.decay = [float(x) for x in spec.decay]
+        self.scale = [float(x) for x in spec.scale]
         self.buffers = [self._empty().zero_() for _ in self.decay]
         self.z: torch.Tensor | None = None
 
@@ -269,19 +301,24 @@ class _Blt(_Structure):
         self.draws.run(row, self.z, kernel)
         return out
 
-    def state(self) -> dict[str, Any]:
+    def state(self) -> dict[str, list[torch.Tensor]]:
         return {"buffers": list(self.buffers)}
 
-    def load(self, state: dict[str, Any], t: int, row: int) -> None:
+    def rounds(self, t: int) -> dict[str, list[int | None]]:
+        return {"buffers": [None] * len(self.buffers)}  # every buffer is updated every round
+
+    def load(self, state: Mapping[str, Any], t: int, row: int) -> None:
         self.buffers = self._restore(state["buffers"])
 
 
 class _Tree(_Structure):
-    """Online Honaker estimates (fedmf.mechanisms.tree): a stack of node estimates."""
+    """Online Honaker estimates (fedmf.mechanisms.tree): a stack of node estimates. An estimate
+    is written only in the round that completes its node and is never modified while on the
+    stack (a merge pops it first)."""
 
-    def __init__(self, draws: _Draws, alpha: np.ndarray) -> None:
+    def __init__(self, draws: _Draws, spec: Tree) -> None:
         super().__init__(draws)
-        self.alpha = [float(a) for a in alpha]
+        self.alpha = [float(a) for a in spec.alpha]
         self.stack: list[torch.Tensor] = []
 
     def step(self, t: int, row: int, out: torch.Tensor) -> torch.Tensor:
@@ -295,19 +332,29 @@ class _Tree(_Structure):
         self.stack.append(estimate)
         return out.copy_(estimate) if removed is None else torch.sub(estimate, removed, out=out)
 
-    def state(self) -> dict[str, Any]:
+    def state(self) -> dict[str, list[torch.Tensor]]:
         return {"stack": list(self.stack)}
 
-    def load(self, state: dict[str, Any], t: int, row: int) -> None:
+    def rounds(self, t: int) -> dict[str, list[int | None]]:
+        # after t rounds the stack holds the dyadic blocks of [0, t), largest first (one per set
+        # bit of t); the block ending at e (exclusive) was completed by round e - 1
+        labels, end = [], 0
+        for bit in reversed(range(t.bit_length())):
+            if t >> bit & 1:
+                end += 1 << bit
+                labels.append(end - 1)
+        return {"stack": labels}
+
+    def load(self, state: Mapping[str, Any], t: int, row: int) -> None:
         self.stack = self._restore(state["stack"])
 
 
 class _Dense(_Structure):
     """w_t = sum_{s<=t} L[t, s] z_s with every past draw regenerated: O(d) memory, O(t·d) time."""
 
-    def __init__(self, draws: _Draws, inverse: np.ndarray) -> None:
+    def __init__(self, draws: _Draws, spec: Dense) -> None:
         super().__init__(draws)
-        self.inverse = np.asarray(inverse, dtype=np.float64)
+        self.inverse = spec.inverse
 
     def step(self, t: int, row: int, out: torch.Tensor) -> torch.Tensor:
         out.zero_()
@@ -317,39 +364,86 @@ class _Dense(_Structure):
         return out
 
 
-def _structure(mechanism: Mechanism, draws: _Draws, regenerate: bool) -> _Structure:
-    kind = mechanism.kind
-    if kind == "dp-sgd":
-        return _Fir(draws, np.ones(1), regenerate)
-    if hasattr(mechanism, "inverse_coefficients"):  # bisr, bifr, banded-inverse-toeplitz
-        return _Fir(draws, mechanism.inverse_coefficients, regenerate)
-    if kind == "banded":
-        return _Iir(draws, mechanism.bands)
-    if kind == "blt":
-        return _Blt(draws, mechanism.inverse_buf_decay, mechanism.inverse_output_scale)
-    if kind == "tree":
-        from .mechanisms.tree import honaker_weights
+def _structure(spec: StreamingInverse, draws: _Draws, regenerate: bool) -> _Structure:
+    """The interpreter of ``spec``, chosen by the description's type."""
+    interpreters: dict[type, Callable[[], _Structure]] = {
+        Fir: lambda: _Fir(draws, spec, regenerate),
+        Iir: lambda: _Iir(draws, spec),
+        Blt: lambda: _Blt(draws, spec),
+        Tree: lambda: _Tree(draws, spec),
+        Dense: lambda: _Dense(draws, spec),
+    }
+    try:
+        make = interpreters[type(spec)]
+    except KeyError:
+        raise TypeError(f"no noise interpreter for {type(spec).__name__}") from None
+    return make()
 
-        return _Tree(draws, honaker_weights(mechanism.height))
-    if getattr(mechanism, "strategy_bands", None) is not None and mechanism.strategy_toeplitz is not None:
-        return _Iir(draws, mechanism.strategy_toeplitz)  # bsr, banded-toeplitz, robust
-    return _Dense(draws, mechanism.inverse_matrix())
+
+# ---- validation ------------------------------------------------------------------------
+def _dim(x: Any) -> int:
+    if not _is_int(x) or x < 0:
+        raise ConfigError(f"layout shapes must hold non-negative ints, got {x!r}")
+    return int(x)
 
 
 def _layout_size(layout: Layout) -> tuple[int, list[tuple[str, tuple[int, ...]]] | None]:
-    if isinstance(layout, int) and not isinstance(layout, bool):
+    if _is_int(layout):
         if layout <= 0:
-            raise ValueError(f"layout size must be positive, got {layout}")
-        return layout, None
+            raise ConfigError(f"layout size must be positive, got {layout}")
+        return int(layout), None
     if isinstance(layout, Mapping) and layout:
-        shapes = [(str(k), tuple(int(x) for x in v)) for k, v in layout.items()]
-        if any(x < 0 for _, s in shapes for x in s):
-            raise ValueError("layout shapes must be non-negative")
+        shapes = []
+        for name, shape in layout.items():
+            if not isinstance(name, str):
+                raise ConfigError(f"layout names must be strings, got {name!r}")
+            if not isinstance(shape, (tuple, list, torch.Size)):
+                raise ConfigError(f"layout shape of {name!r} must be a tuple of ints, got {shape!r}")
+            shapes.append((name, tuple(_dim(x) for x in shape)))
         total = sum(math.prod(s) for _, s in shapes)
         if total <= 0:
-            raise ValueError("layout has no parameters")
+            raise ConfigError("layout has no parameters")
         return total, shapes
-    raise ValueError("layout must be a positive int or a non-empty mapping name -> shape")
+    raise ConfigError("layout must be a positive int or a non-empty mapping name -> shape")
+
+
+def _device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ConfigError(f"device must be a torch device such as 'cpu' or 'cuda:0', got {device!r}") from None
+    if dev.type == "meta":
+        raise ConfigError("device 'meta' holds no values: noise needs a real device")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device {device!r} asked for, but CUDA is not available")
+        if dev.index is None:  # tensors report cuda:N, never bare cuda
+            dev = torch.device("cuda", torch.cuda.current_device())
+        elif dev.index >= torch.cuda.device_count():
+            raise ConfigError(f"device {device!r} does not exist ({torch.cuda.device_count()} CUDA devices)")
+    elif dev.type != "cpu":
+        try:
+            torch.empty(1, device=dev)
+        except (RuntimeError, AssertionError):
+            raise ConfigError(f"device {device!r} is not available") from None
+    return dev
+
+
+def _std(std: Any) -> float:
+    if isinstance(std, (bool, np.bool_)) or not isinstance(std, (int, float, np.integer, np.floating)):
+        raise ConfigError(f"std must be a finite non-negative number, got {std!r}")
+    if not math.isfinite(std) or std < 0:
+        raise ConfigError(f"std must be a finite non-negative number, got {std}")
+    return float(std)
+
+
+def _shard(shard: Any) -> tuple[int, int]:
+    if (isinstance(shard, (tuple, list)) and len(shard) == 2 and all(_is_int(x) for x in shard)
+            and shard[1] >= 1 and 0 <= shard[0] < shard[1]):
+        return int(shard[0]), int(shard[1])
+    raise ConfigError(f"shard must be (i, s) with ints 0 <= i < s, got {shard!r}")
 
 
 class NoiseGenerator:
@@ -359,6 +453,7 @@ class NoiseGenerator:
     layout, else a flat tensor) in ``dtype`` on ``device``. Same seed, mechanism, layout,
     device and dtype ⇒ bit-identical noise. ``shard=(i, s)`` produces only the i-th of s
     contiguous slices of the flattened parameters; the slices concatenate to the full noise.
+    Every argument is checked here (``fedmf.errors.ConfigError``).
     """
 
     def __init__(
@@ -374,29 +469,30 @@ class NoiseGenerator:
         regenerate: bool = False,
         chunk_size: int = CHUNK_SIZE,
     ) -> None:
-        if not math.isfinite(std) or std < 0:
-            raise ValueError(f"std must be a finite non-negative number, got {std}")
-        if dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
-            raise ValueError(f"dtype must be a floating dtype, got {dtype}")
+        if not isinstance(mechanism, Mechanism):
+            raise ConfigError(f"mechanism must be a fedmf Mechanism, got {type(mechanism).__name__}")
+        self.std = _std(std)
+        if dtype not in _FLOATING:
+            raise ConfigError(f"dtype must be a floating torch dtype, got {dtype!r}")
+        if not isinstance(regenerate, bool):
+            raise ConfigError(f"regenerate must be True or False, got {regenerate!r}")
+        if not _is_int(chunk_size) or chunk_size <= 0:
+            raise ConfigError(f"chunk_size must be a positive int, got {chunk_size!r}")
         self.mechanism = mechanism
         self.layout = layout
         self.total, self._shapes = _layout_size(layout)
-        self.std = float(std)
         self.dtype = dtype
-        self.device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
-        if self.device.type == "cuda" and self.device.index is None:  # tensors report cuda:N, never bare cuda
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        index, count = shard
-        if not (isinstance(count, int) and isinstance(index, int) and count >= 1 and 0 <= index < count):
-            raise ValueError(f"shard must be (i, s) with 0 <= i < s, got {shard}")
-        self.shard_index, self.shard_count = index, count
-        self.lo, self.hi = self.total * index // count, self.total * (index + 1) // count
+        self.device = _device(device)
+        self.shard_index, self.shard_count = _shard(shard)
+        self._key = _key(seed)
+        self.lo = self.total * self.shard_index // self.shard_count
+        self.hi = self.total * (self.shard_index + 1) // self.shard_count
         self.regenerate = regenerate
         self.chunk_size = int(chunk_size)
-        self._key = _key(seed)
+        self._fingerprint = mechanism.fingerprint
         self._draws = _Draws(self._key, self.total, self.lo, self.hi, dtype, self.device, self.chunk_size,
                              self.std)
-        self._structure = _structure(mechanism, self._draws, regenerate)
+        self._structure = _structure(mechanism.streaming_inverse(), self._draws, regenerate)
         self.round = 0
         self._row = 0  # next fresh noise row
 
@@ -409,7 +505,8 @@ class NoiseGenerator:
         return self.mechanism.rounds
 
     def next(self, out: torch.Tensor | None = None) -> torch.Tensor | dict[str, torch.Tensor]:
-        """The noise of the next round; raises once the mechanism's horizon is reached.
+        """The noise of the next round; raises ``HorizonReached`` once the mechanism's horizon
+        is reached.
 
         ``out``: an optional flat, contiguous tensor of this shard's size, dtype and device to
         write into (reusing one buffer saves a fresh allocation, and its page faults, per round);
@@ -417,7 +514,7 @@ class NoiseGenerator:
         ``out``: copy it (or add it to the model) before asking for the next round."""
         t = self.round
         if t >= self.mechanism.rounds:
-            raise RuntimeError(
+            raise HorizonReached(
                 f"noise for round {t} requested, but the mechanism covers rounds 0..{self.mechanism.rounds - 1}; "
                 "noise is never repeated or reused"
             )
@@ -426,8 +523,8 @@ class NoiseGenerator:
             out = torch.empty(size, dtype=self.dtype, device=self.device)
         elif not (isinstance(out, torch.Tensor) and out.shape == (size,) and out.dtype == self.dtype
                   and out.device == self.device and out.is_contiguous()):
-            raise ValueError(f"out must be a contiguous flat tensor of {size} elements, dtype {self.dtype}, "
-                             f"device {self.device}")
+            raise ConfigError(f"out must be a contiguous flat tensor of {size} elements, dtype {self.dtype}, "
+                              f"device {self.device}")
         flat = self._structure.step(t, self._row, out)
         self._row += self.mechanism.fresh_rows(t)
         self.round += 1
@@ -444,10 +541,16 @@ class NoiseGenerator:
         return out
 
     # ---- checkpointing ---------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue exactly (contains the secret seed)."""
+    def state_dict(self, include_seed: bool = True) -> dict[str, Any]:
+        """Everything needed to continue exactly. With ``include_seed`` (the default) it
+        contains the secret seed; without, a ``seed_check`` in its place, and it loads only
+        into a generator constructed with the same seed."""
+        if not isinstance(include_seed, bool):
+            raise ConfigError(f"include_seed must be True or False, got {include_seed!r}")
+        secret = {"seed": self._key} if include_seed else {"seed_check": _seed_check(self._key)}
         return {
             "format": _STATE_FORMAT,
+            "fingerprint": self._fingerprint,
             "kind": self.mechanism.kind,
             "rounds": self.mechanism.rounds,
             "round": self.round,
@@ -458,31 +561,80 @@ class NoiseGenerator:
             "std": self.std,
             "regenerate": self.regenerate,
             "chunk_size": self.chunk_size,
-            "seed": self._key,
+            **secret,
             "structure": {k: [x.detach().cpu().clone() for x in v] for k, v in self._structure.state().items()},
+            "structure_rounds": self._structure.rounds(self.round),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from a checkpoint written by ``state_dict`` for the same mechanism and layout."""
+        """Continue from a checkpoint written by ``state_dict`` for the same mechanism
+        (fingerprint), layout, shard, std, dtype and chunking; all is checked before anything
+        changes (``CheckpointError`` for an unreadable state, ``PlanMismatch`` for another one)."""
+        if not isinstance(state, Mapping):
+            raise CheckpointError(f"a noise state must be a mapping, got {type(state).__name__}")
         if state.get("format") != _STATE_FORMAT:
-            raise ValueError(f"unsupported noise state format {state.get('format')!r} (this fedmf writes and reads "
-                             f"format {_STATE_FORMAT}; format 1 used another sampler and unscaled state)")
+            raise CheckpointError(f"unsupported noise state format {state.get('format')!r} (this fedmf writes and "
+                                  f"reads format {_STATE_FORMAT}; older formats are not bound to their mechanism)")
+        if state.get("fingerprint") != self._fingerprint:
+            raise PlanMismatch(f"noise state was written for another mechanism (fingerprint "
+                               f"{str(state.get('fingerprint'))[:80]}, expected {self._fingerprint})")
         expected = {"kind": self.mechanism.kind, "rounds": self.mechanism.rounds, "total": self.total,
                     "shard": (self.shard_index, self.shard_count), "dtype": str(self.dtype), "std": self.std,
                     "regenerate": self.regenerate, "chunk_size": self.chunk_size}
         for name, value in expected.items():
-            got = tuple(state[name]) if name == "shard" else state.get(name)
+            got = state.get(name)
+            if name == "shard" and isinstance(got, (tuple, list)):
+                got = tuple(got)
             if got != value:
-                raise ValueError(f"noise state does not match this generator: {name} is {got!r}, expected {value!r}")
-        self._key = bytes(state["seed"])
-        self._draws.key = self._key
-        self.round, self._row = int(state["round"]), int(state["row"])
-        self._structure.load(state["structure"], self.round, self._row)
+                raise PlanMismatch(f"noise state does not match this generator: {name} is {str(got)[:80]}, "
+                                   f"expected {value!r}")
+        key = self._state_key(state)
+        t, row = self._state_position(state)
+        self._check_structure(state, t)
+        self._key = key
+        self._draws.key = key
+        self.round, self._row = t, row
+        self._structure.load(state["structure"], t, row)
+
+    def _state_key(self, state: Mapping[str, Any]) -> bytes:
+        if "seed" in state:
+            seed = state["seed"]
+            if not (isinstance(seed, (bytes, bytearray)) and 1 <= len(seed) <= 64):
+                raise CheckpointError("noise state holds an invalid seed (expected 1 to 64 bytes)")
+            return bytes(seed)
+        if "seed_check" in state:
+            if not (isinstance(state["seed_check"], str)
+                    and hmac.compare_digest(state["seed_check"], _seed_check(self._key))):
+                raise PlanMismatch("noise state was written with another seed (its seed_check differs from "
+                                   "this generator's)")
+            return self._key
+        raise CheckpointError("noise state holds neither a seed nor a seed_check")
+
+    def _state_position(self, state: Mapping[str, Any]) -> tuple[int, int]:
+        t, row = state.get("round"), state.get("row")
+        if not (_is_int(t) and 0 <= t <= self.mechanism.rounds):
+            raise CheckpointError(f"noise state has round {str(t)[:40]}, outside 0..{self.mechanism.rounds}")
+        if row != sum(self.mechanism.fresh_rows(s) for s in range(t)):
+            raise CheckpointError(f"noise state has row {str(row)[:40]}, inconsistent with round {t}")
+        return int(t), int(row)
+
+    def _check_structure(self, state: Mapping[str, Any], t: int) -> None:
+        structure = state.get("structure")
+        labels = self._structure.rounds(t)
+        if not isinstance(structure, Mapping) or set(structure) != set(labels):
+            raise CheckpointError(f"noise state structure must hold {sorted(labels)} for this mechanism")
+        size = self.hi - self.lo
+        for name, expected in labels.items():
+            tensors = structure[name]
+            if not isinstance(tensors, (list, tuple)) or len(tensors) != len(expected):
+                raise CheckpointError(f"noise state structure {name!r} must hold {len(expected)} tensors at round {t}")
+            if not all(isinstance(x, torch.Tensor) and x.shape == (size,) for x in tensors):
+                raise CheckpointError(f"noise state structure {name!r} must hold flat tensors of {size} elements")
 
     def shard(self, index: int, count: int) -> "NoiseGenerator":
         """A generator for the i-th of ``count`` slices, at this generator's current round."""
         if self.shard_count != 1:
-            raise ValueError("shard() splits an unsharded generator")
+            raise ConfigError("shard() splits an unsharded generator")
         child = NoiseGenerator(self.mechanism, self.layout, self.std, dtype=self.dtype, device=self.device,
                                seed=self._key, shard=(index, count), regenerate=self.regenerate,
                                chunk_size=self.chunk_size)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from fedmf.errors import CheckpointError, ConfigError, HorizonReached, PlanMismatch
 from fedmf.mechanisms import build, plan
 from fedmf.mechanisms.banded import optimize_banded
 from fedmf.mechanisms.blt import optimize_blt
@@ -142,8 +143,9 @@ def test_load_refuses_a_mismatched_state():
 def test_horizon_guard(kind):
     gen = NoiseGenerator(MECHANISMS[kind], 3, 1.0, device="cpu")
     _run(gen, N)
-    with pytest.raises(RuntimeError, match="never repeated"):
+    with pytest.raises(HorizonReached, match="never repeated"):
         gen.next()
+    assert gen.round == N
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -318,3 +320,191 @@ def test_load_refuses_another_std_and_an_older_format():
         NoiseGenerator(MECHANISMS["banded-toeplitz"], 6, 5.0, device="cpu").load_state_dict(state)
     with pytest.raises(ValueError, match="format"):
         NoiseGenerator(MECHANISMS["banded-toeplitz"], 6, 1.0, device="cpu").load_state_dict({**state, "format": 1})
+
+
+# ---- state format 3: bound to the mechanism, secret-free, round labels -------------------------
+def test_a_state_of_another_mechanism_of_the_same_kind_and_horizon_is_refused():
+    """Before format 3 a bisr state with 3 bands loaded into a 4-band bisr generator and went on
+    with the wrong noise."""
+    three, four = build("bisr", N, SCHEMA, num_bands=3), build("bisr", N, SCHEMA, num_bands=4)
+    gen = NoiseGenerator(three, 6, 1.0, device="cpu", seed=SEED)
+    _run(gen, 3)
+    other = NoiseGenerator(four, 6, 1.0, device="cpu", seed=SEED)
+    with pytest.raises(PlanMismatch, match="another mechanism") as info:
+        other.load_state_dict(gen.state_dict())
+    assert SEED.hex() not in str(info.value) and "\n" not in str(info.value)
+    assert other.round == 0
+    assert gen.state_dict()["fingerprint"] == three.fingerprint
+
+
+@pytest.mark.parametrize("fmt", [1, 2, None, "3"])
+def test_older_or_unknown_state_formats_are_refused(fmt):
+    gen = NoiseGenerator(MECHANISMS["blt"], 6, 1.0, device="cpu", seed=SEED)
+    state = {**gen.state_dict(), "format": fmt}
+    with pytest.raises(CheckpointError, match="format") as info:
+        NoiseGenerator(MECHANISMS["blt"], 6, 1.0, device="cpu").load_state_dict(state)
+    assert "\n" not in str(info.value)
+
+
+def _reference_seed_check(seed: bytes) -> str:
+    import hashlib
+
+    return hashlib.blake2b(b"fedmf noise state seed check", key=seed, digest_size=16,
+                           person=b"fedmf-seedcheck").hexdigest()
+
+
+@pytest.mark.parametrize("kind", ["bisr", "banded-toeplitz", "blt", "tree", "dense"])
+def test_secret_free_state_continues_only_with_the_same_seed(kind):
+    mech = MECHANISMS[kind]
+    full = _run(NoiseGenerator(mech, 10, 1.5, device="cpu", seed=SEED), N)
+    gen = NoiseGenerator(mech, 10, 1.5, device="cpu", seed=SEED)
+    _run(gen, 5)
+    state = pickle.loads(pickle.dumps(gen.state_dict(include_seed=False)))
+    assert "seed" not in state and state["seed_check"] == _reference_seed_check(SEED)
+    assert SEED.hex() not in repr(state) and SEED not in pickle.dumps(state)
+    resumed = NoiseGenerator(mech, 10, 1.5, device="cpu", seed=SEED)
+    resumed.load_state_dict(state)
+    np.testing.assert_array_equal(_run(resumed, N - 5), full[5:])
+    stranger = NoiseGenerator(mech, 10, 1.5, device="cpu", seed=b"\x08" * 32)
+    with pytest.raises(PlanMismatch, match="another seed") as info:
+        stranger.load_state_dict(state)
+    assert SEED.hex() not in str(info.value) and stranger.round == 0
+
+
+def test_a_state_without_seed_or_seed_check_is_refused():
+    gen = NoiseGenerator(MECHANISMS["bisr"], 6, 1.0, device="cpu", seed=SEED)
+    state = gen.state_dict(include_seed=False)
+    del state["seed_check"]
+    with pytest.raises(CheckpointError, match="neither a seed nor a seed_check"):
+        NoiseGenerator(MECHANISMS["bisr"], 6, 1.0, device="cpu", seed=SEED).load_state_dict(state)
+    with pytest.raises(ConfigError, match="include_seed"):
+        gen.state_dict(include_seed="no")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_structure_round_labels_name_tensors_that_never_change_while_kept(kind):
+    """A tensor labeled r first appears in the state written after round r and is bit-identical
+    in every later state while it stays; for banded C it is round r's noise itself. Unlabeled
+    (None) tensors are the ones that change every round."""
+    mech = MECHANISMS[kind]
+    gen = NoiseGenerator(mech, 13, 1.1, dtype=torch.float64, device="cpu", seed=SEED, chunk_size=4)
+    seen: dict[tuple[str, int], tuple[int, torch.Tensor]] = {}
+    outputs, unlabeled = [], 0
+    for t in range(N + 1):
+        state = gen.state_dict()
+        labels = state["structure_rounds"]
+        assert set(labels) == set(state["structure"])
+        for name, tensors in state["structure"].items():
+            assert len(labels[name]) == len(tensors)
+            for label, tensor in zip(labels[name], tensors):
+                if label is None:
+                    unlabeled += 1
+                    continue
+                assert 0 <= label < t
+                first_round, first = seen.setdefault((name, label), (t, tensor))
+                assert first_round == label + 1  # produced by round label's next()
+                assert torch.equal(tensor, first)
+                if name == "outputs":
+                    np.testing.assert_array_equal(tensor.numpy(), outputs[label])
+            assert len({x for x in labels[name] if x is not None}) == len([x for x in labels[name] if x is not None])
+        if t < N:
+            outputs.append(gen.next().numpy().copy())
+    if kind == "blt":
+        assert unlabeled > 0 and not seen
+    elif kind in ("tree", "bsr", "banded-toeplitz", "robust", "banded"):
+        assert seen and unlabeled == 0
+
+
+def test_tree_labels_follow_the_binary_decomposition():
+    gen = NoiseGenerator(MECHANISMS["tree"], 3, 1.0, device="cpu", seed=SEED)
+    _run(gen, 11)  # 11 = 8 + 2 + 1: blocks [0, 8), [8, 10), [10, 11)
+    assert gen.state_dict()["structure_rounds"] == {"stack": [7, 9, 10]}
+    _run(gen, 1)  # 12 = 8 + 4
+    assert gen.state_dict()["structure_rounds"] == {"stack": [7, 11]}
+
+
+def test_a_corrupted_state_is_refused_before_anything_changes():
+    mech = MECHANISMS["banded-toeplitz"]
+    gen = NoiseGenerator(mech, 6, 1.0, device="cpu", seed=SEED)
+    _run(gen, 5)
+    state = gen.state_dict()
+    target = NoiseGenerator(mech, 6, 1.0, device="cpu", seed=SEED)
+    bad_states = [
+        {**state, "structure": {"outputs": state["structure"]["outputs"][:-1]}},
+        {**state, "structure": {"outputs": [torch.zeros(5)] * len(state["structure"]["outputs"])}},
+        {**state, "structure": {}},
+        {**state, "round": N + 1},
+        {**state, "row": 2},
+        {**state, "seed": "not bytes"},
+    ]
+    for bad in bad_states:
+        with pytest.raises(CheckpointError):
+            target.load_state_dict(bad)
+        assert target.round == 0
+    with pytest.raises(CheckpointError):
+        target.load_state_dict([1, 2])
+
+
+_ONE_LINE_CONFIG_ERRORS = [
+    ({"chunk_size": 0}, "chunk_size"),
+    ({"chunk_size": -4}, "chunk_size"),
+    ({"chunk_size": 2.5}, "chunk_size"),
+    ({"chunk_size": True}, "chunk_size"),
+    ({"chunk_size": "64"}, "chunk_size"),
+    ({"layout": {"w": (2.5, 3)}}, "layout"),
+    ({"layout": {"w": True}}, "layout"),
+    ({"layout": {"w": "3"}}, "layout"),
+    ({"layout": {"w": (True, 3)}}, "layout"),
+    ({"layout": {"w": (-1, 3)}}, "layout"),
+    ({"layout": {"w": (0,)}}, "layout"),
+    ({"layout": {3: (3,)}}, "layout"),
+    ({"layout": True}, "layout"),
+    ({"layout": 2.0}, "layout"),
+    ({"layout": "5"}, "layout"),
+    ({"std": float("inf")}, "std"),
+    ({"std": "1.0"}, "std"),
+    ({"std": True}, "std"),
+    ({"dtype": torch.int64}, "dtype"),
+    ({"dtype": "float32"}, "dtype"),
+    ({"device": "no-such-device"}, "device"),
+    ({"device": "meta"}, "device"),
+    ({"device": 3.5}, "device"),
+    ({"shard": (0,)}, "shard"),
+    ({"shard": (1.0, 2)}, "shard"),
+    ({"shard": (True, 2)}, "shard"),
+    ({"shard": (0, 0)}, "shard"),
+    ({"shard": "ab"}, "shard"),
+    ({"seed": 1 << 600}, "seed"),
+    ({"seed": "secret"}, "seed"),
+    ({"seed": 1.5}, "seed"),
+    ({"seed": b"x" * 65}, "seed"),
+    ({"regenerate": "yes"}, "regenerate"),
+    ({"mechanism": "bisr"}, "mechanism"),
+]
+if not torch.cuda.is_available():
+    _ONE_LINE_CONFIG_ERRORS.append(({"device": "cuda"}, "CUDA"))
+
+
+@pytest.mark.parametrize("kwargs, match", _ONE_LINE_CONFIG_ERRORS, ids=lambda v: repr(v)[:40])
+def test_every_argument_is_validated_at_construction(kwargs, match):
+    args = {"mechanism": MECHANISMS["bisr"], "layout": 5, "std": 1.0, "device": "cpu", **kwargs}
+    mech, layout, std = args.pop("mechanism"), args.pop("layout"), args.pop("std")
+    with pytest.raises(ConfigError, match=match) as info:
+        NoiseGenerator(mech, layout, std, **args)
+    assert "\n" not in str(info.value)
+
+
+def test_layout_shapes_may_be_lists_numpy_ints_or_scalars():
+    gen = NoiseGenerator(MECHANISMS["bisr"], {"w": [np.int64(2), 3], "s": (), "b": torch.Size([4])}, 1.0,
+                         device="cpu", seed=SEED, chunk_size=np.int64(3))
+    out = gen.next()
+    assert out["w"].shape == (2, 3) and out["s"].shape == () and out["b"].shape == (4,)
+    assert gen.total == 11 and gen.chunk_size == 3
+
+
+def test_shard_of_a_sharded_generator_is_refused():
+    gen = NoiseGenerator(MECHANISMS["bisr"], 8, 1.0, device="cpu", shard=(0, 2))
+    with pytest.raises(ConfigError, match="unsharded"):
+        gen.shard(0, 2)
+    with pytest.raises(ConfigError, match="shard"):
+        NoiseGenerator(MECHANISMS["bisr"], 8, 1.0, device="cpu").shard(2, 2)

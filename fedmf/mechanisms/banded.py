@@ -23,8 +23,9 @@ import numpy as np
 
 from ..participation import MinSep
 from ..workloads import Workload
-from .base import InverseStream, Mechanism
+from .base import Mechanism
 from .optimize import OptimizationResult, Progress, lbfgs
+from .streaming import Iir
 
 __all__ = ["ColumnNormalizedBanded", "BandedObjective", "optimize_banded"]
 
@@ -215,8 +216,8 @@ class ColumnNormalizedBanded(Mechanism):
     def inverse_matrix(self) -> np.ndarray:
         return _BlockBanded(self.bands, max(64, self.num_bands)).solve(np.eye(self.rounds))
 
-    def inverse_stream(self) -> InverseStream:
-        return _BandedInverseStream(self.bands)
+    def streaming_inverse(self) -> Iir:
+        return Iir(self.bands)  # general banded C ("Scaling up BandMF", Alg. 1)
 
     @cached_property
     def decoder_row_norms_sq(self) -> np.ndarray:
@@ -233,26 +234,6 @@ class ColumnNormalizedBanded(Mechanism):
             out = _workload_apply(self.workload, lr[a0:], cols)
             norms[a0:] += np.einsum("ij,ij->i", out, out)
         return norms
-
-
-class _BandedInverseStream(InverseStream):
-    """y_i = (z_i - sum_{r=1}^{p-1} C[i, i-r] y_{i-r}) / C[i, i] ("Scaling up BandMF", Alg. 1)."""
-
-    def __init__(self, bands: np.ndarray) -> None:
-        self.bands = bands
-        self.past: list[np.ndarray] = []
-        self.t = 0
-
-    def step(self, z: np.ndarray) -> np.ndarray:
-        i = self.t
-        acc = np.array(z[0], dtype=np.float64)
-        for r, past in enumerate(self.past, start=1):
-            acc = acc - self.bands[r, i - r] * past
-        y = acc / self.bands[0, i]
-        if self.bands.shape[0] > 1:
-            self.past = [y.copy()] + self.past[: self.bands.shape[0] - 2]
-        self.t += 1
-        return y
 
 
 def optimize_banded(

@@ -10,6 +10,8 @@ Error metrics (noise multiplier 1, clip norm 1; ARCHITECTURE.md conventions):
 
 from __future__ import annotations
 
+import hashlib
+import json
 from abc import ABC, abstractmethod
 from functools import cached_property
 from typing import Any, ClassVar, Iterator, Sequence
@@ -17,10 +19,12 @@ from typing import Any, ClassVar, Iterator, Sequence
 import numpy as np
 
 from .. import sensitivity as _sens
+from ..errors import ConfigError
 from ..participation import Schema
 from ..workloads import Workload, WorkloadStream
+from .streaming import Dense, InverseStream, StreamingInverse, numpy_stream
 
-__all__ = ["Mechanism", "InverseStream", "FirStream", "IirStream"]
+__all__ = ["Mechanism", "InverseStream", "StreamingInverse"]
 
 
 def check_rounds(rounds: Any) -> int:
@@ -30,55 +34,14 @@ def check_rounds(rounds: Any) -> int:
     return rounds
 
 
-class InverseStream(ABC):
-    """Applies L row by row: ``step(z)`` takes this round's fresh noise rows
-    (shape (fresh_rows, *dims)) and returns this round's correlated noise (shape dims)."""
-
-    @abstractmethod
-    def step(self, z: np.ndarray) -> np.ndarray: ...
-
-
-class FirStream(InverseStream):
-    """w_t = sum_{j<p} a_j z_{t-j}: a banded lower-triangular Toeplitz L (keeps p-1 past z)."""
-
-    def __init__(self, taps: np.ndarray) -> None:
-        self.taps = np.asarray(taps, dtype=np.float64)
-        self.past: list[np.ndarray] = []  # most recent first
-
-    def step(self, z: np.ndarray) -> np.ndarray:
-        z = np.array(z[0], dtype=np.float64)  # a copy: the caller may reuse its buffer
-        out = self.taps[0] * z
-        for a, past in zip(self.taps[1:], self.past):
-            out = out + a * past
-        if len(self.taps) > 1:
-            self.past = [z] + self.past[: len(self.taps) - 2]
-        return out
-
-
-class IirStream(InverseStream):
-    """y_t = (z_t - sum_{r=1}^{p-1} c_r y_{t-r}) / c_0: the inverse of a banded Toeplitz C
-    ("Scaling up BandMF", Alg. 1; keeps p-1 past outputs)."""
-
-    def __init__(self, coefficients: np.ndarray) -> None:
-        self.coef = np.asarray(coefficients, dtype=np.float64)
-        self.past: list[np.ndarray] = []
-
-    def step(self, z: np.ndarray) -> np.ndarray:
-        acc = z[0]
-        for c, past in zip(self.coef[1:], self.past):
-            acc = acc - c * past
-        y = acc / self.coef[0]
-        if len(self.coef) > 1:
-            self.past = [y.copy()] + self.past[: len(self.coef) - 2]  # the caller may modify y
-        return y
-
-
 class Mechanism(ABC):
     """A factorization mechanism over ``rounds`` rounds for ``workload``.
 
     Subclasses are immutable descriptions (their parameters); structure-specific fast
     paths are exposed through ``strategy_toeplitz``/``strategy_bands`` (C) and
-    ``inverse_toeplitz`` (L), which the interpreters (sensitivity, errors, noise) use.
+    ``inverse_toeplitz`` (L), which sensitivity and errors use, and L streams through the
+    one description ``streaming_inverse()`` (fedmf.mechanisms.streaming) that both the numpy
+    materializer below and the torch noise generator interpret.
     """
 
     kind: ClassVar[str]
@@ -93,6 +56,17 @@ class Mechanism(ABC):
     @classmethod
     @abstractmethod
     def from_params(cls, rounds: int, workload: Workload, params: dict[str, Any]) -> "Mechanism": ...
+
+    @property
+    def fingerprint(self) -> str:
+        """"sha256:" + hex digest of the canonical JSON of kind, rounds, workload and params:
+        equal for a mechanism and its save/load round trip, different for other parameters."""
+        data = {"kind": self.kind, "rounds": self.rounds, "workload": self.workload.to_dict(), "params": self.params()}
+        try:
+            text = json.dumps(data, sort_keys=True, separators=(",", ":"), allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{self.kind} parameters are not canonical JSON: {exc}") from None
+        return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
 
     # ---- strategy C (m x n) ------------------------------------------------------
     @property
@@ -148,9 +122,19 @@ class Mechanism(ABC):
         """Coefficients of L when it is lower-triangular Toeplitz (length n)."""
         return None
 
-    @abstractmethod
+    def streaming_inverse(self) -> StreamingInverse:
+        """The one streaming description of L (each family overrides this); by default the
+        explicit inverse of a square lower-triangular C."""
+        c = self.strategy_matrix()
+        if c.shape != (self.rounds, self.rounds):
+            raise NotImplementedError(f"{type(self).__name__} must describe its left inverse (C has shape {c.shape})")
+        from scipy.linalg import solve_triangular
+
+        return Dense(solve_triangular(c, np.eye(self.rounds), lower=True))
+
     def inverse_stream(self) -> InverseStream:
-        """A fresh streaming applicator of L."""
+        """A fresh numpy applicator of L, interpreting ``streaming_inverse()``."""
+        return numpy_stream(self.streaming_inverse())
 
     def inverse_rows(self) -> Iterator[np.ndarray]:
         """Rows of L one at a time (each of length m), by streaming the identity."""

@@ -34,12 +34,12 @@ import torch
 from .. import sensitivity as _sens
 from ..participation import MinSep, Schema
 from ..workloads import Workload
-from .base import InverseStream, Mechanism, check_rounds
+from .base import Mechanism, check_rounds
 from .optimize import OptimizationResult, Progress
+from .streaming import Blt
 
 __all__ = [
     "BufferedLinearToeplitz",
-    "BltStream",
     "optimize_blt",
     "output_scales",
     "blt_coefficients",
@@ -266,32 +266,6 @@ def _frozen(values: Any) -> np.ndarray:
     return arr
 
 
-class BltStream(InverseStream):
-    """C^{-1} by the buffer recursion with C's own parameters ([MXZ24] Alg. 3):
-        x_t = y_t - sum_i w_i buf_i ;  buf_i <- theta_i buf_i + x_t.
-    The state is m vectors; stable because the recursion's transition diag(theta) - 1 w^T
-    has eigenvalues that in (0, 1). Works on numpy arrays and torch tensors (any device)."""
-
-    def __init__(self, output_scale: np.ndarray, buf_decay: np.ndarray) -> None:
-        self.scale = np.asarray(output_scale, dtype=np.float64)
-        self.decay = np.asarray(buf_decay, dtype=np.float64)
-        self.buffers: Any = None
-
-    def step(self, z: Any) -> Any:
-        y = z[0]
-        expand = (-1,) + (1,) * y.ndim
-        if self.buffers is None:
-            shape = (self.scale.size,) + tuple(y.shape)
-            if torch.is_tensor(y):
-                self.buffers = torch.zeros(shape, dtype=y.dtype, device=y.device)
-                self.scale, self.decay = (torch.tensor(v, dtype=y.dtype, device=y.device) for v in (self.scale, self.decay))
-            else:
-                self.buffers = np.zeros(shape)
-        x = y - (self.scale.reshape(expand) * self.buffers).sum(0)
-        self.buffers = self.decay.reshape(expand) * self.buffers + x
-        return x
-
-
 @dataclass(frozen=True, eq=False)
 class BufferedLinearToeplitz(Mechanism):
     """BLT strategy C ([MXZ24], [DMPST24]) given by decay rates a = -log theta (C's buffers)
@@ -336,8 +310,8 @@ class BufferedLinearToeplitz(Mechanism):
     @classmethod
     def from_output_scale(cls, rounds: int, output_scale: Any, buf_decay: Any, workload: Workload = Workload()) -> "BufferedLinearToeplitz":
         """From C's (w, theta) (the jax_privacy ``BufferedToeplitz`` parameters). The inverse
-        decays are the eigenvalues of diag(theta) - w 1^T, the transition matrix of the
-        recursion of ``BltStream`` ([MXZ24] Alg. 3; [DMPST24] Lemma 5.2)."""
+        decays are the eigenvalues of diag(theta) - w 1^T, the transition matrix of the recursion
+        x_t = y_t - sum_i w_i buf_i, buf_i <- theta_i buf_i + x_t ([MXZ24] Alg. 3; [DMPST24] Lemma 5.2)."""
         w, theta = np.asarray(output_scale, float).reshape(-1), np.asarray(buf_decay, float).reshape(-1)
         if w.shape != theta.shape or not np.all((theta > 0) & (theta < 1)):
             raise ValueError("output_scale and buf_decay need equal lengths and decays in (0, 1)")
@@ -403,8 +377,9 @@ class BufferedLinearToeplitz(Mechanism):
     def strategy_matrix(self) -> np.ndarray:
         return self.strategy_columns(range(self.rounds))
 
-    def inverse_stream(self) -> InverseStream:
-        return BltStream(self.output_scale, self.buf_decay)
+    def streaming_inverse(self) -> Blt:
+        """C^{-1} is itself a BLT with C^{-1}'s own buffers ([MXZ24] Alg. 2)."""
+        return Blt(self.inverse_buf_decay, self.inverse_output_scale)
 
     # ---- closed forms --------------------------------------------------------------------
     def _torch_params(self) -> tuple[torch.Tensor, ...]:

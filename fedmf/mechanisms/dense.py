@@ -30,8 +30,9 @@ from scipy.linalg import solve_triangular
 
 from ..participation import FixedEpoch
 from ..workloads import Workload
-from .base import InverseStream, Mechanism
+from .base import Mechanism
 from .optimize import OptimizationResult, Progress
+from .streaming import Dense
 
 __all__ = ["DenseMechanism", "optimize_dense", "corner_signs", "MAX_PARTICIPATIONS"]
 
@@ -225,27 +226,6 @@ def _reversed_cholesky(x: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(lower.numpy().T[::-1, ::-1])
 
 
-class _ForwardSubstitution(InverseStream):
-    """y_t = (z_t - sum_{s<t} C[t, s] y_s) / C[t, t]: C^{-1} z row by row (keeps every past y)."""
-
-    def __init__(self, strategy: np.ndarray) -> None:
-        self.c = strategy
-        self.past: np.ndarray | None = None
-        self.t = 0
-
-    def step(self, z: np.ndarray) -> np.ndarray:
-        t, z0 = self.t, np.asarray(z[0], dtype=np.float64)
-        if t >= self.c.shape[0]:
-            raise ValueError(f"the dense mechanism has {self.c.shape[0]} rounds; round {t} is past the end")
-        if self.past is None:
-            self.past = np.zeros((self.c.shape[0],) + z0.shape)
-        acc = z0 - np.tensordot(self.c[t, :t], self.past[:t], axes=1) if t else z0
-        y = acc / self.c[t, t]
-        self.past[t] = y
-        self.t += 1
-        return y
-
-
 @dataclass(frozen=True, eq=False)
 class DenseMechanism(Mechanism):
     """Optimal multi-epoch factorization for FixedEpoch(k, b), described by its dual variables.
@@ -332,8 +312,8 @@ class DenseMechanism(Mechanism):
     def column_norms_sq(self) -> np.ndarray:
         return np.sum(self._strategy**2, axis=0)
 
-    def inverse_stream(self) -> InverseStream:
-        return _ForwardSubstitution(self._strategy)
+    def streaming_inverse(self) -> Dense:
+        return Dense(self.inverse_matrix())
 
     def inverse_matrix(self) -> np.ndarray:
         return solve_triangular(self._strategy, np.eye(self.rounds), lower=True)

@@ -8,7 +8,8 @@ from typing import Any
 import numpy as np
 
 from ..workloads import Workload
-from .base import FirStream, InverseStream, Mechanism, check_rounds
+from .base import Mechanism, check_rounds
+from .streaming import Fir
 
 __all__ = ["DpSgd"]
 
@@ -46,5 +47,5 @@ class DpSgd(Mechanism):
     def inverse_toeplitz(self) -> np.ndarray:
         return np.eye(1, self.rounds).ravel()
 
-    def inverse_stream(self) -> InverseStream:
-        return FirStream(np.ones(1))
+    def streaming_inverse(self) -> Fir:
+        return Fir(np.ones(1))  # L = I

@@ -15,8 +15,9 @@ import numpy as np
 from ..filters import series_inverse
 from ..participation import Schema
 from ..workloads import Workload
-from .base import FirStream, IirStream, InverseStream, Mechanism, check_rounds
+from .base import Mechanism, check_rounds
 from .optimize import grid_then_golden
+from .streaming import Fir, Iir
 
 __all__ = [
     "fractional_power_coefficients",
@@ -101,8 +102,8 @@ class BandedToeplitz(Mechanism):
     def inverse_toeplitz(self) -> np.ndarray:
         return series_inverse(self.coefficients, self.rounds)
 
-    def inverse_stream(self) -> InverseStream:
-        return IirStream(self.coefficients)
+    def streaming_inverse(self) -> Iir:
+        return Iir(self.coefficients)  # banded Toeplitz C ("Scaling up BandMF", Alg. 1)
 
 
 @dataclass(frozen=True, eq=False, init=False)
@@ -166,8 +167,8 @@ class BandedInverseToeplitz(Mechanism):
         out[: self.num_bands] = self.inverse_coefficients
         return out
 
-    def inverse_stream(self) -> InverseStream:
-        return FirStream(self.inverse_coefficients)
+    def streaming_inverse(self) -> Fir:
+        return Fir(self.inverse_coefficients)  # banded Toeplitz C^{-1} ("Beyond Square Roots", Sec. 4)
 
 
 @dataclass(frozen=True, eq=False, init=False)

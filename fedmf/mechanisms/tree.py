@@ -23,7 +23,8 @@ from typing import Any
 import numpy as np
 
 from ..workloads import Workload
-from .base import InverseStream, Mechanism, check_rounds
+from .base import Mechanism, check_rounds
+from .streaming import Tree
 
 __all__ = ["TreeAggregation", "honaker_weights"]
 
@@ -40,30 +41,6 @@ def honaker_weights(height: int) -> np.ndarray:
 
 def _trailing_zeros(x: int) -> int:
     return (x & -x).bit_length() - 1
-
-
-class _TreeStream(InverseStream):
-    """Online Honaker estimates: a stack of (height, estimate) for the current decomposition."""
-
-    def __init__(self, alpha: np.ndarray) -> None:
-        self.alpha = alpha
-        self.stack: list[np.ndarray] = []
-        self.t = 0
-
-    def step(self, z: np.ndarray) -> np.ndarray:
-        height = _trailing_zeros(self.t + 1)
-        if z.shape[0] != height + 1:
-            raise ValueError(f"round {self.t} of the tree needs {height + 1} fresh noise rows, got {z.shape[0]}")
-        estimate = np.array(z[0], dtype=np.float64)
-        removed = None
-        for h in range(1, height + 1):
-            left = self.stack.pop()
-            removed = left if removed is None else removed + left
-            estimate = self.alpha[h] * z[h] + (1 - self.alpha[h]) * (left + estimate)
-        self.stack.append(estimate)
-        self.t += 1
-        # noise of round t = prefix estimate(t) - prefix estimate(t-1) = new node - merged nodes
-        return estimate.copy() if removed is None else estimate - removed
 
 
 @dataclass(frozen=True, eq=False)
@@ -118,8 +95,8 @@ class TreeAggregation(Mechanism):
             [sum(1 for h in range(self.height + 1) if (((x >> h) + 1) << h) <= self.rounds) for x in i], dtype=float
         )
 
-    def inverse_stream(self) -> InverseStream:
-        return _TreeStream(honaker_weights(self.height))
+    def streaming_inverse(self) -> Tree:
+        return Tree(honaker_weights(self.height))
 
     @cached_property
     def decoder_row_norms_sq(self) -> np.ndarray:
