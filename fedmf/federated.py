@@ -243,10 +243,10 @@ def _observed_epsilon(book, run, plan: RunPlan) -> float | None:
     from .accounting.posthoc import account_observed
 
     observed = run.observed_pattern()
-    if not observed.users:
+    if not observed.rounds_by_user:
         return None
-    report = account_observed(plan.mechanism, plan.noise_multiplier, plan.delta, observed,
-                              planned_schema=plan.schema, accountant=plan.accountant)
+    report = account_observed(plan.mechanism, plan.noise_multiplier, plan.delta, observed, plan.schema,
+                              accountant=plan.accountant)
     return report.epsilon
 
 

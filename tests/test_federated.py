@@ -3,6 +3,7 @@ noise enters once per round in the right place, crash-exact resume, the guard.""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from collections import defaultdict
@@ -23,6 +24,11 @@ from fedmf.schedule import make_scheduler
 from . import _federated_task as task
 
 TASK = Path(__file__).with_name("_federated_task.py")
+
+
+def _share_secrets(source: Path, target: Path) -> None:
+    """Give ``target`` the run secrets of ``source`` (0600 files): the same noise, schedule and keys."""
+    shutil.copytree(source / "secrets", target / "secrets")
 
 
 def _ledger_rows(directory: Path, run_id: int):
@@ -119,6 +125,7 @@ def test_another_plan_is_refused_on_resume(tmp_path):
 def test_resume_after_a_clean_stop_is_bit_identical(tmp_path):
     straight = task.Tiny()
     train(straight, task.users(), task.plan(rounds=10), task.local_update, checkpoint_dir=tmp_path / "a")
+    _share_secrets(tmp_path / "a", tmp_path / "b")
     resumed = task.Tiny()
     first = train(resumed, task.users(), task.plan(rounds=10), task.local_update, checkpoint_dir=tmp_path / "b",
                   rounds=4)
@@ -140,7 +147,7 @@ def uninterrupted(tmp_path_factory):
     directory = tmp_path_factory.mktemp("straight")
     model = task.Tiny()
     train(model, task.users(), task.plan(rounds=12), task.local_update, checkpoint_dir=directory)
-    return model.state_dict()
+    return directory, model.state_dict()
 
 
 @pytest.mark.parametrize("event, t", [
@@ -152,6 +159,8 @@ def uninterrupted(tmp_path_factory):
     pytest.param("stepped", 11, marks=pytest.mark.heavy),
 ])
 def test_sigkill_then_resume_is_bit_identical(tmp_path, uninterrupted, event, t):
+    reference_dir, reference = uninterrupted
+    _share_secrets(reference_dir, tmp_path / "run")
     out = tmp_path / "model.pt"
     killed = _run_task(tmp_path / "run", out, event, str(t))
     assert killed.returncode == -9, killed.stderr[-2000:]
@@ -159,7 +168,7 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path, uninterrupted, event, t)
     finished = _run_task(tmp_path / "run", out)
     assert finished.returncode == 0, finished.stderr[-2000:]
     final = torch.load(out, weights_only=True)
-    for name, value in uninterrupted.items():
+    for name, value in reference.items():
         assert torch.equal(final[name], value), name
     book, run, rows = _ledger_rows(tmp_path / "run", 1)
     try:
