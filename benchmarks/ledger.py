@@ -22,6 +22,7 @@ benchmark works in a schema of its own and drops it afterwards.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import statistics
@@ -177,7 +178,8 @@ def bench_backend(name: str, url: str, g: dict, timed_rounds: int, work: Path, p
         for c, norm in zip(accepted, norms):
             run.record_contribution(t_round, c, float(norm))
         tc = time.perf_counter()
-        summary = run.commit_round(t_round, noise_std=sigma)
+        summary = run.commit_round(t_round, noise_std=sigma,
+                                   checkpoint_sha256=hashlib.sha256(f"checkpoint {t_round}".encode()).hexdigest())
         done = time.perf_counter()
         rec.append(done - t)
         commit.append(done - tc)

@@ -105,3 +105,86 @@ def test_noise_sensitivity_override_and_validation(setup):
         posthoc(mechanism, 1.0, 1e-6, {"x": [N]}, planned)
     with pytest.raises(ValueError, match="delta"):
         posthoc(mechanism, 1.0, 2.0, pattern, planned)
+
+
+def test_arrays_and_the_user_by_user_path_agree(setup, monkeypatch):
+    """account_contributions (arrays) is account_observed; a strategy too large to hold
+    densely is accounted user by user (fedmf.sensitivity.observed) with the same values."""
+    from fedmf.accounting import posthoc as module
+    from fedmf.errors import FedmfError
+
+    mechanism, planned, pattern = setup
+    report = posthoc(mechanism, 1.0, 1e-6, pattern, planned)
+    observed = Observed.from_mapping(pattern)
+    labels = [u for u, _ in observed.rounds_by_user]
+    users = np.repeat(np.arange(len(labels)), [len(r) for _, r in observed.rounds_by_user])
+    rounds = np.concatenate([r for _, r in observed.rounds_by_user]).astype(int)
+    arrays = module.account_contributions(mechanism, 1.0, 1e-6, planned, users, rounds, labels, by_round=True)
+    assert arrays.users == report.users
+    # after the last round the worst prefix is the worst user; before, never above it
+    assert arrays.sensitivity_by_round[-1] == pytest.approx(max(u.sensitivity for u in report.users), rel=1e-12)
+    assert np.all(np.diff(arrays.sensitivity_by_round) >= 0)
+    assert arrays.epsilon_by_round[-1] == pytest.approx(report.epsilon, rel=1e-9)
+    monkeypatch.setattr(module, "MAX_DENSE_ENTRIES", 10)
+    by_user = posthoc(mechanism, 1.0, 1e-6, pattern, planned)
+    for a, b in zip(by_user.users, report.users):
+        assert (a.user, a.rounds, a.violation, a.sensitivity_exact) == (b.user, b.rounds, b.violation, True)
+        assert a.sensitivity == pytest.approx(b.sensitivity, rel=1e-12)
+        assert a.epsilon == pytest.approx(b.epsilon, rel=1e-9)
+    with pytest.raises(FedmfError, match="too large"):
+        module.account_contributions(mechanism, 1.0, 1e-6, planned, users, rounds, labels, by_round=True)
+
+
+def test_bad_arrays_are_refused(setup):
+    from fedmf.accounting.posthoc import account_contributions
+    from fedmf.errors import ConfigError
+
+    mechanism, planned, _ = setup
+    args = (mechanism, 1.0, 1e-6, planned)
+    with pytest.raises(ConfigError, match="'b' has a round outside"):
+        account_contributions(*args, np.array([0, 1]), np.array([3, N]), ["a", "b"])
+    with pytest.raises(ConfigError, match="'a': rounds must be increasing"):
+        account_contributions(*args, np.array([0, 0]), np.array([5, 5]), ["a"])
+    with pytest.raises(ConfigError, match="sorted"):
+        account_contributions(*args, np.array([1, 0]), np.array([1, 2]), ["a", "b"])
+    with pytest.raises(ConfigError, match="MinSep or FixedEpoch"):
+        account_contributions(mechanism, 1.0, 1e-6, Observed(()), np.array([0]), np.array([1]), ["a"])
+
+
+def test_signed_strategies_take_the_smaller_sound_value():
+    """C with negative entries: each user's value is the smaller of the |C| bound and the
+    Gram block's pattern sensitivity, never below the true (brute-force) value."""
+    from fedmf.mechanisms.identity import DpSgd
+    from fedmf.sensitivity import exhaustive_minsep, pattern_sensitivity
+
+    rng = np.random.default_rng(11)
+    c = np.tril(rng.normal(size=(10, 10))) + 3 * np.eye(10)
+
+    class Signed(DpSgd):
+        def strategy_matrix(self):
+            return c.copy()
+
+        def strategy_columns(self, rounds):
+            return c[:, list(rounds)]
+
+        @property
+        def strategy_toeplitz(self):
+            return None
+
+        @property
+        def strategy_bands(self):
+            return None
+
+        def column_norms_sq(self):
+            return np.sum(c**2, axis=0)
+
+    mech = Signed(10)
+    pattern = {"a": [0, 4, 8], "b": [1, 6], "c": [2, 5, 9], "d": [7]}
+    report = posthoc(mech, 2.0, 1e-6, pattern, MinSep(3, 3))
+    for account in report.users:
+        p = list(account.rounds)
+        upper = np.linalg.norm(np.abs(c[:, p]).sum(axis=1))
+        gram = pattern_sensitivity((c.T @ c)[np.ix_(p, p)])
+        assert account.sensitivity == pytest.approx(min(upper, gram.value), rel=1e-12)
+        assert account.sensitivity_exact == gram.exact
+        assert account.sensitivity >= exhaustive_minsep(c[:, p], 1) - 1e-9

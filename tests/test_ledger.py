@@ -7,7 +7,7 @@ import hmac
 import random
 
 import pytest
-from sqlalchemy import func, select, text
+from sqlalchemy import func, inspect, select, text
 
 from fedmf import FixedEpoch, MinSep
 from fedmf.ledger import Ledger, LedgerError, ServerSecret, head_revision
@@ -64,9 +64,7 @@ def test_migrations_create_exactly_the_models(ledger_url):
     with Ledger.open(ledger_url) as ledger, ledger.engine.connect() as conn:
         context = MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE, "compare_type": True})
         assert compare_metadata(context, Base.metadata) == []
-        assert context.get_current_revision() == head_revision() == "0001"
-        from sqlalchemy import inspect
-
+        assert context.get_current_revision() == head_revision() == "0002"
         indexes = {ix["name"]: ix["column_names"] for ix in inspect(conn).get_indexes("participations")}
         assert indexes["ix_participations_client"] == ["run_id", "client_key", "status", "round_index"]
     with Ledger.open(ledger_url) as again:  # idempotent: a second open migrates nothing
@@ -75,9 +73,9 @@ def test_migrations_create_exactly_the_models(ledger_url):
 
 def test_newer_schema_version_is_refused_and_nothing_is_written(ledger_url, tmp_path):
     with Ledger.open(ledger_url) as ledger, ledger.engine.begin() as conn:
-        conn.execute(text(f"UPDATE {VERSION_TABLE} SET version_num = '0002'"))
+        conn.execute(text(f"UPDATE {VERSION_TABLE} SET version_num = '0003'"))
     before = open(ledger_url, "rb").read() if "://" not in ledger_url else None
-    with pytest.raises(LedgerError, match=r"schema version 0002, newer than this fedmf understands \(0001\)") as e:
+    with pytest.raises(LedgerError, match=r"schema version 0003, newer than this fedmf understands \(0002\)") as e:
         Ledger.open(ledger_url, secret=SECRET)
     assert "\n" not in str(e.value)
     if before is not None:
@@ -441,3 +439,239 @@ def test_neither_the_secret_nor_client_ids_reach_the_ledger(ledger_url, tmp_path
     for needle in [SECRET, SECRET.hex().encode(), *(c.encode() for c in clients)]:
         assert needle not in dump
     assert ServerSecret(SECRET).client_key(run.info.uid, clients[0]) in dump  # what is stored instead
+
+
+# ---- concurrent writers --------------------------------------------------------------------------------
+
+def _checkpoint_hash(run_id: int, t: int) -> str:
+    return hashlib.sha256(f"checkpoint {run_id}/{t}".encode()).hexdigest()
+
+
+def _write_rounds(url: str, run_id: int, barrier, errors) -> None:
+    """A server process: its own engine, every round of its run committed as fast as it can."""
+    try:
+        with Ledger.open(url, secret=SECRET) as ledger:
+            run = ledger.run(run_id)
+            barrier.wait(timeout=30)
+            for t in range(run.info.rounds):
+                run.open_round(t)
+                clients = [f"r{run_id}-t{t}-c{i}" for i in range(3)]
+                run.record_selection(t, clients)
+                for c in clients[:2]:
+                    run.record_contribution(t, c, 0.5)
+                run.commit_round(t, noise_std=1.0, checkpoint_sha256=_checkpoint_hash(run_id, t))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        errors.put(f"run {run_id}: {type(e).__name__}: {e}")
+        raise SystemExit(1) from None
+
+
+def test_two_processes_commit_rounds_of_two_runs_into_one_sqlite_file(tmp_path):
+    import multiprocessing
+
+    url = str(tmp_path / "shared.db")
+    path = mechanism_file(tmp_path, rounds=60, schema=MinSep(4, 15))
+    with Ledger.open(url, secret=SECRET) as ledger:
+        ids = [ledger.create_run(path, noise_multiplier=1.0, clip_norm=1.0, delta=1e-6).id for _ in range(2)]
+    ctx = multiprocessing.get_context("fork")
+    barrier, errors = ctx.Barrier(2), ctx.Queue()
+    workers = [ctx.Process(target=_write_rounds, args=(url, run_id, barrier, errors)) for run_id in ids]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(timeout=60)
+    reported = [errors.get(timeout=1) for _ in range(errors.qsize())] if not errors.empty() else []
+    assert reported == [] and [w.exitcode for w in workers] == [0, 0]
+    with Ledger.open(url) as ledger:
+        for run_id in ids:
+            assert len(ledger.observed_pattern(run_id).rounds_by_user) == 2 * 60
+            with ledger.engine.connect() as conn:
+                rounds = conn.execute(select(Round.round_index, Round.status, Round.contributed, Round.checkpoint_sha256)
+                                      .where(Round.run_id == run_id).order_by(Round.round_index)).all()
+            assert rounds == [(t, "committed", 2, _checkpoint_hash(run_id, t)) for t in range(60)]
+
+
+# ---- the plan on the run row, the checkpoint on the round row --------------------------------------------
+
+PLAN = {"mechanism": {"kind": "bsr", "fingerprint": "sha256:" + "ab" * 32}, "clip_norm": 1.0, "noise_multiplier": 2.0,
+        "schema": {"name": "min-sep", "min_sep": 4, "max_participations": 6}, "delta": 1e-6}
+FINGERPRINT = "sha256:" + "0f" * 32
+
+
+def test_the_plan_is_stored_on_the_run_and_finds_it_again(ledger_url, tmp_path):
+    ledger, run = _run(ledger_url, tmp_path, plan=PLAN, plan_fingerprint=FINGERPRINT)
+    with ledger:
+        other = ledger.create_run(mechanism_file(tmp_path), noise_multiplier=1.0, clip_norm=1.0, delta=1e-6,
+                                  plan_fingerprint="sha256:" + "11" * 32)
+        plain = ledger.create_run(mechanism_file(tmp_path), noise_multiplier=1.0, clip_norm=1.0, delta=1e-6)
+        assert (run.info.plan, run.info.plan_fingerprint) == (PLAN, FINGERPRINT)
+        assert (plain.info.plan, plain.info.plan_fingerprint) == (None, None) and other.info.plan is None
+        assert run.info.to_dict()["plan"] == PLAN and run.info.to_dict()["plan_fingerprint"] == FINGERPRINT
+        assert ledger.find_runs(FINGERPRINT) == [run.info]
+        again = ledger.create_run(mechanism_file(tmp_path), noise_multiplier=2.0, clip_norm=1.0, delta=1e-6,
+                                  plan=PLAN, plan_fingerprint=FINGERPRINT)
+        assert [r.id for r in ledger.find_runs(FINGERPRINT)] == [run.id, again.id]
+        assert ledger.find_runs("sha256:" + "22" * 32) == []
+        assert ledger.run(run.id).info.plan == PLAN  # a resumed server reads it back
+        with ledger.engine.connect() as conn:
+            indexes = {ix["name"]: ix["column_names"] for ix in inspect(conn).get_indexes("runs")}
+        assert indexes["ix_runs_plan_fingerprint"] == ["plan_fingerprint"]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"plan": {"noise_seed": 7}}, "must not carry secrets: remove its key 'noise_seed'"),
+    ({"plan": {"nested": [{"Server_Secret": "x"}]}}, "must not carry secrets"),
+    ({"plan": {"x": float("nan")}}, "plan must be JSON"),
+    ({"plan": {"x": object()}}, "plan must be JSON"),
+    ({"plan": [1, 2]}, "plan must be a dict"),
+    ({"plan_fingerprint": ""}, "plan_fingerprint must be a non-empty string"),
+    ({"plan_fingerprint": "f" * 81}, "at most 80 characters"),
+])
+def test_bad_plans_are_refused_before_anything_is_written(tmp_path, kwargs, message):
+    from fedmf.errors import ConfigError
+
+    with Ledger.open(str(tmp_path / "l.db"), secret=SECRET) as ledger:
+        with pytest.raises(ConfigError, match=message) as e:
+            ledger.create_run(mechanism_file(tmp_path), noise_multiplier=1.0, clip_norm=1.0, delta=1e-6, **kwargs)
+        assert "\n" not in str(e.value) and ledger.runs() == []
+        with pytest.raises(ConfigError, match="plan_fingerprint must be"):
+            ledger.find_runs(None)
+
+
+def test_commit_records_the_checkpoint_hash(ledger_url, tmp_path):
+    from fedmf.errors import ConfigError
+
+    digest = hashlib.sha256(b"round 0 checkpoint").hexdigest()
+    ledger, run = _run(ledger_url, tmp_path)
+    with ledger:
+        run.open_round(0)
+        run.record_selection(0, ["a"])
+        run.record_contribution(0, "a", 0.1)
+        for bad in (digest.upper(), digest[:-1], "sha256:" + digest, b"\x00" * 32, digest + "0"):
+            with pytest.raises(ConfigError, match="checkpoint_sha256 must be 64 lowercase hex digits"):
+                run.commit_round(0, checkpoint_sha256=bad)
+        assert run.round(0).status == "open" and run.round(0).checkpoint_sha256 is None
+        assert run.commit_round(0, noise_std=2.0, checkpoint_sha256=digest).checkpoint_sha256 == digest
+        run.open_round(1)
+        assert run.commit_round(1).checkpoint_sha256 is None  # optional
+        assert Ledger.open(ledger_url, secret=SECRET).run(run.id).round(0).checkpoint_sha256 == digest
+
+
+def test_no_temporary_files_when_a_run_is_created(tmp_path, monkeypatch):
+    import tempfile
+
+    from fedmf import Workload
+    from fedmf.mechanisms import build
+
+    path = mechanism_file(tmp_path)
+    mechanism = build("bsr", 24, MinSep(4, 6), Workload())
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a temporary file was created")
+
+    for name in ("TemporaryDirectory", "NamedTemporaryFile", "mkstemp", "mkdtemp"):
+        monkeypatch.setattr(tempfile, name, refuse)
+    with Ledger.open(str(tmp_path / "l.db"), secret=SECRET) as ledger:
+        from_file = ledger.create_run(path, noise_multiplier=1.0, clip_norm=1.0, delta=1e-6)
+        from_object = ledger.create_run(mechanism, noise_multiplier=1.0, clip_norm=1.0, delta=1e-6,
+                                        schema=MinSep(4, 6))
+        assert from_file.info.mechanism_checksum == load_with_schema(path)[2]
+        with ledger.engine.connect() as conn:
+            docs = conn.execute(select(Run.mechanism_document).order_by(Run.id)).scalars().all()
+    assert docs[0] == open(path).read()
+    assert docs[1] == docs[0]  # a Mechanism is stored as io.save writes it
+
+
+# ---- migrating a ledger written at 0001 -------------------------------------------------------------------
+
+def _write_at_0001(url: str, tmp_path) -> dict:
+    """A ledger at schema revision 0001 holding one run with two committed rounds, written
+    with the 0001 tables as they are in the database (no code of the current models)."""
+    import datetime as dt
+
+    from alembic import command
+    from sqlalchemy import MetaData
+
+    from fedmf.ledger.db import _alembic_config, current_revision, resolve_url, writer_engine
+
+    path = mechanism_file(tmp_path, rounds=12, schema=MinSep(3, 4))
+    document = open(path).read()
+    mechanism, schema, checksum = load_with_schema(path)
+    secret = ServerSecret(SECRET)
+    uid = "0123456789abcdef0123456789abcdef"
+    history = {"a": [0, 3], "b": [0], "c": [3]}
+    engine = writer_engine(resolve_url(url))
+    try:
+        with engine.begin() as conn:
+            command.upgrade(_alembic_config(conn), "0001")
+            assert current_revision(conn) == "0001"
+            meta = MetaData()
+            meta.reflect(conn)
+            assert "plan" not in meta.tables["runs"].c and "checkpoint_sha256" not in meta.tables["rounds"].c
+            now = dt.datetime(2026, 11, 30, tzinfo=dt.timezone.utc)
+            conn.execute(meta.tables["runs"].insert().values(
+                id=1, uid=uid, name="old", created_at=now, code_version="fedmf 0.1", config={"lr": 0.5},
+                mechanism_kind=mechanism.kind, mechanism_checksum=checksum, mechanism_document=document, rounds=12,
+                noise_multiplier=2.0, clip_norm=1.0, delta=1e-6, target_epsilon=None,
+                participation_schema=schema.to_dict(12), sampling="fixed-order", key_check=secret.key_check()))
+            conn.execute(meta.tables["rounds"].insert(), [
+                {"run_id": 1, "round_index": t, "status": "committed" if t in (0, 3) else "planned",
+                 "attempts": int(t in (0, 3)), "selected": 0, "contributed": 0, "dropped": 0, "rejected": 0,
+                 "clipped": 0, "noise_std": 4.0 if t in (0, 3) else None} for t in range(12)])
+            conn.execute(meta.tables["participations"].insert(), [
+                {"run_id": 1, "round_index": t, "client_key": secret.client_key(uid, c), "status": "contributed"}
+                for c, rounds in history.items() for t in rounds])
+            conn.execute(meta.tables["client_state"].insert(), [
+                {"run_id": 1, "client_key": secret.client_key(uid, c), "contributions": len(r), "last_round": r[-1]}
+                for c, r in history.items()])
+    finally:
+        engine.dispose()
+    return {c: secret.client_key(uid, c).hex() for c in history} | {"history": history}
+
+
+def test_a_ledger_at_0001_is_upgraded_in_place_with_its_data(ledger_url, tmp_path):
+    from fedmf.ledger.audit import audit
+
+    keys = _write_at_0001(ledger_url, tmp_path)
+    with pytest.raises(LedgerError, match="schema version 0001, older than this fedmf's 0002"):
+        audit(ledger_url)  # the read-only audit never migrates
+    with Ledger.open(ledger_url, secret=SECRET) as ledger:
+        with ledger.engine.connect() as conn:
+            assert conn.execute(text(f"SELECT version_num FROM {VERSION_TABLE}")).scalar_one() == "0002"
+        (info,) = ledger.runs()
+        assert (info.id, info.name, info.config, info.rounds, info.schema) == (1, "old", {"lr": 0.5}, 12, MinSep(3, 4))
+        assert (info.plan, info.plan_fingerprint) == (None, None) and ledger.find_runs(FINGERPRINT) == []
+        run = ledger.run(1)
+        assert run.observed_pattern().rounds_by_user == tuple(sorted(
+            (keys[c], tuple(r)) for c, r in keys["history"].items()))
+        assert [run.round(t).noise_std for t in (0, 3)] == [4.0, 4.0] and run.round(0).checkpoint_sha256 is None
+        assert run.next_round == 4 and run.eligible(["a", "b", "new"], 4) == [False, True, True]
+        run.open_round(4)
+        run.record_selection(4, ["b"])
+        run.record_contribution(4, "b", 0.2)
+        digest = hashlib.sha256(b"checkpoint 4").hexdigest()
+        assert run.commit_round(4, checkpoint_sha256=digest).checkpoint_sha256 == digest
+    report = audit(ledger_url)
+    assert report.realized["contributions"] == 5 and report.realized["client_state_consistent"] is True
+    assert [r["checkpoint_sha256"] for r in report.rounds if r["status"] == "committed"] == [None, None, digest]
+    assert report.schema_version == "0002"
+
+
+def test_migration_0002_downgrades_and_upgrades_again(tmp_path):
+    from alembic import command
+
+    from fedmf.ledger.db import _alembic_config
+
+    url = str(tmp_path / "l.db")
+    ledger, run = _run(url, tmp_path, plan=PLAN, plan_fingerprint=FINGERPRINT)
+    run.open_round(0)
+    run.record_selection(0, ["a"])
+    run.record_contribution(0, "a", 0.1)
+    run.commit_round(0, checkpoint_sha256="0" * 64)
+    with ledger.engine.begin() as conn:
+        command.downgrade(_alembic_config(conn), "0001")
+        assert "plan" not in {c["name"] for c in inspect(conn).get_columns("runs")}
+    ledger.close()
+    with Ledger.open(url, secret=SECRET) as again:
+        resumed = again.run(run.id)
+        assert resumed.info.plan is None and resumed.round(0).status == "committed"
+        assert resumed.observed_pattern() == run.observed_pattern()

@@ -248,7 +248,9 @@ def test_the_audit_never_writes(ledger_url, tmp_path):
         audit(ledger_url)
         assert hashlib.sha256(open(ledger_url, "rb").read()).hexdigest() == before
         assert os.stat(ledger_url).st_mtime_ns == mtime
-        assert not os.path.exists(ledger_url + "-journal") and not os.path.exists(ledger_url + "-wal")
+        assert not os.path.exists(ledger_url + "-journal")
+        # WAL mode: a reader may create the WAL index beside the ledger, but writes nothing into it
+        assert not os.path.exists(ledger_url + "-wal") or os.path.getsize(ledger_url + "-wal") == 0
         message = "readonly database"
     else:
         message = "read-only transaction"
@@ -322,3 +324,62 @@ def test_negative_strategies_get_sound_bounds():
     assert np.all(np.diff(priv.plan_by_round) >= -1e-12)
     for u in range(3):
         _check_epsilon(priv.epsilon_user[u], 2.0 * priv.sensitivity_plan / priv.user_sensitivity[u])
+
+
+def test_the_audits_per_user_epsilon_is_account_observed(ledger_url, tmp_path):
+    """One implementation of post-hoc accounting: the audit's values for every user are
+    fedmf.accounting.posthoc.account_observed's on the run's observed pattern."""
+    from fedmf.accounting import account_observed
+    from fedmf.ledger.repository import fetch_contributions
+
+    schema = MinSep(4, 4)
+    schedule = {"too-often": [1, 5, 9, 13, 17], "fine": [3, 11], "close": [0, 2, 8], "once": [6], "two": [4, 19]}
+    info, _, _ = record(ledger_url, tmp_path, "bsr", 20, schema, z=3.0, schedule=schedule, num_bands=6)
+    mech = build("bsr", 20, schema, Workload(), num_bands=6)
+    with Ledger.open(ledger_url) as ledger:
+        expected = account_observed(mech, 3.0, 1e-6, ledger.observed_pattern(info.id), schema)
+        with ledger.engine.connect() as conn:
+            keys, users, rounds = fetch_contributions(conn, info.id)  # what the audit reads
+    priv = run_privacy(mech, schema, 3.0, 1e-6, users, rounds, len(keys), [k.tobytes().hex() for k in keys])
+    assert priv.posthoc.users == expected.users
+    assert priv.epsilon_user.tolist() == expected.epsilons().tolist()
+    report = audit(ledger_url)
+    assert report.realized["epsilon_worst_user_at_end"] == expected.epsilon
+    assert report.realized["worst_user_sensitivity"] == max(u.sensitivity for u in expected.users)
+    assert {f["user"]: (f["epsilon"], f["sensitivity"], f["reasons"]) for f in report.flagged} == {
+        u.user[:16]: (u.epsilon, u.sensitivity, [u.violation]) for u in expected.violators}
+    assert len(report.flagged) == 2
+
+
+def test_a_ledger_in_a_directory_the_auditor_cannot_write(tmp_path, monkeypatch):
+    """SQLite cannot create the WAL index beside a read-only ledger: with no server holding it
+    open (no -wal), the audit reads it as immutable, creating nothing."""
+    url = str(tmp_path / "l.db")
+    record(url, tmp_path, "dp-sgd", 6, MinSep(2, 3))
+    expected = audit(url).to_dict()
+    for suffix in ("-wal", "-shm"):
+        if os.path.exists(url + suffix):
+            os.unlink(url + suffix)
+    monkeypatch.setattr("fedmf.ledger.db.os.access", lambda path, mode: False)
+    assert audit(url).to_dict() == expected
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("l.db")) == ["l.db"]
+
+
+def test_rounds_carry_the_checkpoint_hash_and_the_absolute_noise_std(tmp_path):
+    url = str(tmp_path / "l.db")
+    path = mechanism_file(tmp_path, kind="dp-sgd", rounds=4, schema=MinSep(2, 2))
+    digest = hashlib.sha256(b"checkpoint 0").hexdigest()
+    with Ledger.open(url, secret=SECRET) as ledger:
+        run = ledger.create_run(path, noise_multiplier=3.0, clip_norm=0.25, delta=1e-6)
+        sigma = 3.0 * 0.25 * 2**0.5  # z · clip_norm · sens; z · sens alone (4.24) would be a different unit
+        for t, (client, noise) in enumerate([("a", sigma), ("b", 3.0 * 2**0.5 * 0.2)]):
+            run.open_round(t)
+            run.record_selection(t, [client])
+            run.record_contribution(t, client, 0.1)
+            run.commit_round(t, noise_std=noise, checkpoint_sha256=digest if t == 0 else None)
+    report = audit(url)
+    assert report.planned["noise_std"] == pytest.approx(sigma, rel=1e-12)
+    assert report.realized["rounds_below_planned_noise"] == [1]
+    assert [r["checkpoint_sha256"] for r in report.rounds] == [digest, None]
+    report.write_csv(tmp_path / "rounds.csv")
+    assert (tmp_path / "rounds.csv").read_text().splitlines()[1].endswith("," + digest)

@@ -17,7 +17,7 @@ from fedmf import FixedEpoch, MinSep, Workload
 from fedmf.mechanisms import build
 from fedmf.mechanisms import io as mio
 from fedmf.mechanisms.identity import DpSgd
-from fedmf.mechanisms.io import FORMAT, VERSION, MechanismFileError, load, load_with_schema, save
+from fedmf.mechanisms.io import FORMAT, VERSION, MechanismFileError, dumps, load, load_with_schema, loads, save
 from fedmf.mechanisms.toeplitz import BandedInverseToeplitz, BandedToeplitz
 
 N = 40
@@ -131,6 +131,36 @@ def test_round_trip(tmp_path, name, workload):
     path2 = tmp_path / "again.json"
     assert save(loaded, path2, schema) == checksum
     assert path2.read_text() == path.read_text()
+
+
+@pytest.mark.parametrize("name", list(FACTORIES), ids=list(FACTORIES))
+def test_text_round_trip_is_bit_identical_and_is_the_file(tmp_path, name):
+    mechanism = FACTORIES[name](WORKLOADS["cooldown"])
+    text = dumps(mechanism, PLANNED, extra={"note": "x"})
+    loaded, schema, checksum = loads(text)
+    assert_same_mechanism(mechanism, loaded)
+    assert schema == PLANNED and checksum == json.loads(text)["checksum"]
+    assert dumps(loaded, schema, extra={"note": "x"}) == text  # bit-identical the second time too
+    checksum_file = save(mechanism, tmp_path / "m.json", PLANNED, extra={"note": "x"})
+    assert (tmp_path / "m.json").read_text() == text and checksum_file == checksum
+    assert loads(text.encode())[2] == checksum  # bytes are read as UTF-8
+    no_schema = loads(dumps(mechanism))
+    assert no_schema[1] is None and no_schema[2] != checksum
+
+
+def test_text_tampering_is_refused_and_names_its_source():
+    text = dumps(build("bifr", N, PLANNED, gamma=0.4321), PLANNED)
+    tampered = text.replace("0.4321", "0.4322")
+    assert tampered != text
+    with pytest.raises(MechanismFileError, match=r"^'ledger run 3' failed its checksum") as info:
+        loads(tampered, source="ledger run 3")
+    assert "\n" not in str(info.value)
+    with pytest.raises(MechanismFileError, match=r"^'<text>' is not a mechanism file \(truncated"):
+        loads(text[:-20])
+    with pytest.raises(MechanismFileError, match="not UTF-8"):
+        loads(b"\xff\xfe" + text.encode())
+    with pytest.raises(MechanismFileError, match="not text"):
+        loads(None)
 
 
 def test_bifr_optimized_gamma_is_kept_exactly(tmp_path):
@@ -557,17 +587,24 @@ def test_save_failing_mid_write_leaves_nothing(tmp_path, monkeypatch, existing, 
     if existing:
         save(build("bisr", N, PLANNED), target, PLANNED)
     before = target.read_bytes() if existing else None
-    real_dump = json.dump
+    real_atomic_write = mio.atomic_write
 
-    def dump(obj, fp, **kw):
-        fp.write(json.dumps(obj, **kw)[:50])  # a partial document, then the failure
-        fp.flush()
-        raise exc
+    class Failing:  # a file that takes part of the document, then fails
+        def __init__(self, f):
+            self.f = f
 
-    monkeypatch.setattr(mio.json, "dump", dump)
+        def write(self, text):
+            self.f.write(text[:50])
+            self.f.flush()
+            raise exc
+
+    def atomic_write(path, write, *, text):
+        real_atomic_write(path, lambda f: write(Failing(f)), text=text)
+
+    monkeypatch.setattr(mio, "atomic_write", atomic_write)
     with pytest.raises(type(exc)):
         save(build("bsr", N, PLANNED), target, PLANNED)
-    monkeypatch.setattr(mio.json, "dump", real_dump)
+    monkeypatch.setattr(mio, "atomic_write", real_atomic_write)
     assert os.listdir(tmp_path) == (["m.json"] if existing else [])
     if existing:
         assert target.read_bytes() == before

@@ -3,10 +3,12 @@
 * ``models``      SQLAlchemy 2 typed ORM models (runs, rounds, participations, client_state,
                   privacy_snapshots)
 * ``migrations``  Alembic migrations, the same for SQLite and PostgreSQL (run by ``db``)
-* ``db``          URLs, read-write and read-only engines, migrations, the schema-version check
+* ``db``          URLs, read-write (SQLite: WAL, writers take the lock up front) and read-only
+                  engines, migrations, the schema-version check
 * ``keys``        HMAC-SHA256 pseudonymous client keys under the server secret
-* ``repository``  the API the server calls: ``Ledger``, ``RunLedger``
-* ``privacy``     per-round and per-user sensitivities of a recorded run
+* ``repository``  the API the server calls: ``Ledger``, ``RunLedger`` (the plan on the run row,
+                  the checkpoint hash on the round row)
+* ``privacy``     the audit's view of ``fedmf.accounting`` (per-round plan curve, post-hoc accounts)
 * ``audit``       the read-only audit behind ``fedmf audit`` (``fedmf.cli.audit``)
 
 Names are imported lazily, so ``import fedmf.ledger`` stays cheap.

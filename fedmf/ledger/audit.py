@@ -11,7 +11,6 @@ to the ledger; the CSV and PNG files are written only after the audit succeeded.
 from __future__ import annotations
 
 import csv
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +21,7 @@ from sqlalchemy.engine import URL, Connection
 
 from ..files import atomic_write
 from ..mechanisms.base import Mechanism
-from ..participation import FixedEpoch, schema_from_dict
+from ..participation import schema_from_dict
 from .db import LedgerError, check_version, database_errors, display_url, reader_engine, resolve_url
 from .models import ClientState, PrivacySnapshot, Round, Run
 from .privacy import run_privacy
@@ -35,6 +34,7 @@ ROUND_COLUMNS = [
     "noise_std", "norm_min", "norm_median", "norm_mean", "norm_max",
     "sensitivity_worst_user", "epsilon_worst_user", "sensitivity_planned", "epsilon_planned",
     "recorded_epsilon_worst_user", "recorded_epsilon_planned", "min_separation", "max_participations",
+    "checkpoint_sha256",
 ]
 _REL_TOL = 1e-9
 
@@ -162,25 +162,19 @@ def _csv_value(v: Any) -> Any:
 
 # ---- reading --------------------------------------------------------------------------------
 
-def _mechanism_from_document(text: str, checksum: str) -> Mechanism:
-    """Rebuild the run's mechanism from the stored file, checking both checksums."""
-    from ..mechanisms import from_params
-    from ..mechanisms.io import FORMAT, VERSION, _checksum
-    from ..workloads import Workload
+def _mechanism_from_document(text: str, checksum: str, run_id: int) -> Mechanism:
+    """Rebuild the run's mechanism from the stored file (``io.loads``: the one validating
+    reader), which must carry the checksum recorded on the run."""
+    from ..mechanisms.io import MechanismFileError, loads
 
     try:
-        document = json.loads(text)
-        body = document["body"]
-        ok = (document.get("format") == FORMAT and document.get("version") == VERSION
-              and document.get("checksum") == _checksum(body) == checksum)
-    except (ValueError, KeyError, TypeError, AttributeError):
-        ok = False
-    if not ok:
-        raise LedgerError("the run's stored mechanism file failed its checksum: the ledger was modified or damaged")
-    try:
-        return from_params(body["kind"], body["rounds"], Workload.from_dict(body["workload"]), body["params"])
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise LedgerError(f"the run's stored mechanism is invalid: {e}") from None
+        mechanism, _, stored = loads(text, source=f"run {run_id} mechanism")
+    except MechanismFileError as e:
+        raise LedgerError(f"{e} (the ledger was modified or damaged)") from None
+    if stored != checksum:
+        raise LedgerError(f"run {run_id}: the stored mechanism file failed its checksum: the ledger was modified "
+                          "or damaged")
+    return mechanism
 
 
 def _read(conn: Connection, url: URL, run_id: int | None):
@@ -229,7 +223,7 @@ def audit(url: str | os.PathLike, run_id: int | None = None) -> AuditReport:
 def _report(ledger: str, version: str, run: Run, rounds: list[Round], snaps: dict[int, PrivacySnapshot],
             unique: np.ndarray, users: np.ndarray, r_sorted: np.ndarray, state: list) -> AuditReport:
     info = RunInfo.from_row(run)
-    mechanism = _mechanism_from_document(run.mechanism_document, run.mechanism_checksum)
+    mechanism = _mechanism_from_document(run.mechanism_document, run.mechanism_checksum, info.id)
     schema = schema_from_dict(run.participation_schema)
     n = info.rounds
     if mechanism.rounds != n:
@@ -241,7 +235,8 @@ def _report(ledger: str, version: str, run: Run, rounds: list[Round], snaps: dic
         raise LedgerError(f"run {info.id}: a participation lies outside the run's {n} rounds")
     n_users = len(unique)
     z, delta = info.noise_multiplier, info.delta
-    priv = run_privacy(mechanism, schema, z, delta, users, r_sorted, n_users)
+    priv = run_privacy(mechanism, schema, z, delta, users, r_sorted, n_users,
+                       labels=[key.tobytes().hex() for key in unique])
     s_plan = priv.sensitivity_plan
     upto = (last + 1) if last is not None else 0
 
@@ -261,21 +256,13 @@ def _report(ledger: str, version: str, run: Run, rounds: list[Round], snaps: dic
     np.maximum.at(max_part_by_round, r_sorted, ordinal)
     max_part_by_round = np.maximum.accumulate(max_part_by_round)
 
-    # users who may have broken the plan, and the worst user: accounted by the post-hoc API
-    suspect = (counts > k) | (user_min_gap < b) | (priv.user_sensitivity > s_plan * (1 + _REL_TOL))
-    if isinstance(schema, FixedEpoch) and n_users:
-        slot = r_sorted % schema.min_sep
-        suspect |= np.logical_or.reduceat(slot != slot[bounds[:-1]][users], bounds[:-1])
-    chosen = set(np.flatnonzero(suspect).tolist())
-    if n_users:
-        chosen.add(int(np.argmax(priv.user_sensitivity)))
-    posthoc = _posthoc(mechanism, z, delta, schema, unique, bounds, r_sorted, sorted(chosen))
+    # users who broke the plan: fedmf.accounting.posthoc accounted every user
     flagged = []
-    for u, account in posthoc.items():
+    for u, account in enumerate(priv.posthoc.users):
         if account.violation is None:
             continue
         flagged.append({
-            "user": unique[u].tobytes().hex()[:16],
+            "user": account.user[:16],
             "participations": int(counts[u]),
             "min_separation": None if user_min_gap[u] == big else int(user_min_gap[u]),
             "rounds": list(account.rounds),
@@ -290,9 +277,9 @@ def _report(ledger: str, version: str, run: Run, rounds: list[Round], snaps: dic
     state_keys = np.frombuffer(b"".join(bytes(k) for k, _, _ in state), dtype=np.uint8).reshape(-1, 32)
     consistent = (len(state) == n_users and bool(np.array_equal(state_keys, unique))
                   and [(c, lr) for _, c, lr in state] == list(zip(counts.tolist(), last_round.tolist())))
-    eps_end = max([float(priv.epsilon_user.max(initial=0.0))] + [a.epsilon for a in posthoc.values()])
+    eps_end = priv.posthoc.epsilon  # the worst user's
 
-    planned_std = z * info.clip_norm * s_plan
+    planned_std = z * info.clip_norm * s_plan  # absolute, like rounds.noise_std: sigma = z · clip_norm · sens
     rows = []
     below = []
     for r in rounds:
@@ -316,6 +303,7 @@ def _report(ledger: str, version: str, run: Run, rounds: list[Round], snaps: dic
             "recorded_epsilon_planned": snap.epsilon_planned if snap else None,
             "min_separation": None if min_gap_by_round[t] == big else int(min_gap_by_round[t]),
             "max_participations": int(max_part_by_round[t]),
+            "checkpoint_sha256": r.checkpoint_sha256,
         })
 
     realized_gap = int(user_min_gap.min()) if n_users and user_min_gap.min() != big else None
@@ -345,18 +333,3 @@ def _report(ledger: str, version: str, run: Run, rounds: list[Round], snaps: dic
     run_dict = info.to_dict()
     return AuditReport(ledger, version, run_dict, planned, realized, hist, flagged, rows)
 
-
-def _posthoc(mechanism: Mechanism, z: float, delta: float, schema, unique: np.ndarray, bounds: np.ndarray,
-             rounds: np.ndarray, chosen: list[int]) -> dict[int, Any]:
-    """``fedmf.accounting.posthoc.account_observed`` for the chosen users: their own
-    sensitivity, ε and why they broke the plan. (It takes about a millisecond per user,
-    so the population's values come from the vectorized ``run_privacy`` instead.)"""
-    from ..accounting.posthoc import account_observed
-    from ..participation import Observed
-
-    if not chosen:
-        return {}
-    items = tuple((unique[u].tobytes().hex(), tuple(int(x) for x in rounds[bounds[u] : bounds[u + 1]]))
-                  for u in chosen)
-    report = account_observed(mechanism, z, delta, Observed(items), schema)
-    return dict(zip(chosen, report.users))

@@ -96,9 +96,18 @@ def _is_memory(url: URL) -> bool:
     return url.get_backend_name() == "sqlite" and url.database in (None, "", ":memory:")
 
 
+WRITE = {"fedmf_write": True}  # execution options of a writing transaction: ``engine.execution_options(**WRITE)``
+
+
 def _sqlite_transactions(engine: Engine, *, foreign_keys: bool) -> None:
     """pysqlite's own transaction handling skips BEGIN before DDL and SELECT; take it over
-    so that migrations and reads are real transactions (SQLAlchemy's documented recipe)."""
+    so that migrations and reads are real transactions (SQLAlchemy's documented recipe).
+
+    A transaction on a connection with the ``WRITE`` options takes the write lock up front
+    (BEGIN IMMEDIATE) and so waits its turn (the busy timeout) behind another process's writer
+    instead of failing on a lock upgrade; reads stay deferred. The writer puts a file ledger in
+    WAL mode (readers, the audit among them, never block a writer nor wait for one) with
+    synchronous=FULL, so a committed round survives a power cut."""
 
     @event.listens_for(engine, "connect")
     def _connect(dbapi_connection, _record):  # pragma: no cover - exercised through every test
@@ -107,11 +116,13 @@ def _sqlite_transactions(engine: Engine, *, foreign_keys: bool) -> None:
         if foreign_keys:  # the writer
             cursor.execute("PRAGMA foreign_keys = ON")
             cursor.execute("PRAGMA cache_size = -65536")  # 64 MiB: keys land all over the eligibility index
+            cursor.execute("PRAGMA journal_mode = WAL")  # persistent; in-memory databases keep "memory"
+            cursor.execute("PRAGMA synchronous = FULL")
         cursor.close()
 
     @event.listens_for(engine, "begin")
     def _begin(conn):  # pragma: no cover
-        conn.exec_driver_sql("BEGIN")
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.get_execution_options().get("fedmf_write") else "BEGIN")
 
 
 def writer_engine(url: URL) -> Engine:
@@ -138,7 +149,13 @@ def reader_engine(url: URL) -> Engine:
         path = Path(url.database)
         if not path.is_file():
             raise LedgerError(f"no ledger at {str(path)!r}: file not found")
-        uri = f"file:{quote(str(path.resolve()))}?mode=ro"
+        path = path.resolve()
+        uri = f"file:{quote(str(path))}?mode=ro"
+        if not os.access(path.parent, os.W_OK) and not Path(f"{path}-wal").exists():
+            # SQLite could not create the WAL index (-wal, -shm) a reader needs beside this ledger, and
+            # no server has it open (no -wal): read it as immutable. Elsewhere a reader creates the
+            # index files (empty); the ledger itself is never written.
+            uri += "&immutable=1"
 
         def creator() -> sqlite3.Connection:
             return sqlite3.connect(uri, uri=True, timeout=30, check_same_thread=False)
@@ -241,7 +258,7 @@ def upgrade(engine: Engine, url: URL) -> str:
     from alembic import command
 
     with database_errors(url, "cannot open ledger"):
-        with engine.begin() as connection:
+        with engine.execution_options(**WRITE).begin() as connection:
             if connection.dialect.name == "postgresql":
                 # two servers starting at once must not both migrate
                 connection.execute(text("SELECT pg_advisory_xact_lock(7213540911)"))

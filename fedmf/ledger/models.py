@@ -36,11 +36,13 @@ __all__ = [
     "ROUND_STATUSES",
     "PARTICIPATION_STATUSES",
     "VERSION_TABLE",
+    "NOISE_STD_COMMENT",
 ]
 
 VERSION_TABLE = "fedmf_ledger_version"  # Alembic's version table, named so it cannot clash
 ROUND_STATUSES = ("planned", "open", "committed", "aborted")
 PARTICIPATION_STATUSES = ("contributed", "dropped", "rejected")
+NOISE_STD_COMMENT = "absolute noise std sigma = z * clip_norm * sensitivity (not z * sensitivity)"
 
 
 def _utcnow() -> dt.datetime:
@@ -73,8 +75,13 @@ class Run(Base):
     participation_schema: Mapped[dict[str, Any]] = mapped_column(JSON)  # the plan: MinSep or FixedEpoch
     sampling: Mapped[str] = mapped_column(String(200))
     key_check: Mapped[str] = mapped_column(String(64))  # HMAC of a fixed label under the secret
+    plan: Mapped[Optional[dict[str, Any]]] = mapped_column(JSON, comment="RunPlan.to_dict(); never a secret")
+    plan_fingerprint: Mapped[Optional[str]] = mapped_column(
+        String(80), comment="RunPlan.fingerprint: finds the run to resume"
+    )
 
     __table_args__ = (
+        Index("ix_runs_plan_fingerprint", "plan_fingerprint"),
         CheckConstraint("rounds > 0", name="ck_runs_rounds"),
         CheckConstraint("noise_multiplier > 0", name="ck_runs_noise_multiplier"),
         CheckConstraint("clip_norm > 0", name="ck_runs_clip_norm"),
@@ -106,7 +113,11 @@ class Round(Base):
     norm_median: Mapped[Optional[float]] = mapped_column(Float)
     norm_mean: Mapped[Optional[float]] = mapped_column(Float)
     norm_max: Mapped[Optional[float]] = mapped_column(Float)
-    noise_std: Mapped[Optional[float]] = mapped_column(Float)
+    # the absolute std sigma = z * clip_norm * sensitivity added to the round's sum (never z * sensitivity)
+    noise_std: Mapped[Optional[float]] = mapped_column(Float, comment=NOISE_STD_COMMENT)
+    checkpoint_sha256: Mapped[Optional[str]] = mapped_column(
+        String(64), comment="SHA-256 (hex) of the checkpoint written for this committed round"
+    )
 
     __table_args__ = (
         CheckConstraint("status IN ('planned', 'open', 'committed', 'aborted')", name="ck_rounds_status"),

@@ -6,15 +6,20 @@
     chosen = run.record_selection(t, candidates)     # refuses clients that would break MinSep(b, k)
     run.record_contribution(t, client, update_norm=…)
     run.record_rejection(t, client, "non-finite update")
-    run.commit_round(t, noise_std=σ)                 # all of round t's rows, or (abort_round) none
+    run.commit_round(t, noise_std=σ, checkpoint_sha256=h)  # all of round t's rows, or (abort_round) none
     run.eligible(clients, t) -> [bool, …]            # one indexed query
     ledger.observed_pattern(run.id) -> Observed      # what really happened, for post-hoc accounting
+    ledger.find_runs(plan.fingerprint)               # a restarted server finds the run to resume
 
 A round's selections and contributions are held in memory until ``commit_round`` writes
 them, with the round's counts and the accountant's ε snapshot, in one transaction;
 ``abort_round`` discards them and marks the round aborted (it may be re-opened). Rows of
 the ``participations`` table therefore exist only for committed rounds. A round left
 open by a server that stopped is marked aborted when the run is resumed.
+
+Every writing transaction takes the write lock when it begins (SQLite: BEGIN IMMEDIATE,
+waiting up to the busy timeout), so servers writing different runs of one SQLite ledger
+wait for each other instead of failing; reads never take it.
 
 Only contributions count as participations (a dropped or rejected update was never
 summed, so it spends no privacy); eligibility and the observed pattern use them alone.
@@ -23,12 +28,12 @@ summed, so it spends no privacy); eligibility and the observed pattern use them 
 from __future__ import annotations
 
 import datetime as dt
+import json
 import math
 import os
+import re
 import secrets
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import numpy as np
@@ -37,8 +42,9 @@ from sqlalchemy.dialects.postgresql import aggregate_order_by
 from sqlalchemy.engine import URL, Connection, Engine
 from sqlalchemy.orm import Session
 
+from ..errors import ConfigError
 from ..participation import FixedEpoch, MinSep, Observed, schema_from_dict
-from .db import LedgerError, database_errors, display_url, resolve_url, upgrade, writer_engine
+from .db import WRITE, LedgerError, database_errors, display_url, resolve_url, upgrade, writer_engine
 from .keys import ServerSecret
 from .models import ClientState, Participation, PrivacySnapshot, Round, Run
 
@@ -60,6 +66,9 @@ def _upsert_client_state(dialect: str):
         set_={"contributions": ClientState.contributions + 1, "last_round": stmt.excluded.last_round},
     )
 _REASON_MAX = 200
+_FINGERPRINT_MAX = 80
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+_SECRET_WORDS = ("secret", "seed")  # a plan's keys that would put a secret into the ledger
 
 
 def _now() -> dt.datetime:
@@ -88,6 +97,8 @@ class RunInfo:
     mechanism_kind: str
     mechanism_checksum: str
     config: dict[str, Any]
+    plan: dict[str, Any] | None = None
+    plan_fingerprint: str | None = None
 
     @property
     def min_sep(self) -> int:
@@ -104,7 +115,7 @@ class RunInfo:
             rounds=row.rounds, noise_multiplier=row.noise_multiplier, clip_norm=row.clip_norm, delta=row.delta,
             target_epsilon=row.target_epsilon, schema=schema_from_dict(row.participation_schema),
             sampling=row.sampling, mechanism_kind=row.mechanism_kind, mechanism_checksum=row.mechanism_checksum,
-            config=dict(row.config or {}),
+            config=dict(row.config or {}), plan=row.plan, plan_fingerprint=row.plan_fingerprint,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -118,6 +129,7 @@ class RunInfo:
             "target_epsilon": self.target_epsilon, "schema": self.schema.to_dict(self.rounds),
             "sampling": self.sampling, "mechanism_kind": self.mechanism_kind,
             "mechanism_checksum": self.mechanism_checksum, "config": self.config,
+            "plan": self.plan, "plan_fingerprint": self.plan_fingerprint,
         }
 
 
@@ -135,7 +147,8 @@ class RoundSummary:
     norm_median: float | None
     norm_mean: float | None
     norm_max: float | None
-    noise_std: float | None
+    noise_std: float | None  # absolute: z · clip_norm · sensitivity
+    checkpoint_sha256: str | None
 
     @classmethod
     def from_row(cls, row: Round) -> "RoundSummary":
@@ -158,11 +171,43 @@ def _finite_float(name: str, value: object, *, positive: bool = False, allow_non
     if value is None and allow_none:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
-        raise ValueError(f"{name} must be a number, got {value!r}")
+        raise ConfigError(f"{name} must be a number, got {value!r}")
     v = float(value)
     if not math.isfinite(v) or v < 0 or (positive and v == 0):
-        raise ValueError(f"{name} must be a finite {'positive' if positive else 'non-negative'} number, got {value!r}")
+        raise ConfigError(f"{name} must be a finite {'positive' if positive else 'non-negative'} number, got {value!r}")
     return v
+
+
+def _plan_json(plan: object) -> dict[str, Any] | None:
+    """``plan`` checked to be a JSON object without secrets (it is stored verbatim)."""
+    if plan is None:
+        return None
+    if not isinstance(plan, dict):
+        raise ConfigError(f"plan must be a dict (RunPlan.to_dict()), not {type(plan).__name__}")
+    try:
+        data = json.loads(json.dumps(plan, allow_nan=False))
+    except (TypeError, ValueError, RecursionError) as e:
+        raise ConfigError(f"plan must be JSON (finite numbers, string keys): {e}") from None
+    stack = [data]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            for key, value in item.items():
+                if any(word in key.lower() for word in _SECRET_WORDS):
+                    raise ConfigError(f"plan must not carry secrets: remove its key {key!r}")
+                stack.append(value)
+        elif isinstance(item, list):
+            stack.extend(item)
+    return data
+
+
+def _fingerprint(value: object, *, allow_none: bool) -> str | None:
+    if value is None and allow_none:
+        return None
+    if not isinstance(value, str) or not 0 < len(value) <= _FINGERPRINT_MAX:
+        raise ConfigError(f"plan_fingerprint must be a non-empty string of at most {_FINGERPRINT_MAX} "
+                          f"characters, got {value!r}")
+    return value
 
 
 class Ledger:
@@ -173,6 +218,7 @@ class Ledger:
         self.engine = engine
         self.url = url
         self._secret = secret
+        self.write_engine = engine.execution_options(**WRITE)  # its transactions take the write lock first
 
     def __repr__(self) -> str:
         return f"Ledger({display_url(self.url)!r})"
@@ -217,43 +263,46 @@ class Ledger:
         sampling: str = "fixed-order",
         name: str | None = None,
         config: dict[str, Any] | None = None,
+        plan: dict[str, Any] | None = None,
+        plan_fingerprint: str | None = None,
     ) -> "RunLedger":
         """Record a new run and its plan; returns it ready for round 0.
 
         ``mechanism`` is a mechanism file (its text and checksum are stored, so the ledger
-        alone suffices for an audit) or a Mechanism (stored as ``fedmf.mechanisms.io`` would
-        save it). ``schema`` defaults to the schema the file was planned for.
+        alone suffices for an audit) or a Mechanism (stored as ``fedmf.mechanisms.io.dumps``
+        writes it). ``schema`` defaults to the schema the file was planned for. ``plan`` (a
+        ``RunPlan.to_dict()``, JSON without secrets) and ``plan_fingerprint`` are stored on the
+        run row; ``find_runs(plan_fingerprint)`` finds the run again.
         """
         from .. import __version__
-        from ..mechanisms.io import load_with_schema
+        from ..mechanisms.io import loads
 
         secret = self._need_secret()
         z = _finite_float("noise_multiplier", noise_multiplier, positive=True)
         zeta = _finite_float("clip_norm", clip_norm, positive=True)
         d = _finite_float("delta", delta, positive=True)
         if not d < 1:
-            raise ValueError(f"delta must lie in (0, 1), got {delta!r}")
+            raise ConfigError(f"delta must lie in (0, 1), got {delta!r}")
         eps = _finite_float("target_epsilon", target_epsilon, positive=True, allow_none=True)
-        document, path_label = _mechanism_document(mechanism, schema)
-        with tempfile.TemporaryDirectory() as tmp:  # validate through the one loader
-            check = Path(tmp) / "mechanism.json"
-            check.write_text(document, encoding="utf-8")
-            mech, planned, checksum = load_with_schema(check)
+        plan_data = _plan_json(plan)
+        fingerprint = _fingerprint(plan_fingerprint, allow_none=True)
+        document, source = _mechanism_document(mechanism, schema)
+        mech, planned, checksum = loads(document, source=source)  # the one validating reader
         if schema is None:
             schema = planned
         if schema is None:
-            raise ValueError(f"{path_label} records no participation schema: pass schema=MinSep(b, k)")
+            raise ConfigError(f"{source!r} records no participation schema: pass schema=MinSep(b, k)")
         if not isinstance(schema, (MinSep, FixedEpoch)):
-            raise ValueError(f"a run is planned for MinSep or FixedEpoch, not {type(schema).__name__}")
+            raise ConfigError(f"a run is planned for MinSep or FixedEpoch, not {type(schema).__name__}")
         schema.validate(mech.rounds)
         row = Run(
             uid=secrets.token_hex(16), name=name, created_at=_now(), code_version=f"fedmf {__version__}",
             config=dict(config or {}), mechanism_kind=mech.kind, mechanism_checksum=checksum,
             mechanism_document=document, rounds=mech.rounds, noise_multiplier=z, clip_norm=zeta, delta=d,
             target_epsilon=eps, participation_schema=schema.to_dict(mech.rounds), sampling=str(sampling)[:200],
-            key_check=secret.key_check(),
+            key_check=secret.key_check(), plan=plan_data, plan_fingerprint=fingerprint,
         )
-        with self._errors("cannot write to ledger"), Session(self.engine) as session, session.begin():
+        with self._errors("cannot write to ledger"), Session(self.write_engine) as session, session.begin():
             session.add(row)
             session.flush()
             run_id = row.id
@@ -268,8 +317,16 @@ class Ledger:
         return self.run(run_id)
 
     def runs(self) -> list[RunInfo]:
+        """Every run, oldest first."""
         with self._errors(), Session(self.engine) as session:
             return [RunInfo.from_row(r) for r in session.scalars(select(Run).order_by(Run.id))]
+
+    def find_runs(self, plan_fingerprint: str) -> list[RunInfo]:
+        """The runs recorded for the plan with this fingerprint, oldest first (an indexed query)."""
+        fingerprint = _fingerprint(plan_fingerprint, allow_none=False)
+        with self._errors(), Session(self.engine) as session:
+            rows = session.scalars(select(Run).where(Run.plan_fingerprint == fingerprint).order_by(Run.id))
+            return [RunInfo.from_row(r) for r in rows]
 
     def run(self, run_id: int) -> "RunLedger":
         """Resume a run (needs the secret it was created with). A round that a stopped server
@@ -305,24 +362,16 @@ def _get_run(session: Session, run_id: int, url: URL) -> Run:
 
 
 def _mechanism_document(mechanism: Any, schema: MinSep | FixedEpoch | None) -> tuple[str, str]:
-    """The mechanism file's text (a Mechanism object is saved the way io.save writes it)."""
+    """(the mechanism file's text, what to call it in messages); a Mechanism object is
+    written the way ``io.save`` would write it."""
     from ..mechanisms.base import Mechanism
-    from ..mechanisms.io import save
+    from ..mechanisms.io import dumps, read_text
 
     if isinstance(mechanism, Mechanism):
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / "mechanism.json"
-            save(mechanism, path, schema)
-            return path.read_text(encoding="utf-8"), f"mechanism {mechanism.kind!r}"
+        return dumps(mechanism, schema), f"mechanism {mechanism.kind}"
     if not isinstance(mechanism, (str, os.PathLike)):
-        raise TypeError("mechanism must be a mechanism file path or a Mechanism")
-    path = Path(mechanism)
-    try:
-        return path.read_text(encoding="utf-8"), repr(str(path))
-    except OSError as e:
-        raise ValueError(f"cannot read mechanism file {str(path)!r}: {e.strerror or e}") from None
-    except UnicodeDecodeError:
-        raise ValueError(f"{str(path)!r} is not a mechanism file (not UTF-8 text)") from None
+        raise ConfigError(f"mechanism must be a mechanism file path or a Mechanism, not {type(mechanism).__name__}")
+    return read_text(mechanism), os.fspath(mechanism)
 
 
 def fetch_contributions(conn: Connection, run_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -415,7 +464,7 @@ class RunLedger:
         if t != expected:
             raise LedgerError(f"run {self.id}: the next round to open is {expected}, not {t}")
         where = (Round.run_id == self.id, Round.round_index == t)
-        with self.ledger._errors("cannot write to ledger"), self.ledger.engine.begin() as conn:
+        with self.ledger._errors("cannot write to ledger"), self.ledger.write_engine.begin() as conn:
             done = conn.execute(
                 update(Round)
                 .where(*where, Round.status.in_(("planned", "aborted", "open")))
@@ -438,10 +487,10 @@ class RunLedger:
         clients = list(clients)
         keys = self.keys(clients)
         if len(set(keys)) != len(keys):
-            raise ValueError("a client is listed twice in one selection")
+            raise LedgerError("a client is listed twice in one selection")
         for key in keys:
             if key in pending.selected or key in pending.rejected:
-                raise ValueError(f"client {_key_label(key)} was already selected or rejected in round {t}")
+                raise LedgerError(f"client {_key_label(key)} was already selected or rejected in round {t}")
         reasons = self._ineligibility(keys, t) if enforce else [None] * len(keys)
         accepted = []
         for client, key, reason in zip(clients, keys, reasons):
@@ -461,9 +510,9 @@ class RunLedger:
         key = self.key(client)
         norm = _finite_float("update_norm", update_norm, allow_none=True)
         if key not in pending.selected:
-            raise ValueError(f"client {_key_label(key)} was not selected in round {t}")
+            raise LedgerError(f"client {_key_label(key)} was not selected in round {t}")
         if key in pending.contributed:
-            raise ValueError(f"client {_key_label(key)} already contributed to round {t}")
+            raise LedgerError(f"client {_key_label(key)} already contributed to round {t}")
         if clipped is None:
             clipped = norm is not None and norm > self.info.clip_norm
         pending.contributed[key] = (norm, bool(clipped))
@@ -473,7 +522,7 @@ class RunLedger:
         clients = list(clients)
         norms = [None] * len(clients) if update_norms is None else list(update_norms)
         if len(norms) != len(clients):
-            raise ValueError("update_norms must have one entry per client")
+            raise LedgerError("update_norms must have one entry per client")
         for client, norm in zip(clients, norms):
             self.record_contribution(t, client, norm)
 
@@ -483,16 +532,23 @@ class RunLedger:
         pending = self._open(t)
         key = self.key(client)
         if key in pending.contributed:
-            raise ValueError(f"client {_key_label(key)} already contributed to round {t}")
+            raise LedgerError(f"client {_key_label(key)} already contributed to round {t}")
         if key in pending.rejected:
-            raise ValueError(f"client {_key_label(key)} was already rejected in round {t}")
+            raise LedgerError(f"client {_key_label(key)} was already rejected in round {t}")
         pending.selected.pop(key, None)
         pending.rejected[key] = str(reason)[:_REASON_MAX] or "rejected"
 
     def commit_round(self, t: int, *, noise_std: float | None = None, epsilon_worst_user: float | None = None,
-                     epsilon_planned: float | None = None) -> RoundSummary:
-        """Write round t's rows, counts, update-norm summary and ε snapshot in one transaction."""
+                     epsilon_planned: float | None = None, checkpoint_sha256: str | None = None) -> RoundSummary:
+        """Write round t's rows, counts, update-norm summary and ε snapshot in one transaction.
+
+        ``noise_std`` is the absolute std σ = z·ζ·sens added to the round's sum;
+        ``checkpoint_sha256`` the SHA-256 (64 lowercase hex digits) of the checkpoint written
+        for round t, which a resumed server checks before trusting it."""
         pending = self._open(t)
+        if checkpoint_sha256 is not None and (not isinstance(checkpoint_sha256, str)
+                                              or not _SHA256_HEX.fullmatch(checkpoint_sha256)):
+            raise ConfigError(f"checkpoint_sha256 must be 64 lowercase hex digits, got {checkpoint_sha256!r}")
         noise = _finite_float("noise_std", noise_std, allow_none=True)
         eps_w = _finite_float("epsilon_worst_user", epsilon_worst_user, allow_none=True)
         eps_p = _finite_float("epsilon_planned", epsilon_planned, allow_none=True)
@@ -516,13 +572,14 @@ class RunLedger:
             "clipped": sum(1 for _, c in pending.contributed.values() if c),
         }
         values = {
-            "status": "committed", "closed_at": _now(), "noise_std": noise, **counts,
+            "status": "committed", "closed_at": _now(), "noise_std": noise, "checkpoint_sha256": checkpoint_sha256,
+            **counts,
             "norm_min": float(norms.min()) if norms.size else None,
             "norm_median": float(np.median(norms)) if norms.size else None,
             "norm_mean": float(norms.mean()) if norms.size else None,
             "norm_max": float(norms.max()) if norms.size else None,
         }
-        with self.ledger._errors("cannot write to ledger"), self.ledger.engine.begin() as conn:
+        with self.ledger._errors("cannot write to ledger"), self.ledger.write_engine.begin() as conn:
             status, attempts = conn.execute(
                 select(Round.status, Round.attempts)
                 .where(Round.run_id == self.id, Round.round_index == t)
@@ -545,7 +602,7 @@ class RunLedger:
     def abort_round(self, t: int, reason: str = "aborted") -> None:
         """Discard round t's rows (none was written) and mark it aborted; it may be re-opened."""
         pending = self._open(t)
-        with self.ledger._errors("cannot write to ledger"), self.ledger.engine.begin() as conn:
+        with self.ledger._errors("cannot write to ledger"), self.ledger.write_engine.begin() as conn:
             done = conn.execute(
                 update(Round)
                 .where(Round.run_id == self.id, Round.round_index == t, Round.status == "open",
@@ -608,7 +665,7 @@ class RunLedger:
     # ---- helpers -------------------------------------------------------------------------------
     def _check_index(self, t: int) -> None:
         if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < self.info.rounds:
-            raise ValueError(f"round index must be an integer in [0, {self.info.rounds}), got {t!r}")
+            raise LedgerError(f"round index must be an integer in [0, {self.info.rounds}), got {t!r}")
 
     def _check_still_ours(self, t: int, status: str, attempts: int, doing: str) -> None:
         if status != "open":
