@@ -1,0 +1,321 @@
+"""PrivateRun: the server side of one private run, round by round, framework-free.
+
+It holds the plan, the ledger run, the scheduler, the privatizer, the server optimizer and the
+checkpoint store, and exposes the round as the steps of ARCHITECTURE.md's data flow:
+
+    run = PrivateRun.open(model, plan, "run/")         # new, or resumed after the last committed round
+    run.guard()                                         # horizon and budget (raises to stop cleanly)
+    selection = run.select(available_users)             # scheduler + ledger selection rows
+    ...send the model to selection.reachable, collect their updates...
+    report = run.aggregate(updates, rejected)           # validate, zero, clip, sum, noise, ÷ m, optimizer step
+    record = run.commit()                               # checkpoint, then the ledger commit naming its hash
+    ...only now release the model, metrics, evaluation...
+
+``fedmf.federated.train`` (the in-process loop) and the Flower strategy (``server/``) are both
+thin drivers of these calls, so they produce bit-identical models for the same plan, secrets,
+users and (deterministic) local updates.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Hashable, Iterable, Mapping
+
+import torch
+
+from .checkpoint import CheckpointStore, RunSecrets
+from .errors import ConfigError, FedmfError, RoundOrderError
+from .files import atomic_write
+from .plan import RunPlan
+from .privatize import RoundPrivatizer, RoundReport, layout_of
+
+__all__ = ["PrivateRun", "RoundRecord", "EVENTS"]
+
+#: the points of a round at which ``on_event(event, t)`` is called (fault-injection tests use them)
+EVENTS = ("guarded", "selected", "updates", "noised", "stepped", "checkpointed", "committed", "released")
+_RUN_FILE = "run.json"
+
+
+@dataclass
+class RoundRecord:
+    """What a committed round may release (no noise, no per-user data)."""
+
+    round: int
+    epsilon: float
+    selected: int
+    contributed: int
+    dropped: int
+    rejected: int
+    clipped: int
+    zeroed: int
+    seconds: float
+    checkpoint_bytes: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def _param_dtype(params: Mapping[str, torch.Tensor]) -> tuple[torch.dtype, torch.device]:
+    dtypes = {p.dtype for p in params.values()}
+    devices = {p.device for p in params.values()}
+    if not params or len(dtypes) != 1 or len(devices) != 1:
+        raise ConfigError("all trainable parameters must share one floating dtype and one device")
+    dtype = dtypes.pop()
+    if not dtype.is_floating_point:
+        raise ConfigError(f"trainable parameters must be floating point, got {dtype}")
+    return dtype, devices.pop()
+
+
+class PrivateRun:
+    """One private run of ``plan`` on ``model`` with its durable state in ``directory``."""
+
+    def __init__(self, model, plan, directory, secrets, store, book, ledger_url, run, privatizer, optimizer,
+                 scheduler, on_event) -> None:
+        self.model, self.plan, self.directory = model, plan, directory
+        self._secrets, self.store, self._book, self.ledger_url = secrets, store, book, ledger_url
+        self._run, self.privatizer, self.optimizer, self.scheduler = run, privatizer, optimizer, scheduler
+        self._event = on_event or (lambda name, t: None)
+        self._params = dict(model.named_parameters())
+        self._selection = None
+        self._report: RoundReport | None = None
+        self._started = 0.0
+
+    # ---- opening and closing -----------------------------------------------------------
+    @classmethod
+    def open(cls, model: torch.nn.Module, plan: RunPlan, directory: str | os.PathLike, *,
+             ledger: str | os.PathLike | None = None, server_lr: float = 1.0, optimizer: str = "workload",
+             population: Iterable[Hashable] | None = None, on_event: Callable[[str, int], None] | None = None,
+             name: str | None = None) -> "PrivateRun":
+        """Resume the run recorded in ``directory`` (restoring the last committed round's
+        checkpoint; the plan must be the same) or start a new one. ``ledger``: a ledger URL
+        (default: ``<directory>/ledger.db``). ``population``: the users, for schedulers that
+        sample the whole population (required by the fixed-epoch order)."""
+        from .ledger import Ledger
+        from .schedule import make_scheduler
+        from .server_optimizer import server_optimizer
+
+        if not isinstance(plan, RunPlan):
+            raise ConfigError(f"plan must be a RunPlan, got {type(plan).__name__}")
+        if not isinstance(model, torch.nn.Module):
+            raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        directory = Path(directory)
+        store = CheckpointStore(directory)
+        secrets = RunSecrets(directory / "secrets")
+        ledger_url = str(ledger) if ledger is not None else str(directory / "ledger.db")
+        book = Ledger.open(ledger_url, secret=secrets.ledger_secret)
+        try:
+            params = dict(model.named_parameters())
+            dtype, device = _param_dtype(params)
+            privatizer = RoundPrivatizer(plan, layout_of(params), device=device, dtype=dtype, seed=secrets.noise_seed)
+            opt = server_optimizer(params, plan.mechanism.workload, plan.rounds, server_lr, kind=optimizer)
+            users_per_round = None
+            if plan.sampling.kind == "none" and plan.schema.name.startswith("min-sep"):
+                if not float(plan.expected_users).is_integer():
+                    raise ConfigError("without sampling, expected_users is the number of users picked per round: "
+                                      f"an integer, got {plan.expected_users}")
+                users_per_round = int(plan.expected_users)
+            scheduler = make_scheduler(plan.schema, plan.sampling, key=secrets.schedule_key, rounds=plan.rounds,
+                                       users_per_round=users_per_round,
+                                       population=None if population is None else list(population))
+            run = cls._attach(book, directory, store, plan, model, privatizer, opt, scheduler, name)
+        except BaseException:
+            book.close()
+            raise
+        return cls(model, plan, directory, secrets, store, book, ledger_url, run, privatizer, opt, scheduler, on_event)
+
+    @staticmethod
+    def _attach(book, directory: Path, store: CheckpointStore, plan: RunPlan, model, privatizer, optimizer,
+                scheduler, name):
+        run_file = directory / _RUN_FILE
+        if run_file.exists():
+            try:
+                recorded = json.loads(run_file.read_text(encoding="utf-8"))
+                run_id, fingerprint = int(recorded["run_id"]), recorded["plan_fingerprint"]
+                initial_sha256 = str(recorded["initial_sha256"])
+            except (OSError, ValueError, KeyError, TypeError):
+                raise ConfigError(f"{str(run_file)!r} is damaged") from None
+            plan.check_fingerprint(fingerprint, f"checkpoint directory {str(directory)!r}")
+            run = book.run(run_id)
+            plan.check_fingerprint(run.info.plan_fingerprint, f"ledger run {run_id}")
+            last = run.next_round - 1  # -1: the initial state, before round 0
+            digest = run.round(last).checkpoint_sha256 if last >= 0 else initial_sha256
+            state = store.load(last, digest)
+            plan.check_fingerprint(state.get("plan_fingerprint"), f"checkpoint of round {last}")
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+            privatizer.load_state_dict(state["privatizer"])
+            scheduler.load_state_dict(state["scheduler"])
+            torch.set_rng_state(state["rng"]["torch"])
+            return run
+        initial_sha256 = store.save(-1, _state(plan, model, optimizer, privatizer, scheduler))
+        run = book.create_run(plan.mechanism, noise_multiplier=plan.noise_multiplier, clip_norm=plan.clip_norm,
+                              delta=plan.delta, target_epsilon=plan.target_epsilon, schema=plan.schema,
+                              sampling=str(plan.sampling), name=name, plan=plan.to_dict(),
+                              plan_fingerprint=plan.fingerprint)
+        record = {"run_id": run.id, "plan_fingerprint": plan.fingerprint, "initial_sha256": initial_sha256}
+        atomic_write(directory / _RUN_FILE, lambda f: json.dump(record, f), text=True)
+        return run
+
+    def close(self) -> None:
+        if self._selection is not None:
+            self.abort("the server stopped during the round")
+        self._book.close()
+
+    def __enter__(self) -> "PrivateRun":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- state -------------------------------------------------------------------------
+    @property
+    def run_id(self) -> int:
+        return self._run.id
+
+    @property
+    def next_round(self) -> int:
+        """The round to run next (one past the last committed round)."""
+        return self.privatizer.next_round
+
+    def user_key(self, user: Hashable) -> bytes:
+        """The user's pseudonymous key in the ledger."""
+        return self._run.key(user)
+
+    def global_params(self) -> dict[str, torch.Tensor]:
+        """A copy of the current (committed, hence releasable) model parameters."""
+        if self._selection is not None and self._report is not None:
+            raise RoundOrderError("the model of an uncommitted round cannot be released")
+        return {name: p.detach().clone() for name, p in self._params.items()}
+
+    def observed_epsilon(self) -> float | None:
+        """The worst user's ε over the committed rounds, accounted from the ledger's pattern."""
+        from .accounting.posthoc import account_observed
+
+        observed = self._run.observed_pattern()
+        if not observed.rounds_by_user:
+            return None
+        plan = self.plan
+        return account_observed(plan.mechanism, plan.noise_multiplier, plan.delta, observed, plan.schema,
+                                accountant=plan.accountant).epsilon
+
+    # ---- the round ---------------------------------------------------------------------
+    def guard(self, observed: bool = False) -> None:
+        """Raise ``HorizonReached`` / ``PrivacyBudgetExceeded`` if the next round must not run
+        (``observed``: also check the worst observed user's ε from the ledger)."""
+        t = self.next_round
+        self.plan.guard(t, self.observed_epsilon() if observed and t > 0 else None)
+        self._event("guarded", t)
+
+    def select(self, available: Iterable[Hashable]):
+        """Decide who takes part in the next round, open it in the ledger and record the
+        selection (amplified schemes: sampled users who are unreachable are dropouts)."""
+        if self._selection is not None:
+            raise RoundOrderError(f"round {self._selection.round} is still open")
+        t = self.next_round
+        self._started = time.perf_counter()
+        selection = self.scheduler.select(t, available)
+        self._event("selected", t)
+        self._run.open_round(t)
+        try:
+            accepted = self._run.record_selection(t, list(selection.selected))
+            if len(accepted) != len(selection.selected):
+                raise FedmfError(f"round {t}: the ledger refused users the scheduler selected (a plan mismatch)")
+        except BaseException:
+            self._abort_ledger(t, "selection failed")
+            raise
+        self._selection = selection
+        self._report = None
+        return selection
+
+    def aggregate(self, updates: Mapping[Hashable, Any],
+                  rejected: Mapping[Hashable, str] | None = None) -> RoundReport:
+        """Privatize the round's updates (summed in ``str(user)`` order) and step the model.
+        ``rejected``: users whose reply was refused before it reached the engine (reason).
+        Nothing of this round may be released before ``commit``."""
+        selection = self._require_open()
+        t = selection.round
+        self._event("updates", t)
+        try:
+            mean, report = self.privatizer.privatize(t, updates, selected=selection.selected)
+            self._event("noised", t)
+            self.optimizer.step(mean)
+            self._event("stepped", t)
+            recorded: set[str] = set()
+            for item in report.users:
+                recorded.add(str(item.user))
+                if item.status == "contributed":
+                    self._run.record_contribution(t, item.user, update_norm=item.norm, clipped=item.clipped)
+                else:
+                    self._run.record_rejection(t, item.user, item.reason)
+            for user, reason in (rejected or {}).items():
+                if str(user) not in recorded:
+                    recorded.add(str(user))
+                    self._run.record_rejection(t, user, reason)
+        except BaseException:
+            self.abort("the round failed during aggregation")
+            raise
+        self._report = report
+        return report
+
+    def commit(self) -> RoundRecord:
+        """Checkpoint, then commit the round in the ledger naming the checkpoint's hash. After
+        this the round's model and metrics may be released."""
+        selection = self._require_open()
+        if self._report is None:
+            raise RoundOrderError(f"round {selection.round} has not been aggregated")
+        t = selection.round
+        try:
+            digest = self.store.save(t, _state(self.plan, self.model, self.optimizer, self.privatizer, self.scheduler))
+            self._event("checkpointed", t)
+            summary = self._run.commit_round(t, noise_std=self.plan.noise_std, epsilon_planned=self.plan.epsilon_after(t),
+                                             checkpoint_sha256=digest)
+        except BaseException:
+            self.abort("the round failed while committing")
+            raise
+        report, self._selection, self._report = self._report, None, None
+        self._event("committed", t)
+        self.store.prune(keep=t)
+        return RoundRecord(t, self.plan.epsilon_after(t), summary.selected, summary.contributed, summary.dropped,
+                           summary.rejected, summary.clipped, report.counts()["zeroed"],
+                           time.perf_counter() - self._started, self.store.last_bytes)
+
+    def released(self, t: int) -> None:
+        """Mark round t's release (fault-injection hook point)."""
+        self._event("released", t)
+
+    def abort(self, reason: str) -> None:
+        """Give up the open round: nothing of it was released, and the in-memory state is
+        restored from the last committed checkpoint, so the round can be redone exactly."""
+        selection, self._selection, self._report = self._selection, None, None
+        if selection is None:
+            return
+        self.privatizer.abort()
+        self._abort_ledger(selection.round, reason)
+        last = selection.round - 1
+        digest = (self._run.round(last).checkpoint_sha256 if last >= 0
+                  else json.loads((self.directory / _RUN_FILE).read_text(encoding="utf-8"))["initial_sha256"])
+        state = self.store.load(last, digest)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.privatizer.load_state_dict(state["privatizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+    def _abort_ledger(self, t: int, reason: str) -> None:
+        try:
+            self._run.abort_round(t, reason)
+        except FedmfError:
+            pass  # the round stays open; the next open_round takes it over as a new attempt
+
+    def _require_open(self):
+        if self._selection is None:
+            raise RoundOrderError("no round is open: call select() first")
+        return self._selection
+
+
+def _state(plan: RunPlan, model, optimizer, privatizer, scheduler) -> dict[str, Any]:
+    """Everything a resumed run needs, secrets excepted."""
+    return {"plan_fingerprint": plan.fingerprint, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            "privatizer": privatizer.state_dict(), "scheduler": scheduler.state_dict(),
+            "rng": {"torch": torch.get_rng_state()}}
