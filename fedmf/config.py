@@ -1,0 +1,225 @@
+"""The run configuration of a private training job, validated once where it enters.
+
+The Flower app reads it from ``[tool.flwr.app.config]`` (overridable with ``flwr run .
+--run-config``); ``fedmf simulate`` builds the same object. Keys use Flower's kebab-case; every
+value is checked here and a bad one is a one-line ``ConfigError`` before round 1.
+
+    task              "tiny"                      client task (client/tasks)
+    task-options      '{"num_users": 20}'         JSON object of task options
+    mechanism         "bsr" | "so.mech.json"       a kind (built or optimized for the schema) or a file
+    num-bands         0                           bands for banded kinds (0: the default, min(b, 64))
+    rounds            5                           n
+    schema            "min-sep" | "fixed-epoch"
+    min-sep           1                           b
+    max-participations 0                          k (0: ceil(n / b))
+    sampling          "none" | "bminsep:P" | "cyclic-poisson:Q" | "poisson:P"
+    clients-per-round 10                          users per round (planned expected users)
+    clip-norm         1.0                         ζ
+    noise-multiplier  0.0                         z (0: calibrate for target-epsilon)
+    target-epsilon    0.0                         ε target (0: none)
+    delta             1e-5
+    zero-threshold    "default" | "none" | 100.0  ℓ∞ zeroing (default 100·ζ)
+    accountant        "pld" | "rdp"
+    server-lr         1.0                         η
+    server-momentum   0.0                         β of the workload A
+    server-cooldown   0.0                         fraction of final rounds with a linear lr cooldown
+    client-lr         0.1
+    local-epochs      1
+    batch-size        16
+    run-dir           "fedmf-run"                 checkpoints, secrets, and the default SQLite ledger
+    ledger-url        ""                          ledger URL (default: <run-dir>/ledger.db)
+    reply-timeout     600.0                       seconds to wait for a round's replies
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from .errors import ConfigError
+
+__all__ = ["RunConfig", "DEFAULTS"]
+
+DEFAULTS: dict[str, Any] = {
+    "task": "tiny", "task-options": "{}", "mechanism": "bsr", "num-bands": 0, "rounds": 5, "schema": "min-sep",
+    "min-sep": 1, "max-participations": 0, "sampling": "none", "clients-per-round": 10, "clip-norm": 1.0,
+    "noise-multiplier": 0.0, "target-epsilon": 0.0, "delta": 1e-5, "zero-threshold": "default", "accountant": "pld",
+    "server-lr": 1.0, "server-momentum": 0.0, "server-cooldown": 0.0, "client-lr": 0.1, "local-epochs": 1,
+    "batch-size": 16, "run-dir": "fedmf-run", "ledger-url": "", "reply-timeout": 600.0,
+}
+
+
+def _int(key: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        elif isinstance(value, str) and value.strip().lstrip("-").isdigit():
+            value = int(value)
+        else:
+            raise ConfigError(f"{key} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ConfigError(f"{key} must be >= {minimum}, got {value}")
+    return value
+
+
+def _float(key: str, value: Any, *, minimum: float = 0.0, strict: bool = False, maximum: float | None = None) -> float:
+    if isinstance(value, bool):
+        raise ConfigError(f"{key} must be a number, got {value!r}")
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key} must be a number, got {value!r}") from None
+    if not math.isfinite(v) or v < minimum or (strict and v == minimum) or (maximum is not None and v > maximum):
+        bound = f"> {minimum}" if strict else f">= {minimum}"
+        raise ConfigError(f"{key} must be a finite number {bound}" + (f" and <= {maximum}" if maximum is not None else "")
+                          + f", got {value!r}")
+    return v
+
+
+def _text(key: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"{key} must be a string, got {value!r}")
+    return value.strip()
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """A validated run configuration (see the module docstring for the keys)."""
+
+    task: str
+    task_options: dict[str, Any]
+    mechanism: str
+    num_bands: int | None
+    rounds: int
+    schema: str
+    min_sep: int
+    max_participations: int | None
+    sampling: str
+    clients_per_round: float
+    clip_norm: float
+    noise_multiplier: float | None
+    target_epsilon: float | None
+    delta: float
+    zero_threshold: float | None | str
+    accountant: str
+    server_lr: float
+    server_momentum: float
+    server_cooldown: float
+    client_lr: float
+    local_epochs: int
+    batch_size: int
+    run_dir: str
+    ledger_url: str | None
+    reply_timeout: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any], *, base_dir: str | os.PathLike | None = None) -> "RunConfig":
+        """Validate a mapping of kebab-case keys (unknown keys are refused; missing ones default).
+        Relative paths are taken from ``base_dir`` (default: the working directory)."""
+        unknown = sorted(set(values) - set(DEFAULTS))
+        if unknown:
+            raise ConfigError(f"unknown configuration key {unknown[0]!r} (known: {', '.join(sorted(DEFAULTS))})")
+        v = {**DEFAULTS, **values}
+        try:
+            options = json.loads(_text("task-options", v["task-options"]) or "{}")
+        except json.JSONDecodeError:
+            raise ConfigError(f"task-options must be a JSON object, got {v['task-options']!r}") from None
+        if not isinstance(options, dict):
+            raise ConfigError(f"task-options must be a JSON object, got {v['task-options']!r}")
+        schema = _text("schema", v["schema"])
+        if schema not in ("min-sep", "fixed-epoch"):
+            raise ConfigError(f"schema must be min-sep or fixed-epoch, got {schema!r}")
+        zero = v["zero-threshold"]
+        if isinstance(zero, str) and zero.strip() in ("default", "none"):
+            zero_threshold: float | None | str = None if zero.strip() == "none" else "default"
+        else:
+            zero_threshold = _float("zero-threshold", zero, strict=True)
+        accountant = _text("accountant", v["accountant"])
+        if accountant not in ("pld", "rdp"):
+            raise ConfigError(f"accountant must be pld or rdp, got {accountant!r}")
+        noise = _float("noise-multiplier", v["noise-multiplier"])
+        target = _float("target-epsilon", v["target-epsilon"])
+        if noise == 0 and target == 0:
+            raise ConfigError("set noise-multiplier or target-epsilon (both are 0)")
+        base = Path(base_dir) if base_dir is not None else Path.cwd()
+        run_dir = _text("run-dir", v["run-dir"])
+        if not run_dir:
+            raise ConfigError("run-dir must not be empty")
+        mechanism = _text("mechanism", v["mechanism"])
+        if not mechanism:
+            raise ConfigError("mechanism must name a kind or a mechanism file")
+        if mechanism.endswith(".json") and not Path(mechanism).is_absolute():
+            mechanism = str(base / mechanism)
+        ledger = _text("ledger-url", v["ledger-url"]) or None
+        bands = _int("num-bands", v["num-bands"], 0)
+        k = _int("max-participations", v["max-participations"], 0)
+        return cls(
+            task=_text("task", v["task"]), task_options=options, mechanism=mechanism, num_bands=bands or None,
+            rounds=_int("rounds", v["rounds"], 1), schema=schema, min_sep=_int("min-sep", v["min-sep"], 1),
+            max_participations=k or None, sampling=_text("sampling", v["sampling"]),
+            clients_per_round=_float("clients-per-round", v["clients-per-round"], strict=True),
+            clip_norm=_float("clip-norm", v["clip-norm"], strict=True), noise_multiplier=noise or None,
+            target_epsilon=target or None, delta=_float("delta", v["delta"], strict=True, maximum=0.5),
+            zero_threshold=zero_threshold, accountant=accountant,
+            server_lr=_float("server-lr", v["server-lr"], strict=True),
+            server_momentum=_float("server-momentum", v["server-momentum"], maximum=0.999),
+            server_cooldown=_float("server-cooldown", v["server-cooldown"], maximum=1.0),
+            client_lr=_float("client-lr", v["client-lr"], strict=True),
+            local_epochs=_int("local-epochs", v["local-epochs"], 1), batch_size=_int("batch-size", v["batch-size"], 1),
+            run_dir=str(base / run_dir), ledger_url=ledger,
+            reply_timeout=_float("reply-timeout", v["reply-timeout"], strict=True),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    # ---- what the configuration builds ---------------------------------------------------
+    def participation_schema(self):
+        from .participation import FixedEpoch, MinSep
+
+        if self.schema == "fixed-epoch":
+            if self.rounds % self.min_sep:
+                raise ConfigError(f"fixed-epoch needs rounds = epochs x min-sep; {self.rounds} is not a multiple of "
+                                  f"{self.min_sep}")
+            return FixedEpoch(self.rounds // self.min_sep, self.min_sep)
+        k = self.max_participations or -(-self.rounds // self.min_sep)
+        return MinSep(self.min_sep, k)
+
+    def workload(self):
+        from .workloads import Workload
+
+        return Workload(momentum=self.server_momentum, cooldown=self.server_cooldown)
+
+    def build_mechanism(self, progress=None):
+        """The mechanism: loaded from its file (it must be planned for this configuration's
+        rounds and workload) or built / optimized for the schema."""
+        from .mechanisms import plan as plan_mechanism
+        from .mechanisms.io import load
+
+        schema, workload = self.participation_schema(), self.workload()
+        if self.mechanism.endswith(".json"):
+            mechanism = load(self.mechanism)
+            if mechanism.rounds != self.rounds:
+                raise ConfigError(f"mechanism file covers {mechanism.rounds} rounds, the configuration {self.rounds}")
+            if mechanism.workload != workload:
+                raise ConfigError(f"mechanism file was made for workload {mechanism.workload.name}, the configuration "
+                                  f"uses {workload.name} (server-momentum / server-cooldown)")
+            return mechanism
+        mechanism, _ = plan_mechanism(self.mechanism, self.rounds, schema, workload, num_bands=self.num_bands,
+                                      progress=progress)
+        return mechanism
+
+    def build_plan(self, mechanism=None):
+        """The RunPlan (calibrating z once when only a target ε is given)."""
+        from .plan import RunPlan
+
+        mechanism = mechanism if mechanism is not None else self.build_mechanism()
+        return RunPlan.create(mechanism, self.participation_schema(), clip_norm=self.clip_norm, delta=self.delta,
+                              expected_users=self.clients_per_round, noise_multiplier=self.noise_multiplier,
+                              target_epsilon=self.target_epsilon, sampling=self.sampling,
+                              zero_threshold=self.zero_threshold, accountant=self.accountant)
