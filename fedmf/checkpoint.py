@@ -21,7 +21,9 @@ checkpoints. A round therefore writes the model, the optimizer state, one new no
 (banded C) or the few that change every round (BLT buffers), not the whole noise history.
 
 Secrets (noise seed, scheduler key, ledger HMAC secret) live in files of mode 0600 under
-``<directory>/secrets``; they are never in a checkpoint, the ledger or a log.
+``<directory>/secrets``; they are never in a checkpoint, the ledger or a log. The checkpoints
+themselves are confidential too — a banded C's past noise outputs and the scheduler's record of
+who was sampled are in them — so the directory must be 0700 and every file is written 0600.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def _atomic_bytes(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` so that a crash leaves the old file or the new one, never half."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        with open(tmp, "wb") as f:
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -135,9 +137,14 @@ class CheckpointStore:
     def __init__(self, directory: str | os.PathLike) -> None:
         self.directory = Path(directory)
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
+            self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+            mode = stat.S_IMODE(self.directory.stat().st_mode)
         except OSError as e:
             raise CheckpointError(f"cannot create checkpoint directory {str(directory)!r}: {e.strerror or e}") from None
+        if mode & 0o077:
+            # checkpoints hold noise tensors and who was sampled: as secret as the seed
+            raise CheckpointError(f"checkpoint directory {str(directory)!r} has mode {mode:o}; it must not be "
+                                  "readable by group or others (chmod 700 it)")
         self.last_bytes = 0
 
     def path(self, t: int) -> Path:

@@ -140,13 +140,15 @@ class RoundPrivatizer:
         self.plan = plan
         self.layout = _check_layout(layout)
         self.size = flat_size(self.layout)
-        self.noise = NoiseGenerator(plan.mechanism, self.layout, plan.noise_std, dtype=dtype, device=device, seed=seed)
-        self.device, self.dtype = self.noise.device, dtype
-        self._sum = torch.zeros(self.size, dtype=dtype, device=self.device)
-        self._scratch = torch.empty(self.size, dtype=dtype, device=self.device)
-        self._noise_buffer = torch.empty(self.size, dtype=dtype, device=self.device)
+        # half-precision models are summed and noised in float32, then cast back
+        work = dtype if dtype in (torch.float32, torch.float64) else torch.float32
+        self.noise = NoiseGenerator(plan.mechanism, self.layout, plan.noise_std, dtype=work, device=device, seed=seed)
+        self.device, self.dtype, self._work = self.noise.device, dtype, work
+        self._sum = torch.zeros(self.size, dtype=work, device=self.device)
+        self._scratch = torch.empty(self.size, dtype=work, device=self.device)
+        self._noise_buffer = torch.empty(self.size, dtype=work, device=self.device)
         # clipping to exactly ζ in floating point can round up by an ulp; scale a hair below
-        self._clip_margin = 1.0 - 4.0 * torch.finfo(dtype).eps
+        self._clip_margin = 1.0 - 4.0 * torch.finfo(work).eps
         self._open: RoundReport | None = None
         self._seen: set[str] = set()
         self._selected: set[str] | None = None
@@ -188,7 +190,14 @@ class RoundPrivatizer:
         if reason is not None:
             return self._reject(user, reason)
         flat = self._flatten(update)
+        if not bool(torch.isfinite(flat).all()):
+            return self._reject(user, f"update values overflow the model's dtype {self.dtype}")
         norm = float(torch.linalg.vector_norm(flat, dtype=torch.float64))
+        if not math.isfinite(norm):  # squares overflow float64: scale by ℓ∞ first
+            top = float(torch.linalg.vector_norm(flat, ord=math.inf))
+            norm = top * float(torch.linalg.vector_norm(flat / top, dtype=torch.float64))
+            if not math.isfinite(norm):
+                return self._reject(user, "update norm is not finite")
         threshold = self.plan.zero_threshold
         if threshold is not None and float(torch.linalg.vector_norm(flat, ord=math.inf)) > threshold:
             # "Multi-Epoch MF" StackOverflow recipe: an update with ℓ∞ > 100·ζ is replaced by zero
@@ -211,7 +220,7 @@ class RoundPrivatizer:
         mean = torch.add(self._sum, flat_noise).div_(self.plan.expected_users)
         self._open = None
         self._selected = None
-        return self._unflatten(mean), report
+        return self._unflatten(mean.to(self.dtype)), report
 
     def abort(self) -> None:
         """Drop an open round without drawing its noise (nothing was released)."""
@@ -237,7 +246,7 @@ class RoundPrivatizer:
         if self._open is not None:
             raise RoundOrderError("cannot checkpoint in the middle of a round")
         return {"format": _STATE_FORMAT, "plan_fingerprint": self.plan.fingerprint,
-                "layout": {k: list(v) for k, v in self.layout.items()},
+                "layout": {k: list(v) for k, v in self.layout.items()}, "device_type": self.device.type,
                 "noise": self.noise.state_dict(include_seed=False)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -246,6 +255,10 @@ class RoundPrivatizer:
         self.plan.check_fingerprint(state.get("plan_fingerprint"), "privatizer state")
         if {k: tuple(v) for k, v in state["layout"].items()} != self.layout:
             raise PlanMismatch("privatizer state was written for another model layout")
+        if state.get("device_type") != self.device.type:
+            # the Gaussian sampler differs by device: the regenerated past draws would not match
+            raise PlanMismatch(f"privatizer state was written on {state.get('device_type')!r}; resume it on that "
+                               f"device type, not {self.device.type!r}")
         self.noise.load_state_dict(state["noise"])
         self._open = None
 

@@ -13,7 +13,10 @@ checkpoint store, and exposes the round as the steps of ARCHITECTURE.md's data f
 
 ``fedmf.federated.train`` (the in-process loop) and the Flower strategy (``server/``) are both
 thin drivers of these calls, so they produce bit-identical models for the same plan, secrets,
-users and (deterministic) local updates.
+users and (deterministic) local updates. A round that was not committed is redone with the same
+noise; its selection is the same when the same users are available (the scheduler's decisions
+are a deterministic function of its state and the available set). Both are safe only because
+nothing of an uncommitted round is released.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from typing import Any, Callable, Hashable, Iterable, Mapping
 import torch
 
 from .checkpoint import CheckpointStore, RunSecrets
-from .errors import ConfigError, FedmfError, RoundOrderError
+from .errors import CheckpointError, ConfigError, FedmfError, RoundOrderError
 from .files import atomic_write
 from .plan import RunPlan
 from .privatize import RoundPrivatizer, RoundReport, layout_of
@@ -81,6 +84,7 @@ class PrivateRun:
         self._selection = None
         self._report: RoundReport | None = None
         self._started = 0.0
+        self._broken: str | None = None  # set when an aborted round's state could not be restored
 
     # ---- opening and closing -----------------------------------------------------------
     @classmethod
@@ -149,13 +153,20 @@ class PrivateRun:
             scheduler.load_state_dict(state["scheduler"])
             torch.set_rng_state(state["rng"]["torch"])
             return run
+        # one noise seed, one run: a second run with this seed would repeat released noise
+        noise_check = privatizer.state_dict()["noise"]["seed_check"]
+        for other in book.runs():
+            if other.config.get("noise_key_check") == noise_check:
+                raise CheckpointError(f"ledger run {other.id} was made with the noise seed in {str(directory)!r} and "
+                                      f"{_RUN_FILE} is missing: restore {_RUN_FILE} to resume it, or start a new run "
+                                      "in a new directory (new secrets); noise is never reused")
         initial_sha256 = store.save(-1, _state(plan, model, optimizer, privatizer, scheduler))
         run = book.create_run(plan.mechanism, noise_multiplier=plan.noise_multiplier, clip_norm=plan.clip_norm,
                               delta=plan.delta, target_epsilon=plan.target_epsilon, schema=plan.schema,
                               sampling=str(plan.sampling), name=name, plan=plan.to_dict(),
-                              plan_fingerprint=plan.fingerprint)
+                              plan_fingerprint=plan.fingerprint, config={"noise_key_check": noise_check})
         record = {"run_id": run.id, "plan_fingerprint": plan.fingerprint, "initial_sha256": initial_sha256}
-        atomic_write(directory / _RUN_FILE, lambda f: json.dump(record, f), text=True)
+        atomic_write(directory / _RUN_FILE, lambda f: json.dump(record, f), text=True, mode=0o600)
         return run
 
     def close(self) -> None:
@@ -185,6 +196,7 @@ class PrivateRun:
 
     def global_params(self) -> dict[str, torch.Tensor]:
         """A copy of the current (committed, hence releasable) model parameters."""
+        self._check_usable()
         if self._selection is not None and self._report is not None:
             raise RoundOrderError("the model of an uncommitted round cannot be released")
         return {name: p.detach().clone() for name, p in self._params.items()}
@@ -211,6 +223,7 @@ class PrivateRun:
     def select(self, available: Iterable[Hashable]):
         """Decide who takes part in the next round, open it in the ledger and record the
         selection (amplified schemes: sampled users who are unreachable are dropouts)."""
+        self._check_usable()
         if self._selection is not None:
             raise RoundOrderError(f"round {self._selection.round} is still open")
         t = self.next_round
@@ -291,16 +304,27 @@ class PrivateRun:
         selection, self._selection, self._report = self._selection, None, None
         if selection is None:
             return
+        self._broken = "an aborted round's state is being restored"  # until the restore completes
         self.privatizer.abort()
         self._abort_ledger(selection.round, reason)
         last = selection.round - 1
         digest = (self._run.round(last).checkpoint_sha256 if last >= 0
                   else json.loads((self.directory / _RUN_FILE).read_text(encoding="utf-8"))["initial_sha256"])
-        state = self.store.load(last, digest)
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.privatizer.load_state_dict(state["privatizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        try:
+            state = self.store.load(last, digest)
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.privatizer.load_state_dict(state["privatizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+        except BaseException as e:
+            self._broken = f"restoring round {last}'s checkpoint failed ({type(e).__name__}); reopen the run"
+            raise
+        self._broken = None
+
+    def _check_usable(self) -> None:
+        if self._broken is not None:
+            # the model in memory may hold an uncommitted round's noise: nothing may leave
+            raise RoundOrderError(f"this run cannot continue: {self._broken}")
 
     def _abort_ledger(self, t: int, reason: str) -> None:
         try:

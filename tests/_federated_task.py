@@ -28,6 +28,30 @@ class Tiny(torch.nn.Module):
         self.linear = torch.nn.Linear(4, 2, dtype=dtype)
 
 
+def share_secrets(source, target) -> None:
+    """Give ``target`` (a new run directory, mode 0700) the secrets of ``source``: the same
+    noise, schedule and keys — how a test compares two runs bit for bit."""
+    import shutil
+    from pathlib import Path
+
+    Path(target).mkdir(mode=0o700, parents=True)
+    shutil.copytree(Path(source) / "secrets", Path(target) / "secrets")
+
+
+def write_secrets(target, label: bytes = b"fixed") -> None:
+    """Fixed, known secrets (0600) in a new run directory: a deterministic schedule and noise."""
+    import hashlib
+    from pathlib import Path
+
+    Path(target).mkdir(mode=0o700, parents=True)
+    directory = Path(target) / "secrets"
+    directory.mkdir(mode=0o700)
+    for name in ("noise_seed", "schedule_key", "ledger_secret"):
+        fd = os.open(directory / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, hashlib.sha256(label + name.encode()).digest())
+        os.close(fd)
+
+
 def users(count: int = USERS) -> list[str]:
     return [f"u{i:02d}" for i in range(count)]
 

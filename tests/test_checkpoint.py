@@ -105,3 +105,18 @@ def test_unwritable_directory_is_a_clean_error(tmp_path):
         os.chmod(tmp_path, 0o500)
         with pytest.raises(CheckpointError):
             CheckpointStore(tmp_path).save(0, {"a": torch.zeros(1)})
+
+
+def test_checkpoints_are_private_files_in_a_private_directory(tmp_path):
+    store = CheckpointStore(tmp_path / "run")
+    assert stat.S_IMODE((tmp_path / "run").stat().st_mode) == 0o700
+    privatizer = _privatizer("bsr", 4)
+    _run(privatizer, 0)
+    store.save(0, {"privatizer": privatizer.state_dict()})
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "run").iterdir()}
+    assert modes and set(modes.values()) == {0o600}, modes
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o755)
+    os.chmod(shared, 0o755)
+    with pytest.raises(CheckpointError, match="chmod 700"):
+        CheckpointStore(shared)

@@ -3,7 +3,6 @@ noise enters once per round in the right place, crash-exact resume, the guard.""
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 from collections import defaultdict
@@ -14,7 +13,7 @@ import pytest
 import torch
 from sqlalchemy import select
 
-from fedmf.errors import PlanMismatch
+from fedmf.errors import CheckpointError, PlanMismatch
 from fedmf.federated import train
 from fedmf.ledger import Ledger
 from fedmf.ledger.models import Participation
@@ -26,9 +25,7 @@ from . import _federated_task as task
 TASK = Path(__file__).with_name("_federated_task.py")
 
 
-def _share_secrets(source: Path, target: Path) -> None:
-    """Give ``target`` the run secrets of ``source`` (0600 files): the same noise, schedule and keys."""
-    shutil.copytree(source / "secrets", target / "secrets")
+_share_secrets = task.share_secrets
 
 
 def _ledger_rows(directory: Path, run_id: int):
@@ -183,3 +180,51 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path, uninterrupted, event, t)
         assert killed_round.attempts == (1 if event in ("selected", "committed") else 2)
     finally:
         book.close()
+
+
+def test_a_lost_run_file_never_starts_a_second_run_with_the_same_noise(tmp_path):
+    train(task.Tiny(), task.users(), task.plan(rounds=6), task.local_update, checkpoint_dir=tmp_path, rounds=2)
+    (tmp_path / "run.json").unlink()
+    with pytest.raises(CheckpointError, match="noise is never reused"):
+        train(task.Tiny(), task.users(), task.plan(rounds=6), task.local_update, checkpoint_dir=tmp_path)
+
+
+def test_an_abort_that_cannot_restore_leaves_nothing_releasable(tmp_path):
+    from fedmf.errors import RoundOrderError
+    from fedmf.run import PrivateRun
+
+    with PrivateRun.open(task.Tiny(), task.plan(rounds=6), tmp_path, population=task.users()) as run:
+        selection = run.select(task.users())
+        run.aggregate({u: task.local_update(run.global_params(), u, 0) for u in selection.reachable
+                       if u not in (task.DROPOUT_USER,)})
+        with pytest.raises(RoundOrderError):
+            run.global_params()  # aggregated but not committed: nothing may leave
+        (tmp_path / "initial.pt").unlink()
+        with pytest.raises(CheckpointError):
+            run.abort("test")
+        with pytest.raises(RoundOrderError, match="cannot continue"):
+            run.global_params()
+        with pytest.raises(RoundOrderError, match="cannot continue"):
+            run.select(task.users())
+
+
+def test_abort_restores_the_committed_state_and_the_redo_is_identical(tmp_path):
+    from fedmf.run import PrivateRun
+
+    task.write_secrets(tmp_path / "a")
+    task.share_secrets(tmp_path / "a", tmp_path / "b")
+    results = []
+    for name, fail in (("a", False), ("b", True)):
+        model = task.Tiny()
+        with PrivateRun.open(model, task.plan(rounds=6), tmp_path / name, population=task.users()) as run:
+            for t in range(3):
+                for attempt in range(2 if (fail and t == 1) else 1):
+                    selection = run.select(task.users())
+                    run.aggregate({u: task.local_update(run.global_params(), u, t) for u in selection.reachable})
+                    if fail and t == 1 and attempt == 0:
+                        run.abort("simulated failure before the commit")
+                        continue
+                    run.commit()
+        results.append(model.state_dict())
+    for name, value in results[0].items():
+        assert torch.equal(results[1][name], value), name

@@ -169,3 +169,45 @@ def test_noise_std_in_the_report_is_absolute():
     _, report = RoundPrivatizer(plan, LAYOUT, device="cpu", seed=SEED).privatize(0, {})
     assert report.noise_std == pytest.approx(0.7 * 2.5 * plan.sensitivity.value, rel=1e-12)
     assert math.isclose(report.expected_users, 5)
+
+
+def test_values_that_overflow_the_model_dtype_are_rejected_not_summed():
+    privatizer = RoundPrivatizer(_plan(), LAYOUT, device="cpu", seed=SEED)
+    huge = {k: torch.full(s, 1e39, dtype=torch.float64) for k, s in LAYOUT.items()}  # finite in float64 only
+    privatizer.begin(0)
+    result = privatizer.add("u", huge)
+    assert result.status == "rejected" and "overflow" in result.reason
+    assert float(privatizer._sum.abs().max()) == 0.0
+
+
+def test_norms_that_overflow_float64_are_clipped_correctly():
+    plan = _plan(zero_threshold=None)
+    privatizer = RoundPrivatizer(plan, LAYOUT, device="cpu", dtype=torch.float64, seed=SEED)
+    big = {k: torch.full(s, 1e200, dtype=torch.float64) for k, s in LAYOUT.items()}
+    privatizer.begin(0)
+    result = privatizer.add("u", big)
+    assert result.status == "contributed" and result.clipped and math.isfinite(result.norm)
+    assert result.norm == pytest.approx(1e200 * math.sqrt(16), rel=1e-12)
+    total = float(torch.linalg.vector_norm(privatizer._sum))
+    assert total <= 1.0 and total == pytest.approx(1.0, rel=1e-9)
+    mean, _ = privatizer.finish()
+    assert all(bool(torch.isfinite(v).all()) for v in mean.values())
+
+
+def test_a_state_from_another_device_type_is_refused():
+    privatizer = RoundPrivatizer(_plan(), LAYOUT, device="cpu", seed=SEED)
+    state = privatizer.state_dict()
+    assert state["device_type"] == "cpu"
+    state["device_type"] = "cuda"
+    with pytest.raises(PlanMismatch, match="device"):
+        RoundPrivatizer(_plan(), LAYOUT, device="cpu", seed=SEED).load_state_dict(state)
+
+
+def test_half_precision_models_are_summed_and_clipped_in_float32():
+    privatizer = RoundPrivatizer(_plan(zero_threshold=None), LAYOUT, device="cpu", dtype=torch.bfloat16, seed=SEED)
+    privatizer.begin(0)
+    privatizer.add("u", _update(5.0, 1, dtype=torch.bfloat16))
+    assert privatizer._sum.dtype == torch.float32
+    assert float(torch.linalg.vector_norm(privatizer._sum)) == pytest.approx(1.0, rel=1e-5)
+    mean, _ = privatizer.finish()
+    assert all(v.dtype == torch.bfloat16 for v in mean.values())

@@ -1,0 +1,56 @@
+"""The Flower ServerApp: read the run configuration, open (or resume) the private run, start the
+DP-MF strategy. ``flwr run .`` runs it (see the README)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import torch
+from flwr.app import ArrayRecord, Context, MetricRecord
+from flwr.serverapp import Grid, ServerApp
+
+from fedmf.config import RunConfig
+from fedmf.errors import FedmfError
+from fedmf.run import PrivateRun
+
+from .strategy import DPMFStrategy
+
+__all__ = ["app", "run_server"]
+
+log = logging.getLogger("fedmf.server")
+app = ServerApp()
+
+
+def run_server(grid: Grid, run_config: dict) -> DPMFStrategy:
+    """Validate the configuration (one-line errors before round 1), then run or resume."""
+    from client.tasks import get_task
+
+    config = RunConfig.from_mapping(run_config)
+    task = get_task(config.task, **config.task_options)
+    plan = config.build_plan()
+    model = task.model()
+
+    def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        # server-side held-out evaluation of the committed model (post-processing)
+        evaluated = task.model()
+        evaluated.load_state_dict(arrays.to_torch_state_dict())
+        with torch.no_grad():
+            return MetricRecord({k: float(v) for k, v in task.evaluate(evaluated).items()})
+
+    with PrivateRun.open(model, plan, config.run_dir, ledger=config.ledger_url, server_lr=config.server_lr,
+                         population=task.users()) as run:
+        strategy = DPMFStrategy(run, config, evaluate_fn=evaluate)
+        strategy.start(grid)
+        return strategy
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    logging.basicConfig(level=logging.INFO)
+    try:
+        run_server(grid, dict(context.run_config))
+    except FedmfError as e:
+        log.error("fedmf: error: %s", e)
+        print(f"fedmf: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -1,0 +1,104 @@
+"""A round's replies, validated as Flower messages before anything reaches the engine.
+
+A reply counts only if it comes from the node of a user selected for this round, answers this
+round of this server process (round and nonce), carries no error, is the first from its user,
+and holds an ``arrays`` record that converts to tensors. Anything else is rejected with a
+reason (recorded in the ledger when the sender is a known user) and never aggregated; nothing a
+client sends can crash the server. The update's values are checked by ``fedmf.privatize``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Iterable, Mapping
+
+from flwr.app import Message
+
+from .identity import NodeDirectory
+
+__all__ = ["RoundReplies"]
+
+log = logging.getLogger("fedmf.server")
+
+
+class RoundReplies:
+    """Collects round ``t``'s replies: ``updates`` (user → tensors) and ``rejected`` (user → reason)."""
+
+    def __init__(self, t: int, nonce: str, expected: Mapping[str, int], nodes: NodeDirectory) -> None:
+        self.t, self.nonce, self.expected, self.nodes = t, nonce, dict(expected), nodes
+        self._user_by_node = {node: user for user, node in expected.items()}
+        self.updates: dict[str, dict[str, Any]] = {}
+        self.rejected: dict[str, str] = {}
+        self.unknown = 0  # replies from nodes with no known user (not recordable in the ledger)
+        self._losses: list[tuple[float, float]] = []
+
+    def read(self, replies: Iterable[Message], layout: Mapping[str, tuple[int, ...]]) -> None:
+        for reply in replies:
+            try:
+                self._read_one(reply, layout)
+            except Exception as e:  # a malformed message must never stop the round
+                user = self._sender(reply)
+                if user is not None and user not in self.updates:
+                    self.rejected.setdefault(user, f"malformed reply ({type(e).__name__})")
+                else:
+                    self.unknown += 1
+
+    def _sender(self, reply: Message) -> str | None:
+        try:
+            node = int(reply.metadata.src_node_id)
+        except Exception:
+            return None
+        return self._user_by_node.get(node) or self.nodes.user_of(node)
+
+    def _reject(self, user: str | None, reason: str) -> None:
+        if user is None:
+            self.unknown += 1
+            log.warning("fedmf round %d: reply rejected (%s)", self.t, reason)
+        elif user not in self.updates and user not in self.rejected:
+            self.rejected[user] = reason
+
+    def _read_one(self, reply: Message, layout: Mapping[str, tuple[int, ...]]) -> None:
+        node = int(reply.metadata.src_node_id)
+        user = self._user_by_node.get(node)
+        if user is None:
+            return self._reject(self.nodes.user_of(node), f"reply from a node not selected for round {self.t}")
+        if user in self.updates or user in self.rejected:
+            # one reply per user: a second one is refused and the first stands
+            log.warning("fedmf round %d: a second reply from one user ignored", self.t)
+            return None
+        if reply.has_error():
+            return self._reject(user, f"client error (code {reply.error.code})")
+        if not reply.has_content():
+            return self._reject(user, "empty reply")
+        content = reply.content
+        config = content.config_records.get("config")
+        if config is None:
+            return self._reject(user, "reply has no config record")
+        if config.get("round") != self.t or config.get("run-nonce") != self.nonce:
+            return self._reject(user, f"reply for another round or server (round {config.get('round')!r})")
+        if config.get("user-id") != user:
+            return self._reject(user, "reply names another user")
+        arrays = content.array_records.get("arrays")
+        if arrays is None:
+            return self._reject(user, "reply has no arrays record")
+        if set(arrays.keys()) != set(layout):
+            return self._reject(user, "update names differ from the model's")
+        try:
+            update = arrays.to_torch_state_dict()
+        except Exception as e:
+            return self._reject(user, f"arrays do not convert to tensors ({type(e).__name__})")
+        self.updates[user] = update
+        metrics = content.metric_records.get("metrics")
+        if metrics is not None:
+            loss, count = metrics.get("train-loss"), metrics.get("num-examples")
+            if isinstance(loss, (int, float)) and isinstance(count, (int, float)) and math.isfinite(loss) \
+                    and math.isfinite(count) and count > 0:
+                self._losses.append((float(loss), float(count)))
+        return None
+
+    def metrics(self) -> dict[str, float]:
+        """Client-reported training loss (weighted by examples): outside the DP guarantee, as
+        Flower documents for its metrics; it is computed from accepted replies only."""
+        total = sum(c for _, c in self._losses)
+        return {"train-loss": sum(l * c for l, c in self._losses) / total} if total > 0 else {}

@@ -1,0 +1,139 @@
+"""The DP-MF strategy: Flower's hooks as the round's recipe, each step one call into fedmf.
+
+    configure_train:  guard → identify users → select (scheduler + ledger) → messages
+    aggregate_train:  validate replies → privatize + optimizer step → commit + checkpoint → metrics
+    start:            the round loop; the new model leaves the server only after the commit
+
+Validation as a Flower message happens here (``server.replies``); validation of the update's
+values, clipping, noise and the division by the planned users happen in ``fedmf``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import time
+from typing import Callable, Iterable
+
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result, Strategy
+
+from fedmf.config import RunConfig
+from fedmf.errors import HorizonReached, PrivacyBudgetExceeded
+from fedmf.run import PrivateRun, RoundRecord
+
+from .identity import NodeDirectory
+from .replies import RoundReplies
+
+__all__ = ["DPMFStrategy"]
+
+log = logging.getLogger("fedmf.server")
+
+
+class DPMFStrategy(Strategy):
+    """Privatizes every round with the run's DP-MF mechanism (``fedmf.run.PrivateRun``)."""
+
+    def __init__(self, run: PrivateRun, config: RunConfig, *,
+                 evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+                 directory: NodeDirectory | None = None) -> None:
+        self.run = run
+        self.config = config
+        self.evaluate_fn = evaluate_fn
+        self.nodes = directory or NodeDirectory(timeout=config.reply_timeout)
+        self.nonce = secrets.token_hex(16)  # replies to another server process are refused
+        self.history: list[RoundRecord] = []
+        self.stopped = ""
+        self._replies: RoundReplies | None = None
+
+    # ---- the round -----------------------------------------------------------------------
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        t = self.run.next_round
+        reachable = self.nodes.refresh(grid)
+        selection = self.run.select(reachable)
+        self._replies = RoundReplies(t, self.nonce, {user: reachable[user] for user in selection.reachable},
+                                     self.nodes)
+        content = {"round": t, "run-nonce": self.nonce, "task": self.config.task,
+                   "task-options": json.dumps(self.config.task_options, sort_keys=True),
+                   "client-lr": self.config.client_lr, "local-epochs": self.config.local_epochs,
+                   "batch-size": self.config.batch_size}
+        return [Message(RecordDict({"arrays": arrays, "config": ConfigRecord({**content, "user-id": user})}),
+                        dst_node_id=node, message_type=MessageType.TRAIN)
+                for user, node in self._replies.expected.items()]
+
+    def aggregate_train(self, server_round: int,
+                        replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        received = self._replies
+        if received is None:
+            raise RuntimeError("aggregate_train before configure_train")
+        self._replies = None
+        received.read(replies, self.run.privatizer.layout)
+        report = self.run.aggregate(received.updates, received.rejected)
+        record = self.run.commit()  # only now may the round's model leave the server
+        record.metrics.update(received.metrics())
+        self.history.append(record)
+        metrics = {"epsilon": record.epsilon, "selected": record.selected, "received": len(received.updates),
+                   "rejected": record.rejected, "clipped": record.clipped, "zeroed": record.zeroed,
+                   "dropped": record.dropped, **record.metrics}
+        log.info("fedmf round %d: eps %.4g, users %d/%d, rejected %d, clipped %d, zeroed %d", record.round,
+                 record.epsilon, record.contributed, record.selected, record.rejected, record.clipped, record.zeroed)
+        del report
+        return ArrayRecord(self.run.model.state_dict()), MetricRecord(metrics)
+
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                           grid: Grid) -> Iterable[Message]:
+        # federated evaluation would run on training users and is outside the DP guarantee: off
+        return []
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        return None
+
+    def summary(self) -> None:
+        plan = self.run.plan
+        log.info("fedmf DP-MF strategy: %s mechanism, %d rounds, %s, sampling %s, clip %g, z %.4g, noise std %.4g, "
+                 "epsilon %.4g at delta %g", plan.mechanism.kind, plan.rounds, plan.schema.name, plan.sampling,
+                 plan.clip_norm, plan.noise_multiplier, plan.noise_std, plan.epsilon(), plan.delta)
+
+    # ---- the loop ------------------------------------------------------------------------
+    def start(self, grid: Grid, initial_arrays: ArrayRecord | None = None, num_rounds: int | None = None,
+              timeout: float | None = None, train_config: ConfigRecord | None = None,
+              evaluate_config: ConfigRecord | None = None,
+              evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None) -> Result:
+        """Run (or resume) rounds until the plan's horizon, ``num_rounds`` in total, or the guard."""
+        evaluate_fn = evaluate_fn or self.evaluate_fn
+        timeout = self.config.reply_timeout if timeout is None else timeout
+        end = self.run.plan.rounds if num_rounds is None else min(num_rounds, self.run.plan.rounds)
+        self.summary()
+        result = Result()
+        observed = self.run.plan.sampling.kind == "none" and self.run.plan.target_epsilon is not None
+        started = time.time()
+        while self.run.next_round < end:
+            try:
+                self.run.guard(observed=observed)
+            except (PrivacyBudgetExceeded, HorizonReached) as e:
+                self.stopped = str(e)
+                log.info("fedmf: stopping: %s", e)
+                break
+            t = self.run.next_round
+            arrays = ArrayRecord(self.run.model.state_dict())
+            messages = self.configure_train(t + 1, arrays, train_config or ConfigRecord(), grid)
+            replies = grid.send_and_receive(messages, timeout=timeout)
+            new_arrays, metrics = self.aggregate_train(t + 1, replies)
+            result.arrays = new_arrays
+            result.train_metrics_clientapp[t + 1] = metrics
+            if evaluate_fn is not None:
+                evaluation = evaluate_fn(t + 1, new_arrays)
+                if evaluation is not None:
+                    result.evaluate_metrics_serverapp[t + 1] = evaluation
+                    self.history[-1].metrics.update({k: float(v) for k, v in evaluation.items()})
+            self.run.released(t)
+        else:
+            self.stopped = "horizon" if end == self.run.plan.rounds else "rounds"
+        log.info("fedmf: %d rounds committed in %.1fs (%s); ledger %s; audit with: fedmf audit --ledger %s --run %d",
+                 self.run.next_round, time.time() - started, self.stopped or "done", self.run.ledger_url,
+                 self.run.ledger_url, self.run.run_id)
+        if not result.arrays:
+            result.arrays = ArrayRecord(self.run.model.state_dict())
+        return result
