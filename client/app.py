@@ -1,0 +1,174 @@
+"""The Flower ClientApp: thin handlers, each parse → one task call → reply.
+
+Messages (all config keys are ConfigRecord entries under "config"):
+
+* QUERY (any content) → ``{"identity": ConfigRecord({"user-id": str})}``.
+* TRAIN ``{"arrays": ArrayRecord(global state dict), "config": {"round": int, "run-nonce": str,
+  "user-id": str, "task": str, "task-options": JSON object string, "client-lr": float,
+  "local-epochs": int, "batch-size": int}}`` → ``{"arrays": ArrayRecord(delta = new − old),
+  "metrics": MetricRecord({"num-examples": int, "train-loss": float}), "config": {"round",
+  "run-nonce", "user-id"}}``.
+* EVALUATE: the same config (hyperparameters not needed) → ``{"metrics": MetricRecord(
+  {"num-examples", "eval-loss", "eval-accuracy"}), "config": {"round", "run-nonce", "user-id"}}``.
+
+A bad message, a task error, or a "user-id" other than this node's identity is answered with an
+error reply (``Error(ERROR_CODE, "fedmf: <one line>")``); any other exception is a bug and is left
+to Flower (which replies with its own error).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.common.constant import ErrorCode
+
+from fedmf.errors import ConfigError, FedmfError
+
+from .tasks import ClientHyper, Task, get_task
+
+__all__ = ["app", "user_id", "load_task", "TrainRequest", "parse_request", "ERROR_CODE", "IDENTITY_RECORD"]
+
+#: the Error code of fedmf's own error replies
+ERROR_CODE = ErrorCode.CLIENT_APP_RAISED_EXCEPTION
+#: the QUERY reply's ConfigRecord key (server/identity.py reads it)
+IDENTITY_RECORD = "identity"
+_MAX_USER_ID = 200
+
+app = ClientApp()
+
+
+def user_id(node_config: Mapping[str, Any]) -> str:
+    """This node's user: ``node_config["user-id"]`` (deployment; an int is taken as its decimal
+    string), else ``str(node_config["partition-id"])`` (simulation); ConfigError otherwise."""
+    if "user-id" in node_config:
+        user = node_config["user-id"]
+        if isinstance(user, int) and not isinstance(user, bool):
+            user = str(user)
+        if not isinstance(user, str) or not user or len(user) > _MAX_USER_ID or not user.isprintable():
+            raise ConfigError(f"node config user-id must be a printable non-empty string of at most "
+                              f"{_MAX_USER_ID} characters, got {user!r}")
+        return user
+    if "partition-id" in node_config:
+        part = node_config["partition-id"]
+        if isinstance(part, bool) or not isinstance(part, int) or part < 0:
+            raise ConfigError(f"node config partition-id must be an integer >= 0, got {part!r}")
+        return str(part)
+    raise ConfigError("node config has neither user-id nor partition-id: this node has no user identity")
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_task(name: str, options_json: str) -> Task:
+    return get_task(name, **json.loads(options_json))
+
+
+def load_task(name: str, options: str | Mapping[str, Any]) -> Task:
+    """The task ``name`` with ``options`` (a JSON object string or a mapping), built once per process."""
+    if isinstance(options, str):
+        try:
+            options = json.loads(options or "{}")
+        except json.JSONDecodeError:
+            raise ConfigError(f"task-options must be a JSON object, got {options!r}") from None
+    if not isinstance(options, Mapping):
+        raise ConfigError(f"task-options must be a JSON object, got {options!r}")
+    return _cached_task(name, json.dumps(dict(options), sort_keys=True, separators=(",", ":")))
+
+
+@dataclass(frozen=True)
+class TrainRequest:
+    """A TRAIN or EVALUATE message's config, parsed and checked."""
+
+    round: int
+    nonce: str
+    user: str
+    task: str
+    options: str
+    hyper: ClientHyper | None
+
+
+def _get(config: ConfigRecord, key: str, kind: type | tuple[type, ...]) -> Any:
+    value = config.get(key)
+    if value is None or isinstance(value, bool) or not isinstance(value, kind):
+        raise ConfigError(f"message config {key!r} is missing or not {getattr(kind, '__name__', kind)}: {value!r}")
+    return value
+
+
+def parse_request(msg: Message, hyper: bool = True) -> TrainRequest:
+    """The message's "config" record as a TrainRequest (``hyper=False``: no hyperparameters needed)."""
+    if not msg.has_content() or "config" not in msg.content.config_records:
+        raise ConfigError("message has no config record")
+    config = msg.content.config_records["config"]
+    round_ = _get(config, "round", int)
+    if round_ < 0:
+        raise ConfigError(f"message config 'round' must be >= 0, got {round_}")
+    return TrainRequest(
+        round=round_, nonce=_get(config, "run-nonce", str), user=_get(config, "user-id", str),
+        task=_get(config, "task", str), options=_get(config, "task-options", str),
+        hyper=ClientHyper(_get(config, "client-lr", (int, float)), _get(config, "local-epochs", int),
+                          _get(config, "batch-size", int)) if hyper else None)
+
+
+def _arrays(msg: Message) -> ArrayRecord:
+    arrays = msg.content.array_records.get("arrays")
+    if arrays is None:
+        raise ConfigError("message has no arrays record")
+    return arrays
+
+
+def _checked(msg: Message, context: Context, hyper: bool) -> tuple[TrainRequest, Task]:
+    request = parse_request(msg, hyper)
+    me = user_id(context.node_config)
+    if request.user != me:
+        raise ConfigError(f"message is for user {request.user!r}, this node is {me!r}")
+    return request, load_task(request.task, request.options)
+
+
+def _echo(request: TrainRequest) -> ConfigRecord:
+    return ConfigRecord({"round": request.round, "run-nonce": request.nonce, "user-id": request.user})
+
+
+def _error(msg: Message, e: FedmfError) -> Message:
+    return Message(Error(ERROR_CODE, f"fedmf: {e}"), reply_to=msg)
+
+
+@app.query()
+def query(msg: Message, context: Context) -> Message:
+    """Reply with this node's user identity."""
+    try:
+        user = user_id(context.node_config)
+    except FedmfError as e:
+        return _error(msg, e)
+    return Message(RecordDict({IDENTITY_RECORD: ConfigRecord({"user-id": user})}), reply_to=msg)
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    """Local training: reply with the model delta, example count and training loss."""
+    try:
+        request, task = _checked(msg, context, hyper=True)
+        params = _arrays(msg).to_torch_state_dict()
+        result = task.local_update(params, request.user, request.round, request.hyper)
+    except FedmfError as e:
+        return _error(msg, e)
+    metrics = MetricRecord({"num-examples": int(result.num_examples),
+                            "train-loss": float(result.metrics.get("train-loss", float("nan")))})
+    return Message(RecordDict({"arrays": ArrayRecord(result.update), "metrics": metrics,
+                               "config": _echo(request)}), reply_to=msg)
+
+
+@app.evaluate()
+def evaluate(msg: Message, context: Context) -> Message:
+    """Federated evaluation of the received model on this user's data."""
+    try:
+        request, task = _checked(msg, context, hyper=False)
+        model = task.load(_arrays(msg).to_torch_state_dict())
+        n, scores = task.evaluate_user(model, request.user)
+    except FedmfError as e:
+        return _error(msg, e)
+    metrics = MetricRecord({"num-examples": int(n), "eval-loss": float(scores["loss"]),
+                            "eval-accuracy": float(scores["accuracy"])})
+    return Message(RecordDict({"metrics": metrics, "config": _echo(request)}), reply_to=msg)

@@ -1,0 +1,206 @@
+"""What a federated task is: a population of users with their own data, a model, and the local
+training and evaluation run on it. No Flower here: the in-process loop (``fedmf.federated.train``)
+and the Flower ClientApp call the same methods, and get bit-identical results.
+
+Determinism contract: ``local_update`` depends only on (params, user, round, hyper, task options).
+All randomness comes from a ``torch.Generator`` seeded by :func:`stable_seed` (never the global
+RNG), and local training runs on one intra-op thread, so that the result does not depend on the
+process's thread count (a Ray actor and the server process differ there).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Hashable, Iterator, Mapping
+
+import torch
+
+from fedmf.errors import ConfigError
+
+__all__ = ["ClientHyper", "LocalResult", "Task", "SupervisedTask", "stable_seed", "check_int"]
+
+
+def stable_seed(*parts: Any) -> int:
+    """A 63-bit seed from JSON-able ``parts``, the same in every process (BLAKE2b, not ``hash``)."""
+    data = json.dumps(parts, sort_keys=True, separators=(",", ":")).encode()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8, person=b"fedmf-task-v1").digest(), "big") >> 1
+
+
+def check_int(name: str, value: Any, low: int, high: int | None = None) -> int:
+    """``value`` as an int in [low, high], else a one-line ConfigError (bools are not ints)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        bound = f"[{low}, {high}]" if high is not None else f">= {low}"
+        raise ConfigError(f"{name} must be an integer {bound}, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class ClientHyper:
+    """Local training hyperparameters, the same for every user in a run."""
+
+    client_lr: float
+    local_epochs: int
+    batch_size: int
+
+    def __post_init__(self) -> None:
+        lr = self.client_lr
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
+            raise ConfigError(f"client-lr must be a finite number > 0, got {lr!r}")
+        object.__setattr__(self, "client_lr", float(lr))
+        check_int("local-epochs", self.local_epochs, 1, 10_000)
+        check_int("batch-size", self.batch_size, 1)
+
+
+@dataclass
+class LocalResult:
+    """One user's local training: the model delta (new − old), examples seen per epoch, metrics."""
+
+    update: dict[str, torch.Tensor]
+    num_examples: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Run torch on one intra-op thread (results independent of the process's thread count)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+class Task(ABC):
+    """A federated task. Subclasses set ``name`` and implement ``_validate`` and the abstract methods."""
+
+    name: ClassVar[str] = ""
+
+    def __init__(self, **options: Any) -> None:
+        self.options: dict[str, Any] = self._validate(dict(options))
+
+    @classmethod
+    @abstractmethod
+    def _validate(cls, options: dict[str, Any]) -> dict[str, Any]:
+        """All options with defaults filled in; ConfigError on an unknown name or a bad value."""
+
+    @property
+    def key(self) -> str:
+        """The task and its options as canonical JSON (equal keys: equal tasks)."""
+        return json.dumps([self.name, self.options], sort_keys=True, separators=(",", ":"))
+
+    @abstractmethod
+    def users(self) -> list[str]:
+        """The training population's user ids."""
+
+    @abstractmethod
+    def model(self) -> torch.nn.Module:
+        """A freshly initialized model, identical in every process (seeded from the options)."""
+
+    @abstractmethod
+    def local_update(self, params: Mapping[str, torch.Tensor], user: str, round: int,
+                     hyper: ClientHyper) -> LocalResult:
+        """Train a fresh model loaded with ``params`` on ``user``'s data; deterministic."""
+
+    @abstractmethod
+    def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
+        """Held-out evaluation (data no training user holds): {"loss", "accuracy"}."""
+
+    @abstractmethod
+    def evaluate_user(self, model: torch.nn.Module, user: str) -> tuple[int, dict[str, float]]:
+        """(examples, {"loss", "accuracy"}) of ``model`` on ``user``'s own data."""
+
+    def load(self, params: Mapping[str, torch.Tensor]) -> torch.nn.Module:
+        """A fresh model holding ``params`` (names and shapes must match the task's model)."""
+        model = self.model()
+        state = model.state_dict()
+        if set(params) != set(state):
+            raise ConfigError(f"parameters {sorted(params)} do not match the {self.name} model's {sorted(state)}")
+        for name, value in params.items():
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(state[name].shape):
+                raise ConfigError(f"parameter {name!r} must be a tensor of shape {tuple(state[name].shape)}")
+        model.load_state_dict(dict(params))
+        return model
+
+    def as_local_update(self, hyper: ClientHyper) -> Callable[[Mapping[str, torch.Tensor], Hashable, int],
+                                                               dict[str, torch.Tensor]]:
+        """``local_update`` in the shape ``fedmf.federated.train`` calls: (params, user, t) -> delta."""
+
+        def local_update(params: Mapping[str, torch.Tensor], user: Hashable, t: int) -> dict[str, torch.Tensor]:
+            return self.local_update(params, str(user), t, hyper).update
+
+        return local_update
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.options!r})"
+
+
+class SupervisedTask(Task):
+    """A task over (inputs, labels) tensors with a classifier: local SGD, loss and accuracy are
+    written once here. Subclasses provide ``users``, ``model``, ``user_data`` and ``heldout_data``,
+    and ``seed`` among their options."""
+
+    @abstractmethod
+    def user_data(self, user: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, labels) of one training user; ConfigError for an unknown user."""
+
+    @abstractmethod
+    def heldout_data(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, labels) that no training user holds."""
+
+    def criterion(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Mean loss of one batch (cross-entropy by default); accuracy is argmax(logits) == y."""
+        return torch.nn.functional.cross_entropy(logits, y)
+
+    def local_update(self, params: Mapping[str, torch.Tensor], user: str, round: int,
+                     hyper: ClientHyper) -> LocalResult:
+        check_int("round", round, 0)
+        if not isinstance(hyper, ClientHyper):
+            raise ConfigError(f"hyper must be a ClientHyper, got {type(hyper).__name__}")
+        x, y = self.user_data(user)
+        model = self.load(params)
+        model.train()
+        generator = torch.Generator().manual_seed(stable_seed(self.options["seed"], "train", user, round))
+        optimizer = torch.optim.SGD(model.parameters(), lr=hyper.client_lr)
+        n = len(y)
+        if n == 0:
+            raise ConfigError(f"user {user!r} holds no data")
+        total, seen = 0.0, 0
+        with one_thread():
+            for _ in range(hyper.local_epochs):
+                order = torch.randperm(n, generator=generator)
+                for start in range(0, n, hyper.batch_size):
+                    batch = order[start:start + hyper.batch_size]
+                    optimizer.zero_grad(set_to_none=True)
+                    loss = self.criterion(model(x[batch]), y[batch])
+                    loss.backward()
+                    optimizer.step()
+                    total += float(loss.detach()) * len(batch)
+                    seen += len(batch)
+            new = model.state_dict()
+            update = {name: new[name].detach().to(old.dtype) - old.detach() for name, old in params.items()}
+        return LocalResult(update=update, num_examples=n, metrics={"train-loss": total / seen})
+
+    def _score(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
+        training = model.training
+        model.eval()
+        try:
+            with torch.no_grad(), one_thread():
+                logits = model(x)
+                loss = self.criterion(logits, y)
+                accuracy = (logits.argmax(dim=-1) == y).double().mean()
+        finally:
+            model.train(training)
+        return {"loss": float(loss), "accuracy": float(accuracy)}
+
+    def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
+        return self._score(model, *self.heldout_data())
+
+    def evaluate_user(self, model: torch.nn.Module, user: str) -> tuple[int, dict[str, float]]:
+        x, y = self.user_data(user)
+        return len(y), self._score(model, x, y)
