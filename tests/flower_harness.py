@@ -222,6 +222,7 @@ class ProcessTracker:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.procs: list[subprocess.Popen] = []
         self.logs: dict[str, Path] = {}
+        self.seen: set[int] = set()  # every PID ever found alive under this tracker (for leak checks)
 
     def spawn(self, name: str, argv: list[str], *, cwd: Path | str | None = None) -> subprocess.Popen:
         log = self.log_dir / f"{name}.log"
@@ -246,12 +247,18 @@ class ProcessTracker:
                                     start_new_session=True)
             self.procs.append(proc)
             timed_out = False
-            try:
-                proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                self._kill_tree([proc.pid], grace=2.0)
-                proc.wait()
+            end = time.monotonic() + timeout
+            while True:
+                try:
+                    proc.wait(timeout=min(1.0, max(0.0, end - time.monotonic())))
+                    break
+                except subprocess.TimeoutExpired:
+                    if time.monotonic() >= end:
+                        timed_out = True
+                        self._kill_tree([proc.pid], grace=2.0)
+                        proc.wait()
+                        break
+                    self.live_pids()  # records PIDs (Ray, ServerApp, ClientApps) for leak checks
         return proc.returncode, out.read_text(errors="replace"), err.read_text(errors="replace"), timed_out
 
     def live_pids(self) -> list[int]:
@@ -260,6 +267,7 @@ class ProcessTracker:
         mine |= set(tagged_pids(self.tag))
         mine |= {d for d in _descendants([p.pid for p in self.procs]) if pid_alive(d)}
         mine.discard(os.getpid())
+        self.seen |= mine
         return sorted(mine)
 
     def _signal(self, pids: Iterable[int], sig: int) -> None:
@@ -335,6 +343,7 @@ class FlowerResult:
     timed_out: bool = False
     run_info: dict = field(default_factory=dict)
     logs: dict = field(default_factory=dict)  # name -> text of SuperLink / SuperNode logs
+    pids_seen: set = field(default_factory=set)  # PIDs of the Flower processes seen (all gone after teardown)
 
     returncode = property(lambda self: self.rc)
 
@@ -387,7 +396,7 @@ def _run_info(tracker: ProcessTracker, connection: str, run_id: int, timeout: fl
 
 
 def _flwr_run(tracker: ProcessTracker, app_dir: Path, connection: str, *, run_config, federation_config,
-              timeout: float, stream: bool = True) -> FlowerResult:
+              timeout: float, stream: bool = True, wait_finished: float = 30.0) -> FlowerResult:
     argv = [_exe("flwr"), "run", str(Path(app_dir).resolve()), connection]
     if stream:
         argv.append("--stream")
@@ -400,13 +409,13 @@ def _flwr_run(tracker: ProcessTracker, app_dir: Path, connection: str, *, run_co
     res = FlowerResult(args=argv, rc=flwr_rc, flwr_rc=flwr_rc, stdout=out, stderr=err, timed_out=timed_out,
                        run_id=int(m.group(1)) if m else None)
     if res.run_id is not None and not timed_out:
-        res.run_info = _run_info(tracker, connection, res.run_id)
+        res.run_info = _run_info(tracker, connection, res.run_id, timeout=wait_finished)
         res.status = res.run_info.get("status")
         res.status_details = res.run_info.get("status-details")
     res.duration_s = time.monotonic() - t0
     if timed_out:
         res.rc = 124
-    elif res.rc == 0 and res.status != "finished:completed":
+    elif res.rc == 0 and stream and res.status != "finished:completed":
         res.rc = 1
     return res
 
@@ -459,6 +468,7 @@ def run_simulation(app_dir: Path | str, *, num_supernodes: int, run_config: Mapp
     tracker = ProcessTracker(env, tmp_path / "flwr-logs")
     fed = {"num-supernodes": int(num_supernodes), "client-resources-num-cpus": client_num_cpus}
     fed.update(federation_config or {})
+    res = None
     try:
         port = free_port()
         write_config_toml(home, {"sim": f"127.0.0.1:{port}"}, default="sim")
@@ -470,6 +480,8 @@ def run_simulation(app_dir: Path | str, *, num_supernodes: int, run_config: Mapp
     finally:
         try:
             tracker.cleanup()
+            if res is not None:
+                res.pids_seen = set(tracker.seen)
         finally:
             if own_tmp is not None:
                 own_tmp.cleanup()
@@ -596,12 +608,14 @@ class Deployment:
         res = _flwr_run(self.tracker, Path(app_dir), self.CONNECTION, run_config=run_config, federation_config=None,
                         timeout=timeout)
         res.logs = {name: self.tracker.log_text(name) for name in self.tracker.logs}
+        self.tracker.live_pids()
+        res.pids_seen = set(self.tracker.seen)
         return res
 
     def start_run(self, app_dir: Path | str, run_config: Mapping | None = None) -> int:
         """Submit a run without streaming; returns its run id."""
         res = _flwr_run(self.tracker, Path(app_dir), self.CONNECTION, run_config=run_config, federation_config=None,
-                        timeout=60, stream=False)
+                        timeout=60, stream=False, wait_finished=0.0)
         if res.run_id is None:
             raise RuntimeError(f"flwr run did not start a run:\n{res.output}")
         return res.run_id
