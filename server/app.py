@@ -4,6 +4,7 @@ DP-MF strategy. ``flwr run .`` runs it (see the README)."""
 from __future__ import annotations
 
 import logging
+import math
 import sys
 
 import torch
@@ -40,7 +41,9 @@ def run_server(grid: Grid, run_config: dict) -> DPMFStrategy:
 
     with PrivateRun.open(model, plan, config.run_dir, ledger=config.ledger_url, server_lr=config.server_lr,
                          population=task.users()) as run:
-        strategy = DPMFStrategy(run, config, evaluate_fn=evaluate)
+        users = task.users()
+        wanted = min(len(users), max(1, math.ceil(plan.expected_users)))
+        strategy = DPMFStrategy(run, config, evaluate_fn=evaluate, min_available=wanted)
         strategy.start(grid)
         return strategy
 

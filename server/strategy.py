@@ -37,8 +37,9 @@ class DPMFStrategy(Strategy):
 
     def __init__(self, run: PrivateRun, config: RunConfig, *,
                  evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
-                 directory: NodeDirectory | None = None) -> None:
+                 directory: NodeDirectory | None = None, min_available: int = 1) -> None:
         self.run = run
+        self.min_available = min_available
         self.config = config
         self.evaluate_fn = evaluate_fn
         self.nodes = directory or NodeDirectory(timeout=config.reply_timeout)
@@ -97,6 +98,13 @@ class DPMFStrategy(Strategy):
                  plan.clip_norm, plan.noise_multiplier, plan.noise_std, plan.epsilon(), plan.delta)
 
     # ---- the loop ------------------------------------------------------------------------
+    def _wait_for_users(self, grid: Grid) -> None:
+        """Before the first round, wait (up to the reply timeout) until ``min_available`` users
+        are connected and identified, as Flower's FedAvg waits for its minimum of nodes."""
+        deadline = time.time() + self.config.reply_timeout
+        while len(self.nodes.refresh(grid)) < self.min_available and time.time() < deadline:
+            time.sleep(1.0)
+
     def start(self, grid: Grid, initial_arrays: ArrayRecord | None = None, num_rounds: int | None = None,
               timeout: float | None = None, train_config: ConfigRecord | None = None,
               evaluate_config: ConfigRecord | None = None,
@@ -109,6 +117,7 @@ class DPMFStrategy(Strategy):
         result = Result()
         observed = self.run.plan.sampling.kind == "none" and self.run.plan.target_epsilon is not None
         started = time.time()
+        self._wait_for_users(grid)
         while self.run.next_round < end:
             try:
                 self.run.guard(observed=observed)

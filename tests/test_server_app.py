@@ -1,0 +1,55 @@
+"""The ServerApp's main path with the real ClientApp in process: configuration → plan → strategy,
+bit-identical to the in-process loop on the same task, plan, secrets and users."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from client.app import app as client_app
+from client.tasks import ClientHyper, get_task
+from fedmf.config import RunConfig
+from fedmf.errors import ConfigError
+from fedmf.federated import train
+from server.app import run_server
+from server.local_grid import LocalGrid, client_node
+
+from . import _federated_task as task
+
+USERS = 12
+
+
+def _config(tmp_path, name, **over):
+    values = {"task": "tiny", "task-options": f'{{"num_users": {USERS}}}', "mechanism": "bsr", "rounds": 6,
+              "min-sep": 2, "clients-per-round": 4, "noise-multiplier": 0.7, "server-momentum": 0.5,
+              "client-lr": 0.2, "batch-size": 8, "run-dir": str(tmp_path / name), "reply-timeout": 5.0}
+    values.update(over)
+    return values
+
+
+def test_server_app_with_the_client_app_matches_the_in_process_loop(tmp_path):
+    values = _config(tmp_path, "loop")
+    config = RunConfig.from_mapping(values)
+    tiny = get_task("tiny", num_users=USERS)
+    model = tiny.model()
+    hyper = ClientHyper(config.client_lr, config.local_epochs, config.batch_size)
+    train(model, tiny.users(), config.build_plan(), tiny.as_local_update(hyper), server_lr=config.server_lr,
+          checkpoint_dir=config.run_dir)
+    task.share_secrets(tmp_path / "loop", tmp_path / "flower")
+    nodes = {9000 + 7 * i: client_node(client_app, {"partition-id": i, "num-partitions": USERS}, 9000 + 7 * i)
+             for i in range(USERS)}
+    strategy = run_server(LocalGrid(nodes), _config(tmp_path, "flower"))
+    final = strategy.run.model.state_dict()
+    for name, value in model.state_dict().items():
+        assert torch.equal(final[name], value), name
+    assert len(strategy.history) == 6 and all(r.contributed == 4 for r in strategy.history)
+    assert all("accuracy" in r.metrics for r in strategy.history)
+
+
+def test_a_bad_configuration_fails_before_round_one(tmp_path):
+    grid = LocalGrid({})
+    with pytest.raises(ConfigError, match="clients-per-round"):
+        run_server(grid, _config(tmp_path, "bad", **{"clients-per-round": 0}))
+    with pytest.raises(ConfigError):
+        run_server(grid, _config(tmp_path, "bad", **{"task-options": '{"num_users": -1}'}))
+    assert not grid.sent
