@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import signal
 import sys
+from pathlib import Path
 
 import torch
 from flwr.app import ArrayRecord, Context, MetricRecord
@@ -13,6 +16,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedmf.config import RunConfig
 from fedmf.errors import FedmfError
+from fedmf.files import atomic_write
 from fedmf.run import PrivateRun
 
 from .strategy import DPMFStrategy
@@ -23,8 +27,25 @@ log = logging.getLogger("fedmf.server")
 app = ServerApp()
 
 
+def _fault_injection():
+    """``FEDMF_KILL_AT=EVENT:ROUND`` (fault-injection tests only): SIGKILL this process at that
+    point of that round (events: ``fedmf.run.EVENTS``)."""
+    spec = os.environ.get("FEDMF_KILL_AT")
+    if not spec:
+        return None
+    event, _, round_text = spec.partition(":")
+    target = (event, int(round_text))
+
+    def on_event(name: str, t: int) -> None:
+        if (name, t) == target:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return on_event
+
+
 def run_server(grid: Grid, run_config: dict) -> DPMFStrategy:
-    """Validate the configuration (one-line errors before round 1), then run or resume."""
+    """Validate the configuration (one-line errors before round 1), then run or resume; the
+    final model is written to ``<run-dir>/final-model.pt`` (0600)."""
     from client.tasks import get_task
 
     config = RunConfig.from_mapping(run_config)
@@ -40,11 +61,14 @@ def run_server(grid: Grid, run_config: dict) -> DPMFStrategy:
             return MetricRecord({k: float(v) for k, v in task.evaluate(evaluated).items()})
 
     with PrivateRun.open(model, plan, config.run_dir, ledger=config.ledger_url, server_lr=config.server_lr,
-                         population=task.users()) as run:
+                         population=task.users(), on_event=_fault_injection()) as run:
         users = task.users()
         wanted = min(len(users), max(1, math.ceil(plan.expected_users)))
         strategy = DPMFStrategy(run, config, evaluate_fn=evaluate, min_available=wanted)
         strategy.start(grid)
+        final = Path(config.run_dir) / "final-model.pt"
+        atomic_write(final, lambda f: torch.save(run.model.state_dict(), f), text=False, mode=0o600)
+        log.info("fedmf: final model in %s", final)
         return strategy
 
 
