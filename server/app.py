@@ -74,7 +74,12 @@ def run_server(grid: Grid, run_config: dict) -> DPMFStrategy:
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    logging.basicConfig(level=logging.INFO)
+    if not log.handlers:  # our progress lines only, not every library's INFO logging
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
     try:
         run_server(grid, dict(context.run_config))
     except FedmfError as e:

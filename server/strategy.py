@@ -40,6 +40,8 @@ class DPMFStrategy(Strategy):
                  directory: NodeDirectory | None = None, min_available: int = 1) -> None:
         self.run = run
         self.min_available = min_available
+        # the worst user's observed ε (accounted from the ledger) as a metric: unamplified runs only
+        self.observed_metric = run.plan.sampling.kind == "none"
         self.config = config
         self.evaluate_fn = evaluate_fn
         self.nodes = directory or NodeDirectory(timeout=config.reply_timeout)
@@ -78,8 +80,10 @@ class DPMFStrategy(Strategy):
         metrics = {"epsilon": record.epsilon, "selected": record.selected, "received": len(received.updates),
                    "rejected": record.rejected, "clipped": record.clipped, "zeroed": record.zeroed,
                    "dropped": record.dropped, **record.metrics}
-        log.info("fedmf round %d: eps %.4g, users %d/%d, rejected %d, clipped %d, zeroed %d", record.round,
-                 record.epsilon, record.contributed, record.selected, record.rejected, record.clipped, record.zeroed)
+        if self.observed_metric:
+            worst = self.run.observed_epsilon()
+            if worst is not None:
+                metrics["epsilon-worst-user"] = record.metrics["epsilon-worst-user"] = worst
         del report
         return ArrayRecord(self.run.model.state_dict()), MetricRecord(metrics)
 
@@ -98,6 +102,13 @@ class DPMFStrategy(Strategy):
                  plan.clip_norm, plan.noise_multiplier, plan.noise_std, plan.epsilon(), plan.delta)
 
     # ---- the loop ------------------------------------------------------------------------
+    @staticmethod
+    def _progress(record: RoundRecord, end: int) -> None:
+        extra = "  ".join(f"{k} {v:.4g}" for k, v in record.metrics.items())
+        log.info("fedmf round %d/%d  eps %.4g  users %d/%d  rejected %d  dropped %d  clipped %d  zeroed %d  %s",
+                 record.round + 1, end, record.epsilon, record.contributed, record.selected, record.rejected,
+                 record.dropped, record.clipped, record.zeroed, extra)
+
     def _wait_for_users(self, grid: Grid) -> None:
         """Before the first round, wait (up to the reply timeout) until ``min_available`` users
         are connected and identified, as Flower's FedAvg waits for its minimum of nodes."""
@@ -137,6 +148,7 @@ class DPMFStrategy(Strategy):
                 if evaluation is not None:
                     result.evaluate_metrics_serverapp[t + 1] = evaluation
                     self.history[-1].metrics.update({k: float(v) for k, v in evaluation.items()})
+            self._progress(self.history[-1], end)
             self.run.released(t)
         else:
             self.stopped = "horizon" if end == self.run.plan.rounds else "rounds"
