@@ -108,3 +108,24 @@ def test_a_sigkilled_server_resumes_bit_identically(tmp_path, kill_at):
     reference = _in_process_reference(values, tmp_path / "run", tmp_path / "loop")
     for name, value in reference.items():
         assert torch.equal(final[name], value), name
+
+
+@pytest.mark.heavy
+def test_a_sigkilled_serverapp_under_flwr_run_resumes_bit_identically(tmp_path):
+    """The real runtime: the ServerApp process of a `flwr run` simulation is SIGKILLed after round
+    2's checkpoint and before its commit; a second `flwr run` with the same configuration resumes."""
+    from .flower_harness import flower_env
+
+    values = _values(tmp_path / "run", users=10, rounds=5, per_round=4)
+    env = {**flower_env(tmp_path / "flwr1"), "FEDMF_KILL_AT": "checkpointed:2"}
+    killed = run_simulation(ROOT, num_supernodes=10, run_config=values, timeout=400, tmp_path=tmp_path / "flwr1",
+                            env=env)
+    assert killed.rc != 0
+    assert _committed(tmp_path / "run") == [0, 1]
+    resumed = run_simulation(ROOT, num_supernodes=10, run_config=values, timeout=400, tmp_path=tmp_path / "flwr2")
+    assert resumed.rc == 0, resumed.output[-3000:]
+    assert _committed(tmp_path / "run") == [0, 1, 2, 3, 4]
+    final = torch.load(tmp_path / "run" / "final-model.pt", weights_only=True)
+    reference = _in_process_reference(values, tmp_path / "run", tmp_path / "loop")
+    for name, value in reference.items():
+        assert torch.equal(final[name], value), name
