@@ -164,6 +164,7 @@ class CheckpointStore:
         data = _serialize({"format": _FORMAT, "round": t, "state": state})
         _atomic_bytes(self.path(t), data)
         self.last_bytes = written + len(data)
+        self._saved = (t, {ref["file"] for ref in self._references(state.get("privatizer", {}))})
         return _sha256(data)
 
     def load(self, t: int, sha256: str | None) -> dict[str, Any]:
@@ -189,7 +190,10 @@ class CheckpointStore:
         """Remove every checkpoint but round ``keep``'s, and the noise files it does not use."""
         used: set[str] = set()
         keep_path = self.path(keep)
-        if keep_path.exists():
+        saved = getattr(self, "_saved", None)
+        if saved is not None and saved[0] == keep:
+            used = set(saved[1])
+        elif keep_path.exists():
             document = _deserialize(keep_path.read_bytes(), repr(str(keep_path)))
             for ref in self._references(document["state"].get("privatizer", {})):
                 used.add(ref["file"])

@@ -446,6 +446,13 @@ def _shard(shard: Any) -> tuple[int, int]:
     raise ConfigError(f"shard must be (i, s) with ints 0 <= i < s, got {shard!r}")
 
 
+def _snapshot(x: torch.Tensor, copy: bool) -> torch.Tensor:
+    x = x.detach()
+    if x.device.type != "cpu":
+        return x.cpu()
+    return x.clone() if copy else x
+
+
 class NoiseGenerator:
     """Correlated noise for each round of ``mechanism``, in ``layout``, scaled by ``std``.
 
@@ -541,10 +548,11 @@ class NoiseGenerator:
         return out
 
     # ---- checkpointing ---------------------------------------------------------------
-    def state_dict(self, include_seed: bool = True) -> dict[str, Any]:
+    def state_dict(self, include_seed: bool = True, copy: bool = True) -> dict[str, Any]:
         """Everything needed to continue exactly. With ``include_seed`` (the default) it
         contains the secret seed; without, a ``seed_check`` in its place, and it loads only
-        into a generator constructed with the same seed."""
+        into a generator constructed with the same seed. ``copy=False`` returns the live CPU
+        tensors (no copy of up to p − 1 noise vectors): serialize it before the next round."""
         if not isinstance(include_seed, bool):
             raise ConfigError(f"include_seed must be True or False, got {include_seed!r}")
         secret = {"seed": self._key} if include_seed else {"seed_check": _seed_check(self._key)}
@@ -562,7 +570,7 @@ class NoiseGenerator:
             "regenerate": self.regenerate,
             "chunk_size": self.chunk_size,
             **secret,
-            "structure": {k: [x.detach().cpu().clone() for x in v] for k, v in self._structure.state().items()},
+            "structure": {k: [_snapshot(x, copy) for x in v] for k, v in self._structure.state().items()},
             "structure_rounds": self._structure.rounds(self.round),
         }
 

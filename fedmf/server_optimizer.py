@@ -200,7 +200,9 @@ class ServerOptimizer:
         state: dict[str, Any] = {"format": _STATE_FORMAT, **self._plan(), "round": self._round,
                                  "params": self._layout()}
         if self._inner is None:
-            state["buffers"] = {name: buf.clone() for name, buf in self._buffers.items()}
+            # with momentum 0 the buffer is overwritten before it is read: nothing to keep
+            state["buffers"] = (None if self.workload.momentum == 0.0
+                                else {name: buf.clone() for name, buf in self._buffers.items()})
         else:
             state["optimizer"] = copy.deepcopy(self._inner.state_dict())
         return state
@@ -226,6 +228,10 @@ class ServerOptimizer:
         self._round = t
 
     def _load_buffers(self, buffers: Any) -> None:
+        if buffers is None and self.workload.momentum == 0.0:
+            for buf in self._buffers.values():
+                buf.zero_()
+            return
         if not isinstance(buffers, Mapping) or set(buffers) != set(self._params):
             raise CheckpointError("server optimizer state has no momentum buffer for every param")
         for name, p in self._params.items():

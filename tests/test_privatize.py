@@ -211,3 +211,24 @@ def test_half_precision_models_are_summed_and_clipped_in_float32():
     assert float(torch.linalg.vector_norm(privatizer._sum)) == pytest.approx(1.0, rel=1e-5)
     mean, _ = privatizer.finish()
     assert all(v.dtype == torch.bfloat16 for v in mean.values())
+
+
+def test_blocked_norm_is_a_rigorous_upper_bound_for_clipping():
+    layout = {"a": (3 * 256 + 7,), "b": (5, 256)}
+    mech = build("bsr", N, MinSep(B, K), num_bands=3)
+    plan = RunPlan.create(mech, MinSep(B, K), clip_norm=0.5, delta=1e-5, expected_users=1, noise_multiplier=1.0,
+                          zero_threshold=None)
+    g = torch.Generator().manual_seed(7)
+    for trial in range(100):
+        privatizer = RoundPrivatizer(plan, layout, device="cpu", seed=SEED)
+        scale = torch.exp(torch.randn(1, generator=g) * 4).item()
+        update = {k: torch.randn(s, generator=g) * scale * (1 + 1000 * (torch.rand(s, generator=g) > 0.99))
+                  for k, s in layout.items()}
+        privatizer.begin(0)
+        result = privatizer.add("u", update)
+        exact = float(torch.cat([v.reshape(-1).double() for v in update.values()]).norm())
+        assert result.norm == pytest.approx(exact, rel=1e-5)
+        contributed = float(privatizer._sum.double().norm())
+        assert contributed <= 0.5, (trial, contributed)
+        assert contributed == pytest.approx(min(exact, 0.5), rel=1e-4)
+        privatizer.abort()
