@@ -16,7 +16,6 @@ for the round, or a second one from the same user is rejected and never summed.
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Collection, Hashable, Iterable, Mapping
 
@@ -25,6 +24,7 @@ import torch
 from .errors import ConfigError, PlanMismatch, RoundOrderError
 from .noise import NoiseGenerator
 from .plan import RunPlan
+from .threads import one_thread
 
 __all__ = ["check_update", "RoundPrivatizer", "RoundReport", "UserReport", "flat_size", "layout_of"]
 
@@ -89,19 +89,6 @@ def check_update(update: object, layout: Layout, *, values: bool = True) -> str 
     return None
 
 
-@contextmanager
-def _one_thread(device: torch.device):
-    """Memory-bound per-update passes run on one CPU thread: an OpenMP team's wake-ups cost more
-    than they save at these sizes, and much more on a busy machine."""
-    if device.type != "cpu":
-        yield
-        return
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 @dataclass(frozen=True)
@@ -211,7 +198,7 @@ class RoundPrivatizer:
         reason = check_update(update, self.layout, values=False)
         if reason is not None:
             return self._reject(user, reason)
-        with _one_thread(self.device):
+        with one_thread(self.device):
             flat = self._flatten(update)
             norm, bound = self._norm(flat)  # a NaN or inf anywhere makes both non-finite
             if not math.isfinite(bound):

@@ -10,17 +10,17 @@ process's thread count (a Ray actor and the server process differ there).
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Hashable, Iterator, Mapping
+from typing import Any, Callable, ClassVar, Hashable, Mapping
 
 import torch
 
 from fedmf.errors import ConfigError
+from fedmf.threads import one_thread
 
 __all__ = ["ClientHyper", "LocalResult", "Task", "SupervisedTask", "stable_seed", "check_int"]
 
@@ -65,15 +65,6 @@ class LocalResult:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-@contextlib.contextmanager
-def one_thread() -> Iterator[None]:
-    """Run torch on one intra-op thread (results independent of the process's thread count)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 class Task(ABC):
