@@ -11,15 +11,46 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
-from flwr.app import Message
+from flwr.app import ArrayRecord, Message
 
 from .identity import NodeDirectory
 
 __all__ = ["RoundReplies"]
 
 log = logging.getLogger("fedmf.server")
+_FLOATING = {"float16", "bfloat16", "float32", "float64"}
+
+
+class UnreadableArrays:
+    """Stands for a reply whose arrays could not be converted to tensors."""
+
+
+class LazyUpdates(Mapping):
+    """user → update tensors, converted from the reply's ArrayRecord only when read: the engine
+    reads each update once, so the converted tensors of one user at a time are alive, not all
+    of them (at 1,000 users × 16 MB that is 16 GB less)."""
+
+    def __init__(self) -> None:
+        self._records: dict[str, ArrayRecord] = {}
+
+    def add(self, user: str, record: ArrayRecord) -> None:
+        self._records[user] = record
+
+    def __getitem__(self, user: str) -> dict[str, Any]:
+        try:
+            return self._records[user].to_torch_state_dict()
+        except KeyError:
+            raise
+        except Exception:  # a damaged payload: the engine rejects it as not a mapping of tensors
+            return UnreadableArrays()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._records)
+
+    def __len__(self) -> int:
+        return len(self._records)
 
 
 class RoundReplies:
@@ -28,7 +59,7 @@ class RoundReplies:
     def __init__(self, t: int, nonce: str, expected: Mapping[str, int], nodes: NodeDirectory) -> None:
         self.t, self.nonce, self.expected, self.nodes = t, nonce, dict(expected), nodes
         self._user_by_node = {node: user for user, node in expected.items()}
-        self.updates: dict[str, dict[str, Any]] = {}
+        self.updates = LazyUpdates()
         self.rejected: dict[str, str] = {}
         self.unknown = 0  # replies from nodes with no known user (not recordable in the ledger)
         self._losses: list[tuple[float, float]] = []
@@ -84,11 +115,11 @@ class RoundReplies:
             return self._reject(user, "reply has no arrays record")
         if set(arrays.keys()) != set(layout):
             return self._reject(user, "update names differ from the model's")
-        try:
-            update = arrays.to_torch_state_dict()
-        except Exception as e:
-            return self._reject(user, f"arrays do not convert to tensors ({type(e).__name__})")
-        self.updates[user] = update
+        for name, array in arrays.items():
+            shape, dtype = tuple(getattr(array, "shape", ())), str(getattr(array, "dtype", ""))
+            if shape != tuple(layout[name]) or dtype not in _FLOATING:
+                return self._reject(user, f"{name}: shape {shape} / dtype {dtype!r} do not match the model")
+        self.updates.add(user, arrays)
         metrics = content.metric_records.get("metrics")
         if metrics is not None:
             loss, count = metrics.get("train-loss"), metrics.get("num-examples")

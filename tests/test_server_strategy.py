@@ -7,7 +7,7 @@ from collections import defaultdict
 
 import pytest
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageType, MetricRecord, RecordDict
 from sqlalchemy import select
 
 from fedmf.config import RunConfig
@@ -52,7 +52,12 @@ def honest_node(user: str, behaviour: str = "honest"):
             reply_config["user-id"] = "u00"
         if behaviour == "no-arrays":
             return Message(RecordDict({"config": ConfigRecord(reply_config)}), reply_to=message)
-        content = RecordDict({"arrays": ArrayRecord(update), "config": ConfigRecord(reply_config),
+        arrays = ArrayRecord(update)
+        if behaviour == "corrupt":  # right names, shapes and dtype; damaged bytes
+            name = next(iter(update))
+            good = arrays[name]
+            arrays[name] = Array(good.dtype, good.shape, good.stype, good.data[:5])
+        content = RecordDict({"arrays": arrays, "config": ConfigRecord(reply_config),
                               "metrics": MetricRecord({"num-examples": 8, "train-loss": 1.0})})
         return Message(content, reply_to=message)
 
@@ -85,7 +90,7 @@ def test_flower_strategy_matches_the_in_process_loop_bit_for_bit(tmp_path):
 
 
 BAD = {"u01": "nan", "u02": "shape", "u03": "error", "u04": "old-round", "u05": "other-nonce", "u06": "impostor",
-       "u08": "no-arrays", "u09": "extra", "u10": "silent"}
+       "u08": "no-arrays", "u09": "extra", "u10": "silent", "u11": "corrupt"}
 
 
 class TamperingGrid(LocalGrid):
@@ -138,7 +143,8 @@ def test_bad_replies_are_rejected_recorded_and_never_aggregated(tmp_path):
         elif user not in BAD and user not in (task.NAN_USER, task.SHAPE_USER, task.DROPOUT_USER):
             assert status == "contributed", (user, status, reason)
     expected = {"u01": "non-finite", "u02": "shape", "u03": "client error", "u04": "another round",
-                "u05": "another round", "u06": "another user", "u08": "no arrays", "u09": "differ"}
+                "u05": "another round", "u06": "another user", "u08": "no arrays", "u09": "differ",
+                "u11": "not a mapping"}
     for user, fragment in expected.items():
         assert reasons[user] and all(fragment in r for r in reasons[user]), (user, reasons[user])
     assert any("not selected" in r for r in reasons["outsider"])
