@@ -67,6 +67,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from _models import make_model  # noqa: E402
 from fedmf import mechanisms
 from fedmf.checkpoint import CheckpointStore
 from fedmf.ledger import Ledger
@@ -76,7 +77,6 @@ from fedmf.plan import RunPlan
 from fedmf.privatize import RoundPrivatizer, layout_of
 from fedmf.server_optimizer import server_optimizer
 
-STACKOVERFLOW_PARAMS = 4_053_428
 CLIP_NORM = 1.0
 NOISE_MULTIPLIER = 1.0
 DELTA = 1e-6
@@ -84,33 +84,6 @@ NUM_EXAMPLES = 10  # equal for every reply: FedAvg weights are then 1/K (uniform
 
 
 # ---- model and layout ---------------------------------------------------------------------------
-class StackOverflowLSTM(nn.Module):
-    """The StackOverflow next-word model of "Adaptive Federated Optimization" / Multi-Epoch MF."""
-
-    def __init__(self, vocab: int = 10004, embed: int = 96, hidden: int = 670) -> None:
-        super().__init__()
-        self.embedding = nn.Embedding(vocab, embed)
-        self.lstm = nn.LSTM(embed, hidden, batch_first=True)
-        self.dense = nn.Linear(hidden, embed)
-        self.output = nn.Linear(embed, vocab)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - not used here
-        h, _ = self.lstm(self.embedding(x))
-        return self.output(self.dense(h))
-
-
-def make_model(quick: bool) -> nn.Module:
-    torch.manual_seed(0)
-    model = StackOverflowLSTM(104, 16, 40) if quick else StackOverflowLSTM()
-    size = sum(p.numel() for p in model.parameters())
-    if not quick:
-        assert size == STACKOVERFLOW_PARAMS, f"StackOverflow LSTM: {size} parameters, expected {STACKOVERFLOW_PARAMS}"
-        shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
-        assert shapes == {
-            "embedding.weight": (10004, 96), "lstm.weight_ih_l0": (2680, 96), "lstm.weight_hh_l0": (2680, 670),
-            "lstm.bias_ih_l0": (2680,), "lstm.bias_hh_l0": (2680,), "dense.weight": (96, 670), "dense.bias": (96,),
-            "output.weight": (10004, 96), "output.bias": (10004,)}, shapes
-    return model
 
 
 def make_pool(layout: dict[str, tuple[int, ...]], count: int, seed: int) -> list[dict[str, torch.Tensor]]:

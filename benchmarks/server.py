@@ -66,6 +66,7 @@ from torch import nn  # noqa: E402
 
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 
+from benchmarks._models import make_model  # noqa: E402
 from fedmf import mechanisms
 from fedmf.config import RunConfig
 from fedmf.participation import MinSep
@@ -74,7 +75,6 @@ from fedmf.run import PrivateRun
 from server.local_grid import LocalGrid
 from server.strategy import DPMFStrategy
 
-STACKOVERFLOW_PARAMS = 4_053_428
 CLIP_NORM = 1.0
 NOISE_MULTIPLIER = 1.0
 DELTA = 1e-6
@@ -83,38 +83,12 @@ MIN_SEP = 2
 
 
 # ---- model ------------------------------------------------------------------------------------------
-class StackOverflowLSTM(nn.Module):
-    def __init__(self, vocab: int = 10004, embed: int = 96, hidden: int = 670) -> None:
-        super().__init__()
-        self.embedding = nn.Embedding(vocab, embed)
-        self.lstm = nn.LSTM(embed, hidden, batch_first=True)
-        self.dense = nn.Linear(hidden, embed)
-        self.output = nn.Linear(embed, vocab)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - never trained here
-        h, _ = self.lstm(self.embedding(x))
-        return self.output(self.dense(h))
-
-
-def make_model(quick: bool) -> nn.Module:
-    torch.manual_seed(0)
-    model = StackOverflowLSTM(104, 16, 40) if quick else StackOverflowLSTM()
-    size = sum(p.numel() for p in model.parameters())
-    if not quick:
-        assert size == STACKOVERFLOW_PARAMS, f"StackOverflow LSTM has {size} parameters, expected {STACKOVERFLOW_PARAMS}"
-        shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
-        assert shapes == {
-            "embedding.weight": (10004, 96), "lstm.weight_ih_l0": (2680, 96), "lstm.weight_hh_l0": (2680, 670),
-            "lstm.bias_ih_l0": (2680,), "lstm.bias_hh_l0": (2680,), "dense.weight": (96, 670), "dense.bias": (96,),
-            "output.weight": (10004, 96), "output.bias": (10004,)}, shapes
-    return model
 
 
 def make_pool(model: nn.Module, count: int, seed: int) -> tuple[list[dict[str, np.ndarray]], list[float]]:
     """``count`` distinct float32 updates (numpy, by name); l2 norms geometric over 0.3..3 zeta."""
     gen = torch.Generator().manual_seed(seed)
     shapes = {name: tuple(p.shape) for name, p in model.state_dict().items()}
-    size = sum(math.prod(s) for s in shapes.values())
     pool, norms = [], []
     for i in range(count):
         target = CLIP_NORM * 0.3 * 10.0 ** (i / max(count - 1, 1))
