@@ -1,0 +1,52 @@
+"""`fedmf simulate`: presets, overrides, outputs, resume, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from fedmf.cli import main
+from fedmf.simulate import PRESETS, preset_values
+
+
+def test_tiny_preset_runs_writes_its_outputs_and_resumes(tmp_path, capsys):
+    out = tmp_path / "sim"
+    assert main(["simulate", "--preset", "tiny", "--rounds", "6", "--epsilon", "6", "--out", str(out), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["rounds_done"] == 6 and result["stopped"] == "horizon"
+    assert result["epsilon"] == pytest.approx(6.0, rel=1e-6) and result["accuracy"] is not None
+    assert {"ledger.db", "results.json", "progress.png", "run.json"} <= {p.name for p in out.iterdir()}
+    assert json.loads((out / "results.json").read_text())["run_id"] == result["run_id"]
+    assert result["audit"] == f"fedmf audit --ledger {out / 'ledger.db'} --run {result['run_id']}"
+    # the audit command it prints works on what it wrote
+    assert main(["audit", "--ledger", str(out / "ledger.db"), "--json"]) == 0
+    audit = json.loads(capsys.readouterr().out)
+    assert [r["status"] for r in audit["rounds"]] == ["committed"] * 6
+    assert max(r["epsilon_worst_user"] for r in audit["rounds"]) <= 6.0 * (1 + 1e-9)
+    # same command again: the run is complete and resumes to the same end
+    assert main(["simulate", "--preset", "tiny", "--rounds", "6", "--epsilon", "6", "--out", str(out), "--json"]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["run_id"] == result["run_id"] and again["rounds_done"] == 6
+
+
+def test_presets_are_valid_configurations():
+    from fedmf.config import RunConfig
+
+    for name in PRESETS:
+        config = RunConfig.from_mapping(preset_values(name, {"run-dir": "x"}))
+        assert config.rounds >= 1 and config.task
+
+
+@pytest.mark.parametrize("argv", [
+    ["--preset", "nope"], ["--rounds", "0"], ["--epsilon", "1", "--noise-multiplier", "1"], ["--backend", "flower"],
+    ["--clients-per-round", "-1"], ["--sampling", "bminsep:7"],
+])
+def test_bad_arguments_exit_2_with_one_line(tmp_path, argv):
+    done = subprocess.run([sys.executable, "-m", "fedmf.cli", "simulate", "--preset", "tiny", "--out",
+                           str(tmp_path / "o"), *argv], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("fedmf: error:") or "usage:" in done.stderr
+    assert "Traceback" not in done.stderr
