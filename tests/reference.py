@@ -1,23 +1,26 @@
-"""Access to ../shared/reference/*.json and the comparison rules they state."""
+"""Access to the reference values in tests/data/*.json and the comparison rules they state.
+
+The files are part of the repository (their provenance: tests/data/README.md); a missing
+file is an error, never a skip."""
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
-import pytest
+REFERENCE_DIR = Path(__file__).resolve().parent / "data"
 
-REFERENCE_DIR = Path(os.environ.get("FEDMF_REFERENCE_DIR", Path(__file__).resolve().parents[2] / "shared" / "reference"))
+
+def load_file(name: str) -> dict:
+    """The whole reference file ``tests/data/<name>`` (FileNotFoundError when it is missing)."""
+    path = REFERENCE_DIR / name
+    if not path.is_file():
+        raise FileNotFoundError(f"reference file {path} is missing (it belongs to the repository: see tests/data/README.md)")
+    return json.loads(path.read_text(encoding="utf-8"))
 
 
 def load_cases(name: str) -> list[dict]:
-    path = REFERENCE_DIR / name
-    if not path.exists():
-        if os.environ.get("CI") == "true":
-            raise FileNotFoundError(f"reference file {path} is missing")
-        pytest.skip(f"reference file {path} not found", allow_module_level=True)
-    return json.loads(path.read_text())["cases"]
+    return load_file(name)["cases"]
 
 
 def check(ours: float, case: dict) -> None:

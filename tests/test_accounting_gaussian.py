@@ -1,5 +1,5 @@
 """fedmf.accounting.gaussian and cyclic_poisson: every analytic value of
-../shared/reference/accounting.json, agreement with dp_accounting, calibration (and its
+tests/data/accounting.json, agreement with dp_accounting, calibration (and its
 cache), monotonicity and input validation."""
 
 from __future__ import annotations

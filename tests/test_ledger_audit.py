@@ -18,7 +18,7 @@ from fedmf.ledger.privacy import release_rows, run_privacy
 from fedmf.mechanisms import build
 from fedmf.sensitivity import exhaustive_minsep, pattern_sensitivity, sensitivity
 
-from .test_ledger_helpers import SECRET, ledger_url, mechanism_file, pg_admin, pg_url  # noqa: F401
+from .test_ledger_helpers import SECRET, mechanism_file
 
 
 def _check_epsilon(eps: float, z: float, delta: float = 1e-6) -> None:
@@ -114,7 +114,7 @@ def test_epsilon_by_round_matches_brute_force(tmp_path, kind, n, schema, kwargs)
 def test_worst_pattern_reproduces_the_reference_gaussian_epsilon(ledger_url, tmp_path):
     # DP-SGD (C = I), MinSep(3, 4) over 12 rounds: sens = sqrt(4); a user in rounds 0, 3, 6, 9
     # has exactly the planned sensitivity, so after round 9 it spent eps(z = 10) = 0.396857
-    # (shared/reference/accounting.json, single Gaussian, delta 1e-6).
+    # (tests/data/accounting.json, single Gaussian, delta 1e-6).
     schedule = {"worst": [0, 3, 6, 9], "light": [1, 7], "never-twice": [5]}
     _, history, _ = record(ledger_url, tmp_path, "dp-sgd", 12, MinSep(3, 4), z=10.0, schedule=schedule)
     report = audit(ledger_url)

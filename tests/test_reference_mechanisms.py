@@ -1,4 +1,4 @@
-"""Every case of ../shared/reference/mechanisms.json for the kinds fedmf builds."""
+"""Every case of tests/data/mechanisms.json for the kinds fedmf builds."""
 
 from __future__ import annotations
 
