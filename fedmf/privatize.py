@@ -207,10 +207,10 @@ class RoundPrivatizer:
                     return self._reject(user, reason)
                 if not bool(torch.isfinite(flat).all()):
                     return self._reject(user, f"update values overflow the model's dtype {self.dtype}")
-                # finite values whose squares overflow: scale by ℓ∞ first, in float64
-                top = float(torch.linalg.vector_norm(flat, ord=math.inf))
-                norm = bound = top * float(torch.linalg.vector_norm(flat / top, dtype=torch.float64))
-                if not math.isfinite(norm):
+                # finite values whose squares overflow: scale by an exact power of two first
+                scale = 2.0 ** -math.frexp(float(torch.linalg.vector_norm(flat, ord=math.inf)))[1]
+                norm, bound = (value / scale for value in self._norm(flat * scale))
+                if not math.isfinite(bound):
                     return self._reject(user, "update norm is not finite")
             threshold = self.plan.zero_threshold
             # ℓ∞ ≤ ℓ2: the ℓ∞ pass is needed only when the ℓ2 norm exceeds the threshold
@@ -295,7 +295,8 @@ class RoundPrivatizer:
         """(‖flat‖₂, an upper bound of it) in one cheap pass: ℓ2 norms of rows of 256 values in the
         working dtype, whose squares are summed in float64. Each row's sum of squares is computed
         with relative error ≤ γ₂₅₆ ≈ 256u (Higham, "Accuracy and Stability of Numerical
-        Algorithms", Sec. 4.2), so dividing it by 1 − 300u bounds the exact value (the float64 tail likewise)."""
+        Algorithms", Sec. 4.2), so dividing it by 1 − 300u bounds the exact value (the float64 tail
+        likewise); squares that underflow lose at most the smallest normal each, added as n·tiny."""
         rows = (flat.numel() // _ROW) * _ROW
         blocked = tail = 0.0
         if rows:
@@ -303,8 +304,11 @@ class RoundPrivatizer:
             blocked = float(norms.double().square().sum())
         if rows < flat.numel():
             tail = float(torch.linalg.vector_norm(flat[rows:], dtype=torch.float64)) ** 2
-        u, u64 = torch.finfo(flat.dtype).eps, 2.0 ** -52
-        bound = blocked / (1.0 - (_ROW + 44) * u) + tail / (1.0 - (flat.numel() - rows + 2) * u64)
+        info = torch.finfo(flat.dtype)
+        u, u64 = info.eps, 2.0 ** -52
+        # relative rounding of the sums of squares, plus their absolute error below the normal range
+        bound = (blocked / (1.0 - (_ROW + 44) * u) + tail / (1.0 - (flat.numel() - rows + 2) * u64)
+                 + flat.numel() * info.tiny)
         return math.sqrt(blocked + tail), math.sqrt(bound)
 
     def _flatten(self, update: Mapping[str, torch.Tensor]) -> torch.Tensor:

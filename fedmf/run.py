@@ -154,12 +154,21 @@ class PrivateRun:
             torch.set_rng_state(state["rng"]["torch"])
             return run
         # one noise seed, one run: a second run with this seed would repeat released noise
+        leftovers = sorted(p.name for p in directory.iterdir()
+                           if p.name == "initial.pt" or p.name.startswith(("round-", "noise-")))
+        used = directory / "secrets" / "noise_seed.used"
+        if leftovers or used.exists():
+            raise CheckpointError(f"{str(directory)!r} holds the state of an earlier run ({', '.join(leftovers[:3]) or used.name}) "
+                                  f"but no {_RUN_FILE}: restore {_RUN_FILE} to resume it, or start a new run in a new "
+                                  "directory (new secrets); noise is never reused")
         noise_check = privatizer.state_dict()["noise"]["seed_check"]
         for other in book.runs():
             if other.config.get("noise_key_check") == noise_check:
                 raise CheckpointError(f"ledger run {other.id} was made with the noise seed in {str(directory)!r} and "
                                       f"{_RUN_FILE} is missing: restore {_RUN_FILE} to resume it, or start a new run "
                                       "in a new directory (new secrets); noise is never reused")
+        atomic_write(used, lambda f: f.write("a run was started with this noise seed; it is never used again\n"),
+                     text=True, mode=0o600)
         initial_sha256 = store.save(-1, _state(plan, model, optimizer, privatizer, scheduler))
         run = book.create_run(plan.mechanism, noise_multiplier=plan.noise_multiplier, clip_norm=plan.clip_norm,
                               delta=plan.delta, target_epsilon=plan.target_epsilon, schema=plan.schema,

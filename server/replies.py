@@ -39,12 +39,19 @@ class LazyUpdates(Mapping):
         self._records[user] = record
 
     def __getitem__(self, user: str) -> dict[str, Any]:
+        record = self._records[user]
         try:
-            return self._records[user].to_torch_state_dict()
-        except KeyError:
-            raise
+            tensors = record.to_torch_state_dict()
         except Exception:  # a damaged payload: the engine rejects it as not a mapping of tensors
             return UnreadableArrays()
+        for name, array in record.items():  # the decoded .npy header must agree with the metadata checked
+            tensor = tensors.get(name)
+            if tensor is None or tuple(tensor.shape) != tuple(array.shape) or str(tensor.dtype) != f"torch.{array.dtype}":
+                return UnreadableArrays()
+        return tensors
+
+    def __contains__(self, user: object) -> bool:  # without converting anything
+        return user in self._records
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._records)

@@ -228,3 +228,16 @@ def test_abort_restores_the_committed_state_and_the_redo_is_identical(tmp_path):
         results.append(model.state_dict())
     for name, value in results[0].items():
         assert torch.equal(results[1][name], value), name
+
+
+def test_a_lost_run_file_and_ledger_still_never_reuse_the_noise_seed(tmp_path):
+    train(task.Tiny(), task.users(), task.plan(rounds=6), task.local_update, checkpoint_dir=tmp_path, rounds=2)
+    (tmp_path / "run.json").unlink()
+    (tmp_path / "ledger.db").unlink()
+    with pytest.raises(CheckpointError, match="noise is never reused"):
+        train(task.Tiny(), task.users(), task.plan(rounds=6), task.local_update, checkpoint_dir=tmp_path)
+    for name in list(tmp_path.iterdir()):  # even with every checkpoint gone: the seed is marked as used
+        if name.is_file():
+            name.unlink()
+    with pytest.raises(CheckpointError, match="noise is never reused"):
+        train(task.Tiny(), task.users(), task.plan(rounds=6), task.local_update, checkpoint_dir=tmp_path)

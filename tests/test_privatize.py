@@ -232,3 +232,20 @@ def test_blocked_norm_is_a_rigorous_upper_bound_for_clipping():
         assert contributed <= 0.5, (trial, contributed)
         assert contributed == pytest.approx(min(exact, 0.5), rel=1e-4)
         privatizer.abort()
+
+
+@pytest.mark.parametrize("dtype, value, clip", [(torch.float32, 1e-23, 1e-21), (torch.float32, 1e-40, 1e-39),
+                                                (torch.float64, 1e-170, 1e-168), (torch.float64, 1e160, 1e150)])
+def test_norms_of_underflowing_and_overflowing_squares_still_bound_the_clip(dtype, value, clip):
+    layout = {"w": (40000,)}
+    mech = build("bsr", N, MinSep(B, K), num_bands=3)
+    plan = RunPlan.create(mech, MinSep(B, K), clip_norm=clip, delta=1e-5, expected_users=1, noise_multiplier=1.0,
+                          zero_threshold=None)
+    privatizer = RoundPrivatizer(plan, layout, device="cpu", dtype=dtype, seed=SEED)
+    g = torch.Generator().manual_seed(3)
+    update = {"w": (torch.rand(40000, generator=g, dtype=torch.float64) + 0.5).to(dtype) * value}
+    privatizer.begin(0)
+    assert privatizer.add("u", update).status == "contributed"
+    exact = float(torch.linalg.vector_norm(privatizer._sum.double() / value)) * value  # scaled: no under/overflow
+    assert exact <= clip * (1 + 1e-12)
+    privatizer.abort()
