@@ -14,7 +14,7 @@ from fedmf.ledger import Ledger, LedgerError, ServerSecret, head_revision
 from fedmf.ledger.models import VERSION_TABLE, Base, ClientState, Participation, PrivacySnapshot, Round, Run
 from fedmf.mechanisms.io import load_with_schema
 
-from .test_ledger_helpers import SECRET, dump_database, ledger_url, mechanism_file, pg_admin, pg_url  # noqa: F401
+from .test_ledger_helpers import SECRET, dump_database, mechanism_file
 
 
 def _run(url, tmp_path, schema=MinSep(4, 6), rounds=24, **kwargs):

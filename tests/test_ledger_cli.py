@@ -15,7 +15,7 @@ from fedmf import MinSep
 from fedmf.ledger import Ledger, head_revision
 from fedmf.cli import main as ledger_main
 
-from .test_ledger_helpers import SECRET, ledger_url, mechanism_file, pg_admin, pg_url  # noqa: F401
+from .test_ledger_helpers import SECRET, mechanism_file
 
 
 def _fedmf_main():

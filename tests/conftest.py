@@ -1,0 +1,63 @@
+"""Fixtures shared by several test modules (pytest finds them here; never import this file).
+
+Ledger URLs (used by test_ledger.py, test_ledger_audit.py, test_ledger_cli.py): a fresh
+ledger on SQLite and on the real PostgreSQL server (FEDMF_TEST_POSTGRES_URL, default the
+local one), each PostgreSQL test in a schema of its own that is dropped afterwards. With
+CI=true an unreachable PostgreSQL fails the tests instead of skipping them. Plain helpers
+for the ledger tests (SECRET, mechanism_file, dump_database) live in test_ledger_helpers.py.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+
+PG_URL = os.environ.get("FEDMF_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+
+
+@pytest.fixture(scope="session")
+def pg_admin():
+    """An AUTOCOMMIT engine on the test PostgreSQL server (skip, or fail under CI, when unreachable)."""
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+
+    engine = create_engine(PG_URL, isolation_level="AUTOCOMMIT")
+    try:
+        with engine.connect() as conn:
+            conn.execute(text("SELECT 1"))
+    except Exception as e:  # noqa: BLE001 - any failure to connect
+        engine.dispose()
+        message = f"PostgreSQL not reachable at {make_url(PG_URL).render_as_string(hide_password=True)}: {e}"
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture
+def pg_url(pg_admin):
+    """A URL whose connections work in a fresh, private schema (search_path)."""
+    from sqlalchemy import text
+    from sqlalchemy.engine import make_url
+
+    schema = f"fedmf_test_{uuid.uuid4().hex[:12]}"
+    with pg_admin.connect() as conn:
+        conn.execute(text(f'CREATE SCHEMA "{schema}"'))
+    url = make_url(PG_URL).set(drivername="postgresql+psycopg").update_query_dict(
+        {"options": f"-csearch_path={schema}"}
+    )
+    yield url.render_as_string(hide_password=False)
+    with pg_admin.connect() as conn:
+        conn.execute(text("SET lock_timeout = '20s'"))  # never hang on a connection a failed test left
+        conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def ledger_url(request, tmp_path):
+    """A fresh, empty ledger URL: a SQLite file under tmp_path, then a private PostgreSQL schema."""
+    if request.param == "sqlite":
+        return str(tmp_path / "ledger.db")
+    return request.getfixturevalue("pg_url")
