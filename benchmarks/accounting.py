@@ -28,7 +28,8 @@ import numpy as np
 
 from fedmf import MinSep
 from fedmf.accounting import calibrate, epsilon, epsilon_by_round, evr
-from fedmf.accounting.bminsep import BMinSep, MonteCarloAccountant
+from fedmf.accounting.bminsep import BMinSep
+from fedmf.accounting.montecarlo import MonteCarloAccountant
 from fedmf.mechanisms import build
 
 

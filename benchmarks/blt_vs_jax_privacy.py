@@ -19,7 +19,8 @@ jax.config.update("jax_enable_x64", True)
 
 from jax_privacy.matrix_factorization import buffered_toeplitz as bt  # noqa: E402
 
-from fedmf.mechanisms.blt import BufferedLinearToeplitz, optimize_blt  # noqa: E402
+from fedmf.mechanisms.blt import BufferedLinearToeplitz  # noqa: E402
+from fedmf.mechanisms.blt_optimize import optimize_blt  # noqa: E402
 from fedmf.participation import MinSep  # noqa: E402
 
 # (n, b, k, error)

@@ -117,7 +117,7 @@ def _dense_loss(c: np.ndarray, schema: FixedEpoch) -> float:
 
 
 def case_blt(n: int, repeats: int, k: int = 1) -> dict:
-    from fedmf.mechanisms.blt import optimize_blt
+    from fedmf.mechanisms.blt_optimize import optimize_blt
 
     b = n // k
     schema = MinSep(b, k)

@@ -47,7 +47,7 @@ def main() -> None:
     strategies["taper(B1)"] = BandedToeplitz(n, taper(bt1.coefficients, b0, b1))
     times["taper(B1)"] = times["BandToep(B1)"]
     try:
-        from fedmf.mechanisms.blt import optimize_blt
+        from fedmf.mechanisms.blt_optimize import optimize_blt
 
         t = time.perf_counter()
         strategies["BLT(B0)"], _ = optimize_blt(n, MinSep(b0, k))

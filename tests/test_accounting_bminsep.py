@@ -1,5 +1,5 @@
-"""The b-min-sep dominating pair and its Monte Carlo accountant
-(fedmf.accounting.bminsep): the reference privacy losses, a brute-force enumeration for
+"""The b-min-sep dominating pair (fedmf.accounting.bminsep) and its Monte Carlo
+accountant (fedmf.accounting.montecarlo): the reference privacy losses, a brute-force enumeration for
 3 and 4 bands (cold and warm start, Toeplitz and general banded C), the scaled and
 log-space recursions against each other, the sampler against the Markov chain, and the
 Monte Carlo estimate against dp_accounting for C = I."""
@@ -7,19 +7,19 @@ Monte Carlo estimate against dp_accounting for C = I."""
 from __future__ import annotations
 
 import itertools
-import json
 
 import dp_accounting
 import numpy as np
 import pytest
 from scipy.special import logsumexp
 
-from fedmf.accounting import bminsep
-from fedmf.accounting.bminsep import BMinSep, MonteCarloAccountant, log_likelihood_ratio, privacy_loss
-from tests.reference import REFERENCE_DIR, load_cases
+from fedmf.accounting import bminsep, montecarlo
+from fedmf.accounting.bminsep import BMinSep, log_likelihood_ratio, privacy_loss
+from fedmf.accounting.montecarlo import MonteCarloAccountant
+from tests.reference import load_cases, load_file
 
 CASES = load_cases("accounting.json")
-LOSS_CASES = json.loads((REFERENCE_DIR / "accounting.json").read_text())["bminsep_privacy_loss"]["cases"]
+LOSS_CASES = load_file("accounting.json")["bminsep_privacy_loss"]["cases"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -149,11 +149,11 @@ def test_pair_sampler_matches_the_loss_of_its_draws(b):
     privacy_loss in log space on the y it stands for: y_Q = σz, y_P = Cx + σz."""
     sigma, n, count = 0.7, 30, 400
     scheme = BMinSep.from_coefficients([0.8, 0.5, 0.3], n, b, 0.15, warm_start=True)
-    loss_q, loss_p = bminsep._chunk_losses(scheme, sigma, np.random.default_rng(5), count, scheme.gram_band(), "auto")
+    loss_q, loss_p = montecarlo._chunk_losses(scheme, sigma, np.random.default_rng(5), count, scheme.gram_band(), "auto")
     # the same draws again, to rebuild y
     rng = np.random.default_rng(5)
     z = rng.standard_normal((n, count))
-    t, cols = bminsep._participations(scheme, rng, count)
+    t, cols = montecarlo._participations(scheme, rng, count)
     x = np.zeros((n, count))
     x[t, cols] = 1.0
     y_q = sigma * z
@@ -168,7 +168,7 @@ def test_participation_marginals(warm):
     last b-1 u), warm start the stationary rate p/(1+(b-1)p) (notes §3.2-3.3)."""
     n, b, p, count = 12, 3, 0.3, 200_000
     scheme = BMinSep.from_coefficients([1.0], n, b, p, warm)
-    rows, _ = bminsep._participations(scheme, np.random.default_rng(1), count)
+    rows, _ = montecarlo._participations(scheme, np.random.default_rng(1), count)
     freq = np.bincount(rows, minlength=n) / count
     if warm:
         expected = np.full(n, p / (1 + (b - 1) * p))
@@ -249,10 +249,10 @@ def test_loss_samples_epsilon_is_consistent():
 
 
 def test_kl_confidence_bounds():
-    up, lo = bminsep.kl_upper_bound(0.01, 100_000, 0.95), bminsep.kl_lower_bound(0.01, 100_000, 0.95)
+    up, lo = montecarlo.kl_upper_bound(0.01, 100_000, 0.95), montecarlo.kl_lower_bound(0.01, 100_000, 0.95)
     assert lo < 0.01 < up and up - 0.01 == pytest.approx(0.01 - lo, rel=0.1)
-    assert bminsep.kl_lower_bound(0.0, 100, 0.95) == 0.0
-    assert 0 < bminsep.kl_upper_bound(0.0, 1000, 0.95) < 0.005
+    assert montecarlo.kl_lower_bound(0.0, 100, 0.95) == 0.0
+    assert 0 < montecarlo.kl_upper_bound(0.0, 1000, 0.95) < 0.005
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -280,7 +280,7 @@ def test_trailing_zero_bands_do_not_count():
 def test_threads_give_the_same_result_as_one_worker_even_when_one_takes_every_chunk():
     """Workers pull chunks from a shared queue, so one may get none (it used to crash) and the
     order of the per-chunk sums varies; the result must equal the one-worker result exactly."""
-    from fedmf.accounting.bminsep import BMinSep, MonteCarloAccountant, _TopK
+    from fedmf.accounting.montecarlo import _TopK
 
     assert _TopK(10).result().size == 0
     scheme = BMinSep.from_coefficients([1.0], 50, 1, 0.1)

@@ -9,7 +9,8 @@ import pytest
 
 from fedmf import MinSep
 from fedmf.accounting import MonteCarloOptions, calibrate, epsilon, evr, gaussian
-from fedmf.accounting.bminsep import BMinSep, MonteCarloAccountant
+from fedmf.accounting.bminsep import BMinSep
+from fedmf.accounting.montecarlo import MonteCarloAccountant
 from fedmf.mechanisms.toeplitz import BandedToeplitz
 
 

@@ -1,5 +1,6 @@
-"""The "blt" kind (fedmf.mechanisms.blt): algebra, closed forms vs materialized and brute
-force, the noise stream, the optimizer (reference cases, determinism, buffer choice)."""
+"""The "blt" kind (fedmf.mechanisms.blt, its optimizer fedmf.mechanisms.blt_optimize):
+algebra, closed forms vs materialized and brute force, the noise stream, the optimizer
+(reference cases, determinism, buffer choice)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from fedmf import sensitivity as S
 from fedmf.filters import lower_toeplitz
 from fedmf.mechanisms import blt as B
 from fedmf.mechanisms.base import Mechanism
-from fedmf.mechanisms.blt import BufferedLinearToeplitz, optimize_blt
+from fedmf.mechanisms.blt import BufferedLinearToeplitz
+from fedmf.mechanisms.blt_optimize import optimize_blt
 from fedmf.participation import FixedEpoch, MinSep
 from fedmf.workloads import Workload
 from tests.reference import check, load_cases

@@ -14,7 +14,7 @@ import torch
 from fedmf.errors import CheckpointError, ConfigError, HorizonReached, PlanMismatch
 from fedmf.mechanisms import build, plan
 from fedmf.mechanisms.banded import optimize_banded
-from fedmf.mechanisms.blt import optimize_blt
+from fedmf.mechanisms.blt_optimize import optimize_blt
 from fedmf.mechanisms.toeplitz import BandedInverseToeplitz
 from fedmf.noise import NoiseGenerator, _Draws
 from fedmf.participation import MinSep

@@ -5,7 +5,8 @@
 * ``per_round``       epsilon after each round
 * ``posthoc``         per-user epsilon from the observed participation pattern
 * ``cyclic_poisson``  amplified BandMF with cyclic Poisson sampling (dp_accounting)
-* ``bminsep``         b-min-sep sampling: dominating-pair privacy loss, Monte Carlo accountant
+* ``bminsep``         b-min-sep sampling: the sampled mechanism, its dominating-pair privacy loss
+* ``montecarlo``      the Monte Carlo accountant of b-min-sep sampling (losses, chunks, workers)
 * ``evr``             Estimate-Verify-Release calibration with an analytic fallback
 * ``mmcc``            MMCC: amplified epsilon of a non-negative lower-triangular C under
                       Poisson sampling in every round (``--sampling poisson:P``)

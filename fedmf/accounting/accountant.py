@@ -157,7 +157,8 @@ def epsilon(mechanism: "Mechanism", noise_multiplier: float, delta: float, schem
 
 
 def _bminsep_accountant(mechanism: "Mechanism", schema: "Schema", sampling: Sampling, options: MonteCarloOptions):
-    from .bminsep import BMinSep, MonteCarloAccountant
+    from .bminsep import BMinSep
+    from .montecarlo import MonteCarloAccountant
 
     b = amplification_min_sep(schema, sampling)
     check_banded(mechanism, b, "b-min-sep")

@@ -33,7 +33,7 @@ from scipy import optimize
 from scipy.special import rel_entr
 
 from . import _validate
-from .bminsep import MonteCarloAccountant
+from .montecarlo import MonteCarloAccountant
 
 __all__ = ["failure_probability", "overall_delta", "base_delta", "minimum_samples", "Verification", "EvrResult",
            "calibrate"]

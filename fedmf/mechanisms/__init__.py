@@ -185,7 +185,8 @@ def plan(
                           "use kind 'banded' or 'dense' for a learning-rate cooldown")
     schema.validate(rounds)
     if kind == "blt":
-        from .blt import DENSE_LIMIT, MAX_BUFFERS, optimize_blt
+        from .blt import DENSE_LIMIT, MAX_BUFFERS
+        from .blt_optimize import optimize_blt
 
         if not workload.is_toeplitz and rounds > DENSE_LIMIT:
             raise ConfigError(f"a cooldown workload is optimized densely, up to n={DENSE_LIMIT} rounds (got {rounds})")

@@ -118,13 +118,18 @@ def lbfgs(
     gtol: float = 1e-8,
     progress: Progress | None = None,
     report: Callable[[float], float] = lambda f: f,
+    bounds: tuple[float, float] | None = None,
+    close_progress: bool = True,
 ) -> tuple[np.ndarray, OptimizationResult]:
-    """L-BFGS (scipy's L-BFGS-B, unbounded) on a smooth objective.
+    """L-BFGS (scipy's L-BFGS-B) on a smooth objective, unbounded or in the box
+    ``bounds`` = (lo, hi) on every coordinate.
 
     Stops when the relative decrease of the objective over one step is below ``rtol``
     or the largest gradient entry is below ``gtol`` (converged), or after ``max_steps``
     (not converged). Non-finite objective values are treated as +inf so line searches
     back off from unstable regions. ``report`` maps the objective to the value shown.
+    Returns the best point evaluated. ``close_progress=False`` leaves the progress line
+    open for a caller that runs several searches under one line.
     """
     from scipy.optimize import minimize
 
@@ -149,6 +154,7 @@ def lbfgs(
         np.array(x0, dtype=np.float64),
         jac=True,
         method="L-BFGS-B",
+        bounds=None if bounds is None else [bounds] * len(x0),
         callback=callback,
         options={"maxiter": max_steps, "ftol": rtol, "gtol": gtol, "maxcor": 20, "maxls": 50},
     )
@@ -159,7 +165,7 @@ def lbfgs(
     converged = bool(res.success) or (
         "ABNORMAL" in message.upper() and state["step"] > 0 and np.max(np.abs(wrapped(x)[1])) < 1e-4
     )
-    if progress is not None:
+    if progress is not None and close_progress:
         progress.close(state["step"], report(f), "converged" if converged else "NOT converged")
     return x, OptimizationResult(
         converged=converged,
