@@ -18,6 +18,9 @@ __all__ = ["get_task", "TASKS", "Task", "SupervisedTask", "ClientHyper", "LocalR
 #: task name -> "module:Class" (imported on first use, so a heavy task costs nothing until asked for)
 _REGISTRY: dict[str, str] = {
     "tiny": "client.tasks.tiny:TinyTask",
+    "stackoverflow": "client.tasks.stackoverflow:StackOverflowTask",
+    "so-synthetic": "client.tasks.stackoverflow:SyntheticStackOverflowTask",
+    "shakespeare": "client.tasks.shakespeare:ShakespeareTask",
 }
 
 #: the task names get_task knows

@@ -1,0 +1,214 @@
+"""The text pipeline shared by the next-word tasks (stackoverflow, so-synthetic, shakespeare).
+
+Ids exactly as TFF's StackOverflow word prediction (``word_prediction_preprocessing`` /
+``stackoverflow_word_prediction.build_to_ids_fn``) with ``V = vocab_size`` and one OOV bucket:
+
+* pad 0; the V words 1..V (most frequent first); OOV V+1; BOS V+2; EOS V+3 (V+4 ids);
+* a sentence's words are cut to ``SEQ_LEN`` = 20; EOS is appended only if fewer than 20 remain;
+  BOS is prepended; the sequence is padded with 0 to 21; x = seq[:-1], y = seq[1:].
+
+So BOS is never a target, a sentence of 20 or more words has no EOS, and every row has at least
+one non-pad target (y[0]). :class:`TextTask` adds the model, the pad-masked loss and TFF's metrics
+to :class:`~client.tasks.base.SupervisedTask`'s local SGD.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+
+from fedmf.errors import ConfigError
+from fedmf.threads import one_thread
+
+from .base import SupervisedTask, check_int, stable_seed
+from .models import MODEL_SIZES, empty_word_model, make_word_model
+
+__all__ = ["SEQ_LEN", "PAD", "Vocab", "special_ids", "frame", "to_xy", "read_word_counts", "top_words",
+           "TextTask", "LRU", "check_model_size", "check_float"]
+
+SEQ_LEN = 20
+PAD = 0
+_EVAL_CHUNK = 32  # sentences per forward pass in evaluation (small chunks stay in cache: faster, less memory)
+
+
+def special_ids(vocab_size: int) -> tuple[int, int, int, int]:
+    """(pad, oov, bos, eos) for ``vocab_size`` words."""
+    return PAD, vocab_size + 1, vocab_size + 2, vocab_size + 3
+
+
+class Vocab:
+    """The ``vocab_size`` words → ids 1..len(words) (most frequent first), everything else OOV."""
+
+    def __init__(self, words: Sequence[str], vocab_size: int) -> None:
+        if len(words) > vocab_size:
+            raise ConfigError(f"{len(words)} words do not fit a vocabulary of {vocab_size}")
+        self.words = tuple(words)
+        self.vocab_size = vocab_size
+        self.index = {w: i + 1 for i, w in enumerate(self.words)}
+        if len(self.index) != len(self.words):
+            raise ConfigError("the vocabulary has a repeated word")
+        self.pad, self.oov, self.bos, self.eos = special_ids(vocab_size)
+
+    def lookup(self, words: Iterable[str]) -> list[int]:
+        oov, index = self.oov, self.index
+        return [index.get(w, oov) for w in words]
+
+    def encode(self, words: Sequence[str]) -> list[int]:
+        """TFF's to_ids + padding: the 21 ids of one sentence given as its words."""
+        return frame(self.lookup(words[:SEQ_LEN]), self.vocab_size)
+
+
+def frame(ids: Sequence[int], vocab_size: int, seq_len: int = SEQ_LEN) -> list[int]:
+    """Word ids (already looked up) → [BOS] + ids[:seq_len] + ([EOS] if fewer than seq_len) + pad
+    to seq_len + 1."""
+    _, _, bos, eos = special_ids(vocab_size)
+    ids = list(ids[:seq_len])
+    if len(ids) < seq_len:
+        ids.append(eos)
+    seq = [bos, *ids]
+    return seq + [PAD] * (seq_len + 1 - len(seq))
+
+
+def to_xy(seqs: Sequence[Sequence[int]], seq_len: int = SEQ_LEN) -> tuple[torch.Tensor, torch.Tensor]:
+    """Framed sequences → (x, y) int64 tensors of shape (n, seq_len)."""
+    t = torch.tensor(seqs, dtype=torch.int64).reshape(len(seqs), seq_len + 1)
+    return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+
+
+def read_word_counts(path: str, vocab_size: int) -> list[str]:
+    """The first ``vocab_size`` words of a ``word count`` per line file (TFF's
+    ``stackoverflow.word_count``: most frequent first). ConfigError if it has fewer."""
+    words: list[str] = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                if len(words) >= vocab_size:
+                    break
+                parts = line.split()
+                if len(parts) != 2 or not parts[1].isdigit():
+                    raise ConfigError(f"vocab file {path}: line {number} is not 'word count': {line.strip()[:60]!r}")
+                words.append(parts[0])
+    except OSError as e:
+        raise ConfigError(f"cannot read vocab file {path!r}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"vocab file {path!r} is not UTF-8 text") from None
+    if len(words) < vocab_size:
+        raise ConfigError(f"vocab file {path} has {len(words)} words, fewer than vocab_size {vocab_size}")
+    if len(set(words)) != len(words):
+        raise ConfigError(f"vocab file {path} repeats a word among its first {vocab_size}")
+    return words
+
+
+def top_words(counts: Mapping[str, int], k: int) -> list[str]:
+    """The ``k`` most frequent words, ties by the word (deterministic)."""
+    return [w for w, _ in sorted(counts.items(), key=lambda wc: (-wc[1], wc[0]))[:k]]
+
+
+def check_model_size(value: Any) -> str:
+    if value not in MODEL_SIZES:
+        raise ConfigError(f"model_size must be one of {sorted(MODEL_SIZES)}, got {value!r}")
+    return value
+
+
+def check_float(name: str, value: Any, low: float, high: float, *, low_open: bool = False,
+                high_open: bool = False) -> float:
+    """``value`` as a finite float in the interval, else a one-line ConfigError."""
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    if ok:
+        ok = (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
+    if not ok:
+        bound = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+        raise ConfigError(f"{name} must be a number in {bound}, got {value!r}")
+    return float(value)
+
+
+def check_options(task: str, options: dict[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
+    unknown = sorted(set(options) - set(defaults))
+    if unknown:
+        raise ConfigError(f"unknown {task} task option(s) {unknown}; known: {sorted(defaults)}")
+    return {**defaults, **options}
+
+
+class LRU:
+    """A small least-recently-used cache of users' tensors (data are built lazily, never all)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._data: collections.OrderedDict[str, Any] = collections.OrderedDict()
+
+    def get(self, key: str, build: Any) -> Any:
+        if key in self._data:
+            self._data.move_to_end(key)
+            return self._data[key]
+        value = build()
+        self._data[key] = value
+        if len(self._data) > self.size:
+            self._data.popitem(last=False)
+        return value
+
+
+class TextTask(SupervisedTask):
+    """Next-word prediction over (x, y) int64 (n, 20) tensors. Subclasses set ``name`` and
+    provide ``users``, ``user_data``, ``heldout_data`` and ``vocab_size``; options include ``seed``
+    and ``model_size``."""
+
+    @property
+    def vocab_size(self) -> int:
+        return self.options["vocab_size"]
+
+    def model(self) -> torch.nn.Module:
+        """A fresh model holding the task's initial state (drawn once per task object, then copied:
+        ``load`` builds a model for every local update)."""
+        if getattr(self, "_initial", None) is None:
+            init = make_word_model(self.options["model_size"], self.vocab_size,
+                                   stable_seed(self.options["seed"], self.name, "model"))
+            self._initial = {k: v.detach().clone() for k, v in init.state_dict().items()}
+        model = empty_word_model(self.options["model_size"], self.vocab_size)
+        model.load_state_dict(self._initial)
+        return model
+
+    def criterion(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy over the non-pad targets of the batch."""
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1),
+                                                 ignore_index=PAD)
+
+    def _score(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
+        """Token-weighted over all rows: loss and accuracy without pad; accuracy without pad, OOV
+        and EOS (TFF's masked accuracies; BOS is never a target; argmax over all ids)."""
+        _, oov, _, eos = special_ids(self.vocab_size)
+        training = model.training
+        model.eval()
+        loss_sum, tokens, correct, tokens2, correct2 = 0.0, 0, 0, 0, 0
+        try:
+            with torch.no_grad(), one_thread():
+                for start in range(0, len(y), _EVAL_CHUNK):
+                    xb, yb = x[start:start + _EVAL_CHUNK], y[start:start + _EVAL_CHUNK]
+                    logits = model(xb)
+                    loss_sum += float(torch.nn.functional.cross_entropy(
+                        logits.reshape(-1, logits.shape[-1]), yb.reshape(-1), ignore_index=PAD, reduction="sum"))
+                    hit = logits.argmax(dim=-1) == yb
+                    mask = yb != PAD
+                    mask2 = mask & (yb != oov) & (yb != eos)
+                    tokens += int(mask.sum())
+                    correct += int((hit & mask).sum())
+                    tokens2 += int(mask2.sum())
+                    correct2 += int((hit & mask2).sum())
+        finally:
+            model.train(training)
+        if tokens == 0:
+            raise ConfigError(f"{self.name}: nothing to evaluate (no non-pad targets)")
+        return {"loss": loss_sum / tokens, "accuracy": correct / tokens,
+                "accuracy_no_oov_eos": correct2 / tokens2 if tokens2 else 0.0}
+
+
+def common_options(task: str, out: dict[str, Any]) -> dict[str, Any]:
+    """Validate the options every text task has (seed, model_size, vocab_size, max_sentences)."""
+    check_int(f"{task} seed", out["seed"], 0, 2**63 - 1)
+    check_model_size(out["model_size"])
+    check_int(f"{task} vocab_size", out["vocab_size"], 1, 1_000_000)
+    if "max_sentences" in out:
+        check_int(f"{task} max_sentences", out["max_sentences"], 1, 10_000_000)
+    return out
