@@ -41,7 +41,7 @@ def _equal(a, b) -> bool:
 # ---- registry and options ------------------------------------------------------------------
 
 def test_registry_and_tiny_shape(task):
-    assert TASKS == ("tiny",)
+    assert set(TASKS) == {"tiny", "so-synthetic", "stackoverflow", "shakespeare"}
     assert task.name == "tiny"
     assert task.options == {"num_users": 20, "seed": 0, "examples_per_user": [8, 64], "eval_users": 10}
     assert task.users() == [str(i) for i in range(20)]
