@@ -4,23 +4,33 @@
 overrides, takes the preset's task from ``client.tasks`` (at the edge: the engine itself knows
 no task), and calls ``simulate``, which runs
 ``fedmf.federated.train`` (the same private round the Flower server runs) and writes, next to
-the ledger and checkpoints in the output directory, ``results.json`` and ``progress.png``.
+the ledger and checkpoints in the output directory, ``final-model.pt``, ``results.json`` and
+``progress.png``.
+
+``--backend flower`` runs the same configuration as the Flower app on the Flower simulation engine
+(``server/launcher.py``, which runs Flower's executables: nothing here imports Flower). This module
+gives it the complete run configuration (``flower_run_config``), the population check
+(``flower_population``: simulation users are ``str(partition-id)``) and reads the finished run back
+into the same ``SimulationResult`` (``flower_result``: the ledger, ``final-model.pt``, the ServerApp's
+progress lines).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from .config import RunConfig
+from .config import DEFAULTS, RunConfig
 from .errors import ConfigError
 from .files import atomic_write
 
-__all__ = ["PRESETS", "preset_values", "simulate", "SimulationResult"]
+__all__ = ["PRESETS", "preset_values", "simulate", "SimulationResult", "flower_run_config", "flower_population",
+           "flower_result"]
 
 #: preset → run configuration (kebab-case RunConfig keys; the task and its options included)
 PRESETS: dict[str, dict[str, Any]] = {
@@ -103,18 +113,129 @@ def simulate(config: RunConfig, *, model, users, local_update, evaluate, progres
     plan = config.build_plan()
     result = train(model, users, plan, local_update, server_lr=config.server_lr, checkpoint_dir=config.run_dir,
                    ledger=config.ledger_url, evaluate=evaluate, progress=progress)
+    import torch
+
+    # the final model, as the Flower ServerApp writes it (both backends leave the same files)
+    atomic_write(Path(config.run_dir) / "final-model.pt", lambda f: torch.save(model.state_dict(), f), text=False,
+                 mode=0o600)
     history = [asdict(r) for r in result.history]
     accuracy = next((h["metrics"].get("accuracy") for h in reversed(history) if "accuracy" in h["metrics"]), None)
     out = SimulationResult(config.run_dir, result.ledger, result.run_id, result.rounds_done, result.stopped,
                            plan.epsilon_after(result.rounds_done - 1) if result.rounds_done else 0.0, plan.delta,
                            plan.noise_multiplier, accuracy, time.perf_counter() - started, history)
-    directory = Path(config.run_dir)
-    if plot and history:
+    return _write_outputs(out, config.run_dir, plot)
+
+
+def _write_outputs(out: SimulationResult, run_dir: str, plot: bool) -> SimulationResult:
+    directory = Path(run_dir)
+    if plot and out.history:
         out.plot = str(directory / "progress.png")
-        _plot(history, out.plot)
+        _plot(out.history, out.plot)
     atomic_write(directory / "results.json", lambda f: json.dump(out.to_dict(), f, indent=1, allow_nan=False),
                  text=True, mode=0o600)
     return out
+
+
+# ---- the flower backend (no Flower imported here) -------------------------------------------
+
+
+def flower_run_config(values: Mapping[str, Any], config: RunConfig) -> dict[str, Any]:
+    """The complete run configuration for ``flwr run --run-config``: every RunConfig key, so that the
+    app's own ``[tool.flwr.app.config]`` defaults (which differ from ``fedmf.config.DEFAULTS``) fill
+    in nothing, with the paths the ServerApp must see absolute (it runs in another directory)."""
+    out = {**DEFAULTS, **values}
+    if any(v is None for v in out.values()):
+        raise ConfigError(f"configuration keys without a value: {sorted(k for k, v in out.items() if v is None)}")
+    if isinstance(out["task-options"], Mapping):
+        out["task-options"] = json.dumps(out["task-options"], sort_keys=True)
+    out["run-dir"] = config.run_dir
+    out["mechanism"] = config.mechanism  # a mechanism file, resolved from the working directory
+    return out
+
+
+def flower_population(task_name: str, users: list[str]) -> int:
+    """The number of simulated SuperNodes for a task whose users are ``users``: the Flower simulation
+    names its users ``str(partition-id)`` (``client.app.user_id``), so they must be "0".."N-1";
+    ConfigError (one line) otherwise."""
+    n = len(users)
+    if n == 0 or len(set(users)) != n or set(users) != {str(i) for i in range(n)}:
+        shown = ", ".join(repr(u) for u in list(users)[:3]) + (", ..." if n > 3 else "")
+        raise ConfigError(f"task {task_name!r} names its users {shown}, not '0'..'{max(n - 1, 0)}' as the Flower "
+                          "simulation does (user = partition-id): use --backend inprocess")
+    return n
+
+
+_PROGRESS = re.compile(r"fedmf round (\d+)/\d+\s+eps \S+\s+users \d+/\d+\s+rejected \d+\s+dropped \d+\s+"
+                       r"clipped \d+\s+zeroed (\d+)[ \t]*(.*)$", re.M)
+_STOPPING = re.compile(r"fedmf: stopping: (.*)$", re.M)
+_ENDED = re.compile(r"fedmf: \d+ rounds committed in \S+ \(([^)]*)\)", re.M)
+
+
+def _progress_lines(output: str) -> dict[int, dict[str, Any]]:
+    """Round index -> {"zeroed", "metrics"} from the ServerApp's progress lines (4 significant digits)."""
+    found: dict[int, dict[str, Any]] = {}
+    for m in _PROGRESS.finditer(output):
+        metrics: dict[str, float] = {}
+        parts = m.group(3).split()
+        for key, value in zip(parts[::2], parts[1::2]):
+            try:
+                metrics[key] = float(value)
+            except ValueError:
+                pass
+        found[int(m.group(1)) - 1] = {"zeroed": int(m.group(2)), "metrics": metrics}
+    return found
+
+
+def flower_result(config: RunConfig, *, model, evaluate, output: str = "", seconds: float = 0.0,
+                  plot: bool = True) -> SimulationResult:
+    """Read a finished Flower run of ``config`` back from its run directory into a SimulationResult
+    and write ``results.json`` (and ``progress.png``), as ``simulate`` does: the run and rounds
+    committed from ``run.json`` and the ledger, epsilon from the plan, accuracy from ``evaluate`` of
+    ``final-model.pt`` loaded into ``model``; per-round metrics from the ServerApp's progress lines in
+    ``output`` where present."""
+    import torch
+
+    from .ledger import Ledger
+
+    directory = Path(config.run_dir)
+    try:
+        recorded = json.loads((directory / "run.json").read_text(encoding="utf-8"))
+        run_id = int(recorded["run_id"])
+        secret = (directory / "secrets" / "ledger_secret").read_bytes()
+        state = torch.load(directory / "final-model.pt", weights_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"the Flower run left no complete result in {str(directory)!r}: {e}") from None
+    plan = config.build_plan()
+    ledger = config.ledger_url or str(directory / "ledger.db")
+    with Ledger.open(ledger, secret=secret) as book:
+        run = book.run(run_id)
+        plan.check_fingerprint(run.info.plan_fingerprint, f"ledger run {run_id}")
+        done = run.next_round
+        rounds = [run.round(t) for t in range(done)]
+    printed = _progress_lines(output)
+    history = []
+    for r in rounds:
+        entry = {"round": r.round_index, "epsilon": plan.epsilon_after(r.round_index), "selected": r.selected,
+                 "contributed": r.contributed, "dropped": r.dropped, "rejected": r.rejected, "clipped": r.clipped}
+        entry.update(printed.get(r.round_index, {"metrics": {}}))
+        history.append(entry)
+    model.load_state_dict(state)
+    with torch.no_grad():
+        scores = {k: float(v) for k, v in evaluate(model).items()}
+    if history:
+        history[-1]["metrics"] = {**history[-1]["metrics"], **scores}  # exact, not the 4-digit progress line
+    stopping = _STOPPING.findall(output)
+    ended = _ENDED.findall(output)
+    if stopping:
+        stopped = f"guard: {stopping[-1].strip()}"
+    elif ended and ended[-1] in ("horizon", "rounds"):
+        stopped = ended[-1]
+    else:
+        stopped = "horizon" if done == plan.rounds else "rounds"
+    out = SimulationResult(str(directory), ledger, run_id, done, stopped,
+                           plan.epsilon_after(done - 1) if done else 0.0, plan.delta, plan.noise_multiplier,
+                           scores.get("accuracy"), seconds, history)
+    return _write_outputs(out, config.run_dir, plot)
 
 
 def _plot(history: list[dict[str, Any]], path: str) -> None:

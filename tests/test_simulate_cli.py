@@ -41,8 +41,11 @@ def test_presets_are_valid_configurations():
 
 
 @pytest.mark.parametrize("argv", [
-    ["--preset", "nope"], ["--rounds", "0"], ["--epsilon", "1", "--noise-multiplier", "1"], ["--backend", "flower"],
+    ["--preset", "nope"], ["--rounds", "0"], ["--epsilon", "1", "--noise-multiplier", "1"],
     ["--clients-per-round", "-1"], ["--sampling", "bminsep:7"],
+    # the flower backend refuses before any Flower process starts (tests/test_simulate_backends.py runs it)
+    ["--backend", "flower", "--rounds", "2"],  # the preset's min-sep 4 > 2 rounds: no plan
+    ["--backend", "flower", "--timeout", "0"], ["--backend", "flower", "--delta", "0.9"],
 ])
 def test_bad_arguments_exit_2_with_one_line(tmp_path, argv):
     done = subprocess.run([sys.executable, "-m", "fedmf.cli", "simulate", "--preset", "tiny", "--out",

@@ -1,4 +1,6 @@
-"""``fedmf simulate``: private federated training of a preset task, in process, with its audit."""
+"""``fedmf simulate``: private federated training of a preset task, with its audit — in process
+(``--backend inprocess``) or as the Flower app on the Flower simulation engine (``--backend flower``,
+through ``server/launcher.py``, imported only then)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-from ..errors import ConfigError
+from ..errors import ConfigError, FedmfError
 
 __all__ = ["register", "cmd_simulate"]
 
@@ -34,44 +36,100 @@ def _overrides(args: argparse.Namespace) -> dict:
         data = Path(args.data)
         vocab = Path(args.vocab) if args.vocab else data.with_name("stackoverflow.word_count")
         values["task"] = "stackoverflow"
-        options.update(path=str(data), vocab_path=str(vocab))
+        options.update(path=str(data.resolve()), vocab_path=str(vocab.resolve()))
     if options:
         values["task-options"] = options
     values["run-dir"] = str(Path(args.out).resolve())
     return values
 
 
+def _simulate_flower(args: argparse.Namespace, values: dict, config, task):
+    """The same configuration as the Flower app on the Flower simulation engine (Ray): one simulated
+    SuperNode per user, every Flower process killed afterwards; the result read back from the run
+    directory. A failed run is a one-line FedmfError with the run's status."""
+    import time
+
+    from ..files import atomic_write
+    from ..simulate import flower_population, flower_result, flower_run_config
+
+    num_supernodes = flower_population(config.task, list(task.users()))
+    config.build_plan()  # a plan that cannot be built fails here, in one line, before any Flower process starts
+    try:
+        from server.launcher import AppDirError, LeftoverProcessesError, app_dir, run_simulation
+    except ImportError as e:
+        raise ConfigError(f"--backend flower needs the Flower app's server package, which is not installed ({e})"
+                          ) from None
+    try:
+        root = app_dir()
+    except AppDirError as e:
+        raise ConfigError(str(e)) from None
+    run_dir = Path(config.run_dir)
+    run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    final = run_dir / "final-model.pt"
+    before = final.stat().st_mtime_ns if final.exists() else None
+    echo = None if (args.quiet or args.json) else sys.stderr
+    started = time.perf_counter()
+    try:
+        res = run_simulation(root, num_supernodes=num_supernodes, run_config=flower_run_config(values, config),
+                             timeout=args.timeout, echo=echo)
+    except LeftoverProcessesError as e:
+        raise FedmfError(f"the Flower run's processes could not all be stopped: {e}") from None
+    except (RuntimeError, TimeoutError) as e:  # the SuperLink did not start
+        raise FedmfError(f"the Flower simulation could not start: {e}") from None
+    seconds = time.perf_counter() - started
+    log = run_dir / "flower.log"
+    text = (f"$ {' '.join(res.args)}\n{res.output}\n--- flwr ls ---\n{json.dumps(res.run_info, indent=1)}\n"
+            f"--- superlink ---\n{res.logs.get('superlink', '')}")
+    atomic_write(log, lambda f: f.write(text), text=True, mode=0o600)
+    said = [line.strip()[len("fedmf: error:"):].strip() for line in res.output.splitlines()
+            if line.strip().startswith("fedmf: error:")]
+    wrote = final.exists() and final.stat().st_mtime_ns != before
+    if res.rc != 0 or said or not wrote:
+        # under the simulation engine a ServerApp that exits (SystemExit) still ends "finished:completed":
+        # its "fedmf: error:" line and the missing final model tell
+        why = res.failure() or (f"Flower run {res.run_id} ended {res.status} but its ServerApp failed" if said else
+                                f"Flower run {res.run_id} ended {res.status} without writing {final}")
+        raise FedmfError(why + (f"; the ServerApp said: {said[-1]}" if said else "") + f" (log: {log})")
+    return flower_result(config, model=task.model(), evaluate=task.evaluate, output=res.output, seconds=seconds,
+                         plot=not args.no_plot)
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
-    """Run the preset (with overrides) in process; print the summary (or one JSON object)."""
+    """Run the preset (with overrides) in process or on the Flower simulation engine; print the
+    summary (or one JSON object)."""
     from client.tasks import ClientHyper, get_task
 
     from ..config import RunConfig
     from ..simulate import preset_values, simulate
 
-    if args.backend != "inprocess":
-        raise ConfigError("the flower backend of fedmf simulate is not available yet: run the Flower app with "
-                          "`flwr run .` (README, 'The Flower app'), or use --backend inprocess")
+    if args.timeout is not None and not args.timeout > 0:
+        raise ConfigError(f"--timeout must be > 0 seconds, got {args.timeout:g}")
     values = preset_values(args.preset, _overrides(args))
     if args.data is not None:
         values["task-options"] = json.dumps({k: v for k, v in json.loads(values["task-options"]).items()
                                              if k in ("path", "vocab_path", "max_sentences", "model_size", "seed")})
     config = RunConfig.from_mapping(values)
     task = get_task(config.task, **config.task_options)
-    result = simulate(config, model=task.model(), users=task.users(),
-                      local_update=task.as_local_update(ClientHyper(config.client_lr, config.local_epochs,
-                                                                    config.batch_size)),
-                      evaluate=task.evaluate, progress=not (args.quiet or args.json), plot=not args.no_plot)
+    if args.backend == "flower":
+        result = _simulate_flower(args, values, config, task)
+    else:
+        result = simulate(config, model=task.model(), users=task.users(),
+                          local_update=task.as_local_update(ClientHyper(config.client_lr, config.local_epochs,
+                                                                        config.batch_size)),
+                          evaluate=task.evaluate, progress=not (args.quiet or args.json), plot=not args.no_plot)
     if args.json:
         print(json.dumps(result.to_dict(), allow_nan=False))
         return 0
     accuracy = "n/a" if result.accuracy is None else f"{result.accuracy:.4f}"
     lines = [
-        f"preset          {args.preset} ({config.task}), {result.rounds_done} rounds ({result.stopped})",
+        f"preset          {args.preset} ({config.task}), {result.rounds_done} rounds ({result.stopped})"
+        + (", on the Flower simulation engine" if args.backend == "flower" else ""),
         f"accuracy        {accuracy} (held-out, after the last round)",
         f"privacy         epsilon {result.epsilon:.4g} at delta {result.delta:g} (planned, spent so far); "
         f"noise multiplier {result.noise_multiplier:.4g}",
         f"time            {result.seconds:.1f} s",
         f"output          {result.out_dir} (ledger, checkpoints, results.json"
+        + (", final-model.pt, flower.log" if args.backend == "flower" else "")
         + (", progress.png)" if result.plot else ")"),
         f"audit           {result.audit_command()}",
     ]
@@ -84,8 +142,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("simulate", help="simulate private federated training of a preset task",
                        description="Train a preset task privately in process (the same private round the Flower "
-                                   "server runs), write the ledger, checkpoints, results.json and a plot, and print "
-                                   "the summary with the audit command. Running it again with the same --out resumes.")
+                                   "server runs) or, with --backend flower, as the Flower app on the Flower "
+                                   "simulation engine (Ray, one SuperNode per user); write the ledger, checkpoints, "
+                                   "results.json and a plot, and print the summary with the audit command. Running "
+                                   "it again with the same --out resumes.")
     p.add_argument("--preset", choices=sorted(PRESETS), default="so-tiny")
     p.add_argument("--mechanism", help="mechanism kind or a mechanism file (default: the preset's)")
     p.add_argument("--bands", type=int, help="bands of banded mechanisms")
@@ -100,7 +160,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, help="task data seed")
     p.add_argument("--data", help="the real StackOverflow file (TFF's stackoverflow.sqlite)")
     p.add_argument("--vocab", help="its vocabulary (default: stackoverflow.word_count beside --data)")
-    p.add_argument("--backend", choices=("inprocess", "flower"), default="inprocess")
+    p.add_argument("--backend", choices=("inprocess", "flower"), default="inprocess",
+                   help="inprocess (default) or flower: the Flower app on the Flower simulation engine, from the "
+                        "source tree fedmf was installed from")
+    p.add_argument("--timeout", type=float, default=7 * 24 * 3600.0,
+                   help="--backend flower: stop the Flower run after this many seconds (default: a week)")
     p.add_argument("--out", default="fedmf-sim", help="output directory (default: ./fedmf-sim)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
