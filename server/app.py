@@ -85,4 +85,5 @@ def main(grid: Grid, context: Context) -> None:
     except FedmfError as e:
         log.error("fedmf: error: %s", e)
         print(f"fedmf: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+        # an exception (not SystemExit) so that the simulation engine too reports the run as failed
+        raise RuntimeError(f"fedmf: error: {e}") from None
