@@ -145,6 +145,8 @@ class CheckpointStore:
             # checkpoints hold noise tensors and who was sampled: as secret as the seed
             raise CheckpointError(f"checkpoint directory {str(directory)!r} has mode {mode:o}; it must not be "
                                   "readable by group or others (chmod 700 it)")
+        for stale in self.directory.glob(".*.tmp"):  # half-written files of a process that was killed
+            stale.unlink(missing_ok=True)
         self.last_bytes = 0
 
     def path(self, t: int) -> Path:

@@ -85,6 +85,10 @@ class PrivateRun:
         self._report: RoundReport | None = None
         self._started = 0.0
         self._broken: str | None = None  # set when an aborted round's state could not be restored
+        # the last committed checkpoint's hash, kept in memory so that an abort needs no database
+        last = run.next_round - 1
+        self._last_digest = (run.round(last).checkpoint_sha256 if last >= 0
+                             else json.loads((directory / _RUN_FILE).read_text(encoding="utf-8"))["initial_sha256"])
 
     # ---- opening and closing -----------------------------------------------------------
     @classmethod
@@ -238,17 +242,16 @@ class PrivateRun:
         t = self.next_round
         self._started = time.perf_counter()
         selection = self.scheduler.select(t, available)
+        self._selection, self._report = selection, None
         self._event("selected", t)
-        self._run.open_round(t)
         try:
+            self._run.open_round(t)
             accepted = self._run.record_selection(t, list(selection.selected))
             if len(accepted) != len(selection.selected):
                 raise FedmfError(f"round {t}: the ledger refused users the scheduler selected (a plan mismatch)")
         except BaseException:
-            self._abort_ledger(t, "selection failed")
+            self.abort("selection failed")  # restores the scheduler: the redo selects the same users
             raise
-        self._selection = selection
-        self._report = None
         return selection
 
     def aggregate(self, updates: Mapping[Hashable, Any],
@@ -297,6 +300,7 @@ class PrivateRun:
             self.abort("the round failed while committing")
             raise
         report, self._selection, self._report = self._report, None, None
+        self._last_digest = digest
         self._event("committed", t)
         self.store.prune(keep=t)
         return RoundRecord(t, self.plan.epsilon_after(t), summary.selected, summary.contributed, summary.dropped,
@@ -315,12 +319,10 @@ class PrivateRun:
             return
         self._broken = "an aborted round's state is being restored"  # until the restore completes
         self.privatizer.abort()
-        self._abort_ledger(selection.round, reason)
+        self._abort_ledger(selection.round, reason)  # best effort: a database that is down leaves it open
         last = selection.round - 1
-        digest = (self._run.round(last).checkpoint_sha256 if last >= 0
-                  else json.loads((self.directory / _RUN_FILE).read_text(encoding="utf-8"))["initial_sha256"])
         try:
-            state = self.store.load(last, digest)
+            state = self.store.load(last, self._last_digest)
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
             self.privatizer.load_state_dict(state["privatizer"])

@@ -21,10 +21,14 @@ from fedmf.run import PrivateRun
 
 from .strategy import DPMFStrategy
 
-__all__ = ["app", "run_server"]
+__all__ = ["app", "run_server", "ServerAppError"]
 
 log = logging.getLogger("fedmf.server")
 app = ServerApp()
+
+
+class ServerAppError(RuntimeError):
+    """The ServerApp stopped on a user-facing error (already logged as one line)."""
 
 
 def _fault_injection():
@@ -83,7 +87,6 @@ def main(grid: Grid, context: Context) -> None:
     try:
         run_server(grid, dict(context.run_config))
     except FedmfError as e:
-        log.error("fedmf: error: %s", e)
-        print(f"fedmf: error: {e}", file=sys.stderr)
+        log.error("fedmf: error: %s", e)  # the one line (on stderr through the handler above)
         # an exception (not SystemExit) so that the simulation engine too reports the run as failed
-        raise RuntimeError(f"fedmf: error: {e}") from None
+        raise ServerAppError(f"fedmf: error: {e}") from None

@@ -22,6 +22,7 @@ from flwr.serverapp.strategy import Result, Strategy
 
 from fedmf.config import RunConfig
 from fedmf.errors import HorizonReached, PrivacyBudgetExceeded
+from fedmf.ledger.db import LedgerError
 from fedmf.run import PrivateRun, RoundRecord
 
 from .identity import NodeDirectory
@@ -30,6 +31,8 @@ from .replies import RoundReplies
 __all__ = ["DPMFStrategy"]
 
 log = logging.getLogger("fedmf.server")
+#: a round whose ledger write fails is redone after 1, 2, 4, … s (at most 30 s), up to 8 times
+LEDGER_RETRIES, LEDGER_BACKOFF_S, LEDGER_BACKOFF_MAX_S = 8, 1.0, 30.0
 
 
 class DPMFStrategy(Strategy):
@@ -83,7 +86,10 @@ class DPMFStrategy(Strategy):
         if self.observed_metric:
             worst = self.run.observed_epsilon()
             if worst is not None:
-                metrics["epsilon-worst-user"] = record.metrics["epsilon-worst-user"] = worst
+                # the worst user's ε over the whole run for the participations so far (what the observed
+                # guard checks): it bounds what that user will have spent at the end, so it can exceed
+                # the planned per-round curve, which only counts the releases made so far
+                metrics["epsilon-worst-user-run"] = record.metrics["epsilon-worst-user-run"] = worst
         del report
         return ArrayRecord(self.run.model.state_dict()), MetricRecord(metrics)
 
@@ -102,6 +108,25 @@ class DPMFStrategy(Strategy):
                  plan.clip_norm, plan.noise_multiplier, plan.noise_std, plan.epsilon(), plan.delta)
 
     # ---- the loop ------------------------------------------------------------------------
+    def _round_with_retries(self, t: int, grid: Grid, train_config: ConfigRecord,
+                            timeout: float) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Round t; when the ledger fails, the round is aborted (nothing of it was released) and
+        redone after an exponential backoff — the same selection and noise, so the same result."""
+        for attempt in range(LEDGER_RETRIES + 1):
+            try:
+                arrays = ArrayRecord(self.run.model.state_dict())
+                messages = self.configure_train(t + 1, arrays, train_config, grid)
+                replies = grid.send_and_receive(messages, timeout=timeout)
+                return self.aggregate_train(t + 1, replies)
+            except LedgerError as e:
+                if attempt == LEDGER_RETRIES:
+                    raise
+                wait = min(LEDGER_BACKOFF_MAX_S, LEDGER_BACKOFF_S * 2 ** attempt)
+                log.warning("fedmf round %d: the ledger failed (%s); the round was aborted and nothing of it was "
+                            "released; retry %d/%d in %.0f s", t, e, attempt + 1, LEDGER_RETRIES, wait)
+                time.sleep(wait)
+        raise AssertionError("unreachable")
+
     @staticmethod
     def _progress(record: RoundRecord, end: int) -> None:
         extra = "  ".join(f"{k} {v:.4g}" for k, v in record.metrics.items())
@@ -137,10 +162,7 @@ class DPMFStrategy(Strategy):
                 log.info("fedmf: stopping: %s", e)
                 break
             t = self.run.next_round
-            arrays = ArrayRecord(self.run.model.state_dict())
-            messages = self.configure_train(t + 1, arrays, train_config or ConfigRecord(), grid)
-            replies = grid.send_and_receive(messages, timeout=timeout)
-            new_arrays, metrics = self.aggregate_train(t + 1, replies)
+            new_arrays, metrics = self._round_with_retries(t, grid, train_config or ConfigRecord(), timeout)
             result.arrays = new_arrays
             result.train_metrics_clientapp[t + 1] = metrics
             if evaluate_fn is not None:

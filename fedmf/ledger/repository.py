@@ -602,6 +602,7 @@ class RunLedger:
     def abort_round(self, t: int, reason: str = "aborted") -> None:
         """Discard round t's rows (none was written) and mark it aborted; it may be re-opened."""
         pending = self._open(t)
+        self._pending = None  # forgotten even if the database is down: the round stays open, taken over later
         with self.ledger._errors("cannot write to ledger"), self.ledger.write_engine.begin() as conn:
             done = conn.execute(
                 update(Round)
@@ -609,7 +610,6 @@ class RunLedger:
                        Round.attempts == pending.attempt)
                 .values(status="aborted", closed_at=_now(), abort_reason=str(reason)[:_REASON_MAX])
             ).rowcount
-        self._pending = None
         if done != 1:
             raise LedgerError(f"run {self.id}: round {t} was taken over by another handle; nothing to abort")
 
