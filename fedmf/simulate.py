@@ -40,9 +40,10 @@ PRESETS: dict[str, dict[str, Any]] = {
              "client-lr": 0.2, "batch-size": 16},
     # a few minutes on 2 cores: synthetic StackOverflow-like text, the small LSTM
     "so-tiny": {"task": "so-synthetic",
-                "task-options": {"num_users": 400, "vocab_size": 2000, "max_sentences": 32, "model_size": "small"},
-                "mechanism": "bsr", "rounds": 40, "min-sep": 10, "clients-per-round": 20, "target-epsilon": 8.0,
-                "delta": 1e-5, "server-lr": 1.0, "server-momentum": 0.9, "client-lr": 0.5, "batch-size": 16},
+                "task-options": {"num_users": 800, "vocab_size": 2000, "max_sentences": 32, "model_size": "small"},
+                "mechanism": "bsr", "rounds": 40, "min-sep": 10, "clients-per-round": 40, "target-epsilon": 8.0,
+                "delta": 1e-5, "clip-norm": 1.0, "server-lr": 3.0, "server-momentum": 0.0, "client-lr": 1.0,
+                "local-epochs": 3, "batch-size": 16},
     # tens of minutes on 2 cores
     "so-small": {"task": "so-synthetic",
                  "task-options": {"num_users": 5000, "vocab_size": 10000, "max_sentences": 64, "model_size": "small"},
