@@ -120,6 +120,9 @@ def load_or_create_secret(path: str | os.PathLike, nbytes: int = 32) -> bytes:
 class RunSecrets:
     """The run's three secrets, each in its own 0600 file under ``directory``."""
 
+    def __reduce__(self):  # it holds a secret: never pickled (save state_dict() instead)
+        raise TypeError(f"{type(self).__name__} holds a secret and cannot be pickled")
+
     def __init__(self, directory: str | os.PathLike) -> None:
         directory = Path(directory)
         self.noise_seed = load_or_create_secret(directory / "noise_seed")

@@ -463,6 +463,9 @@ class NoiseGenerator:
     Every argument is checked here (``fedmf.errors.ConfigError``).
     """
 
+    def __reduce__(self):  # it holds a secret: never pickled (save state_dict() instead)
+        raise TypeError(f"{type(self).__name__} holds a secret and cannot be pickled")
+
     def __init__(
         self,
         mechanism: Mechanism,

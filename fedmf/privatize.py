@@ -140,6 +140,9 @@ class RoundPrivatizer:
     state dict never contains it). Sums are kept in one flat buffer of the model's
     ``dtype`` on its ``device``."""
 
+    def __reduce__(self):  # it holds a secret: never pickled (save state_dict() instead)
+        raise TypeError(f"{type(self).__name__} holds a secret and cannot be pickled")
+
     def __init__(self, plan: RunPlan, layout: Layout, *, device: str | torch.device | None = None,
                  dtype: torch.dtype = torch.float32, seed: bytes | int | None = None) -> None:
         if not isinstance(plan, RunPlan):

@@ -69,9 +69,19 @@ class NodeDirectory:
     def _identify(self, grid: Grid, nodes: Iterable[int]) -> None:
         messages = [Message(RecordDict({"config": ConfigRecord({"request": "identity"})}), dst_node_id=node,
                             message_type=MessageType.QUERY) for node in nodes]
+        asked = set(nodes)
         for reply in grid.send_and_receive(messages, timeout=self.timeout):
-            node = int(reply.metadata.src_node_id)
-            user = _parse_identity(reply)
+            try:  # nothing a node sends may stop the server
+                node = int(reply.metadata.src_node_id)
+            except Exception:
+                log.warning("fedmf: an identity reply without a valid sender was ignored")
+                continue
+            if node not in asked:
+                continue
+            try:
+                user = _parse_identity(reply)
+            except Exception:
+                user = None
             if user is None:
                 self._failed.add(node)  # answered badly: never selected (a silent node is asked again)
             else:

@@ -69,7 +69,7 @@ class RoundReplies:
         self.updates = LazyUpdates()
         self.rejected: dict[str, str] = {}
         self.unknown = 0  # replies from nodes with no known user (not recordable in the ledger)
-        self._losses: list[tuple[float, float]] = []
+        self._losses: dict[str, tuple[float, float]] = {}
 
     def read(self, replies: Iterable[Message], layout: Mapping[str, tuple[int, ...]]) -> None:
         for reply in replies:
@@ -130,13 +130,20 @@ class RoundReplies:
         metrics = content.metric_records.get("metrics")
         if metrics is not None:
             loss, count = metrics.get("train-loss"), metrics.get("num-examples")
-            if isinstance(loss, (int, float)) and isinstance(count, (int, float)) and math.isfinite(loss) \
-                    and math.isfinite(count) and count > 0:
-                self._losses.append((float(loss), float(count)))
+            try:
+                loss, count = float(loss), float(count)
+            except (TypeError, ValueError, OverflowError):
+                return None
+            if math.isfinite(loss) and math.isfinite(count) and count > 0:
+                self._losses[user] = (loss, count)
         return None
 
-    def metrics(self) -> dict[str, float]:
-        """Client-reported training loss (weighted by examples): outside the DP guarantee, as
-        Flower documents for its metrics; it is computed from accepted replies only."""
-        total = sum(c for _, c in self._losses)
-        return {"train-loss": sum(l * c for l, c in self._losses) / total} if total > 0 else {}
+    def metrics(self, contributed: Iterable[str]) -> dict[str, float]:
+        """Client-reported training loss of the ``contributed`` users (weighted by examples):
+        outside the DP guarantee, as Flower documents for its metrics."""
+        pairs = [self._losses[u] for u in contributed if u in self._losses]
+        total = math.fsum(c for _, c in pairs)
+        if total <= 0:
+            return {}
+        mean = math.fsum(loss * (c / total) for loss, c in pairs)  # weights ≤ 1: no overflow
+        return {"train-loss": mean} if math.isfinite(mean) else {}

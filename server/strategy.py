@@ -78,7 +78,7 @@ class DPMFStrategy(Strategy):
         received.read(replies, self.run.privatizer.layout)
         report = self.run.aggregate(received.updates, received.rejected)
         record = self.run.commit()  # only now may the round's model leave the server
-        record.metrics.update(received.metrics())
+        record.metrics.update(received.metrics(str(u.user) for u in report.contributed))
         self.history.append(record)
         metrics = {"epsilon": record.epsilon, "selected": record.selected, "received": len(received.updates),
                    "rejected": record.rejected, "clipped": record.clipped, "zeroed": record.zeroed,

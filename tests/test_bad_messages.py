@@ -859,7 +859,7 @@ def test_the_fuzz_twins_detect_an_aggregated_reply(tmp_path):
         pair.close()
 
 
-# ---- bugs found (kept as strict xfails until server/ is fixed) -------------------------------------
+# ---- bugs found by these tests, fixed -------------------------------------
 def _identity_grid(bad_reply: Callable[[Message], Any]) -> tuple[LocalGrid, dict]:
     nodes = {NODE[u]: make_node(u, {}, "dirty") for u in USERS}
     nodes[9100] = bad_reply
@@ -884,11 +884,6 @@ def _identity_not_a_recorddict(message: Message) -> Message:
     return reply
 
 
-@pytest.mark.xfail(strict=True, raises=(ValueError, AttributeError),
-                   reason="server/identity.py:73 (int(reply.metadata.src_node_id)) and :28 "
-                          "(reply.content.config_records) in NodeDirectory._identify/_parse_identity are not "
-                          "guarded: one malformed QUERY reply raises out of refresh() -> start() "
-                          "(RoundReplies.read guards the same cases for TRAIN replies)")
 @pytest.mark.parametrize("bad_reply", [_identity_with_forged_sender, _identity_not_a_recorddict],
                          ids=["sender-id-not-int", "content-not-a-recorddict"])
 def test_a_malformed_identity_reply_does_not_crash_the_server(tmp_path, bad_reply):
@@ -897,9 +892,6 @@ def test_a_malformed_identity_reply_does_not_crash_the_server(tmp_path, bad_repl
     assert strategy.run.next_round == 1
 
 
-@pytest.mark.xfail(strict=True, reason="server/replies.py:135 and 141-142: finite but huge client metrics "
-                                       "(train-loss 1e200 x num-examples 1e200) overflow the weighted sum, and "
-                                       "the released train-loss metric becomes inf/NaN")
 def test_the_released_train_loss_stays_finite(tmp_path):
     def node_for(user: str):
         honest = make_node(user, {}, "dirty")
@@ -936,10 +928,6 @@ def test_an_int_metric_too_large_for_a_float_is_ignored_and_the_update_kept(tmp_
     assert record.contributed >= 1 and "train-loss" not in record.metrics
 
 
-@pytest.mark.xfail(strict=True, reason="server/replies.py:129-135: a reply's train-loss is kept as soon as the reply "
-                                       "passes the message checks, before fedmf.privatize rejects its values (NaN, "
-                                       "unreadable .npy), so a rejected reply changes the released metric "
-                                       "(replies.py:140 says 'computed from accepted replies only')")
 def test_a_rejected_reply_does_not_change_the_released_train_loss(tmp_path):
     task.write_secrets(tmp_path / "probe")
     schedule = schedule_of(tmp_path / "probe")

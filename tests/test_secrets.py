@@ -525,9 +525,6 @@ def test_a_run_directory_is_0700_its_secrets_0600_and_a_0755_one_is_refused(tmp_
     assert list(loose.iterdir()) == []
 
 
-@pytest.mark.xfail(strict=True, reason="fedmf/ledger (SQLite, the default <run-dir>/ledger.db) creates the database "
-                                       "with the umask's mode (0644 under umask 022), unlike every other file of the "
-                                       "run directory (0600); only the directory's 0700 protects it")
 def test_every_file_of_a_run_directory_is_0600(tmp_path):
     run_dir = tmp_path / "run"
     train(task.Tiny(), task.users(), task.plan(rounds=4), task.local_update, checkpoint_dir=run_dir)
@@ -536,10 +533,6 @@ def test_every_file_of_a_run_directory_is_0600(tmp_path):
     assert not loose
 
 
-@pytest.mark.xfail(strict=True, reason="fedmf/noise.py:506 NoiseGenerator (and RoundPrivatizer holding it) and "
-                                       "fedmf/checkpoint.py:120 RunSecrets pickle with the raw noise seed / all "
-                                       "three secrets inside, while ServerSecret (ledger/keys.py:43) and the "
-                                       "schedulers (schedule.py:220) refuse to be pickled")
 @pytest.mark.parametrize("holder", ["NoiseGenerator", "RoundPrivatizer", "RunSecrets"])
 def test_objects_holding_a_secret_refuse_to_be_pickled(tmp_path, holder):
     with PrivateRun.open(task.Tiny(), task.plan(rounds=ROUNDS), tmp_path / "run", population=task.users()) as run:

@@ -71,6 +71,20 @@ _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 _SECRET_WORDS = ("secret", "seed")  # a plan's keys that would put a secret into the ledger
 
 
+def _private_sqlite_file(url: URL) -> None:
+    """A local SQLite ledger is created 0600 (its participation log is confidential; SQLite gives
+    its -wal and -shm files the database file's mode)."""
+    path = url.database if url.get_backend_name() == "sqlite" else None
+    if not path or path == ":memory:" or path.startswith("file:"):
+        return
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except FileExistsError:
+        pass
+    except OSError:
+        pass  # an unwritable place: opening the ledger reports it in one line
+
+
 def _now() -> dt.datetime:
     return dt.datetime.now(dt.timezone.utc)
 
@@ -229,6 +243,7 @@ class Ledger:
         resolved = resolve_url(url)
         if secret is not None and not isinstance(secret, ServerSecret):
             secret = ServerSecret(secret)
+        _private_sqlite_file(resolved)
         with database_errors(resolved, "cannot open ledger"):
             engine = writer_engine(resolved)
         try:
