@@ -1,0 +1,276 @@
+"""deploy/: the PostgreSQL roles (server read/write, auditor read-only) and, marked heavy, a federation
+with TLS and SuperNode authentication (deploy/make-test-ca.sh) writing its ledger on PostgreSQL.
+
+PostgreSQL: FEDMF_TEST_POSTGRES_URL (default postgresql://postgres@127.0.0.1:5432/test), a superuser; each
+test creates a database and two roles of its own and drops them afterwards. Unreachable: skip, or fail
+with CI=true (the ``pg_admin`` fixture in conftest.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import ssl
+import subprocess
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
+
+from fedmf import MinSep
+from fedmf.cli import main as fedmf_main
+from fedmf.ledger import Ledger
+
+from .test_ledger_helpers import SECRET, mechanism_file
+
+REPO = Path(__file__).resolve().parents[1]
+DEPLOY = REPO / "deploy"
+ROLES_SQL = DEPLOY / "postgres-roles.sql"
+MAKE_CA = DEPLOY / "make-test-ca.sh"
+PG_URL = os.environ.get("FEDMF_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
+LEDGER_TABLES = ("runs", "rounds", "participations", "client_state", "privacy_snapshots")
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def _url(database: str, user: str | None = None, password: str | None = None) -> str:
+    url = make_url(PG_URL).set(drivername="postgresql+psycopg", database=database)
+    if user is not None:
+        url = url.set(username=user, password=password)
+    return url.render_as_string(hide_password=False)
+
+
+def _libpq_url(database: str) -> str:
+    return make_url(_url(database)).set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+def _render_psql(sql: str, variables: dict[str, str]) -> str:
+    """What psql does with ``:"var"`` / ``:'var'`` (used only where psql is not installed)."""
+    sql = re.sub(r'(?m)--.*$', "", sql)
+    sql = re.sub(r':"(\w+)"', lambda m: '"' + variables[m.group(1)].replace('"', '""') + '"', sql)
+    return re.sub(r":'(\w+)'", lambda m: "'" + variables[m.group(1)].replace("'", "''") + "'", sql)
+
+
+def apply_roles_sql(database: str, variables: dict[str, str]) -> None:
+    """Apply deploy/postgres-roles.sql to ``database`` as the admin: with psql as documented, else
+    the same substitution in Python."""
+    psql = shutil.which("psql")
+    if psql:
+        argv = [psql, "-X", "-q", "-v", "ON_ERROR_STOP=1", "-d", _libpq_url(database), "-f", str(ROLES_SQL)]
+        for k, v in variables.items():
+            argv += ["-v", f"{k}={v}"]
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        return
+    engine = create_engine(_url(database), isolation_level="AUTOCOMMIT")
+    try:
+        with engine.connect() as conn:
+            conn.exec_driver_sql(_render_psql(ROLES_SQL.read_text(), {"DBNAME": database, **variables}))
+    finally:
+        engine.dispose()
+
+
+@pytest.fixture
+def roles_db(pg_admin):
+    """A fresh database, migrated by fedmf as the admin, with deploy/postgres-roles.sql applied.
+
+    Yields a dict: database, server/auditor role names and passwords, and their URLs. Drops the
+    database and both roles afterwards (even when the test failed)."""
+    suffix = uuid.uuid4().hex[:10]
+    d = {"database": f"fedmf_deploy_{suffix}", "server": f"fedmf_server_{suffix}",
+         "auditor": f"fedmf_auditor_{suffix}", "server_password": "srv-" + uuid.uuid4().hex,
+         "auditor_password": "aud-" + uuid.uuid4().hex}
+    with pg_admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{d["database"]}"'))
+    try:
+        Ledger.open(_url(d["database"]), secret=SECRET).close()  # fedmf migrates the empty database
+        apply_roles_sql(d["database"], {"schema": "public", "server_role": d["server"],
+                                        "server_password": d["server_password"], "auditor_role": d["auditor"],
+                                        "auditor_password": d["auditor_password"]})
+        d["admin_url"] = _url(d["database"])
+        d["server_url"] = _url(d["database"], d["server"], d["server_password"])
+        d["auditor_url"] = _url(d["database"], d["auditor"], d["auditor_password"])
+        yield d
+    finally:
+        with pg_admin.connect() as conn:
+            conn.execute(text("SET lock_timeout = '20s'"))
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{d["database"]}" WITH (FORCE)'))
+            for role in (d["server"], d["auditor"]):
+                conn.execute(text(f'DROP ROLE IF EXISTS "{role}"'))
+            left = conn.execute(text("SELECT count(*) FROM pg_roles WHERE rolname IN (:a, :b)"),
+                                {"a": d["server"], "b": d["auditor"]}).scalar()
+            assert left == 0
+
+
+def _write_rounds(url: str, tmp_path: Path, rounds: int = 3) -> None:
+    with Ledger.open(url, secret=SECRET) as ledger:
+        run = ledger.create_run(mechanism_file(tmp_path, kind="dp-sgd", rounds=rounds, schema=MinSep(3, 4)),
+                                noise_multiplier=10.0, clip_norm=1.0, delta=1e-6, name="deploy")
+        for t in range(rounds):
+            run.open_round(t)
+            for c in run.record_selection(t, ["alice", "bob", "carol"]):
+                run.record_contribution(t, c, 0.5)
+            run.commit_round(t, noise_std=20.0, epsilon_worst_user=0.1, epsilon_planned=0.2)
+
+
+def _sqlstate(exc: BaseException) -> str | None:
+    orig = getattr(exc, "orig", None)
+    return getattr(orig, "sqlstate", None)
+
+
+# ----------------------------------------------------------------------------------------------
+# (a) PostgreSQL roles
+# ----------------------------------------------------------------------------------------------
+
+
+def test_server_role_writes_rounds_and_cannot_change_the_schema(roles_db, tmp_path):
+    _write_rounds(roles_db["server_url"], tmp_path)  # Ledger.open sees the head revision: no DDL needed
+    engine = create_engine(roles_db["server_url"])
+    try:
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT count(*) FROM rounds WHERE status = 'committed'")).scalar() == 3
+            assert conn.execute(text("SELECT count(*) FROM participations")).scalar() == 9
+        for stmt in ("CREATE TABLE evil (x int)", "DROP TABLE rounds", "TRUNCATE participations",
+                     "ALTER TABLE rounds ADD COLUMN x int", "UPDATE fedmf_ledger_version SET version_num = 'x'",
+                     "DELETE FROM fedmf_ledger_version"):
+            with pytest.raises(Exception) as e, engine.begin() as conn:
+                conn.execute(text(stmt))
+            assert _sqlstate(e.value) == "42501", (stmt, e.value)  # insufficient_privilege (or not owner)
+    finally:
+        engine.dispose()
+
+
+def test_auditor_role_audits_and_cannot_write(roles_db, tmp_path, capsys):
+    _write_rounds(roles_db["server_url"], tmp_path)
+    capsys.readouterr()
+    assert fedmf_main(["audit", "--ledger", roles_db["auditor_url"], "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert "deploy" in json.dumps(report)  # the run's name: the audit read the server's rows
+
+    engine = create_engine(roles_db["auditor_url"])
+    writes = ["INSERT INTO rounds (run_id, round_index, status, attempts, selected, contributed, dropped, "
+              "rejected, clipped) VALUES (1, 99, 'planned', 0, 0, 0, 0, 0, 0)",
+              "UPDATE rounds SET status = 'aborted'",
+              "DELETE FROM participations",
+              "UPDATE runs SET name = 'forged'",
+              "DELETE FROM fedmf_ledger_version"]
+    try:
+        with engine.connect() as conn:
+            for table in (*LEDGER_TABLES, "fedmf_ledger_version"):
+                conn.execute(text(f"SELECT count(*) FROM {table}")).scalar()
+        for stmt in writes:
+            # the role's sessions are read-only by default ...
+            with pytest.raises(Exception) as e, engine.begin() as conn:
+                conn.execute(text(stmt))
+            assert _sqlstate(e.value) == "25006", (stmt, e.value)  # read_only_sql_transaction
+            # ... and a session that turns that off still lacks the privilege
+            with pytest.raises(Exception) as e, engine.begin() as conn:
+                conn.execute(text("SET TRANSACTION READ WRITE"))
+                conn.execute(text(stmt))
+            assert _sqlstate(e.value) == "42501", (stmt, e.value)
+            assert "permission denied" in str(e.value)
+        with pytest.raises(Exception) as e, engine.begin() as conn:
+            conn.execute(text("SET TRANSACTION READ WRITE"))
+            conn.execute(text("CREATE TABLE evil (x int)"))
+        assert _sqlstate(e.value) == "42501"
+    finally:
+        engine.dispose()
+    with create_engine(roles_db["admin_url"]).connect() as conn:  # nothing changed
+        assert conn.execute(text("SELECT count(*) FROM rounds")).scalar() == 3
+        assert conn.execute(text("SELECT count(*) FROM runs WHERE name = 'deploy'")).scalar() == 1
+
+
+def test_public_cannot_connect_to_the_ledger_database(roles_db, pg_admin):
+    other = f"fedmf_other_{uuid.uuid4().hex[:10]}"
+    with pg_admin.connect() as conn:
+        conn.execute(text(f"CREATE ROLE \"{other}\" LOGIN PASSWORD 'x'"))
+    engine = create_engine(_url(roles_db["database"], other, "x"))
+    try:
+        with pytest.raises(Exception) as e, engine.connect():
+            pass
+        assert "permission denied" in str(e.value)
+    finally:
+        engine.dispose()
+        with pg_admin.connect() as conn:
+            conn.execute(text(f'DROP ROLE "{other}"'))
+
+
+# ----------------------------------------------------------------------------------------------
+# make-test-ca.sh
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def test_ca(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ca") / "pki"
+    r = subprocess.run(["bash", str(MAKE_CA), str(out), "3"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def test_make_test_ca_files_and_modes(test_ca):
+    from cryptography import x509
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.hazmat.primitives.serialization import load_ssh_private_key, load_ssh_public_key
+
+    assert (test_ca.stat().st_mode & 0o777) == 0o700
+    secret = ["ca.key", "server.key", "supernode-0", "supernode-1", "supernode-2"]
+    for name in secret:
+        assert ((test_ca / name).stat().st_mode & 0o777) == 0o600, name
+    for name in ("ca.crt", "server.crt", "supernode-0.pub"):
+        assert ((test_ca / name).stat().st_mode & 0o077) == 0o044, name
+    ca = x509.load_pem_x509_certificate((test_ca / "ca.crt").read_bytes())
+    cert = x509.load_pem_x509_certificate((test_ca / "server.crt").read_bytes())
+    assert cert.issuer == ca.subject
+    cert.verify_directly_issued_by(ca)
+    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert "localhost" in san.get_values_for_type(x509.DNSName)
+    assert [str(i) for i in san.get_values_for_type(x509.IPAddress)] == ["127.0.0.1"]
+    for i in range(3):  # what flower-supernode --auth-supernode-private-key and flwr supernode register load
+        key = load_ssh_private_key((test_ca / f"supernode-{i}").read_bytes(), None)
+        pub = load_ssh_public_key((test_ca / f"supernode-{i}.pub").read_bytes())
+        assert isinstance(key, ec.EllipticCurvePrivateKey) and key.curve.name == "secp384r1"
+        assert key.public_key().public_numbers() == pub.public_numbers()
+    # refuses to overwrite an existing CA
+    r = subprocess.run(["bash", str(MAKE_CA), str(test_ca), "1"], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "refusing" in r.stderr
+
+
+def test_make_test_ca_tls_handshake(test_ca):
+    """The server certificate verifies against the CA for 127.0.0.1 and localhost (a TLS handshake
+    through Python's ssl, as the SuperNode's HTTP client does)."""
+    import socket
+    import threading
+
+    server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_ctx.load_cert_chain(test_ca / "server.crt", test_ca / "server.key")
+    client_ctx = ssl.create_default_context(cafile=str(test_ca / "ca.crt"))
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(2)
+        port = srv.getsockname()[1]
+
+        def serve():
+            for _ in range(2):
+                conn, _ = srv.accept()
+                with contextlib.suppress(OSError), server_ctx.wrap_socket(conn, server_side=True) as s:
+                    s.recv(1)
+
+        t = threading.Thread(target=serve, daemon=True)
+        t.start()
+        for host in ("127.0.0.1", "localhost"):
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as raw, \
+                    client_ctx.wrap_socket(raw, server_hostname=host) as s:
+                assert s.version()
+                s.sendall(b"x")
+        t.join(10)
