@@ -274,3 +274,117 @@ def test_make_test_ca_tls_handshake(test_ca):
                 assert s.version()
                 s.sendall(b"x")
         t.join(10)
+
+
+# ----------------------------------------------------------------------------------------------
+# (b) a federation with TLS and SuperNode authentication, ledger on PostgreSQL (heavy: ~60 s)
+# ----------------------------------------------------------------------------------------------
+
+
+def _wait_https_health(port: int, cafile: Path, proc: subprocess.Popen, timeout: float, log: str) -> None:
+    ctx = ssl.create_default_context(cafile=str(cafile))
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"flower-superlink exited with {proc.returncode}:\n{log[-3000:]}")
+        with contextlib.suppress(OSError):
+            with urllib.request.urlopen(f"https://127.0.0.1:{port}/health", timeout=1, context=ctx) as r:
+                if 200 <= r.status < 300:
+                    return
+        time.sleep(0.2)
+    raise TimeoutError(f"SuperLink on https://127.0.0.1:{port} not healthy after {timeout}s")
+
+
+def _nodes(tracker, exe) -> list[dict]:
+    rc, out, _err, _ = tracker.run([exe("flwr"), "supernode", "ls", "deploy", "--format", "json"], timeout=60)
+    with contextlib.suppress(ValueError):
+        return list(json.loads(out[out.index("{"):]).get("nodes", []))
+    return []
+
+
+@pytest.mark.heavy
+def test_tls_node_auth_federation_with_postgres_ledger(roles_db, test_ca, tmp_path, capsys):
+    """The deploy/README.md walk-through on loopback: SuperLink with TLS + --enable-supernode-auth, two
+    SuperNodes whose public keys were registered, an impostor without a key claiming user 1 and an intruder
+    with an unregistered key claiming user 0 (both refused, never given a node id, so never selected), a
+    2-round run of the tiny task writing its ledger as the server role, `fedmf audit` as the auditor."""
+    from server.launcher import ProcessTracker, _exe, flower_env, flwr_run, free_port
+
+    env = flower_env(tmp_path)
+    home = Path(env["FLWR_HOME"])
+    tracker = ProcessTracker(env, tmp_path / "flwr-logs")
+    ca = test_ca / "ca.crt"
+    try:
+        port = free_port()
+        (home / "config.toml").write_text(
+            '[superlink]\ndefault = "deploy"\n\n[superlink.local]\naddress = ":local:"\n\n'
+            f'[superlink.deploy]\naddress = "127.0.0.1:{port}"\nroot-certificates = "{ca}"\n')
+        superlink = tracker.spawn("superlink", [
+            _exe("flower-superlink"), "--ssl-ca-certfile", str(ca), "--ssl-certfile", str(test_ca / "server.crt"),
+            "--ssl-keyfile", str(test_ca / "server.key"), "--enable-supernode-auth",
+            "--disable-runtime-dependency-installation", "--database", str(tmp_path / "superlink-state.db"),
+            "--host", "127.0.0.1", "--port", str(port)])
+        _wait_https_health(port, ca, superlink, 90, tracker.log_text("superlink"))
+        registered = set()
+        for i in (0, 1):
+            rc, out, err, _ = tracker.run([_exe("flwr"), "supernode", "register", str(test_ca / f"supernode-{i}.pub"),
+                                           "deploy", "--format", "json"], timeout=60)
+            assert rc == 0, out + err
+            registered.add(str(json.loads(out[out.index("{"):])["node-id"]))
+
+        def supernode(name, user, key=None, retries=()):
+            argv = [_exe("flower-supernode"), "--root-certificates", str(ca), "--superlink", f"127.0.0.1:{port}",
+                    "--port", str(free_port()), "--node-config", f"user-id='{user}'", *retries]
+            if key is not None:
+                argv += ["--auth-supernode-private-key", str(test_ca / key)]
+            return tracker.spawn(name, argv)
+
+        nodes = [supernode("supernode0", 0, "supernode-0"), supernode("supernode1", 1, "supernode-1")]
+        impostor = supernode("impostor", 1, None, ("--max-retries", "1"))
+        intruder = supernode("intruder", 0, "supernode-2", ("--max-retries", "1"))
+        for proc, name in ((impostor, "impostor"), (intruder, "intruder")):
+            proc.wait(timeout=120)
+            assert proc.returncode != 0, name
+        assert "SuperNode authentication is enabled. All SuperNodes must be registered" in tracker.log_text("impostor")
+        assert "Failed to activate SuperNode" in tracker.log_text("intruder")
+        end = time.monotonic() + 90
+        while len(online := [n for n in _nodes(tracker, _exe) if n.get("status") == "online"]) < 2:
+            assert all(p.poll() is None for p in nodes), [tracker.log_text(f"supernode{i}")[-2000:] for i in (0, 1)]
+            assert time.monotonic() < end, "registered SuperNodes not online"
+            time.sleep(0.5)
+
+        ledger_url = make_url(roles_db["server_url"]).set(drivername="postgresql").render_as_string(
+            hide_password=False)
+        res = flwr_run(tracker, REPO, "deploy", federation_config=None, timeout=400, run_config={
+            "run-dir": str(tmp_path / "run"), "task-options": '{"num_users": 2}', "clients-per-round": 1,
+            "min-sep": 1, "rounds": 2, "ledger-url": ledger_url})
+        res.check()
+        assert "2 rounds committed" in res.output, res.output[-3000:]
+        # only the two registered keys ever had a node id: the impostor/intruder could not be selected
+        all_nodes = _nodes(tracker, _exe)
+        assert {str(n["node-id"]) for n in all_nodes} == registered, all_nodes
+        for name in ("impostor", "intruder"):
+            assert "SuperNode ID:" not in tracker.log_text(name)
+        ids = {m for i in (0, 1) for m in re.findall(r"SuperNode ID: (\d+)", tracker.log_text(f"supernode{i}"))}
+        assert ids == registered
+        # secrets beside the run's checkpoints are private
+        for p in (tmp_path / "run").rglob("*"):
+            if "secret" in p.name and p.is_file():
+                assert (p.stat().st_mode & 0o077) == 0, p
+    finally:
+        tracker.cleanup()
+    assert not tracker.live_pids()
+
+    # the ledger, read as the auditor: 2 committed rounds, no rejected reply, a clean audit
+    engine = create_engine(roles_db["auditor_url"])
+    try:
+        with engine.connect() as conn:
+            rows = conn.execute(text("SELECT round_index, status, selected, contributed, rejected FROM rounds "
+                                     "ORDER BY round_index")).all()
+            assert [r.status for r in rows] == ["committed", "committed"], rows
+            assert all(r.rejected == 0 and r.contributed == r.selected == 1 for r in rows), rows
+            assert conn.execute(text("SELECT count(*) FROM participations WHERE status <> 'contributed'")).scalar() == 0
+    finally:
+        engine.dispose()
+    capsys.readouterr()
+    assert fedmf_main(["audit", "--ledger", roles_db["auditor_url"]]) == 0
