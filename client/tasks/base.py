@@ -15,7 +15,7 @@ import json
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Hashable, Mapping
+from typing import Any, Callable, ClassVar, Hashable, Mapping, Sequence
 
 import torch
 
@@ -117,6 +117,18 @@ class Task(ABC):
                 raise ConfigError(f"parameter {name!r} must be a tensor of shape {tuple(state[name].shape)}")
         model.load_state_dict(dict(params))
         return model
+
+    def local_updates(self, params: Mapping[str, torch.Tensor], users: Sequence[str], round: int,
+                      hyper: ClientHyper, *, vectorized: bool = False) -> dict[str, LocalResult]:
+        """``local_update`` of every user in ``users`` (one after another by default): {user: result}.
+        ``vectorized=True`` asks for the task's batched path (:mod:`client.tasks.vectorized`), equal to
+        the sequential one within float tolerance (not bit for bit); a task without one loops."""
+        if vectorized:
+            from .vectorized import vectorized_local_updates, supports_vectorized
+
+            if supports_vectorized(self):
+                return vectorized_local_updates(self, params, users, round, hyper)
+        return {user: self.local_update(params, user, round, hyper) for user in users}
 
     def as_local_update(self, hyper: ClientHyper) -> Callable[[Mapping[str, torch.Tensor], Hashable, int],
                                                                dict[str, torch.Tensor]]:
