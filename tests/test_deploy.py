@@ -308,7 +308,7 @@ def test_tls_node_auth_federation_with_postgres_ledger(roles_db, test_ca, tmp_pa
     SuperNodes whose public keys were registered, an impostor without a key claiming user 1 and an intruder
     with an unregistered key claiming user 0 (both refused, never given a node id, so never selected), a
     2-round run of the tiny task writing its ledger as the server role, `fedmf audit` as the auditor."""
-    from server.launcher import ProcessTracker, _exe, flower_env, flwr_run, free_port
+    from server.launcher import ProcessTracker, _exe, flower_env, free_port
 
     env = flower_env(tmp_path)
     home = Path(env["FLWR_HOME"])
@@ -355,11 +355,17 @@ def test_tls_node_auth_federation_with_postgres_ledger(roles_db, test_ca, tmp_pa
 
         ledger_url = make_url(roles_db["server_url"]).set(drivername="postgresql").render_as_string(
             hide_password=False)
-        res = flwr_run(tracker, REPO, "deploy", federation_config=None, timeout=400, run_config={
+        import tomli_w  # a dependency of flwr
+
+        run_toml = tmp_path / "run.toml"
+        run_toml.write_text(tomli_w.dumps({
             "run-dir": str(tmp_path / "run"), "task-options": '{"num_users": 2}', "clients-per-round": 1,
-            "min-sep": 1, "rounds": 2, "ledger-url": ledger_url})
-        res.check()
-        assert "2 rounds committed" in res.output, res.output[-3000:]
+            "min-sep": 1, "rounds": 2, "ledger-url": ledger_url}))
+        # deploy/fedmf-run.sh (what systemd/fedmf-run.service runs): flwr run + the run's real status
+        rc, out, err, timed_out = tracker.run(["bash", str(DEPLOY / "fedmf-run.sh"), str(REPO), "deploy",
+                                               str(run_toml)], timeout=400)
+        assert rc == 0 and not timed_out, (out + err)[-4000:]
+        assert "2 rounds committed" in out and "finished:completed" in err, (out + err)[-4000:]
         # only the two registered keys ever had a node id: the impostor/intruder could not be selected
         all_nodes = _nodes(tracker, _exe)
         assert {str(n["node-id"]) for n in all_nodes} == registered, all_nodes
