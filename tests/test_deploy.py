@@ -394,3 +394,55 @@ def test_tls_node_auth_federation_with_postgres_ledger(roles_db, test_ca, tmp_pa
         engine.dispose()
     capsys.readouterr()
     assert fedmf_main(["audit", "--ledger", roles_db["auditor_url"]]) == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# deploy files: scripts, flags, compose
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("status, rc", [("finished:completed", 0), ("finished:failed", 1)])
+def test_fedmf_run_sh_exits_with_the_runs_real_status(tmp_path, status, rc):
+    """`flwr run` exits 0 even when the ServerApp failed; fedmf-run.sh asks `flwr ls` (a fake flwr here)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "flwr"
+    fake.write_text("#!/bin/sh\n"
+                    'if [ "$1" = run ]; then echo "Successfully started run 4242"; exit 0; fi\n'
+                    f'if [ "$1" = ls ]; then echo \'{{"success": true, "runs": [{{"run-id": 4242, "status": "{status}"}}]}}\'; fi\n')
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    r = subprocess.run(["bash", str(DEPLOY / "fedmf-run.sh"), ".", "deploy", "run.toml", "5"],
+                       capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == rc, r.stdout + r.stderr
+    assert f"Flower run 4242: {status}" in r.stderr
+
+
+def test_deploy_files_use_only_flags_flower_141_has():
+    """Every --flag given to flower-superlink / flower-supernode in the units, compose.yaml and the
+    README exists in this Flower's --help, and none of them is a deprecated one."""
+    import yaml
+
+    helps = {}
+    for exe in ("flower-superlink", "flower-supernode"):
+        r = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1"})
+        helps[exe] = r.stdout + r.stderr
+    texts = [p.read_text() for p in (*sorted((DEPLOY / "systemd").glob("*.service")), DEPLOY / "compose.yaml",
+                                     DEPLOY / "README.md")]
+    seen = 0
+    for t in texts:
+        t = t.replace("\\\n", " ")
+        for exe in helps:
+            for m in re.finditer(rf"{exe}\b([^\n\]]*)", t):
+                for flag in re.findall(r"(--[a-z][a-z0-9-]+)", m.group(1)):
+                    seen += 1
+                    assert re.search(rf"\[{re.escape(flag)}\b", helps[exe]), (exe, flag)
+                    assert flag not in ("--insecure", "--auth-list-public-keys", "--auth-supernode-public-key",
+                                        "--fleet-api-address", "--fleet-api-type"), flag
+    assert seen > 20
+    compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+    assert {"postgres", "superlink", "supernode-0", "supernode-1", "run", "audit"} <= set(compose["services"])
+    for script in ("make-test-ca.sh", "fedmf-run.sh"):
+        assert os.access(DEPLOY / script, os.X_OK)
+        assert subprocess.run(["bash", "-n", str(DEPLOY / script)], timeout=30).returncode == 0
