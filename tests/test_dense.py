@@ -193,7 +193,6 @@ def test_corner_signs():
     "rounds,schema,match",
     [
         (12, FixedEpoch(3, 5), "rounds = k x b"),
-        (13 * 2, FixedEpoch(13, 2), "too many"),
         (12, MinSep(4, 3), "FixedEpoch"),
         (0, FixedEpoch(3, 4), "rounds"),
     ],
@@ -233,3 +232,67 @@ def test_larger_cases_converge(n, k, workload):
     assert brute_force_sens_sq(mech.strategy_matrix(), k, n // k) == pytest.approx(1.0, abs=1e-9)
     loss = mech.evaluate(FixedEpoch(k, n // k))["loss"]
     assert result.details["primal_value"] * (1 - 1e-12) <= loss
+
+
+# ---- many participations (k > 12): column generation over the sign corners -----------------
+def _trace_lower_bound(n: int, b: int, workload: Workload = Workload()) -> float:
+    """Any feasible X has tr X <= b: averaging u^T X_pi u <= 1 over the sign vectors gives
+    tr X_pi <= 1 per pattern. min tr(A^T A X^-1) s.t. tr X <= b is (sum sigma_i(A))^2 / b, so the
+    loss (total / n) is at least that / n."""
+    return float(np.linalg.svd(workload.matrix(n), compute_uv=False).sum() ** 2) / (b * n)
+
+
+def _best_closed_form(n: int, k: int) -> float:
+    from fedmf.mechanisms import build
+
+    schema = FixedEpoch(k, n // k)
+    losses = []
+    for kind in ("bsr", "bisr", "bifr"):
+        report = build(kind, n, schema).evaluate(schema)
+        assert report["sensitivity_exact"]
+        losses.append(report["loss"])
+    return min(losses)
+
+
+def _check_generated(n: int, k: int, tolerance: float = 1e-3):
+    b = n // k
+    mech, result = optimize_dense(n, FixedEpoch(k, b), tolerance=tolerance, device="cpu")
+    d = result.details
+    assert result.converged, result.message
+    assert 0 <= d["relative_duality_gap"] <= tolerance
+    assert d["dual_value"] <= d["primal_value"] == result.objective
+    assert mech.signs is not None and mech.signs.shape == (d["corners"], k) and d["corners"] < 2 ** (k - 1)
+    report = mech.evaluate(FixedEpoch(k, b))
+    # X is scaled by a certified sensitivity bound: evaluate's (sound) sensitivity is <= 1
+    assert report["sensitivity"] <= 1.0 + 1e-9
+    assert report["sensitivity_exact"] == d["sensitivity_exact"] or not d["sensitivity_exact"]
+    assert report["loss"] <= d["primal_value"] * (1 + 1e-9)
+    assert mech.primal_value / n == pytest.approx(d["primal_value"], rel=1e-12)
+    # sandwiched between the trace (Gram) lower bound and the best closed-form banded mechanism
+    assert _trace_lower_bound(n, b) <= d["dual_value"]
+    assert report["loss"] <= _best_closed_form(n, k)
+    # the stored description rebuilds the same mechanism
+    again = DenseMechanism.from_params(n, Workload(), json.loads(json.dumps(mech.params())))
+    assert np.array_equal(again.signs, mech.signs)
+    np.testing.assert_allclose(again.gram_matrix, mech.gram_matrix, rtol=1e-12, atol=1e-12)
+    return mech, result, report
+
+
+def test_many_participations_k16():
+    mech, result, report = _check_generated(64, 16)
+    # n = 64, k = 16, b = 4 (prefix sums): trace bound 66.59, BSR 179.68, dense ~146.2
+    assert 66.59 < result.details["dual_value"] <= report["loss"] < 150.0
+
+
+@pytest.mark.heavy
+def test_many_participations_k32():
+    mech, result, report = _check_generated(128, 32)
+    # n = 128, k = 32, b = 4 (prefix sums): trace bound 162.64, BSR 677.83
+    assert 162.63 < result.details["dual_value"] <= report["loss"] < 677.8
+
+
+def test_generated_signs_validated():
+    with pytest.raises(ValueError, match="signs"):
+        DenseMechanism(26, 13, 2, np.ones((2, 4)))
+    with pytest.raises(ValueError, match="first entry"):
+        DenseMechanism(26, 13, 2, np.ones((2, 13)), signs=-np.ones((13, 13)))

@@ -29,6 +29,7 @@ import torch
 from scipy.linalg import solve_triangular
 
 from ..participation import FixedEpoch
+from ..sensitivity import _mixing, pattern_sensitivity
 from ..workloads import Workload
 from .base import Mechanism
 from .optimize import OptimizationResult, Progress
@@ -36,7 +37,8 @@ from .streaming import Dense
 
 __all__ = ["DenseMechanism", "optimize_dense", "corner_signs", "MAX_PARTICIPATIONS"]
 
-#: largest k whose 2^(k-1) sign corners per pattern are enumerated
+#: largest k whose 2^(k-1) sign corners per pattern are enumerated; beyond it the corners are
+#: generated (``_column_generation``) and the mechanism stores them explicitly
 MAX_PARTICIPATIONS = 12
 
 #: up to this many rounds a CPU solve runs single-threaded with torch's eigh: at this size each
@@ -67,11 +69,6 @@ def _check_schema(rounds: int, schema: object) -> tuple[int, int]:
         raise ValueError(f"rounds must be a positive integer, got {rounds!r}")
     if k * b != rounds:
         raise ValueError(f"fixed-epoch needs rounds = k x b, got {rounds} != {k} x {b}")
-    if k > MAX_PARTICIPATIONS:
-        raise ValueError(
-            f"k={k} participations is too many: the dual has 2^(k-1) sign corners per pattern "
-            f"(limit k <= {MAX_PARTICIPATIONS})"
-        )
     return k, b
 
 
@@ -116,13 +113,17 @@ class _Point:
 class _Dual:
     """The Lagrange dual of Eq. 18 for FixedEpoch(k, b), in the pattern-major working order."""
 
-    def __init__(self, workload_matrix: np.ndarray, k: int, b: int, device: torch.device) -> None:
+    def __init__(
+        self, workload_matrix: np.ndarray, k: int, b: int, device: torch.device, signs: np.ndarray | None = None
+    ) -> None:
         self.k, self.b, self.n = k, b, k * b
         self.device = device
         perm = pattern_major(k, b)
         a = torch.from_numpy(np.asarray(workload_matrix, dtype=np.float64)[:, perm]).to(device, _DTYPE)
         self.t = a.T @ a  # T = A^T A (Sec. 3, Eq. 6), rows and columns in the working order
-        self.signs = torch.from_numpy(corner_signs(k)).to(device, _DTYPE)
+        self.signs = torch.from_numpy(corner_signs(k) if signs is None else np.array(signs, np.float64)).to(
+            device, _DTYPE
+        )
         self.perm = perm
         self.scipy_eigh = device.type == "cpu" and not _small_cpu(self.n, device)
 
@@ -193,11 +194,17 @@ class _Dual:
             out.append(-((weights @ g) * weights).sum(2))  # w_m^T G_j w_m
         return torch.cat(out)
 
-    def gram(self, point: _Point) -> np.ndarray:
-        """Feasible X = X(v)/violation in the original round order (numpy, n x n)."""
+    def pattern_blocks(self, point: _Point) -> np.ndarray:
+        """X(v)[pi_j, pi_j] for every pattern j (unscaled), numpy (b, k, k)."""
+        x = (point.basis * point.sigma) @ point.basis.transpose(1, 2)
+        return (0.5 * (x + x.transpose(1, 2))).cpu().numpy()
+
+    def gram(self, point: _Point, scale: float | None = None) -> np.ndarray:
+        """Feasible X = X(v)/scale (default: the violation over this problem's corners) in the
+        original round order (numpy, n x n)."""
         n = self.n
         basis = point.basis.reshape(n, n)
-        x = ((basis * point.sigma) @ basis.T) / point.violation
+        x = ((basis * point.sigma) @ basis.T) / (point.violation if scale is None else scale)
         x = 0.5 * (x + x.T)
         out = np.empty((n, n))
         out[np.ix_(self.perm, self.perm)] = x.cpu().numpy()
@@ -230,8 +237,13 @@ def _reversed_cholesky(x: np.ndarray) -> np.ndarray:
 class DenseMechanism(Mechanism):
     """Optimal multi-epoch factorization for FixedEpoch(k, b), described by its dual variables.
 
-    ``duals[j, s]`` is the multiplier of corner s (row s of ``corner_signs(k)``) on pattern
-    {j, j+b, ...}. C is derived deterministically (on CPU) from them.
+    ``duals[j, s]`` is the multiplier of corner s (row s of ``corner_signs(k)``, or of ``signs``
+    when given) on pattern {j, j+b, ...}. C is derived deterministically (on CPU) from them.
+
+    For k > MAX_PARTICIPATIONS the corners are not enumerated: ``signs`` (m, k) holds the ones
+    column generation kept (s_0 = +1), shared by every pattern. X(v) is then scaled by the
+    certified upper bound on its sensitivity (``pattern_sensitivity`` per pattern), so X is
+    feasible for every corner, not only the stored ones.
     """
 
     kind = "dense"
@@ -240,15 +252,32 @@ class DenseMechanism(Mechanism):
     min_sep: int
     duals: np.ndarray
     workload: Workload = Workload()
+    signs: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         k, b = _check_schema(self.rounds, FixedEpoch(self.max_participations, self.min_sep))
+        if self.signs is None:
+            if k > MAX_PARTICIPATIONS:
+                raise ValueError(f"dense duals for k={k} > {MAX_PARTICIPATIONS} need their sign corners (signs)")
+            corners = corner_signs(k)
+        else:
+            signs = np.array(self.signs, dtype=np.float64)
+            if signs.ndim != 2 or signs.shape[1] != k or signs.shape[0] < 1:
+                raise ValueError(f"dense signs must have shape (m, k={k}), got {signs.shape}")
+            if not np.all(np.abs(signs) == 1.0) or not np.all(signs[:, 0] == 1.0):
+                raise ValueError("dense signs must be +-1 vectors with first entry +1")
+            signs.setflags(write=False)
+            object.__setattr__(self, "signs", signs)
+            corners = signs
         duals = np.array(self.duals, dtype=np.float64)
-        if duals.shape != (b, 2 ** (k - 1)):
-            raise ValueError(f"dense duals must have shape (b, 2^(k-1)) = {(b, 2 ** (k - 1))}, got {duals.shape}")
+        if duals.shape != (b, corners.shape[0]):
+            raise ValueError(
+                f"dense duals must have shape (b, corners) = {(b, corners.shape[0])} (2^(k-1) corners "
+                f"unless signs are given), got {duals.shape}"
+            )
         if not np.all(np.isfinite(duals)) or np.any(duals < 0):
             raise ValueError("dense duals must be finite and non-negative")
-        if not np.all(np.linalg.eigvalsh(np.einsum("jm,ma,mc->jac", duals, *(corner_signs(k),) * 2)) > 0):
+        if not np.all(np.linalg.eigvalsh(np.einsum("jm,ma,mc->jac", duals, *(corners,) * 2)) > 0):
             raise ValueError("dense duals must span every pattern (U = sum v_i u_i u_i^T positive definite)")
         duals.setflags(write=False)
         object.__setattr__(self, "duals", duals)
@@ -258,7 +287,10 @@ class DenseMechanism(Mechanism):
         return FixedEpoch(self.max_participations, self.min_sep)
 
     def params(self) -> dict[str, Any]:
-        return {"max_participations": self.max_participations, "min_sep": self.min_sep, "duals": self.duals.tolist()}
+        out = {"max_participations": self.max_participations, "min_sep": self.min_sep, "duals": self.duals.tolist()}
+        if self.signs is not None:
+            out["signs"] = self.signs.astype(int).tolist()
+        return out
 
     @classmethod
     def from_params(cls, rounds: int, workload: Workload, params: dict[str, Any]) -> "DenseMechanism":
@@ -268,6 +300,7 @@ class DenseMechanism(Mechanism):
             int(params["min_sep"]),
             np.asarray(params["duals"], dtype=np.float64),
             workload,
+            None if params.get("signs") is None else np.asarray(params["signs"], dtype=np.float64),
         )
 
     @cached_property
@@ -275,12 +308,15 @@ class DenseMechanism(Mechanism):
         """(feasible X, primal value tr(T X^{-1}), dual value g(v)) from the stored duals."""
         cpu = torch.device("cpu")
         with _solve_threads(self.rounds, cpu):
-            problem = _Dual(self.workload.matrix(self.rounds), self.max_participations, self.min_sep, cpu)
+            problem = _Dual(self.workload.matrix(self.rounds), self.max_participations, self.min_sep, cpu, self.signs)
             try:
                 point = problem.evaluate(torch.from_numpy(self.duals.copy()))
             except _Singular as exc:
                 raise ValueError(f"dense duals give no positive definite X(v): {exc}") from None
-            return problem.gram(point), point.primal, point.dual
+            if self.signs is None:
+                return problem.gram(point), point.primal, point.dual
+            scale = _certified_scale(problem, point)[0]
+            return problem.gram(point, scale), scale * point.trace_m, point.dual
 
     @property
     def gram_matrix(self) -> np.ndarray:
@@ -433,6 +469,8 @@ def optimize_dense(
         raise ValueError(f"max_steps must be a positive integer, got {max_steps!r}")
     started = time.perf_counter()
     dev = _device(device)
+    if k > MAX_PARTICIPATIONS:
+        return _optimize_generated(rounds, k, b, workload, tolerance, max_steps, dev, progress, started)
     with _solve_threads(rounds, dev):
         problem = _Dual(workload.matrix(rounds), k, b, dev)
         tracker, hvps, message = _trust_region(problem, tolerance, max_steps, progress)
@@ -488,16 +526,25 @@ def _newton_system(problem: _Dual, point: _Point):
     return -scale * slope, hessp, scale
 
 
-def _trust_region(problem: _Dual, tolerance: float, max_steps: int, progress: Progress | None):
+def _trust_region(
+    problem: _Dual,
+    tolerance: float,
+    max_steps: int,
+    progress: Progress | None,
+    start: torch.Tensor | None = None,
+    evaluations: int = 0,
+):
     """Minimize f(theta) = -g(exp(theta)) by trust-region Newton-CG (Nocedal & Wright,
     Alg. 4.1 with Steihaug's CG); one n x n eigh per step. Every evaluated point feeds the
-    tracker, whose best primal and best dual are valid bounds whether or not the step is taken."""
+    tracker, whose best primal and best dual are valid bounds whether or not the step is taken.
+    ``start`` (positive, default all ones) is the first v; ``evaluations`` those already spent."""
     tracker = _Tracker()
-    v = torch.ones(problem.b, problem.corners, device=problem.device, dtype=_DTYPE)
+    tracker.evaluations = evaluations
+    v = torch.ones(problem.b, problem.corners, device=problem.device, dtype=_DTYPE) if start is None else start
     point = problem.evaluate(v)
     tracker.add(point)
     # g(a v) = 2 sqrt(a) tr M - a sum v is maximized at sqrt(a) = tr M / sum v (Eq. 7)
-    theta = torch.full_like(v, 2.0 * math.log(point.trace_m / float(v.sum())))
+    theta = torch.log(v) + 2.0 * math.log(point.trace_m / float(v.sum()))
     point = problem.evaluate(torch.exp(theta))
     tracker.add(point)
     radius = first_radius = math.nan
@@ -534,3 +581,151 @@ def _trust_region(problem: _Dual, tolerance: float, max_steps: int, progress: Pr
             theta, point = trial_theta, trial
         if radius < 1e-14 * first_radius:
             return tracker, hvps, "trust region collapsed"
+
+
+# ---- many participations: column generation over the sign corners -------------------------
+def _initial_signs(k: int) -> np.ndarray:
+    """All-ones (the worst corner when X >= 0 on a pattern, Cor. 2.1) and the k - 1 single
+    flips 1 - 2 e_i: k independent corners, so U = sum v_i u_i u_i^T is positive definite."""
+    signs = np.ones((k, k))
+    signs[np.arange(1, k), np.arange(1, k)] = -1.0
+    return signs
+
+
+def _certified_scale(problem: _Dual, point: _Point) -> tuple[float, bool, list[tuple[np.ndarray, float]]]:
+    """(s, exact, worst): s >= max over all patterns and all sign vectors u of u^T X(v) u, a
+    certified upper bound (``pattern_sensitivity``: exact, or the SDP dual bound), so X(v)/s is
+    feasible for every corner; exact when every pattern's value is certified. ``worst`` is each
+    pattern's best sign vector found and its value u^T X(v) u (the separation oracle)."""
+    scale, exact, worst = point.violation, True, []
+    for block in problem.pattern_blocks(point):
+        sens = pattern_sensitivity(block)
+        scale = max(scale, sens.value**2)
+        exact = exact and sens.exact
+        worst.append(block)
+    return scale, exact, worst
+
+
+#: separation enumerates every sign vector up to this k (2^(k-1) = 32768 rows), else searches
+_SEPARATE_ENUMERATION = 16
+
+
+def _violated_signs(x: np.ndarray, threshold: float, limit: int) -> list[np.ndarray]:
+    """Up to ``limit`` distinct sign vectors u (u_0 = +1) with u^T X u > threshold, largest first:
+    all of them for k <= 16, else local maxima (single flips, Goemans-Williamson style) from
+    hyperplane roundings of the mixing method's SDP solution and from random signs."""
+    k = x.shape[0]
+    if k <= _SEPARATE_ENUMERATION:
+        cand = corner_signs(k)
+    else:
+        rng = np.random.default_rng(0)
+        v = _mixing(x)[0]
+        cand = np.vstack([np.sign(v @ rng.normal(size=(k, 256))).T, np.sign(rng.normal(size=(256, k)))])
+        cand[cand == 0] = 1.0
+        diag = np.diag(x)
+        for _ in range(4 * k):  # flipping u_i changes u^T X u by -4 u_i (sum_{j != i} X_ij u_j)
+            gain = -4.0 * cand * (cand @ x - diag * cand)
+            best = np.argmax(gain, axis=1)
+            rows = np.nonzero(gain[np.arange(len(cand)), best] > 1e-12 * np.abs(x).max())[0]
+            if rows.size == 0:
+                break
+            cand[rows, best[rows]] *= -1.0
+        cand = np.unique(cand * cand[:, :1], axis=0)
+    values = np.sum((cand @ x) * cand, axis=1)
+    order = np.argsort(-values, kind="stable")
+    return [cand[i] for i in order[:limit] if values[i] > threshold]
+
+
+def _optimize_generated(
+    rounds: int,
+    k: int,
+    b: int,
+    workload: Workload,
+    tolerance: float,
+    max_steps: int,
+    dev: torch.device,
+    progress: Progress | None,
+    started: float,
+) -> tuple[DenseMechanism, OptimizationResult]:
+    """optimize_dense for k > MAX_PARTICIPATIONS: the dual over a growing set of corners shared by
+    the patterns (column / constraint generation). Each round maximizes the restricted dual (its
+    value lower-bounds the full problem: fewer constraints), then asks every pattern for its most
+    violated sign vector (``worst_sign_vector``) and adds those above the restricted maximum.
+    The primal is X(v) scaled by its certified sensitivity bound over all corners, so the gap
+    primal - dual is a true duality gap; it stops when that is <= tolerance (relative)."""
+    a = workload.matrix(rounds)
+    signs = _initial_signs(k)
+    inner = tolerance / 2.0
+    start: torch.Tensor | None = None
+    best: tuple[float, _Point, np.ndarray, bool, _Dual] | None = None
+    dual, evaluations, hvps, generations = -math.inf, 0, 0, 0
+    with _solve_threads(rounds, dev):
+        while True:
+            generations += 1
+            problem = _Dual(a, k, b, dev, signs)
+            gap_now = math.inf if best is None else (best[0] - dual) / best[0]
+            tracker, used, inner_message = _trust_region(
+                problem, max(inner, min(0.05 * gap_now, 1e-2)), max_steps, progress, start, evaluations
+            )
+            evaluations, hvps = tracker.evaluations, hvps + used
+            dual = max(dual, tracker.dual)
+            point = tracker.best
+            scale, exact, worst = _certified_scale(problem, point)
+            primal = scale * point.trace_m
+            if best is None or primal < best[0]:
+                best = (primal, point, signs, exact, problem)
+            if (best[0] - dual) / best[0] <= tolerance:
+                message = "relative duality gap below tolerance"
+                break
+            if evaluations >= max_steps:
+                message = "maximum number of steps reached"
+                break
+            known = {tuple(row) for row in signs}
+            new = []
+            for block in worst:
+                for u in _violated_signs(block, point.violation * (1.0 + 1e-9), 4 * k):
+                    if tuple(u) not in known:
+                        known.add(tuple(u))
+                        new.append(u)
+            if not new:
+                message = (
+                    f"no violated corner found ({inner_message}); "
+                    + ("" if exact else "the sensitivity bound is not certified tight")
+                )
+                break
+            v = point.v
+            fill = v.mean(dim=1, keepdim=True).expand(-1, len(new))
+            start = torch.cat([v, fill], dim=1)
+            signs = np.vstack([signs, np.array(new)])
+        primal, point, signs, exact, problem = best
+        scale = primal / point.trace_m
+        gram = problem.gram(point, scale) if dev.type == "cpu" else None
+    mechanism = DenseMechanism(rounds, k, b, point.v.cpu().numpy().copy(), workload, signs.copy())
+    if gram is not None:
+        mechanism.__dict__["_solution"] = (gram, primal, point.dual)
+    gap = primal - dual
+    rel = gap / primal
+    if rel < -1e-9:
+        raise AssertionError(f"duality gap is negative ({gap}): primal {primal} < dual {dual}")
+    converged = rel <= tolerance
+    if progress is not None:
+        progress.close(evaluations, primal / rounds, "converged" if converged else "NOT converged")
+    return mechanism, OptimizationResult(
+        converged=converged,
+        steps=evaluations,
+        objective=primal / rounds,
+        tolerance=tolerance,
+        message=message,
+        seconds=time.perf_counter() - started,
+        details={
+            "duality_gap": gap / rounds,
+            "relative_duality_gap": rel,
+            "primal_value": primal / rounds,
+            "dual_value": dual / rounds,
+            "hessian_vector_products": hvps,
+            "device": str(dev),
+            "corners": int(signs.shape[0]),
+            "generation_rounds": generations,
+            "sensitivity_exact": exact,
+        },
+    )
