@@ -125,6 +125,7 @@ class _Dual:
             device, _DTYPE
         )
         self.perm = perm
+        self.generated = signs is not None  # explicit (column-generated) corners, k > MAX_PARTICIPATIONS
         self.scipy_eigh = device.type == "cpu" and not _small_cpu(self.n, device)
 
     @property
@@ -180,6 +181,12 @@ class _Dual:
         -(p_i o p_i)^T K (p_i o p_i) (K = kernel); p_i o p_i = sum_{a<=c} w_ac (V_a o V_c) over the
         rows of the pattern's block of V, so one product K E with E = [V_a o V_c] serves all."""
         k = self.k
+        if self.generated:  # many corners of a large k: p_i o p_i directly, O(m n^2) per pattern
+            out = []
+            for j in range(self.b):
+                pp = (self.signs @ point.basis[j]) ** 2  # (m, n)
+                out.append(-((pp @ kernel) * pp).sum(1))
+            return torch.stack(out)
         rows, cols = np.triu_indices(k)
         weights = self.signs[:, rows] * self.signs[:, cols] * torch.where(
             torch.from_numpy(rows == cols).to(self.device), 1.0, 2.0
