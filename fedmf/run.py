@@ -33,6 +33,7 @@ import torch
 from .checkpoint import CheckpointStore, RunSecrets
 from .errors import CheckpointError, ConfigError, FedmfError, RoundOrderError
 from .files import atomic_write
+from .participation import MinSep
 from .plan import RunPlan
 from .privatize import RoundPrivatizer, RoundReport, layout_of
 
@@ -119,7 +120,7 @@ class PrivateRun:
             privatizer = RoundPrivatizer(plan, layout_of(params), device=device, dtype=dtype, seed=secrets.noise_seed)
             opt = server_optimizer(params, plan.mechanism.workload, plan.rounds, server_lr, kind=optimizer)
             users_per_round = None
-            if plan.sampling.kind == "none" and plan.schema.name.startswith("min-sep"):
+            if plan.sampling.kind == "none" and isinstance(plan.schema, MinSep):
                 if not float(plan.expected_users).is_integer():
                     raise ConfigError("without sampling, expected_users is the number of users picked per round: "
                                       f"an integer, got {plan.expected_users}")
