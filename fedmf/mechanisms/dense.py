@@ -491,23 +491,20 @@ def optimize_dense(
     if rel < -1e-9:
         raise AssertionError(f"duality gap is negative ({gap}): primal {best.primal} < dual {tracker.dual}")
     converged = rel <= tolerance
+    return mechanism, _result(converged, tracker.evaluations, best.primal, tracker.dual, gap, rel, rounds, tolerance,
+                              message, started, hvps, dev, progress)
+
+
+def _result(converged, steps, primal, dual, gap, rel, rounds, tolerance, message, started, hvps, dev, progress,
+            **extra) -> OptimizationResult:
+    """The optimizer's report (values per round); closes the progress line."""
     if progress is not None:
-        progress.close(tracker.evaluations, best.primal / rounds, "converged" if converged else "NOT converged")
-    return mechanism, OptimizationResult(
-        converged=converged,
-        steps=tracker.evaluations,
-        objective=best.primal / rounds,
-        tolerance=tolerance,
-        message=message,
+        progress.close(steps, primal / rounds, "converged" if converged else "NOT converged")
+    return OptimizationResult(
+        converged=converged, steps=steps, objective=primal / rounds, tolerance=tolerance, message=message,
         seconds=time.perf_counter() - started,
-        details={
-            "duality_gap": gap / rounds,
-            "relative_duality_gap": rel,
-            "primal_value": best.primal / rounds,
-            "dual_value": tracker.dual / rounds,
-            "hessian_vector_products": hvps,
-            "device": str(dev),
-        },
+        details={"duality_gap": gap / rounds, "relative_duality_gap": rel, "primal_value": primal / rounds,
+                 "dual_value": dual / rounds, "hessian_vector_products": hvps, "device": str(dev), **extra},
     )
 
 
@@ -715,24 +712,6 @@ def _optimize_generated(
     if rel < -1e-9:
         raise AssertionError(f"duality gap is negative ({gap}): primal {primal} < dual {dual}")
     converged = rel <= tolerance
-    if progress is not None:
-        progress.close(evaluations, primal / rounds, "converged" if converged else "NOT converged")
-    return mechanism, OptimizationResult(
-        converged=converged,
-        steps=evaluations,
-        objective=primal / rounds,
-        tolerance=tolerance,
-        message=message,
-        seconds=time.perf_counter() - started,
-        details={
-            "duality_gap": gap / rounds,
-            "relative_duality_gap": rel,
-            "primal_value": primal / rounds,
-            "dual_value": dual / rounds,
-            "hessian_vector_products": hvps,
-            "device": str(dev),
-            "corners": int(signs.shape[0]),
-            "generation_rounds": generations,
-            "sensitivity_exact": exact,
-        },
-    )
+    return mechanism, _result(converged, evaluations, primal, dual, gap, rel, rounds, tolerance, message, started,
+                              hvps, dev, progress, corners=int(signs.shape[0]), generation_rounds=generations,
+                              sensitivity_exact=exact)
