@@ -1,0 +1,479 @@
+"""Client updates per second: fedmf in process (sequential and vectorized), fedmf on the Flower
+simulation engine, Flower's own FedAvg simulation and Apple's pfl simulator, side by side in one run.
+
+    python benchmarks/simulate.py [--sizes small,lstm] [--repeats 1] [--pfl-python /tmp/pflvenv/bin/python]
+                                  [--skip SIDES] [--json PATH] [--quick]
+
+Cases (the same task, options, hyperparameters, population and users per round on every side):
+  small  the ``so-tiny`` preset (so-synthetic, vocab 2,000, 32 sentences per user, ``model_size: small``:
+         the small WordLSTM), 40 of 800 users per round, 3 local epochs, batch 16; rounds 6 (min-sep 6)
+  lstm   the ``so-paper`` model (WordLSTM "paper", 4,053,428 parameters) on so-synthetic with 16 sentences
+         per user (one batch of 16), 10 of 100 users per round, 1 local epoch; rounds 4, min-sep 1, bsr
+  Both with noise multiplier 1 (no calibration); ``--quick``: 3 rounds small, 2 rounds lstm with 4 of 20 users.
+
+Sides (all measured on steady-state rounds: round 0 is a warm-up and is not counted; the rate is the
+median round's updates / its wall time; "start-up" is what comes before round 0):
+  inprocess      ``fedmf.federated.train`` with ``task.as_local_update`` (what ``fedmf simulate`` runs, minus
+                 the per-round held-out evaluation): the whole private round (select, local updates,
+                 clip, noise, optimizer, checkpoint, ledger commit); "client s" = time inside local_update
+  sequential     client work only: ``task.local_updates(params, users, t, hyper)`` (one after another)
+  vectorized     client work only: ``task.local_updates(..., vectorized=True)`` on the same users and
+                 params, alternating with ``sequential`` round by round
+  pfl            pfl 0.6.0's ``FederatedAveraging`` on its ``SimulatedBackend`` (no DP), the same PyTorch
+                 model (the task's WordLSTM wrapped with the task's criterion as pfl's ``loss``) and data
+                 (the task's ``user_data``), SGD with the same lr / epochs / batch; users cycled by pfl's
+                 ``MinimizeReuseUserSampler``; run in ``--pfl-python`` (pfl pins dp-accounting<0.6, fedmf pins 0.6.0)
+  flower-fedmf   ``fedmf simulate --backend flower``'s path (``server.launcher.run_simulation`` of the repo's
+                 app with ``fedmf.simulate.flower_run_config``), one SuperNode per user, 1 CPU per ClientApp
+                 actor (2 actors on 2 cores); round window = the ledger's opened_at → closed_at
+  flower-fedavg  Flower's FedAvg ServerApp (benchmarks/flower_fedavg_app) on the same task, same launcher;
+                 round window = configure_train start → aggregate_train end
+In-process sides and pfl train with one intra-op thread (fedmf's local training always does); each
+Flower ClientApp actor too (1 CPU each, 2 actors).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != str(_HERE)]
+sys.path.insert(0, str(_HERE.parent))
+
+import torch  # noqa: E402
+
+for _name, _value in (("FLWR_TELEMETRY_ENABLED", "0"), ("FLWR_DISABLE_UPDATE_CHECK", "1"),
+                      ("RAY_USAGE_STATS_ENABLED", "0")):
+    os.environ[_name] = _value
+
+SIDES = ("inprocess", "sequential", "vectorized", "pfl", "flower-fedmf", "flower-fedavg")
+ANCHOR_APP = _HERE / "flower_fedavg_app"
+
+
+@dataclass
+class Case:
+    """One model size: a preset with overrides, and the population it runs on."""
+
+    name: str
+    preset: str
+    overrides: dict[str, Any]
+    population: int
+    users_per_round: int
+    rounds: int
+
+    def values(self, run_dir: Path) -> dict[str, Any]:
+        from fedmf.simulate import preset_values
+
+        return preset_values(self.preset, {**self.overrides, "run-dir": str(run_dir)})
+
+
+def make_cases(quick: bool) -> dict[str, Case]:
+    small_rounds = 3 if quick else 6
+    lstm_rounds, lstm_users, lstm_population = (2, 4, 20) if quick else (4, 10, 100)
+    return {
+        "small": Case("small", "so-tiny", {"rounds": small_rounds, "min-sep": small_rounds, "noise-multiplier": 1.0},
+                      800, 40, small_rounds),
+        "lstm": Case("lstm", "so-paper", {
+            "task-options": {"num_users": lstm_population, "max_sentences": 16, "eval_users": 1},
+            "clients-per-round": lstm_users, "rounds": lstm_rounds, "min-sep": 1, "max-participations": 0,
+            "mechanism": "bsr", "num-bands": 0, "noise-multiplier": 1.0}, lstm_population, lstm_users, lstm_rounds),
+    }
+
+
+@dataclass
+class SideResult:
+    """Per-round wall times (s) and updates of one side; round 0 is the warm-up."""
+
+    side: str
+    round_s: list[float] = field(default_factory=list)
+    updates: list[int] = field(default_factory=list)
+    startup_s: float | None = None
+    client_s: list[float] = field(default_factory=list)
+    error: str | None = None
+
+    def steady(self) -> list[tuple[float, int]]:
+        return [(s, u) for s, u in list(zip(self.round_s, self.updates))[1:] if u > 0]
+
+    def rate(self) -> float | None:
+        """Updates per second of the median steady round (by seconds per update)."""
+        rows = self.steady()
+        if not rows:
+            return None
+        return 1.0 / statistics.median(s / u for s, u in rows)
+
+    def summary(self) -> dict[str, Any]:
+        rate = self.rate()
+        per_update = sorted(s / u for s, u in self.steady())
+        client = [c / u for c, (_, u) in zip(self.client_s[1:], self.steady())] if self.client_s else []
+        return {"updates_per_s": rate, "ms_per_update": None if rate is None else 1000.0 / rate,
+                "ms_per_update_min": 1000 * per_update[0] if per_update else None,
+                "ms_per_update_max": 1000 * per_update[-1] if per_update else None,
+                "client_ms_per_update": 1000 * statistics.median(client) if client else None,
+                "startup_s": self.startup_s, "timed_rounds": len(per_update), "error": self.error}
+
+
+def _task(values: dict[str, Any]):
+    from client.tasks import ClientHyper, get_task
+    from fedmf.config import RunConfig
+
+    config = RunConfig.from_mapping(values)
+    task = get_task(config.task, **config.task_options)
+    return config, task, ClientHyper(config.client_lr, config.local_epochs, config.batch_size)
+
+
+def _cohort(users: list[str], t: int, m: int) -> list[str]:
+    start = (t * m) % len(users)
+    return [users[(start + i) % len(users)] for i in range(m)]
+
+
+# ---- in process ---------------------------------------------------------------------------------------
+def run_inprocess(case: Case, work: Path) -> SideResult:
+    """``fedmf.federated.train`` as ``fedmf simulate`` runs it (no evaluation): whole rounds."""
+    from fedmf.federated import train
+
+    out = SideResult("inprocess")
+    values = case.values(work / "inprocess")
+    config, task, hyper = _task(values)
+    inner = task.as_local_update(hyper)
+    client_s: dict[int, float] = {}
+
+    def local_update(params, user, t):
+        started = time.perf_counter()
+        try:
+            return inner(params, user, t)
+        finally:
+            client_s[t] = client_s.get(t, 0.0) + time.perf_counter() - started
+
+    stamps: list[float] = []
+
+    def on_round(record) -> None:
+        stamps.append(time.perf_counter())
+        out.updates.append(record.contributed)
+
+    started = time.perf_counter()
+    plan = config.build_plan()
+    model = task.model()
+    train(model, task.users(), plan, local_update, server_lr=config.server_lr, checkpoint_dir=config.run_dir,
+          on_round=on_round, on_event=lambda name, t: stamps.append(time.perf_counter())
+          if (name, t) == ("guarded", 0) else None)
+    out.startup_s = stamps[0] - started
+    ends = stamps[1:]
+    out.round_s = [b - a for a, b in zip(stamps[:1] + ends[:-1], ends)]
+    out.client_s = [client_s.get(t, 0.0) for t in range(len(ends))]
+    return out
+
+
+def run_client_loops(case: Case, work: Path) -> tuple[SideResult, SideResult]:
+    """Client work only, round by round on the same users and params: sequential, then vectorized."""
+    values = case.values(work / "loops")
+    _, task, hyper = _task(values)
+    users = task.users()
+    params = task.model().state_dict()
+    seq, vec = SideResult("sequential"), SideResult("vectorized")
+    for t in range(case.rounds):
+        cohort = _cohort(users, t, case.users_per_round)
+        for side, vectorized in ((seq, False), (vec, True)):
+            started = time.perf_counter()
+            results = task.local_updates(params, cohort, t, hyper, vectorized=vectorized)
+            side.round_s.append(time.perf_counter() - started)
+            side.updates.append(len(results))
+    return seq, vec
+
+
+# ---- pfl ----------------------------------------------------------------------------------------------
+def pfl_worker(case: Case) -> dict[str, Any]:
+    """pfl's FedAvg simulation of ``case`` (run inside an interpreter that has pfl)."""
+    from pfl.aggregate.simulate import SimulatedBackend
+    from pfl.algorithm import FederatedAveraging, NNAlgorithmParams
+    from pfl.callback.base import TrainingProcessCallback
+    from pfl.data.dataset import Dataset
+    from pfl.data.federated_dataset import FederatedDataset
+    from pfl.data.sampling import MinimizeReuseUserSampler
+    from pfl.hyperparam import NNEvalHyperParams, NNTrainHyperParams
+    from pfl.metrics import Metrics, Weighted
+    from pfl.model.pytorch import PyTorchModel
+
+    torch.set_num_threads(1)
+    work = Path(tempfile.mkdtemp(prefix="fedmf-bench-pfl-"))
+    try:
+        _, task, hyper = _task(case.values(work / "pfl"))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    class PflModule(torch.nn.Module):
+        """The task's model with pfl's ``loss`` / ``metrics`` methods (the task's own criterion)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = task.model()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.net(x)
+
+        def loss(self, x: torch.Tensor, y: torch.Tensor, eval: bool = False) -> torch.Tensor:
+            self.eval() if eval else self.train()
+            return task.criterion(self.net(x), y)
+
+        @torch.no_grad()
+        def metrics(self, x: torch.Tensor, y: torch.Tensor, eval: bool = False) -> dict[str, Any]:
+            return {"loss": Weighted(float(self.loss(x, y, eval=True)) * len(y), len(y))}
+
+    stamps: list[float] = []
+    updates: list[int] = []
+
+    class RoundClock(TrainingProcessCallback):
+        def after_central_iteration(self, aggregate_metrics, model, *, central_iteration):
+            stamps.append(time.perf_counter())
+            updates.append(case.users_per_round)  # pfl's cohort: exactly train_cohort_size (no overshoot)
+            return False, Metrics()
+
+    def make_dataset(user: str) -> Dataset:
+        x, y = task.user_data(user)
+        return Dataset(raw_data=[x, y], user_id=user)
+
+    started = time.perf_counter()
+    module = PflModule()
+    model = PyTorchModel(module, local_optimizer_create=torch.optim.SGD,
+                         central_optimizer=torch.optim.SGD(module.parameters(), lr=1.0))
+    data = FederatedDataset(make_dataset, MinimizeReuseUserSampler(task.users()))
+    backend = SimulatedBackend(training_data=data, val_data=data)
+    params = NNAlgorithmParams(central_num_iterations=case.rounds, evaluation_frequency=case.rounds + 1,
+                               train_cohort_size=case.users_per_round, val_cohort_size=None)
+    train_params = NNTrainHyperParams(local_num_epochs=hyper.local_epochs, local_learning_rate=hyper.client_lr,
+                                      local_batch_size=hyper.batch_size)
+    FederatedAveraging().run(params, backend, model, train_params, NNEvalHyperParams(local_batch_size=hyper.batch_size),
+                             callbacks=[RoundClock()])
+    import pfl
+
+    return {"round_s": [b - a for a, b in zip([started] + stamps[:-1], stamps)], "updates": updates,
+            "version": getattr(pfl, "__version__", "?")}
+
+
+def run_pfl(case: Case, quick: bool, python: str) -> SideResult:
+    out = SideResult("pfl")
+    command = [python, str(Path(__file__).resolve()), "--pfl-worker", case.name] + (["--quick"] if quick else [])
+    done = subprocess.run(command, capture_output=True, text=True, timeout=3600)
+    if done.returncode != 0:
+        out.error = (done.stderr.strip().splitlines() or ["pfl worker failed"])[-1][:300]
+        return out
+    data = json.loads(done.stdout.strip().splitlines()[-1])
+    out.round_s, out.updates = data["round_s"], data["updates"]
+    out.startup_s = None
+    return out
+
+
+def pfl_available(python: str) -> str | None:
+    """pfl's version in ``python``, or None."""
+    try:
+        done = subprocess.run([python, "-c", "import importlib.metadata as m; print(m.version('pfl'))"],
+                              capture_output=True, text=True, timeout=120)
+    except OSError:
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+# ---- Flower -------------------------------------------------------------------------------------------
+def _utc(text: str) -> float:
+    stamp = datetime.fromisoformat(text)
+    return (stamp if stamp.tzinfo else stamp.replace(tzinfo=timezone.utc)).timestamp()
+
+
+def run_flower_fedmf(case: Case, work: Path, timeout_s: float) -> SideResult:
+    """The path of ``fedmf simulate --backend flower``; round windows from the run's ledger."""
+    from fedmf.simulate import flower_population, flower_run_config
+    from server.launcher import app_dir, run_simulation
+
+    out = SideResult("flower-fedmf")
+    values = case.values(work / "flower-fedmf")
+    config, task, _ = _task(values)
+    config.build_plan()
+    launched = time.time()
+    res = run_simulation(app_dir(), num_supernodes=flower_population(config.task, task.users()),
+                         run_config=flower_run_config(values, config), timeout=timeout_s,
+                         tmp_path=work / "flwr-fedmf")
+    if res.rc != 0:
+        out.error = res.failure()
+        return out
+    with sqlite3.connect(Path(config.run_dir) / "ledger.db") as db:
+        rows = db.execute("SELECT opened_at, closed_at, contributed FROM rounds WHERE status = 'committed' "
+                          "ORDER BY round_index").fetchall()
+    out.round_s = [_utc(b) - _utc(a) for a, b, _ in rows]
+    out.updates = [int(c) for _, _, c in rows]
+    out.startup_s = _utc(rows[0][0]) - launched if rows else None
+    return out
+
+
+_ANCHOR_ROUND = re.compile(r"fedavg-anchor round (\d+) start_s (\S+) end_s (\S+) received (\d+)")
+
+
+def run_flower_fedavg(case: Case, work: Path, timeout_s: float) -> SideResult:
+    """Flower's FedAvg ServerApp (benchmarks/flower_fedavg_app) on the same task and population."""
+    from server.launcher import run_simulation
+
+    out = SideResult("flower-fedavg")
+    values = case.values(work / "flower-fedavg")
+    run_config = {"task": values["task"], "task-options": values["task-options"], "rounds": case.rounds,
+                  "clients-per-round": case.users_per_round, "population": case.population,
+                  "client-lr": float(values["client-lr"]), "local-epochs": int(values["local-epochs"]),
+                  "batch-size": int(values["batch-size"])}
+    launched = time.time()
+    res = run_simulation(ANCHOR_APP, num_supernodes=case.population, run_config=run_config, timeout=timeout_s,
+                         tmp_path=work / "flwr-fedavg")
+    rounds = [(float(a), float(b), int(n)) for _, a, b, n in _ANCHOR_ROUND.findall(res.output)]
+    if res.rc != 0 or len(rounds) != case.rounds:
+        out.error = res.failure() or f"{len(rounds)} of {case.rounds} rounds logged"
+        return out
+    out.round_s = [b - a for a, b, _ in rounds]
+    out.updates = [n for _, _, n in rounds]
+    out.startup_s = rounds[0][0] - launched
+    return out
+
+
+# ---- report -------------------------------------------------------------------------------------------
+def model_size(case: Case) -> int:
+    work = Path(tempfile.mkdtemp(prefix="fedmf-bench-size-"))
+    try:
+        _, task, _ = _task(case.values(work))
+        return sum(p.numel() for p in task.model().parameters())
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    head = ("| case | parameters | users/round | side | updates/s | ms/update (median) | min–max | client ms/update | "
+            "start-up s | vs pfl | vs Flower FedAvg |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in results:
+        sides = r["sides"]
+        pfl = sides.get("pfl", {}).get("updates_per_s")
+        fedavg = sides.get("flower-fedavg", {}).get("updates_per_s")
+        for name, s in sides.items():
+            rate = s["updates_per_s"]
+            if s["error"]:
+                lines.append(f"| {r['case']} | {r['parameters']:,} | {r['users_per_round']} | {name} | failed: "
+                             f"{s['error'][:120]} | | | | | | |")
+                continue
+            vs_pfl = f"{rate / pfl:.2f}x" if rate and pfl else "-"
+            vs_fedavg = f"{rate / fedavg:.2f}x" if rate and fedavg else "-"
+            spread = f"{_fmt(s['ms_per_update_min'], '.1f')}–{_fmt(s['ms_per_update_max'], '.1f')}"
+            lines.append(f"| {r['case']} | {r['parameters']:,} | {r['users_per_round']} | {name} | {_fmt(rate, '.1f')} | "
+                         f"{_fmt(s['ms_per_update'], '.1f')} | {spread} | {_fmt(s['client_ms_per_update'], '.1f')} | "
+                         f"{_fmt(s['startup_s'], '.1f')} | {vs_pfl} | {vs_fedavg} |")
+    return "\n".join(lines)
+
+
+def uptime() -> str:
+    load = os.getloadavg()
+    return f"load average {load[0]:.2f}, {load[1]:.2f}, {load[2]:.2f}"
+
+
+def merge(runs: list[SideResult]) -> SideResult:
+    """Repeats of one side: their steady rounds pooled (each repeat's round 0 dropped)."""
+    ok = [r for r in runs if not r.error]
+    if not ok:
+        return runs[-1]
+    out = SideResult(ok[0].side, [0.0], [0], startup_s=statistics.median(
+        [r.startup_s for r in ok if r.startup_s is not None] or [0.0]) if any(r.startup_s for r in ok) else None,
+        client_s=[0.0] if all(r.client_s for r in ok) else [])
+    for r in ok:
+        out.round_s += r.round_s[1:]
+        out.updates += r.updates[1:]
+        if out.client_s:
+            out.client_s += r.client_s[1:]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="small,lstm", help="cases, comma-separated (small, lstm)")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of every side per case (steady rounds pooled)")
+    parser.add_argument("--skip", default="", help=f"sides to leave out, comma-separated ({', '.join(SIDES)})")
+    parser.add_argument("--pfl-python", default=None,
+                        help="an interpreter with pfl 0.6.0 and fedmf importable (default: this one if it has pfl, "
+                             "else /tmp/pflvenv/bin/python)")
+    parser.add_argument("--flower-timeout", type=float, default=1800.0, help="seconds per Flower run")
+    parser.add_argument("--json", default=None, help="write the results as JSON to this path")
+    parser.add_argument("--quick", action="store_true", help="fewer rounds and users: a validation run")
+    parser.add_argument("--pfl-worker", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    cases = make_cases(args.quick)
+    if args.pfl_worker:
+        print(json.dumps(pfl_worker(cases[args.pfl_worker])))
+        return 0
+    skip = {s for s in args.skip.split(",") if s}
+    unknown = skip - set(SIDES)
+    if unknown:
+        parser.error(f"unknown sides {sorted(unknown)}")
+    python = args.pfl_python or (sys.executable if pfl_available(sys.executable) else "/tmp/pflvenv/bin/python")
+    pfl_version = None if "pfl" in skip else pfl_available(python)
+    pfl_label = pfl_version or ("skipped" if "pfl" in skip else "not available")
+    import flwr
+
+    print(f"# {platform.node()} {os.cpu_count()} CPUs, torch {torch.__version__}, flwr {flwr.__version__}, "
+          f"pfl {pfl_label} ({python}), python {platform.python_version()}", flush=True)
+    print(f"# {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {uptime()}", flush=True)
+    results = []
+    work_root = Path(tempfile.mkdtemp(prefix="fedmf-bench-simulate-"))
+    try:
+        for name in args.sizes.split(","):
+            case = cases[name]
+            runs: dict[str, list[SideResult]] = {s: [] for s in SIDES if s not in skip}
+            for repeat in range(args.repeats):
+                work = work_root / f"{name}-{repeat}"
+                work.mkdir()
+                if "inprocess" in runs:
+                    runs["inprocess"].append(run_inprocess(case, work))
+                if "sequential" in runs or "vectorized" in runs:
+                    seq, vec = run_client_loops(case, work)
+                    for side in (seq, vec):
+                        if side.side in runs:
+                            runs[side.side].append(side)
+                if "pfl" in runs:
+                    runs["pfl"].append(run_pfl(case, args.quick, python) if pfl_version else
+                                       SideResult("pfl", error=f"pfl not importable in {python}"))
+                if "flower-fedmf" in runs:
+                    runs["flower-fedmf"].append(run_flower_fedmf(case, work, args.flower_timeout))
+                if "flower-fedavg" in runs:
+                    runs["flower-fedavg"].append(run_flower_fedavg(case, work, args.flower_timeout))
+                for side, done in runs.items():
+                    s = done[-1].summary()
+                    print(f"# {name} run {repeat + 1}: {side:14s} {_fmt(s['updates_per_s'], '8.1f')} updates/s "
+                          f"rounds {[round(x, 3) for x in done[-1].round_s]} "
+                          f"start-up {_fmt(s['startup_s'], '.1f')} s{'  ERROR ' + s['error'] if s['error'] else ''}",
+                          flush=True)
+                shutil.rmtree(work, ignore_errors=True)
+            results.append({"case": name, "preset": case.preset, "parameters": model_size(case),
+                            "users_per_round": case.users_per_round, "population": case.population,
+                            "rounds": case.rounds, "overrides": case.overrides,
+                            "sides": {s: merge(r).summary() for s, r in runs.items()},
+                            "raw": {s: [asdict(x) for x in r] for s, r in runs.items()}})
+            print(f"# {name} done, {uptime()}", flush=True)
+    finally:
+        shutil.rmtree(work_root, ignore_errors=True)
+    print(table(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"quick": args.quick, "pfl": pfl_version, "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
