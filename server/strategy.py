@@ -22,7 +22,7 @@ from flwr.serverapp.strategy import Result, Strategy
 
 from fedmf.config import RunConfig
 from fedmf.errors import HorizonReached, PrivacyBudgetExceeded
-from fedmf.ledger.db import LedgerError
+from fedmf.ledger.db import LedgerError, display_url, resolve_url
 from fedmf.run import PrivateRun, RoundRecord
 
 from .identity import NodeDirectory
@@ -174,9 +174,10 @@ class DPMFStrategy(Strategy):
             self.run.released(t)
         else:
             self.stopped = "horizon" if end == self.run.plan.rounds else "rounds"
+        url = self.run.ledger_url
+        ledger = display_url(resolve_url(url)) if "://" in url else url  # a password in the URL is never logged
         log.info("fedmf: %d rounds committed in %.1fs (%s); ledger %s; audit with: fedmf audit --ledger %s --run %d",
-                 self.run.next_round, time.time() - started, self.stopped or "done", self.run.ledger_url,
-                 self.run.ledger_url, self.run.run_id)
+                 self.run.next_round, time.time() - started, self.stopped or "done", ledger, ledger, self.run.run_id)
         if not result.arrays:
             result.arrays = ArrayRecord(self.run.model.state_dict())
         return result

@@ -1,0 +1,393 @@
+"""Service faults against the real ServerApp (issue 13 item 5): the ledger's PostgreSQL server
+crashes in the middle of a round, and the run directory's disk fills up.
+
+PostgreSQL: every test here runs its own throwaway PostgreSQL server (``initdb`` into a temporary
+directory, a free port, run as the ``postgres`` OS user when we are root) — never the shared
+cluster other tests use — and crashes it with ``pg_ctl stop -m immediate`` while round 3 is
+between its noise and its ledger commit, or inside the commit transaction itself. Without the
+PostgreSQL binaries the tests skip (with CI=true they fail).
+
+Full disk: the run directory (checkpoints, secrets, the SQLite ledger) lives on a small tmpfs
+mounted for the test, filled up with a file at a chosen point of a round. Without the right to
+mount (not root, no CAP_SYS_ADMIN) the tests skip.
+
+Every case drives ``server.app.main`` over the in-process grid of real ClientApps
+(tests/_fault_script.py) and checks against the uninterrupted run (``reference`` from
+tests/test_faults.py): the model is bit-identical, every round is committed exactly once with
+consistent rows, nothing of an uncommitted round was released and nothing was released twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import glob
+import io
+import json
+import logging
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+import uuid
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import pytest
+from sqlalchemy import create_engine, event, pool, select, text
+from sqlalchemy.engine import Engine
+
+from fedmf.ledger import Ledger
+from fedmf.ledger.models import Participation
+
+from . import _fault_script as fs
+from .test_faults import (ROUNDS, _assert_same, _check_ledger, _check_releases, _final, _new_run, _recording_evaluate,
+                          _serve, _statuses, reference)
+
+__all__ = ["reference"]  # the uninterrupted run, shared with tests/test_faults.py
+
+PASSWORD = "pw-" + uuid.uuid4().hex  # in the ledger URL (trust auth ignores it): it must never be shown
+FAULT_ROUND = 3
+
+
+def _unavailable(reason: str) -> None:
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(reason)
+    pytest.skip(reason)
+
+
+# ---- a private PostgreSQL server ---------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class PrivatePostgres:
+    """A throwaway PostgreSQL server in ``base`` (owned by the OS user that runs it)."""
+
+    def __init__(self, bindir: Path, base: Path, as_user: list[str]) -> None:
+        self.bindir, self.base, self.as_user = bindir, base, as_user
+        self.data, self.port = base / "data", _free_port()
+
+    def _run(self, tool: str, *args: str) -> None:
+        done = subprocess.run([*self.as_user, str(self.bindir / tool), *args], capture_output=True, text=True,
+                              timeout=120)
+        if done.returncode != 0:
+            raise RuntimeError(f"{tool} {' '.join(args)} failed: {(done.stderr or done.stdout).strip()[-500:]}")
+
+    def init(self) -> None:
+        self._run("initdb", "-D", str(self.data), "-U", "postgres", "-A", "trust", "-E", "UTF8", "--no-sync")
+
+    def start(self) -> None:
+        options = f"-p {self.port} -k {self.base} -c listen_addresses=127.0.0.1 -c fsync=off"
+        self._run("pg_ctl", "-D", str(self.data), "-l", str(self.base / "server.log"), "-w", "-t", "60",
+                  "-o", options, "start")
+
+    def crash(self) -> None:
+        """Stop the server the way a crash does: no shutdown checkpoint, sessions cut off."""
+        self._run("pg_ctl", "-D", str(self.data), "-m", "immediate", "-w", "stop")
+
+    def postmaster_pid(self) -> int | None:
+        try:
+            return int((self.data / "postmaster.pid").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def url(self, database: str) -> str:
+        return f"postgresql+psycopg://postgres:{PASSWORD}@127.0.0.1:{self.port}/{database}"
+
+    def create_database(self) -> str:
+        name = f"fedmf_{uuid.uuid4().hex[:12]}"
+        engine = create_engine(self.url("postgres"), isolation_level="AUTOCOMMIT", poolclass=pool.NullPool)
+        with engine.connect() as conn:
+            conn.execute(text(f'CREATE DATABASE "{name}"'))
+        engine.dispose()
+        return self.url(name)
+
+
+def _bindir() -> Path | None:
+    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/pg_ctl"), key=lambda p: int(Path(p).parts[-3]))
+    if found:
+        return Path(found[-1]).parent
+    which = shutil.which("pg_ctl")
+    return Path(which).parent if which and shutil.which("initdb") else None
+
+
+@pytest.fixture(scope="module")
+def postgres():
+    """A private PostgreSQL server for this module's tests, stopped and removed afterwards."""
+    bindir = _bindir()
+    if bindir is None:
+        _unavailable("PostgreSQL server binaries (initdb, pg_ctl) not found")
+    as_user: list[str] = []
+    if os.geteuid() == 0:  # the server refuses to run as root
+        try:
+            pwd.getpwnam("postgres")
+        except KeyError:
+            _unavailable("running as root but there is no 'postgres' OS user to run PostgreSQL as")
+        as_user = ["runuser", "-u", "postgres", "--"]
+    base = Path(tempfile.mkdtemp(prefix="fedmf-pg-"))
+    server = PrivatePostgres(bindir, base, as_user)
+    try:
+        if as_user:
+            shutil.chown(base, user="postgres", group="postgres")
+        server.init()
+        server.start()
+        yield server
+    finally:
+        with contextlib.suppress(Exception):
+            server.crash()
+        pid = server.postmaster_pid()
+        if pid is not None:  # pg_ctl could not stop it: end it by its id
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+# ---- driving the ServerApp -----------------------------------------------------------------------
+def _main(values: dict, recorder: fs.Recorder, capsys, **faults) -> tuple[str | None, str]:
+    """``server.app.main`` over the recording grid: (the ServerAppError's text or None, stderr)."""
+    from flwr.app import Context, RecordDict
+
+    import server.app
+
+    grid = fs.make_grid(values, recorder, **faults)
+    context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=dict(values))
+    logger = logging.getLogger("fedmf.server")
+    saved = (logger.handlers[:], logger.level, logger.propagate)
+    logger.handlers[:] = []  # main installs its own one-line stderr handler
+    error = None
+    try:
+        with _recording_evaluate(recorder):
+            server.app.main(grid, context)
+    except server.app.ServerAppError as e:
+        error = str(e)
+    finally:
+        logger.handlers[:], logger.level, logger.propagate = saved
+    return error, capsys.readouterr().err
+
+
+def _on_event(monkeypatch, hooks: dict) -> None:
+    """Call ``hooks[(event, t)]()`` the first time the run reaches that point (``fedmf.run.EVENTS``)."""
+    import server.app
+
+    hooks = dict(hooks)
+
+    def on_event(name: str, t: int) -> None:
+        hook = hooks.pop((name, t), None)
+        if hook is not None:
+            hook()
+
+    monkeypatch.setattr(server.app, "_fault_injection", lambda: on_event)
+
+
+def _error_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith("fedmf: error:")]
+
+
+def _retry_lines(err: str, t: int) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith(f"fedmf round {t}: the ledger failed")]
+
+
+def _released_once(records: list[dict], redone: int | None) -> None:
+    """Each round's model was evaluated once; round t's TRAIN broadcast (round t-1's committed
+    model) went out once, twice for the redone round (the same model both times)."""
+    evaluated = Counter(r["round"] for r in records if r["kind"] == "evaluate")
+    assert all(n == 1 for n in evaluated.values()), evaluated
+    broadcast = Counter(r["round"] for r in records if r["kind"] == "train")
+    assert broadcast == Counter({t: 2 if t == redone else 1 for t in broadcast}), broadcast
+
+
+# ---- ledger checks on a PostgreSQL URL ---------------------------------------------------------
+def _pg_round_status(url: str):
+    """A ``round_status(run_dir, t)`` reading round t's status from the PostgreSQL ledger."""
+    engine = create_engine(url, poolclass=pool.NullPool, connect_args={"connect_timeout": 5})
+
+    def round_status(run_dir, t: int) -> str | None:
+        try:
+            with engine.connect() as conn:
+                row = conn.execute(text("SELECT status FROM rounds WHERE round_index = :t ORDER BY run_id DESC LIMIT 1"),
+                                   {"t": t}).first()
+        except Exception:  # noqa: BLE001 - the server is down: nothing can be vouched for
+            return "unreachable"
+        return None if row is None else row[0]
+
+    return round_status, engine
+
+
+def _pg_statuses(url: str, run_dir: Path) -> list[str]:
+    with Ledger.open(url, secret=(run_dir / "secrets" / "ledger_secret").read_bytes()) as book:
+        runs = book.runs()
+        assert len(runs) == 1, "a restart must resume the run, not start a second one"
+        run = book.run(runs[0].id)
+        return [run.round(t).status for t in range(ROUNDS)]
+
+
+def _check_pg_ledger(url: str, run_dir: Path, attempts: dict[int, int]) -> None:
+    """Every round committed exactly once with rows matching its counts; the audit is clean."""
+    from fedmf.cli import main as fedmf_cli
+
+    with Ledger.open(url, secret=(run_dir / "secrets" / "ledger_secret").read_bytes()) as book:
+        runs = book.runs()
+        assert len(runs) == 1, "a restart must resume the run, not start a second one"
+        run = book.run(runs[0].id)
+        with book.engine.connect() as conn:
+            rows = conn.execute(select(Participation.round_index, Participation.client_key, Participation.status)
+                                .where(Participation.run_id == run.id)).all()
+        by_round = defaultdict(list)
+        for t, key, status in rows:
+            by_round[t].append((bytes(key), status))
+        for t in range(ROUNDS):
+            summary = run.round(t)
+            assert summary.status == "committed", (t, summary.status)
+            assert summary.attempts == attempts.get(t, 1), (t, summary.attempts)
+            keys = [k for k, _ in by_round[t]]
+            assert len(keys) == len(set(keys)), f"round {t}: a user written twice"
+            counts = Counter(s for _, s in by_round[t])
+            assert (counts["contributed"], counts["dropped"], counts["rejected"]) == \
+                   (summary.contributed, summary.dropped, summary.rejected), t
+            assert summary.contributed > 0 and summary.checkpoint_sha256 is not None
+        run_id = run.id
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = fedmf_cli(["audit", "--ledger", url, "--run", str(run_id), "--json"])
+    assert rc == 0, err.getvalue()
+    assert PASSWORD not in out.getvalue() + err.getvalue()
+    realized = json.loads(out.getvalue())["realized"]
+    assert realized["rounds_committed"] == ROUNDS and realized["rounds_open"] == realized["rounds_aborted"] == 0
+    assert realized["aborts"] == sum(a - 1 for a in attempts.values())
+    assert realized["flagged_users"] == 0 and realized["client_state_consistent"] is True
+
+
+@contextlib.contextmanager
+def _pg_run(postgres: PrivatePostgres, tmp_path: Path, monkeypatch):
+    """A new run directory whose ledger is a fresh database on the private server; the recorder
+    reads round statuses from it."""
+    url = postgres.create_database()
+    run_dir = tmp_path / "run"
+    values = {**_new_run(run_dir), "ledger-url": url}
+    round_status, engine = _pg_round_status(url)
+    monkeypatch.setattr(fs, "round_status", round_status)
+    try:
+        yield url, run_dir, values
+    finally:
+        engine.dispose()
+
+
+def _crash_inside_the_commit(postgres: PrivatePostgres, crash):
+    """Arm: the first INSERT into participations after round FAULT_ROUND's checkpoint (inside
+    its ledger commit transaction) crashes the server. Returns (arm, disarm)."""
+    armed = threading.Event()
+
+    def after(conn, cursor, statement, parameters, context, executemany):
+        if armed.is_set() and statement.lstrip().upper().startswith("INSERT INTO PARTICIPATIONS"):
+            armed.clear()
+            crash()
+
+    event.listen(Engine, "after_cursor_execute", after)
+    return armed.set, lambda: event.remove(Engine, "after_cursor_execute", after)
+
+
+# ---- PostgreSQL crashes mid-round ---------------------------------------------------------------
+RESTART_AFTER_S = 2.0
+
+
+@pytest.mark.parametrize("where", ["between-noise-and-commit", "inside-the-commit-transaction"])
+def test_postgresql_crashing_mid_round_aborts_it_and_the_round_is_redone_once_it_is_back(
+        tmp_path, reference, postgres, monkeypatch, capsys, where):
+    """The ledger's PostgreSQL server crashes while round 3 is between its noise and its commit
+    (or inside the commit transaction, after its participation rows were sent) and comes back
+    2 s later: the round is aborted, retried with backoff (logged), redone with the same noise
+    once the database is back, and the run ends bit-identically with every round committed once."""
+    import server.strategy
+
+    monkeypatch.setattr(server.strategy, "LEDGER_BACKOFF_S", 0.25)
+    outage: dict = {}
+
+    def crash() -> None:
+        postgres.crash()
+        outage["down"] = time.monotonic()
+
+        def restart() -> None:
+            time.sleep(RESTART_AFTER_S)
+            try:
+                postgres.start()
+            except Exception as e:  # noqa: BLE001 - reported by the test
+                outage["error"] = e
+            outage["up"] = time.monotonic()
+
+        outage["thread"] = threading.Thread(target=restart, daemon=True)
+        outage["thread"].start()
+
+    with _pg_run(postgres, tmp_path, monkeypatch) as (url, run_dir, values):
+        recorder = fs.Recorder(run_dir)
+        arm, disarm = _crash_inside_the_commit(postgres, crash)
+        hook = arm if where == "inside-the-commit-transaction" else crash
+        _on_event(monkeypatch, {("checkpointed", FAULT_ROUND): hook})
+        try:
+            error, err = _main(values, recorder, capsys)
+        finally:
+            disarm()
+            if "thread" in outage:
+                outage["thread"].join(60)
+        assert "error" not in outage, outage.get("error")
+        assert error is None, error
+        assert "down" in outage and "up" in outage, "the server was not crashed"
+        retries = _retry_lines(err, FAULT_ROUND)
+        assert retries and all("the round was aborted and nothing of it was released; retry" in line
+                               for line in retries), err[-2000:]
+        assert retries[0].startswith(f"fedmf round {FAULT_ROUND}: the ledger failed (cannot write to ledger ")
+        # before the commit the commit's connection is refused; inside it the open transaction is cut off
+        assert ("Connection refused" in retries[0]) == (where == "between-noise-and-commit"), retries[0]
+        assert not _error_lines(err) and PASSWORD not in err
+        _assert_same(_final(run_dir), reference.final)
+        _check_pg_ledger(url, run_dir, attempts={FAULT_ROUND: 2})
+        _check_releases(recorder.records, reference, complete=True)
+        _released_once(recorder.records, redone=FAULT_ROUND)
+
+
+def test_postgresql_down_past_the_retries_stops_cleanly_and_a_restart_finishes(
+        tmp_path, reference, postgres, monkeypatch, capsys):
+    """The database stays down through every retry: the ServerApp stops with one `fedmf: error:`
+    line (no password), round 3 stays open in the ledger and nothing of it was released; with the
+    database back, the restarted server takes round 3 over and ends bit-identically."""
+    import server.strategy
+
+    monkeypatch.setattr(server.strategy, "LEDGER_RETRIES", 2)
+    monkeypatch.setattr(server.strategy, "LEDGER_BACKOFF_S", 0.05)
+    crashed = []
+    with _pg_run(postgres, tmp_path, monkeypatch) as (url, run_dir, values):
+        recorder = fs.Recorder(run_dir)
+        _on_event(monkeypatch, {("checkpointed", FAULT_ROUND): lambda: (postgres.crash(), crashed.append(1))})
+        try:
+            error, err = _main(values, recorder, capsys)
+        finally:
+            if crashed:
+                postgres.start()
+        assert crashed and error is not None
+        assert error.startswith(("fedmf: error: cannot write to ledger postgresql+psycopg://postgres:***@",
+                                 "fedmf: error: ledger error on postgresql+psycopg://postgres:***@")), error
+        assert "Connection refused" in error
+        assert "\n" not in error and PASSWORD not in error + err
+        assert set(_error_lines(err)) == {error}, err[-2000:]
+        assert [line.split("; retry ")[1].split(" ")[0] for line in _retry_lines(err, FAULT_ROUND)] == ["1/2", "2/2"]
+        assert not (run_dir / "final-model.pt").exists()
+        assert max(r["round"] for r in recorder.records if r["kind"] == "train") == FAULT_ROUND
+        assert max(r["round"] for r in recorder.records if r["kind"] == "evaluate") == FAULT_ROUND - 1
+        _check_releases(recorder.records, reference)
+        # the abort could not reach the database: the round stays open, to be taken over
+        assert _pg_statuses(url, run_dir) == ["committed"] * FAULT_ROUND + ["open"] + ["planned"] * (ROUNDS - 4)
+        again = fs.Recorder(run_dir)
+        _on_event(monkeypatch, {})
+        error, err = _main(values, again, capsys)
+        assert error is None, error
+        _assert_same(_final(run_dir), reference.final)
+        _check_pg_ledger(url, run_dir, attempts={FAULT_ROUND: 2})
+        _check_releases(recorder.records + again.records, reference, complete=True)
+        _released_once(recorder.records + again.records, redone=FAULT_ROUND)
