@@ -262,6 +262,7 @@ class AuditResult:
     dimension: int
     noise_multiplier: float
     plan_fingerprint: str
+    run_id: int
     run_dir: str | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -390,4 +391,4 @@ def run_canary_audit(model, users: Sequence[Hashable], plan, local_update: Calla
         guesses=best.guesses, guesses_in=best.guesses_in, guesses_out=best.guesses_out, correct=best.correct,
         tests=[{**asdict(t), "guesses": t.guesses} for t in tests], score=score, rounds_done=done, dimension=dim,
         noise_multiplier=plan.noise_multiplier, plan_fingerprint=plan.fingerprint,
-        run_dir=None if checkpoint_dir is None else str(checkpoint_dir), notes=notes)
+        run_id=result.run_id, run_dir=None if checkpoint_dir is None else str(checkpoint_dir), notes=notes)
