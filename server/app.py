@@ -15,7 +15,7 @@ from flwr.app import ArrayRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
 from fedmf.config import RunConfig
-from fedmf.errors import FedmfError
+from fedmf.errors import CheckpointError, FedmfError
 from fedmf.files import atomic_write
 from fedmf.run import PrivateRun
 
@@ -71,7 +71,10 @@ def run_server(grid: Grid, run_config: dict) -> DPMFStrategy:
         strategy = DPMFStrategy(run, config, evaluate_fn=evaluate, min_available=wanted)
         strategy.start(grid)
         final = Path(config.run_dir) / "final-model.pt"
-        atomic_write(final, lambda f: torch.save(run.model.state_dict(), f), text=False, mode=0o600)
+        try:
+            atomic_write(final, lambda f: torch.save(run.model.state_dict(), f), text=False, mode=0o600)
+        except OSError as e:  # a full disk: every round is committed, a restart writes it
+            raise CheckpointError(f"cannot write the final model {str(final)!r}: {e.strerror or e}") from None
         log.info("fedmf: final model in %s", final)
         return strategy
 

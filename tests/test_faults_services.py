@@ -391,3 +391,104 @@ def test_postgresql_down_past_the_retries_stops_cleanly_and_a_restart_finishes(
         _check_pg_ledger(url, run_dir, attempts={FAULT_ROUND: 2})
         _check_releases(recorder.records + again.records, reference, complete=True)
         _released_once(recorder.records + again.records, redone=FAULT_ROUND)
+
+
+# ---- a full disk ------------------------------------------------------------------------------
+DISK_BYTES = 16 << 20
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 16 MiB tmpfs (mode 0700) mounted for the test, unmounted afterwards."""
+    mountpoint = tmp_path / "disk"
+    mountpoint.mkdir(mode=0o700)
+    try:
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={DISK_BYTES},mode=0700", "tmpfs", str(mountpoint)],
+                              capture_output=True, text=True, timeout=60)
+    except FileNotFoundError:
+        pytest.skip("no mount command: cannot make a small disk to fill")
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs (needs root or CAP_SYS_ADMIN): {done.stderr.strip()}")
+    try:
+        yield mountpoint
+    finally:
+        if subprocess.run(["umount", str(mountpoint)], capture_output=True, timeout=60).returncode != 0:
+            subprocess.run(["umount", "-l", str(mountpoint)], capture_output=True, timeout=60)
+
+
+def _fill(directory: Path) -> Path:
+    """Fill the file system of ``directory`` to the last byte with one file; returns it."""
+    filler = directory / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        for size in (1 << 20, 1 << 12, 1):
+            chunk = b"\0" * size
+            try:
+                while True:
+                    os.write(fd, chunk)
+            except OSError as e:
+                assert e.errno == errno.ENOSPC, e
+    finally:
+        os.close(fd)
+    assert os.statvfs(directory).f_bavail == 0
+    return filler
+
+
+# where the disk fills, and the one-line error the ServerApp stops with
+DISK_FAULTS = [
+    pytest.param("checkpoint", "cannot write checkpoint", "No space left on device", id="full-before-the-checkpoint"),
+    pytest.param("ledger", "cannot write to ledger", "database or disk is full", id="full-before-the-ledger-commit"),
+    pytest.param("final", "cannot write the final model", "No space left on device", id="full-before-the-final-model"),
+]
+
+
+@pytest.mark.parametrize("where, error_start, reason", DISK_FAULTS)
+def test_a_full_disk_stops_cleanly_releases_nothing_and_a_restart_finishes(
+        small_disk, reference, monkeypatch, capsys, where, error_start, reason):
+    """The run directory's disk fills up in round 3 — before its checkpoint,
+    between the checkpoint and the SQLite ledger commit — or before the final model is written:
+    the ServerApp stops with one `fedmf: error:` line, nothing of the failed round was released and
+    no half-written checkpoint or ledger row is left; with space again, a restart finishes
+    bit-identically."""
+    import server.strategy
+
+    monkeypatch.setattr(server.strategy, "LEDGER_RETRIES", 1)
+    monkeypatch.setattr(server.strategy, "LEDGER_BACKOFF_S", 0.05)
+    run_dir = small_disk / "run"
+    values = _new_run(run_dir)
+    recorder = fs.Recorder(run_dir)
+    fillers: list[Path] = []
+    fill = lambda *grid: fillers.append(_fill(small_disk))  # noqa: E731
+    after_round = {}
+    if where == "checkpoint":
+        after_round = {FAULT_ROUND: fill}
+    _on_event(monkeypatch, {("checkpointed", FAULT_ROUND): fill} if where == "ledger" else
+              {("released", ROUNDS - 1): fill} if where == "final" else {})
+    error, err = _main(values, recorder, capsys, after_round=after_round)
+    assert fillers, "the fault was not injected"
+    assert error is not None and error.startswith(f"fedmf: error: {error_start}"), error
+    assert reason in error and "\n" not in error
+    assert set(_error_lines(err)) == {error}, err[-2000:]
+    assert "Traceback" not in err
+    assert not (run_dir / "final-model.pt").exists()
+    assert not list(run_dir.glob(".*.tmp")), sorted(p.name for p in run_dir.iterdir())  # nothing half-written
+    failed = ROUNDS if where == "final" else FAULT_ROUND
+    _check_releases(recorder.records, reference, complete=where == "final")
+    if where != "final":
+        assert max(r["round"] for r in recorder.records if r["kind"] == "train") == FAULT_ROUND
+        assert max(r["round"] for r in recorder.records if r["kind"] == "evaluate") == FAULT_ROUND - 1
+    for filler in fillers:  # space again
+        filler.unlink()
+    statuses = _statuses(run_dir)
+    assert statuses[:failed] == ["committed"] * failed, statuses
+    if where != "final":  # aborted, or left open when the abort itself could not be written
+        assert statuses[FAULT_ROUND] in ("aborted", "open") and statuses[FAULT_ROUND + 1:] == ["planned"] * 2, statuses
+        assert sorted(p.name for p in run_dir.glob("round-*.pt")) in (["round-000002.pt"],
+                                                                      ["round-000002.pt", "round-000003.pt"])
+    again = fs.Recorder(run_dir)
+    _serve(values, again)
+    _assert_same(_final(run_dir), reference.final)
+    redone = None if where == "final" else FAULT_ROUND
+    _check_ledger(run_dir, attempts={} if redone is None else {FAULT_ROUND: 2})
+    _check_releases(recorder.records + again.records, reference, complete=True)
+    _released_once(recorder.records + again.records, redone=redone)
