@@ -9,9 +9,11 @@ for bit). Canary c has a fixed random direction u_c in parameter space (nearly o
 others in high dimension) and is "in" with probability 1/2, independently of everything else:
 an in-canary sends ζ'·u_c whenever the scheduler selects it (ζ' a hair below the clip norm ζ, so
 clipping leaves it unchanged), an out-canary sends a zero update — the two neighbouring datasets
-of zero-out adjacency, the neighbouring notion of the DP-MF guarantee ("Multi-Epoch Matrix
-Factorization Mechanisms", Choquette-Choo et al. 2023, Sec. 2; Kairouz et al. 2021 "Practical and
-Private (Deep) Learning without Sampling or Shuffling", Sec. 2). From the released models alone
+of zero-out adjacency (one user's contributions replaced by zeros), the neighbouring notion under
+which the DP-MF guarantee and fedmf's accountant hold ("Multi-Epoch Matrix Factorization
+Mechanisms", Choquette-Choo et al. 2023, Sec. 2, after Kairouz et al. 2021 "Practical and Private
+(Deep) Learning without Sampling or Shuffling"): an in-canary's stream differs from an
+out-canary's by at most ζ per participation, within the planned sensitivity. From the released models alone
 the audit recovers each round's privatized mean update x̂_t (inverting the server optimizer),
 scores every canary, guesses the top-k as in and the bottom-k as out, and turns the number of
 correct guesses into a lower bound on ε with the one-run theorem of Steinke, Nasr and Jagielski
@@ -66,20 +68,6 @@ def _check_delta(delta: float) -> None:
         raise ConfigError(f"delta must lie in [0, 1), got {delta!r}")
 
 
-def _p_raw(m: int, r: int, v: int, q: float, delta: float) -> tuple[float, float]:
-    """(SNJ's p-value bound at v, f(v)) for one v; q = e^ε/(1+e^ε)."""
-    from scipy.stats import binom
-
-    tail = float(binom.sf(v - 1, r, q))  # f(v) = P[Binomial(r, q) >= v]
-    alpha = 0.0
-    if delta > 0 and v > 0:
-        # (f(v-i) - f(v)) / i = P[v-i <= Binomial(r, q) <= v-1] / i, for i = 1..v (SNJ's loop; for i > v
-        # the numerator stays f(0) - f(v) and the ratio only shrinks, so the max is over 1..v)
-        windows = np.cumsum(binom.pmf(np.arange(v - 1, -1, -1), r, q))
-        alpha = float(np.max(windows / np.arange(1, v + 1)))
-    return min(1.0, tail + 2.0 * m * delta * alpha), tail
-
-
 def p_value(m: int, r: int, v: int, epsilon: float, delta: float = 0.0) -> float:
     """An upper bound on P[W ≥ v] for the number W of correct guesses among r guesses on m canaries
     (each in with probability 1/2) when the run is (ε, δ)-DP.
@@ -95,14 +83,27 @@ def p_value(m: int, r: int, v: int, epsilon: float, delta: float = 0.0) -> float
     if not (isinstance(epsilon, (int, float)) and epsilon >= 0 and math.isfinite(epsilon)):
         raise ConfigError(f"epsilon must be a finite number >= 0, got {epsilon!r}")
     from scipy.special import expit
+    from scipy.stats import binom
 
     q = float(expit(epsilon))  # accuracy of ε-DP randomized response, e^ε/(1+e^ε)
-    best, tail = _p_raw(m, r, v, q, delta)
+    counts = np.arange(v + 1)
+    pmf = binom.pmf(counts, r, q)
+    tails = binom.sf(counts - 1, r, q)  # tails[w] = f(w) = P[Binomial(r, q) >= w]
+
+    def bound(w: int) -> float:
+        alpha = 0.0
+        if delta > 0 and w > 0:
+            # (f(w-i) - f(w)) / i = P[w-i <= Binomial(r, q) <= w-1] / i for i = 1..w (SNJ's loop); for i > w
+            # the numerator stays f(0) - f(w) while i grows, so the max over 1..m is the max over 1..w
+            windows = np.cumsum(pmf[w - 1::-1])
+            alpha = float(np.max(windows / np.arange(1, w + 1)))
+        return min(1.0, float(tails[w]) + 2.0 * m * delta * alpha)
+
+    best = bound(v)
     for w in range(v - 1, -1, -1):
-        if tail >= best:  # every w' <= w has f(w') >= f(w+1) >= best, so p(w') >= best: done
+        if tails[w + 1] >= best:  # every w' <= w has f(w') >= f(w+1) >= best, so bound(w') >= best: done
             break
-        p, tail = _p_raw(m, r, w, q, delta)
-        best = min(best, p)
+        best = min(best, bound(w))
     return best
 
 
