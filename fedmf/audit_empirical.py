@@ -47,7 +47,8 @@ CANARY_PREFIX = "fedmf-canary-"
 #: guess k = fraction·E/2 in and k out of the E scored canaries, for each fraction (Bonferroni over them)
 DEFAULT_GUESS_FRACTIONS = (0.1, 0.25, 0.5, 1.0)
 #: canary norm = ζ·(1 − 2⁻¹⁰): below ζ by far more than the privatizer's norm bound's rounding
-#: slack (≤ 300 ulps of float32, privatize.py), so an in-canary is never clipped
+#: slack (≤ 300 ulps of float32, privatize.py), so an in-canary of a float32/float64 model is never
+#: clipped (a half-precision cast may clip it slightly: a weaker canary, never an invalid audit)
 _CANARY_SCALE = 1.0 - 2.0**-10
 _MAX_DIRECTION_VALUES = 1 << 27  # M·d float64 values held for the directions (1 GiB)
 _GRID_POINTS = 200
@@ -113,8 +114,8 @@ def epsilon_lower_bound(m: int, r: int, v: int, delta: float = 0.0, beta: float 
 
     Validity (SNJ 2023's test, made robust to a p-value that is not monotone in ε): a run that is
     (ε*, δ)-DP is (ε, δ)-DP for every ε ≥ ε*, so B(v) = inf_{ε ≥ ε*} p_value(ε, v) bounds P[W ≥ v] and
-    is non-increasing in v; hence P[B(W) < β] ≤ β. Any returned ε ≥ ε* would have p_value(ε, W) < β,
-    so B(W) < β: the event "bound ≥ ε*" has probability ≤ β. Unlike SNJ's bisection, which assumes
+    is non-increasing in v; hence P[B(W) < β] ≤ β. A returned ε > 0 always has p_value(ε, W) < β, so
+    a returned ε > ε* implies B(W) < β: P[bound > ε*] ≤ β for the true ε*. Unlike SNJ's bisection, which assumes
     monotonicity in ε, the search scans a grid on [0, ε_stop] for the LARGEST ε with p < β (ε_stop:
     where f(v) alone reaches β; f grows with ε, so no larger ε can qualify) and refines by bisection
     keeping p < β at the lower end."""
@@ -309,12 +310,15 @@ def run_canary_audit(model, users: Sequence[Hashable], plan, local_update: Calla
         raise ConfigError(f"confidence must lie in (0, 1), got {confidence!r}")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
         raise ConfigError("the audit seed must be a non-negative integer")
+    end = plan.rounds if rounds is None else rounds
+    if isinstance(end, bool) or not isinstance(end, int) or not 0 < end <= plan.rounds:
+        raise ConfigError(f"rounds must be an integer in [1, {plan.rounds}], got {rounds!r}")
     if checkpoint_dir is not None and (Path(checkpoint_dir) / "run.json").exists():
         raise ConfigError(f"{str(checkpoint_dir)!r} already holds a run; the audit needs a new run directory")
     users = list(users)
     ids = [f"{CANARY_PREFIX}{i:05d}" for i in range(canaries)]
     if {str(u) for u in users} & set(ids):
-        raise ConfigError(f"a user id starts with the canary prefix {CANARY_PREFIX!r}")
+        raise ConfigError(f"a user id collides with the canary ids ({CANARY_PREFIX}NNNNN)")
     params = dict(model.named_parameters())
     layout = layout_of(params)
     dim = flat_size(layout)
@@ -332,7 +336,7 @@ def run_canary_audit(model, users: Sequence[Hashable], plan, local_update: Calla
     released = cast.to(torch.float64).numpy()  # what the canaries really send, in the model's dtype
     norms = np.linalg.norm(released, axis=1)
     units = released / norms[:, None]
-    updates, offset = [], 0
+    updates = []
     zero = {name: torch.zeros(shape, dtype=dtype) for name, shape in layout.items()}
     for c in range(canaries):
         update, offset = {}, 0
@@ -342,9 +346,6 @@ def run_canary_audit(model, users: Sequence[Hashable], plan, local_update: Calla
             offset += size
         updates.append(update if members[c] else zero)  # zero-out adjacency: out = a zero update
     index = {cid: c for c, cid in enumerate(ids)}
-    end = plan.rounds if rounds is None else rounds
-    if isinstance(end, bool) or not isinstance(end, int) or not 0 < end <= plan.rounds:
-        raise ConfigError(f"rounds must be an integer in [1, {plan.rounds}], got {rounds!r}")
     selected = np.zeros((end, canaries), dtype=bool)
 
     def audited_update(global_params: Mapping[str, Any], user: Hashable, t: int):

@@ -224,7 +224,7 @@ def test_refuses_a_directory_that_holds_a_run_and_bad_arguments(tmp_path):
     for kw in ({"canaries": 1}, {"confidence": 1.0}, {"seed": -1}, {"rounds": 0}):
         with pytest.raises(ConfigError):
             run_canary_audit(_Linear(10), ["a"], plan, zero, **{"canaries": 4, **kw})
-    with pytest.raises(ConfigError, match="canary prefix"):
+    with pytest.raises(ConfigError, match="collides with the canary ids"):
         run_canary_audit(_Linear(10), ["fedmf-canary-00000"], plan, zero, canaries=4)
 
 
@@ -248,9 +248,9 @@ def test_cli_json_and_output_directory(tmp_path, capsys):
     assert capsys.readouterr().err.count("\n") == 1
 
 
-@pytest.mark.parametrize("argv", [["--canaries", "1"], ["--confidence", "1"], ["--epsilon", "1", "--noise-multiplier", "1"],
-                                  ["--noise-multiplier", "0"], ["--epsilon", "-2"], ["--rounds", "0"], ["--seed", "-3"],
-                                  ["--preset", "nope"], ["--canaries", "x"]])
+@pytest.mark.parametrize("argv", [["--canaries", "1"], ["--confidence", "1"],
+                                  ["--epsilon", "1", "--noise-multiplier", "1"], ["--noise-multiplier", "0"], ["--epsilon", "-2"], ["--rounds", "0"],
+                                  ["--seed", "-3"], ["--preset", "nope"], ["--canaries", "x"]])
 def test_cli_bad_input_exits_2_with_one_line(tmp_path, capsys, argv):
     from fedmf.cli import main
 
@@ -266,7 +266,7 @@ def test_cli_bad_input_in_a_process_is_one_line_without_traceback(tmp_path):
     assert done.returncode == 2 and done.stderr.startswith("fedmf: error:") and done.stderr.count("\n") == 1
 
 
-# ---- larger configurations ----------------------------------------------------------------------------------------------
+# ---- larger configurations --------------------------------------------------------------------------------
 @pytest.mark.heavy
 @pytest.mark.parametrize("eps", [1.0, 4.0])
 def test_heavy_many_canaries_high_dimension_bound_below_accounted(tmp_path, eps):
