@@ -250,7 +250,8 @@ def test_cli_json_and_output_directory(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv", [["--canaries", "1"], ["--confidence", "1"],
                                   ["--epsilon", "1", "--noise-multiplier", "1"], ["--noise-multiplier", "0"],
-                                  ["--epsilon", "-2"], ["--rounds", "0"], ["--seed", "-3"], ["--preset", "nope"], ["--canaries", "x"]])
+                                  ["--epsilon", "-2"], ["--rounds", "0"], ["--seed", "-3"], ["--preset", "nope"],
+                                  ["--canaries", "x"]])
 def test_cli_bad_input_exits_2_with_one_line(tmp_path, capsys, argv):
     from fedmf.cli import main
 
