@@ -84,7 +84,12 @@ class DPMFStrategy(Strategy):
                    "rejected": record.rejected, "clipped": record.clipped, "zeroed": record.zeroed,
                    "dropped": record.dropped, **record.metrics}
         if self.observed_metric:
-            worst = self.run.observed_epsilon()
+            try:
+                worst = self.run.observed_epsilon()
+            except LedgerError as e:  # the round is committed: never redone for a metric the ledger cannot give now
+                worst = None
+                log.warning("fedmf round %d: committed; its epsilon-worst-user-run metric is left out (%s)",
+                            record.round, e)
             if worst is not None:
                 # the worst user's ε over the whole run for the participations so far (what the observed
                 # guard checks): it bounds what that user will have spent at the end, so it can exceed

@@ -206,16 +206,21 @@ def _released_once(records: list[dict], redone: int | None) -> None:
 
 # ---- ledger checks on a PostgreSQL URL ---------------------------------------------------------
 def _pg_round_status(url: str):
-    """A ``round_status(run_dir, t)`` reading round t's status from the PostgreSQL ledger."""
+    """A ``round_status(run_dir, t)`` reading round t's status from the PostgreSQL ledger. While
+    the database is down it answers "committed" for a round it saw committed before (a terminal
+    status), "unreachable" otherwise."""
     engine = create_engine(url, poolclass=pool.NullPool, connect_args={"connect_timeout": 5})
+    committed: set[int] = set()
 
     def round_status(run_dir, t: int) -> str | None:
         try:
             with engine.connect() as conn:
                 row = conn.execute(text("SELECT status FROM rounds WHERE round_index = :t ORDER BY run_id DESC LIMIT 1"),
                                    {"t": t}).first()
-        except Exception:  # noqa: BLE001 - the server is down: nothing can be vouched for
-            return "unreachable"
+        except Exception:  # noqa: BLE001 - the server is down
+            return "committed" if t in committed else "unreachable"
+        if row is not None and row[0] == "committed":
+            committed.add(t)
         return None if row is None else row[0]
 
     return round_status, engine
@@ -298,19 +303,33 @@ def _crash_inside_the_commit(postgres: PrivatePostgres, crash):
 RESTART_AFTER_S = 2.0
 
 
-@pytest.mark.parametrize("where", ["between-noise-and-commit", "inside-the-commit-transaction"])
+# where round 3 is when the server crashes: (the event that crashes it, whether the crash waits for
+# the next INSERT into participations, the round whose ledger access fails and is retried, whether
+# round 3 is aborted and redone)
+CRASHES = {
+    "between-noise-and-commit": ("checkpointed", False, FAULT_ROUND, True),
+    "inside-the-commit-transaction": ("checkpointed", True, FAULT_ROUND, True),
+    "right-after-the-commit": ("committed", False, FAULT_ROUND + 1, False),
+}
+
+
+@pytest.mark.parametrize("where", list(CRASHES))
 def test_postgresql_crashing_mid_round_aborts_it_and_the_round_is_redone_once_it_is_back(
         tmp_path, reference, postgres, monkeypatch, capsys, where):
     """The ledger's PostgreSQL server crashes while round 3 is between its noise and its commit
     (or inside the commit transaction, after its participation rows were sent) and comes back
     2 s later: the round is aborted, retried with backoff (logged), redone with the same noise
-    once the database is back, and the run ends bit-identically with every round committed once."""
+    once the database is back, and the run ends bit-identically with every round committed once.
+    Crashed right after round 3's commit, round 3 stands (released once, never redone; only its
+    ledger-read metric is left out) and round 4 waits for the database."""
     import server.strategy
 
     monkeypatch.setattr(server.strategy, "LEDGER_BACKOFF_S", 0.25)
+    event_name, in_transaction, retried, redone = CRASHES[where]
     outage: dict = {}
 
     def crash() -> None:
+        outage["status"] = fs.round_status(None, FAULT_ROUND)  # what round 3 was when the server went down
         postgres.crash()
         outage["down"] = time.monotonic()
 
@@ -328,8 +347,7 @@ def test_postgresql_crashing_mid_round_aborts_it_and_the_round_is_redone_once_it
     with _pg_run(postgres, tmp_path, monkeypatch) as (url, run_dir, values):
         recorder = fs.Recorder(run_dir)
         arm, disarm = _crash_inside_the_commit(postgres, crash)
-        hook = arm if where == "inside-the-commit-transaction" else crash
-        _on_event(monkeypatch, {("checkpointed", FAULT_ROUND): hook})
+        _on_event(monkeypatch, {(event_name, FAULT_ROUND): arm if in_transaction else crash})
         try:
             error, err = _main(values, recorder, capsys)
         finally:
@@ -339,17 +357,21 @@ def test_postgresql_crashing_mid_round_aborts_it_and_the_round_is_redone_once_it
         assert "error" not in outage, outage.get("error")
         assert error is None, error
         assert "down" in outage and "up" in outage, "the server was not crashed"
-        retries = _retry_lines(err, FAULT_ROUND)
+        assert outage["status"] == ("open" if redone else "committed")
+        retries = _retry_lines(err, retried)
         assert retries and all("the round was aborted and nothing of it was released; retry" in line
                                for line in retries), err[-2000:]
-        assert retries[0].startswith(f"fedmf round {FAULT_ROUND}: the ledger failed (cannot write to ledger ")
+        assert not [line for line in err.splitlines() if "the ledger failed" in line and line not in retries]
         # before the commit the commit's connection is refused; inside it the open transaction is cut off
-        assert ("Connection refused" in retries[0]) == (where == "between-noise-and-commit"), retries[0]
+        assert ("Connection refused" in retries[0]) == (not in_transaction), retries[0]
+        metric_left_out = [line for line in err.splitlines()
+                           if line.startswith(f"fedmf round {FAULT_ROUND}: committed; its epsilon-worst-user-run")]
+        assert len(metric_left_out) == (0 if redone else 1), err[-2000:]
         assert not _error_lines(err) and PASSWORD not in err
         _assert_same(_final(run_dir), reference.final)
-        _check_pg_ledger(url, run_dir, attempts={FAULT_ROUND: 2})
+        _check_pg_ledger(url, run_dir, attempts={FAULT_ROUND: 2} if redone else {})
         _check_releases(recorder.records, reference, complete=True)
-        _released_once(recorder.records, redone=FAULT_ROUND)
+        _released_once(recorder.records, redone=FAULT_ROUND if redone else None)
 
 
 def test_postgresql_down_past_the_retries_stops_cleanly_and_a_restart_finishes(
