@@ -14,7 +14,7 @@ import json
 import logging
 import secrets
 import time
-from typing import Callable, Iterable
+from typing import Callable, Iterable, TypeVar
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
@@ -31,6 +31,7 @@ from .replies import RoundReplies
 __all__ = ["DPMFStrategy"]
 
 log = logging.getLogger("fedmf.server")
+T = TypeVar("T")
 #: a round whose ledger write fails is redone after 1, 2, 4, … s (at most 30 s), up to 8 times
 LEDGER_RETRIES, LEDGER_BACKOFF_S, LEDGER_BACKOFF_MAX_S = 8, 1.0, 30.0
 
@@ -113,24 +114,32 @@ class DPMFStrategy(Strategy):
                  plan.clip_norm, plan.noise_multiplier, plan.noise_std, plan.epsilon(), plan.delta)
 
     # ---- the loop ------------------------------------------------------------------------
-    def _round_with_retries(self, t: int, grid: Grid, train_config: ConfigRecord,
-                            timeout: float) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Round t; when the ledger fails, the round is aborted (nothing of it was released) and
-        redone after an exponential backoff — the same selection and noise, so the same result."""
+    def _with_retries(self, t: int, step: Callable[[], T], given_up: str) -> T:
+        """``step()``; when the ledger fails, retried after 1, 2, 4, … s (``given_up``: what the
+        failure left, for the log line)."""
         for attempt in range(LEDGER_RETRIES + 1):
             try:
-                arrays = ArrayRecord(self.run.model.state_dict())
-                messages = self.configure_train(t + 1, arrays, train_config, grid)
-                replies = grid.send_and_receive(messages, timeout=timeout)
-                return self.aggregate_train(t + 1, replies)
+                return step()
             except LedgerError as e:
                 if attempt == LEDGER_RETRIES:
                     raise
                 wait = min(LEDGER_BACKOFF_MAX_S, LEDGER_BACKOFF_S * 2 ** attempt)
-                log.warning("fedmf round %d: the ledger failed (%s); the round was aborted and nothing of it was "
-                            "released; retry %d/%d in %.0f s", t, e, attempt + 1, LEDGER_RETRIES, wait)
+                log.warning("fedmf round %d: the ledger failed (%s); %s; retry %d/%d in %.3g s", t, e, given_up,
+                            attempt + 1, LEDGER_RETRIES, wait)
                 time.sleep(wait)
         raise AssertionError("unreachable")
+
+    def _round_with_retries(self, t: int, grid: Grid, train_config: ConfigRecord,
+                            timeout: float) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Round t; when the ledger fails, the round is aborted (nothing of it was released) and
+        redone after an exponential backoff — the same selection and noise, so the same result."""
+        def attempt() -> tuple[ArrayRecord | None, MetricRecord | None]:
+            arrays = ArrayRecord(self.run.model.state_dict())
+            messages = self.configure_train(t + 1, arrays, train_config, grid)
+            replies = grid.send_and_receive(messages, timeout=timeout)
+            return self.aggregate_train(t + 1, replies)
+
+        return self._with_retries(t, attempt, "the round was aborted and nothing of it was released")
 
     @staticmethod
     def _progress(record: RoundRecord, end: int) -> None:
@@ -160,8 +169,9 @@ class DPMFStrategy(Strategy):
         started = time.time()
         self._wait_for_users(grid)
         while self.run.next_round < end:
-            try:
-                self.run.guard(observed=observed)
+            try:  # the observed guard reads the ledger: a database that is down is waited for
+                self._with_retries(self.run.next_round, lambda: self.run.guard(observed=observed),
+                                   "the round has not started")
             except (PrivacyBudgetExceeded, HorizonReached) as e:
                 self.stopped = str(e)
                 log.info("fedmf: stopping: %s", e)

@@ -303,6 +303,42 @@ def _crash_inside_the_commit(postgres: PrivatePostgres, crash):
 RESTART_AFTER_S = 2.0
 
 
+class Outage:
+    """Called: crash the private server, and start it again RESTART_AFTER_S later from a thread."""
+
+    def __init__(self, postgres: PrivatePostgres) -> None:
+        self.postgres = postgres
+        self.status: str | None = None
+        self.thread: threading.Thread | None = None
+        self.failure: Exception | None = None
+        self.down = self.up = 0.0
+
+    def __call__(self) -> None:
+        self.status = fs.round_status(None, FAULT_ROUND)
+        self.postgres.crash()
+        self.down = time.monotonic()
+        self.thread = threading.Thread(target=self._restart, daemon=True)
+        self.thread.start()
+
+    def _restart(self) -> None:
+        time.sleep(RESTART_AFTER_S)
+        try:
+            self.postgres.start()
+        except Exception as e:  # noqa: BLE001 - reported by join()
+            self.failure = e
+        self.up = time.monotonic()
+
+    def join(self) -> None:
+        if self.thread is not None:
+            self.thread.join(120)
+
+    def check(self) -> None:
+        """The server was crashed, and came back RESTART_AFTER_S later."""
+        assert self.thread is not None, "the server was not crashed"
+        assert self.failure is None, self.failure
+        assert self.up - self.down >= RESTART_AFTER_S
+
+
 # where round 3 is when the server crashes: (the event that crashes it, whether the crash waits for
 # the next INSERT into participations, the round whose ledger access fails and is retried, whether
 # round 3 is aborted and redone)
@@ -326,38 +362,19 @@ def test_postgresql_crashing_mid_round_aborts_it_and_the_round_is_redone_once_it
 
     monkeypatch.setattr(server.strategy, "LEDGER_BACKOFF_S", 0.25)
     event_name, in_transaction, retried, redone = CRASHES[where]
-    outage: dict = {}
-
-    def crash() -> None:
-        outage["status"] = fs.round_status(None, FAULT_ROUND)  # what round 3 was when the server went down
-        postgres.crash()
-        outage["down"] = time.monotonic()
-
-        def restart() -> None:
-            time.sleep(RESTART_AFTER_S)
-            try:
-                postgres.start()
-            except Exception as e:  # noqa: BLE001 - reported by the test
-                outage["error"] = e
-            outage["up"] = time.monotonic()
-
-        outage["thread"] = threading.Thread(target=restart, daemon=True)
-        outage["thread"].start()
-
+    outage = Outage(postgres)
     with _pg_run(postgres, tmp_path, monkeypatch) as (url, run_dir, values):
         recorder = fs.Recorder(run_dir)
-        arm, disarm = _crash_inside_the_commit(postgres, crash)
-        _on_event(monkeypatch, {(event_name, FAULT_ROUND): arm if in_transaction else crash})
+        arm, disarm = _crash_inside_the_commit(postgres, outage)
+        _on_event(monkeypatch, {(event_name, FAULT_ROUND): arm if in_transaction else outage})
         try:
             error, err = _main(values, recorder, capsys)
         finally:
             disarm()
-            if "thread" in outage:
-                outage["thread"].join(60)
-        assert "error" not in outage, outage.get("error")
+            outage.join()
         assert error is None, error
-        assert "down" in outage and "up" in outage, "the server was not crashed"
-        assert outage["status"] == ("open" if redone else "committed")
+        outage.check()
+        assert outage.status == ("open" if redone else "committed")  # round 3 when the server went down
         retries = _retry_lines(err, retried)
         assert retries and all("the round was aborted and nothing of it was released; retry" in line
                                for line in retries), err[-2000:]
@@ -372,6 +389,40 @@ def test_postgresql_crashing_mid_round_aborts_it_and_the_round_is_redone_once_it
         _check_pg_ledger(url, run_dir, attempts={FAULT_ROUND: 2} if redone else {})
         _check_releases(recorder.records, reference, complete=True)
         _released_once(recorder.records, redone=FAULT_ROUND if redone else None)
+
+
+def test_postgresql_down_between_rounds_of_a_target_epsilon_run_is_waited_for(
+        tmp_path, postgres, monkeypatch, capsys):
+    """A target-ε run's guard reads the ledger before each round (the worst observed user): the
+    database crashes after round 2's release and comes back 2 s later; the guard waits with
+    backoff, no round is opened meanwhile, and the run equals an uninterrupted one (SQLite ledger)."""
+    import server.strategy
+
+    from .test_faults import Reference
+
+    monkeypatch.setattr(server.strategy, "LEDGER_BACKOFF_S", 0.25)
+    target = {"noise-multiplier": 0.0, "target-epsilon": 8.0}
+    quiet = tmp_path / "uninterrupted"
+    expected = fs.Recorder(quiet)
+    _serve({**_new_run(quiet), **target}, expected)
+    want = Reference(_final(quiet), expected.records)
+    outage = Outage(postgres)
+    with _pg_run(postgres, tmp_path, monkeypatch) as (url, run_dir, values):
+        recorder = fs.Recorder(run_dir)
+        _on_event(monkeypatch, {("released", FAULT_ROUND - 1): outage})
+        try:
+            error, err = _main({**values, **target}, recorder, capsys)
+        finally:
+            outage.join()
+        assert error is None, error
+        outage.check()
+        retries = _retry_lines(err, FAULT_ROUND)
+        assert retries and all("the round has not started; retry" in line for line in retries), err[-2000:]
+        assert not _error_lines(err) and PASSWORD not in err
+        _assert_same(_final(run_dir), want.final)
+        _check_pg_ledger(url, run_dir, attempts={})
+        _check_releases(recorder.records, want, complete=True)
+        _released_once(recorder.records, redone=None)
 
 
 def test_postgresql_down_past_the_retries_stops_cleanly_and_a_restart_finishes(
