@@ -29,7 +29,6 @@ import torch
 from scipy.linalg import solve_triangular
 
 from ..participation import FixedEpoch
-from ..sensitivity import _mixing, pattern_sensitivity
 from ..workloads import Workload
 from .base import Mechanism
 from .optimize import OptimizationResult, Progress
@@ -113,19 +112,14 @@ class _Point:
 class _Dual:
     """The Lagrange dual of Eq. 18 for FixedEpoch(k, b), in the pattern-major working order."""
 
-    def __init__(
-        self, workload_matrix: np.ndarray, k: int, b: int, device: torch.device, signs: np.ndarray | None = None
-    ) -> None:
+    def __init__(self, workload_matrix: np.ndarray, k: int, b: int, device: torch.device) -> None:
         self.k, self.b, self.n = k, b, k * b
         self.device = device
         perm = pattern_major(k, b)
         a = torch.from_numpy(np.asarray(workload_matrix, dtype=np.float64)[:, perm]).to(device, _DTYPE)
         self.t = a.T @ a  # T = A^T A (Sec. 3, Eq. 6), rows and columns in the working order
-        self.signs = torch.from_numpy(corner_signs(k) if signs is None else np.array(signs, np.float64)).to(
-            device, _DTYPE
-        )
+        self.signs = torch.from_numpy(corner_signs(k)).to(device, _DTYPE)
         self.perm = perm
-        self.generated = signs is not None  # explicit (column-generated) corners, k > MAX_PARTICIPATIONS
         self.scipy_eigh = device.type == "cpu" and not _small_cpu(self.n, device)
 
     @property
@@ -142,27 +136,9 @@ class _Dual:
 
     def evaluate(self, v: torch.Tensor) -> _Point:
         """X(v) in factored form: one k x k eigh per pattern and one n x n eigh."""
-        b, k, n = self.b, self.k, self.n
         if not bool(torch.all(torch.isfinite(v))):
             raise _Singular("non-finite dual variables")
-        try:
-            w, q = torch.linalg.eigh(self.blocks(v))
-        except torch.linalg.LinAlgError as exc:
-            raise _Singular(str(exc)) from None
-        if not bool(torch.all(w > 0)):
-            raise _Singular("U is singular")
-        root = (q * w.sqrt().unsqueeze(1)) @ q.transpose(1, 2)  # U^{1/2}, block-diagonal
-        inv_root = (q / w.sqrt().unsqueeze(1)) @ q.transpose(1, 2)  # U^{-1/2}
-        left = (root @ self.t.view(b, k, n)).reshape(n, n)  # U^{1/2} T
-        inner = (root @ left.T.reshape(b, k, n)).reshape(n, n)  # U^{1/2} T U^{1/2}
-        try:
-            lam, vec = _eigh(0.5 * (inner + inner.T), self.scipy_eigh)
-        except (torch.linalg.LinAlgError, np.linalg.LinAlgError, ValueError) as exc:
-            raise _Singular(str(exc)) from None
-        if not bool(torch.all(torch.isfinite(lam))) or float(lam[0]) <= 0.0:
-            raise _Singular("U^{1/2} T U^{1/2} is not positive definite")
-        sigma = lam.sqrt()
-        basis = inv_root @ vec.reshape(b, k, n)  # V = U^{-1/2} Q
+        sigma, basis = _geometric_mean(self.blocks(v), self.t, self.scipy_eigh)
         x_blocks = (basis * sigma) @ basis.transpose(1, 2)  # X(v)[pi_j, pi_j]
         c = self.quad(x_blocks)
         return _Point(v=v, trace_m=float(sigma.sum()), c=c, sigma=sigma, basis=basis)
@@ -181,12 +157,6 @@ class _Dual:
         -(p_i o p_i)^T K (p_i o p_i) (K = kernel); p_i o p_i = sum_{a<=c} w_ac (V_a o V_c) over the
         rows of the pattern's block of V, so one product K E with E = [V_a o V_c] serves all."""
         k = self.k
-        if self.generated:  # many corners of a large k: p_i o p_i directly, O(m n^2) per pattern
-            out = []
-            for j in range(self.b):
-                pp = (self.signs @ point.basis[j]) ** 2  # (m, n)
-                out.append(-((pp @ kernel) * pp).sum(1))
-            return torch.stack(out)
         rows, cols = np.triu_indices(k)
         weights = self.signs[:, rows] * self.signs[:, cols] * torch.where(
             torch.from_numpy(rows == cols).to(self.device), 1.0, 2.0
@@ -218,6 +188,31 @@ class _Dual:
         return out
 
 
+def _geometric_mean(blocks: torch.Tensor, t: torch.Tensor, scipy_eigh: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sigma, V) with X(U) = V diag(sigma) V^T = U^{-1/2} (U^{1/2} T U^{1/2})^{1/2} U^{-1/2}
+    (Thm 3.1) for the block-diagonal U given by its (b, k, k) pattern blocks (working order):
+    one k x k eigh per pattern and one n x n eigh; sigma are the eigenvalues of M."""
+    b, k, _ = blocks.shape
+    n = b * k
+    try:
+        w, q = torch.linalg.eigh(blocks)
+    except torch.linalg.LinAlgError as exc:
+        raise _Singular(str(exc)) from None
+    if not bool(torch.all(w > 0)):
+        raise _Singular("U is singular")
+    root = (q * w.sqrt().unsqueeze(1)) @ q.transpose(1, 2)  # U^{1/2}, block-diagonal
+    inv_root = (q / w.sqrt().unsqueeze(1)) @ q.transpose(1, 2)  # U^{-1/2}
+    left = (root @ t.view(b, k, n)).reshape(n, n)  # U^{1/2} T
+    inner = (root @ left.T.reshape(b, k, n)).reshape(n, n)  # U^{1/2} T U^{1/2}
+    try:
+        lam, vec = _eigh(0.5 * (inner + inner.T), scipy_eigh)
+    except (torch.linalg.LinAlgError, np.linalg.LinAlgError, ValueError) as exc:
+        raise _Singular(str(exc)) from None
+    if not bool(torch.all(torch.isfinite(lam))) or float(lam[0]) <= 0.0:
+        raise _Singular("U^{1/2} T U^{1/2} is not positive definite")
+    return lam.sqrt(), inv_root @ vec.reshape(b, k, n)  # V = U^{-1/2} Q
+
+
 def _eigh(a: torch.Tensor, scipy: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric eigendecomposition, ascending: LAPACK's divide-and-conquer via scipy (large CPU
     problems) or torch (accelerators, small CPU problems)."""
@@ -244,13 +239,11 @@ def _reversed_cholesky(x: np.ndarray) -> np.ndarray:
 class DenseMechanism(Mechanism):
     """Optimal multi-epoch factorization for FixedEpoch(k, b), described by its dual variables.
 
-    ``duals[j, s]`` is the multiplier of corner s (row s of ``corner_signs(k)``, or of ``signs``
-    when given) on pattern {j, j+b, ...}. C is derived deterministically (on CPU) from them.
-
-    For k > MAX_PARTICIPATIONS the corners are not enumerated: ``signs`` (m, k) holds the ones
-    column generation kept (s_0 = +1), shared by every pattern. X(v) is then scaled by the
-    certified upper bound on its sensitivity (``pattern_sensitivity`` per pattern), so X is
-    feasible for every corner, not only the stored ones.
+    ``duals`` of shape (b, 2^(k-1)), k <= MAX_PARTICIPATIONS: ``duals[j, s]`` is the multiplier of
+    corner s (row s of ``corner_signs(k)``) on pattern {j, j+b, ...}. Of shape (b, k, k), any k:
+    ``duals[j]`` is the pattern block U_j of the block dual (``_BlockDual``), symmetric positive
+    definite with constant diagonal, and X is the structured projection of X(U) (same-pattern
+    columns of C orthogonal). C is derived deterministically (on CPU) from the duals.
     """
 
     kind = "dense"
@@ -259,32 +252,30 @@ class DenseMechanism(Mechanism):
     min_sep: int
     duals: np.ndarray
     workload: Workload = Workload()
-    signs: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         k, b = _check_schema(self.rounds, FixedEpoch(self.max_participations, self.min_sep))
-        if self.signs is None:
-            if k > MAX_PARTICIPATIONS:
-                raise ValueError(f"dense duals for k={k} > {MAX_PARTICIPATIONS} need their sign corners (signs)")
-            corners = corner_signs(k)
-        else:
-            signs = np.array(self.signs, dtype=np.float64)
-            if signs.ndim != 2 or signs.shape[1] != k or signs.shape[0] < 1:
-                raise ValueError(f"dense signs must have shape (m, k={k}), got {signs.shape}")
-            if not np.all(np.abs(signs) == 1.0) or not np.all(signs[:, 0] == 1.0):
-                raise ValueError("dense signs must be +-1 vectors with first entry +1")
-            signs.setflags(write=False)
-            object.__setattr__(self, "signs", signs)
-            corners = signs
         duals = np.array(self.duals, dtype=np.float64)
-        if duals.shape != (b, corners.shape[0]):
-            raise ValueError(
-                f"dense duals must have shape (b, corners) = {(b, corners.shape[0])} (2^(k-1) corners "
-                f"unless signs are given), got {duals.shape}"
-            )
-        if not np.all(np.isfinite(duals)) or np.any(duals < 0):
-            raise ValueError("dense duals must be finite and non-negative")
-        if not np.all(np.linalg.eigvalsh(np.einsum("jm,ma,mc->jac", duals, *(corners,) * 2)) > 0):
+        if not np.all(np.isfinite(duals)):
+            raise ValueError("dense duals must be finite")
+        if duals.ndim == 3 or k > MAX_PARTICIPATIONS:
+            if duals.shape != (b, k, k):
+                raise ValueError(f"dense dual blocks must have shape (b, k, k) = {(b, k, k)}, got {duals.shape}")
+            diag = np.diagonal(duals, axis1=1, axis2=2)
+            if not np.array_equal(duals, duals.transpose(0, 2, 1)) or np.any(diag != diag[:, :1]):
+                raise ValueError("dense dual blocks must be symmetric with a constant diagonal")
+            blocks = duals
+        else:
+            corners = corner_signs(k)
+            if duals.shape != (b, corners.shape[0]):
+                raise ValueError(
+                    f"dense duals must have shape (b, corners) = {(b, corners.shape[0])} (2^(k-1) corners) "
+                    f"or (b, k, k), got {duals.shape}"
+                )
+            if np.any(duals < 0):
+                raise ValueError("dense duals must be non-negative")
+            blocks = np.einsum("jm,ma,mc->jac", duals, corners, corners)
+        if not np.all(np.linalg.eigvalsh(blocks) > 0):
             raise ValueError("dense duals must span every pattern (U = sum v_i u_i u_i^T positive definite)")
         duals.setflags(write=False)
         object.__setattr__(self, "duals", duals)
@@ -294,10 +285,7 @@ class DenseMechanism(Mechanism):
         return FixedEpoch(self.max_participations, self.min_sep)
 
     def params(self) -> dict[str, Any]:
-        out = {"max_participations": self.max_participations, "min_sep": self.min_sep, "duals": self.duals.tolist()}
-        if self.signs is not None:
-            out["signs"] = self.signs.astype(int).tolist()
-        return out
+        return {"max_participations": self.max_participations, "min_sep": self.min_sep, "duals": self.duals.tolist()}
 
     @classmethod
     def from_params(cls, rounds: int, workload: Workload, params: dict[str, Any]) -> "DenseMechanism":
@@ -307,23 +295,32 @@ class DenseMechanism(Mechanism):
             int(params["min_sep"]),
             np.asarray(params["duals"], dtype=np.float64),
             workload,
-            None if params.get("signs") is None else np.asarray(params["signs"], dtype=np.float64),
         )
 
     @cached_property
     def _solution(self) -> tuple[np.ndarray, float, float]:
-        """(feasible X, primal value tr(T X^{-1}), dual value g(v)) from the stored duals."""
+        """(feasible X, primal value tr(T X^{-1}), dual value g) from the stored duals."""
         cpu = torch.device("cpu")
+        k, b = self.max_participations, self.min_sep
         with _solve_threads(self.rounds, cpu):
-            problem = _Dual(self.workload.matrix(self.rounds), self.max_participations, self.min_sep, cpu, self.signs)
+            if self.duals.ndim == 3:
+                blocked = _BlockDual(self.workload.matrix(self.rounds), k, b, cpu)
+                try:
+                    point = blocked.evaluate(torch.from_numpy(self.duals.copy()))
+                except _Singular as exc:
+                    raise ValueError(f"dense duals give no positive definite X(U): {exc}") from None
+                if not math.isfinite(point.primal):
+                    raise ValueError("dense duals give no positive definite structured X")
+                x = blocked.structured(point.sigma, point.basis)[0].numpy()
+                gram = np.empty_like(x)
+                gram[np.ix_(blocked.perm, blocked.perm)] = x
+                return gram, point.primal, point.dual
+            problem = _Dual(self.workload.matrix(self.rounds), k, b, cpu)
             try:
                 point = problem.evaluate(torch.from_numpy(self.duals.copy()))
             except _Singular as exc:
                 raise ValueError(f"dense duals give no positive definite X(v): {exc}") from None
-            if self.signs is None:
-                return problem.gram(point), point.primal, point.dual
-            scale = _certified_scale(problem, point)[0]
-            return problem.gram(point, scale), scale * point.trace_m, point.dual
+            return problem.gram(point), point.primal, point.dual
 
     @property
     def gram_matrix(self) -> np.ndarray:
@@ -477,7 +474,7 @@ def optimize_dense(
     started = time.perf_counter()
     dev = _device(device)
     if k > MAX_PARTICIPATIONS:
-        return _optimize_generated(rounds, k, b, workload, tolerance, max_steps, dev, progress, started)
+        return _optimize_blocks(rounds, k, b, workload, tolerance, max_steps, dev, progress, started)
     with _solve_threads(rounds, dev):
         problem = _Dual(workload.matrix(rounds), k, b, dev)
         tracker, hvps, message = _trust_region(problem, tolerance, max_steps, progress)
@@ -587,60 +584,148 @@ def _trust_region(
             return tracker, hvps, "trust region collapsed"
 
 
-# ---- many participations: column generation over the sign corners -------------------------
-def _initial_signs(k: int) -> np.ndarray:
-    """All-ones (the worst corner when X >= 0 on a pattern, Cor. 2.1) and the k - 1 single
-    flips 1 - 2 e_i: k independent corners, so U = sum v_i u_i u_i^T is positive definite."""
-    signs = np.ones((k, k))
-    signs[np.arange(1, k), np.arange(1, k)] = -1.0
-    return signs
+# ---- many participations: the dual over PSD pattern blocks with constant diagonal --------------
+# For k > MAX_PARTICIPATIONS the 2^(k-1) corners are not enumerated. The sensitivity fedmf
+# reports holds for updates of every dimension d: sens^2 = max_j max tr(X_j Y) over Y PSD with
+# unit diagonal (Multi-Epoch MF, Definition 1 with d >= k; App. H). Dualizing that constraint
+# replaces sum_s v_s s s^T by any PSD U_j with constant diagonal t_j (the cone over that set), so
+#     g(U) = 2 tr((U^{1/2} T U^{1/2})^{1/2}) - sum_j t_j        (Thm 3.1, Eq. 7, same derivation)
+# lower-bounds the loss of every factorization under FixedEpoch(k, b) with that sensitivity.
+# It is also the dual of the problem with same-pattern columns of C orthogonal and tr X_j <= 1
+# (notes Sec. 5.5, jax_privacy's dense.optimize), so the two problems share their optimum, and the
+# primal is X(U) projected onto that structure: sens^2 = max_j tr X_j exactly, for every d.
+@dataclass
+class _BlockPoint:
+    """Everything known at one block dual point U (working order)."""
+
+    u: torch.Tensor  # (b, k, k) pattern blocks U_j, constant diagonal
+    sigma: torch.Tensor  # (n,) eigenvalues of M = (U^{1/2} T U^{1/2})^{1/2}
+    basis: torch.Tensor  # (b, k, n): V = U^{-1/2} Q, so X(U) = V diag(sigma) V^T
+    dual: float  # g(U), a lower bound on the optimal total loss
+    primal: float  # tr(T X_s^{-1}) of the structured projection X_s of X(U) (inf: not PD)
 
 
-def _certified_scale(problem: _Dual, point: _Point) -> tuple[float, bool, list[tuple[np.ndarray, float]]]:
-    """(s, exact, worst): s >= max over all patterns and all sign vectors u of u^T X(v) u, a
-    certified upper bound (``pattern_sensitivity``: exact, or the SDP dual bound), so X(v)/s is
-    feasible for every corner; exact when every pattern's value is certified. ``worst`` is each
-    pattern's best sign vector found and its value u^T X(v) u (the separation oracle)."""
-    scale, exact, worst = point.violation, True, []
-    for block in problem.pattern_blocks(point):
-        sens = pattern_sensitivity(block)
-        scale = max(scale, sens.value**2)
-        exact = exact and sens.exact
-        worst.append(block)
-    return scale, exact, worst
+class _BlockDual:
+    """g(U) over block-diagonal U whose k x k pattern blocks are PSD with constant diagonal."""
+
+    def __init__(self, workload_matrix: np.ndarray, k: int, b: int, device: torch.device) -> None:
+        self.k, self.b, self.n = k, b, k * b
+        self.perm = pattern_major(k, b)
+        self.a = torch.from_numpy(np.asarray(workload_matrix, dtype=np.float64)[:, self.perm]).to(device, _DTYPE)
+        self.t = self.a.T @ self.a  # T = A^T A (Sec. 3, Eq. 6), working order
+        self.eye = torch.eye(k, device=device, dtype=_DTYPE)
+        self.device = device
+        self.scipy_eigh = device.type == "cpu" and not _small_cpu(self.n, device)
+
+    def project(self, g: torch.Tensor) -> torch.Tensor:
+        """Orthogonal (Frobenius) projection of (b, k, k) blocks onto the symmetric blocks with
+        constant diagonal: the directions U may move in."""
+        g = 0.5 * (g + g.transpose(1, 2))
+        d = torch.diagonal(g, dim1=1, dim2=2)
+        return g - torch.diag_embed(d) + d.mean(1)[:, None, None] * self.eye
+
+    def evaluate(self, u: torch.Tensor) -> _BlockPoint:
+        if not bool(torch.all(torch.isfinite(u))):
+            raise _Singular("non-finite dual variables")
+        sigma, basis = _geometric_mean(u, self.t, self.scipy_eigh)
+        dual = 2.0 * float(sigma.sum()) - float(torch.diagonal(u, dim1=1, dim2=2).mean(1).sum())
+        _, primal = self.structured(sigma, basis)
+        return _BlockPoint(u=u, sigma=sigma, basis=basis, dual=dual, primal=primal)
+
+    def structured(self, sigma: torch.Tensor, basis: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """(X_s, tr(T X_s^{-1})): X(U) with same-pattern off-diagonal entries zeroed and each
+        pattern scaled to trace 1, so u^T X_s,j u = tr X_s,j = 1 for every sign vector and
+        ||sum_i C_i g_i||^2 = sum_i X_ii ||g_i||^2 <= 1 for unit g_i of any dimension (notes
+        Sec. 5.5). tr(T X_s^{-1}) = ||L^{-1} A^T||_F^2 with X_s = L L^T; inf when X_s is not PD."""
+        b, k, n = self.b, self.k, self.n
+        flat = basis.reshape(n, n)
+        x = (flat * sigma) @ flat.T
+        x = 0.5 * (x + x.T)
+        view = x.view(b, k, b, k)
+        idx = torch.arange(b, device=x.device)
+        diag = torch.diagonal(view[idx, :, idx, :], dim1=1, dim2=2).clone()  # (b, k)
+        view[idx, :, idx, :] = torch.diag_embed(diag)
+        traces = diag.sum(1)
+        if not bool(torch.all(traces > 0)):
+            return x, math.inf
+        scale = traces.rsqrt().repeat_interleave(k)
+        x = x * scale[:, None] * scale[None, :]
+        lower, info = torch.linalg.cholesky_ex(x)
+        if int(info) != 0:
+            return x, math.inf
+        y = torch.linalg.solve_triangular(lower, self.a.T, upper=False)
+        return x, float((y * y).sum())
+
+    def gradient(self, point: _BlockPoint) -> torch.Tensor:
+        """dg/dU = X(U) - I/k per block (envelope theorem on Eq. 7; tr U_j = k t_j), projected."""
+        x_blocks = (point.basis * point.sigma) @ point.basis.transpose(1, 2)
+        return self.project(x_blocks) - self.eye / self.k
+
+    def hessian_vector(self, point: _BlockPoint, kernel: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        """(d^2 g / dU^2) d, projected: dX = V Z V^T with Z = -kernel o (V^T dU V) as in
+        ``_Dual.hessian_vector`` (X U X = T differentiated)."""
+        n = self.n
+        basis = point.basis.reshape(n, n)
+        y = basis.T @ (d @ point.basis).reshape(n, n)
+        vz = (basis @ (kernel * y)).reshape(self.b, self.k, n)
+        return -self.project(vz @ point.basis.transpose(1, 2))
 
 
-#: separation enumerates every sign vector up to this k (2^(k-1) = 32768 rows), else searches
-_SEPARATE_ENUMERATION = 16
+def _pcg(hessp, rhs: torch.Tensor, precond, tol: float, max_iter: int) -> tuple[torch.Tensor, int]:
+    """Preconditioned CG for H d = rhs with H positive definite (Nocedal & Wright, Alg. 5.3;
+    ``precond`` applies the inverse of the preconditioner). Stops at ||residual|| <= tol or on non-positive curvature.
+    Returns (d, Hessian-vector products)."""
+    d = torch.zeros_like(rhs)
+    r = rhs.clone()
+    z = precond(r)
+    p = z
+    rz = float((r * z).sum())
+    for i in range(max_iter):
+        hp = hessp(p)
+        php = float((p * hp).sum())
+        if php <= 0.0:
+            return (d if i else p), i + 1
+        alpha = rz / php
+        d = d + alpha * p
+        r = r - alpha * hp
+        if float(r.norm()) <= tol:
+            return d, i + 1
+        z = precond(r)
+        rz_new = float((r * z).sum())
+        p = z + (rz_new / rz) * p
+        rz = rz_new
+    return d, max_iter
 
 
-def _violated_signs(x: np.ndarray, threshold: float, limit: int) -> list[np.ndarray]:
-    """Up to ``limit`` distinct sign vectors u (u_0 = +1) with u^T X u > threshold, largest first:
-    all of them for k <= 16, else local maxima (single flips, Goemans-Williamson style) from
-    hyperplane roundings of the mixing method's SDP solution and from random signs."""
-    k = x.shape[0]
-    if k <= _SEPARATE_ENUMERATION:
-        cand = corner_signs(k)
-    else:
-        rng = np.random.default_rng(0)
-        v = _mixing(x)[0]
-        cand = np.vstack([np.sign(v @ rng.normal(size=(k, 256))).T, np.sign(rng.normal(size=(256, k)))])
-        cand[cand == 0] = 1.0
-        diag = np.diag(x)
-        for _ in range(4 * k):  # flipping u_i changes u^T X u by -4 u_i (sum_{j != i} X_ij u_j)
-            gain = -4.0 * cand * (cand @ x - diag * cand)
-            best = np.argmax(gain, axis=1)
-            rows = np.nonzero(gain[np.arange(len(cand)), best] > 1e-12 * np.abs(x).max())[0]
-            if rows.size == 0:
-                break
-            cand[rows, best[rows]] *= -1.0
-        cand = np.unique(cand * cand[:, :1], axis=0)
-    values = np.sum((cand @ x) * cand, axis=1)
-    order = np.argsort(-values, kind="stable")
-    return [cand[i] for i in order[:limit] if values[i] > threshold]
+def _max_step(u: torch.Tensor, d: torch.Tensor) -> float:
+    """Largest a <= 1 with U + a d positive definite, times 0.95 (fraction to the boundary,
+    Nocedal & Wright Eq. 19.9): 1 / lambda_max(-U^{-1/2} d U^{-1/2}) per block."""
+    w, q = torch.linalg.eigh(u)
+    r = q / w.sqrt().unsqueeze(1)
+    top = float((-torch.linalg.eigvalsh(r.transpose(1, 2) @ d @ r)).max())
+    return 1.0 if top <= 0.0 else min(1.0, 0.95 / top)
 
 
-def _optimize_generated(
+#: barrier weight at the start, relative to |g| / n, its decay per accepted Newton step, and its
+#: floor (relative, ~ eps: the barrier must not hold U away from an ill-conditioned optimum)
+_MU_START, _MU_DECAY, _MU_FLOOR = 0.1, 0.2, 1e-12
+#: Armijo's slack for the rounding error of g, relative to |g|
+_SLACK = 1e-12
+
+
+def _start_blocks(problem: "_BlockDual") -> torch.Tensor:
+    """First U: the multipliers of the KKT condition X U X = T at the structured X = I (jax's
+    start X = I/k up to scale) are the blocks T_jj; projected onto the constant-diagonal blocks
+    and shifted by a multiple of I (a direction of that set) until lambda_min >= the diagonal."""
+    b, k = problem.b, problem.k
+    idx = torch.arange(b, device=problem.device)
+    u = problem.project(problem.t.view(b, k, b, k)[idx, :, idx, :])
+    diag = torch.diagonal(u, dim1=1, dim2=2).mean(1)
+    shift = (diag - torch.linalg.eigvalsh(u)[:, 0]).clamp_min(0.0)
+    return u + shift[:, None, None] * problem.eye
+
+
+def _optimize_blocks(
     rounds: int,
     k: int,
     b: int,
@@ -651,67 +736,92 @@ def _optimize_generated(
     progress: Progress | None,
     started: float,
 ) -> tuple[DenseMechanism, OptimizationResult]:
-    """optimize_dense for k > MAX_PARTICIPATIONS: the dual over a growing set of corners shared by
-    the patterns (column / constraint generation). Each round maximizes the restricted dual (its
-    value lower-bounds the full problem: fewer constraints), then asks every pattern for its most
-    violated sign vector (``worst_sign_vector``) and adds those above the restricted maximum.
-    The primal is X(v) scaled by its certified sensitivity bound over all corners, so the gap
-    primal - dual is a true duality gap; it stops when that is <= tolerance (relative)."""
-    a = workload.matrix(rounds)
-    signs = _initial_signs(k)
-    inner = tolerance / 2.0
-    start: torch.Tensor | None = None
-    best: tuple[float, _Point, np.ndarray, bool, _Dual] | None = None
-    dual, evaluations, hvps, generations = -math.inf, 0, 0, 0
+    """optimize_dense for k > MAX_PARTICIPATIONS: maximize the concave g(U) over the PSD pattern
+    blocks with constant diagonal. Newton-CG on g + mu sum_j log det U_j (a barrier method, Boyd &
+    Vandenberghe Sec. 11.3; mu shrinks by _MU_DECAY per step): block-preconditioned CG (Nocedal &
+    Wright Alg. 5.3) with forcing term min(1/2, sqrt(||grad|| / ||grad_0||)) (Alg. 7.1), a step
+    kept inside U > 0 (fraction to the boundary) and Armijo backtracking. Every evaluated U gives
+    a lower bound g(U) and a feasible structured primal; it stops when their relative gap is
+    <= tolerance. The size is O(b k^2) dual variables for every k, never 2^k."""
     with _solve_threads(rounds, dev):
+        problem = _BlockDual(workload.matrix(rounds), k, b, dev)
+        u = _start_blocks(problem)
+        point = problem.evaluate(u)
+        # g(a U) = 2 sqrt(a) tr M - a sum t is maximized at sqrt(a) = tr M / sum t (Eq. 7)
+        t_sum = float(torch.diagonal(u, dim1=1, dim2=2).mean(1).sum())
+        point = problem.evaluate(u * (float(point.sigma.sum()) / t_sum) ** 2)
+        evaluations, hvps = 2, 0
+        best, dual = point, point.dual
+        # barrier weight: the central point of g + mu sum_j log det U_j is within mu·n of the
+        # optimum (Boyd & Vandenberghe, Sec. 11.2.2, with n = b·k the barrier's degree)
+        mu = _MU_START * abs(point.dual) / problem.n
+        mu_floor = _MU_FLOOR * abs(point.dual) / problem.n
+        first_norm = math.nan
+        message = "maximum number of steps reached"
         while True:
-            generations += 1
-            problem = _Dual(a, k, b, dev, signs)
-            gap_now = math.inf if best is None else (best[0] - dual) / best[0]
-            tracker, used, inner_message = _trust_region(
-                problem, max(inner, min(0.05 * gap_now, 1e-2)), max_steps, progress, start, evaluations
-            )
-            evaluations, hvps = tracker.evaluations, hvps + used
-            dual = max(dual, tracker.dual)
-            point = tracker.best
-            scale, exact, worst = _certified_scale(problem, point)
-            primal = scale * point.trace_m
-            if best is None or primal < best[0]:
-                best = (primal, point, signs, exact, problem)
-            if (best[0] - dual) / best[0] <= tolerance:
+            rel = (best.primal - dual) / best.primal if math.isfinite(best.primal) else math.inf
+            if progress is not None:
+                progress.update(evaluations, best.primal / rounds, f"gap {rel:.2e}")
+            if rel <= tolerance:
                 message = "relative duality gap below tolerance"
                 break
             if evaluations >= max_steps:
-                message = "maximum number of steps reached"
                 break
-            known = {tuple(row) for row in signs}
-            new = []
-            for block in worst:
-                for u in _violated_signs(block, point.violation * (1.0 + 1e-9), 4 * k):
-                    if tuple(u) not in known:
-                        known.add(tuple(u))
-                        new.append(u)
-            if not new:
-                message = (
-                    f"no violated corner found ({inner_message}); "
-                    + ("" if exact else "the sensitivity bound is not certified tight")
-                )
-                break
-            v = point.v
-            fill = v.mean(dim=1, keepdim=True).expand(-1, len(new))
-            start = torch.cat([v, fill], dim=1)
-            signs = np.vstack([signs, np.array(new)])
-        primal, point, signs, exact, problem = best
-        scale = primal / point.trace_m
-        gram = problem.gram(point, scale) if dev.type == "cpu" else None
-    mechanism = DenseMechanism(rounds, k, b, point.v.cpu().numpy().copy(), workload, signs.copy())
+            u_inv = torch.linalg.inv(point.u)
+            barrier = mu * float(torch.linalg.slogdet(point.u)[1].sum())
+            grad = problem.gradient(point) + mu * problem.project(u_inv)
+            norm = float(grad.norm())
+            first_norm = norm if math.isnan(first_norm) else first_norm
+            sig = point.sigma
+            kernel = sig[:, None] * sig[None, :] / (sig[:, None] + sig[None, :])
+            # block preconditioner: -d^2 g ~ G dU G with G = V diag(sqrt s) V^T (K_pq <= sqrt(s_p s_q)/2,
+            # AM-GM), the barrier's mu U^-1 dU U^-1 folded in; inverted per block and projected
+            root = (point.basis * point.sigma.sqrt()) @ point.basis.transpose(1, 2) + math.sqrt(mu) * u_inv
+            root_inv = torch.linalg.inv(root)
+            step_dir, used = _pcg(
+                lambda z: -problem.hessian_vector(point, kernel, z) + mu * problem.project(u_inv @ z @ u_inv),
+                grad, lambda r: problem.project(root_inv @ r @ root_inv),
+                min(0.5, math.sqrt(norm / first_norm)) * norm, 500)
+            hvps += used
+            slope = float((grad * step_dir).sum())
+            step, trial, accepted = _max_step(point.u, step_dir), None, False
+            while evaluations < max_steps and step > 1e-12:
+                evaluations += 1
+                try:
+                    trial = problem.evaluate(problem.project(point.u + step * step_dir))
+                except _Singular:
+                    trial = None
+                if trial is not None:
+                    dual = max(dual, trial.dual)
+                    if trial.primal < best.primal:
+                        best = trial
+                    value = trial.dual + mu * float(torch.linalg.slogdet(trial.u)[1].sum())
+                    # Armijo, with a slack for the rounding error of g (~ eps · n · |g|)
+                    if value >= point.dual + barrier + 1e-4 * step * slope - _SLACK * abs(point.dual):
+                        accepted = True
+                        break
+                step *= 0.5
+            if not accepted:
+                if evaluations < max_steps:
+                    message = "line search failed"
+                    break
+                continue
+            point = trial
+            mu = max(mu * _MU_DECAY, mu_floor)
+        primal = best.primal
+        gram = None
+        if math.isfinite(primal) and dev.type == "cpu":
+            x = problem.structured(best.sigma, best.basis)[0].cpu().numpy()
+            gram = np.empty_like(x)
+            gram[np.ix_(problem.perm, problem.perm)] = x
+    if not math.isfinite(primal):
+        raise ArithmeticError(f"no positive definite structured X in {evaluations} steps (raise max_steps)")
+    mechanism = DenseMechanism(rounds, k, b, best.u.cpu().numpy().copy(), workload)
     if gram is not None:
-        mechanism.__dict__["_solution"] = (gram, primal, point.dual)
+        mechanism.__dict__["_solution"] = (gram, primal, best.dual)
     gap = primal - dual
     rel = gap / primal
     if rel < -1e-9:
         raise AssertionError(f"duality gap is negative ({gap}): primal {primal} < dual {dual}")
-    converged = rel <= tolerance
-    return mechanism, _result(converged, evaluations, primal, dual, gap, rel, rounds, tolerance, message, started,
-                              hvps, dev, progress, corners=int(signs.shape[0]), generation_rounds=generations,
-                              sensitivity_exact=exact)
+    return mechanism, _result(rel <= tolerance, evaluations, primal, dual, gap, rel, rounds, tolerance, message,
+                              started, hvps, dev, progress, sensitivity_exact=True)
