@@ -1,11 +1,13 @@
 """Service faults against the real ServerApp (issue 13 item 5): the ledger's PostgreSQL server
 crashes in the middle of a round, and the run directory's disk fills up.
 
-PostgreSQL: every test here runs its own throwaway PostgreSQL server (``initdb`` into a temporary
-directory, a free port, run as the ``postgres`` OS user when we are root) — never the shared
-cluster other tests use — and crashes it with ``pg_ctl stop -m immediate`` while round 3 is
-between its noise and its ledger commit, or inside the commit transaction itself. Without the
-PostgreSQL binaries the tests skip (with CI=true they fail).
+PostgreSQL: the module runs its own throwaway PostgreSQL server (``initdb`` into a temporary
+directory, a free port, run as the ``postgres`` OS user when we are root; one database per test)
+— never the shared cluster other tests use — and crashes it with ``pg_ctl stop -m immediate``
+while round 3 is between its noise and its ledger commit, inside the commit transaction, right
+after the commit, or (a target-ε run, whose guard reads the ledger) between two rounds; a thread
+starts it again 2 s later. Kept down past the retries, the server stops with one line. Without
+the PostgreSQL binaries the tests skip (with CI=true they fail).
 
 Full disk: the run directory (checkpoints, secrets, the SQLite ledger) lives on a small tmpfs
 mounted for the test, filled up with a file at a chosen point of a round. Without the right to
@@ -215,8 +217,8 @@ def _pg_round_status(url: str):
     def round_status(run_dir, t: int) -> str | None:
         try:
             with engine.connect() as conn:
-                row = conn.execute(text("SELECT status FROM rounds WHERE round_index = :t ORDER BY run_id DESC LIMIT 1"),
-                                   {"t": t}).first()
+                row = conn.execute(text("SELECT status FROM rounds WHERE round_index = :t "
+                                        "ORDER BY run_id DESC LIMIT 1"), {"t": t}).first()
         except Exception:  # noqa: BLE001 - the server is down
             return "committed" if t in committed else "unreachable"
         if row is not None and row[0] == "committed":
@@ -531,7 +533,10 @@ def test_a_full_disk_stops_cleanly_releases_nothing_and_a_restart_finishes(
     values = _new_run(run_dir)
     recorder = fs.Recorder(run_dir)
     fillers: list[Path] = []
-    fill = lambda *grid: fillers.append(_fill(small_disk))  # noqa: E731
+
+    def fill(*grid) -> None:
+        fillers.append(_fill(small_disk))
+
     after_round = {}
     if where == "checkpoint":
         after_round = {FAULT_ROUND: fill}
