@@ -468,6 +468,55 @@ def test_postgresql_down_past_the_retries_stops_cleanly_and_a_restart_finishes(
         _released_once(recorder.records + again.records, redone=FAULT_ROUND)
 
 
+def test_postgresql_crashing_between_the_commit_and_its_read_back_stops_cleanly_and_resumes(
+        tmp_path, reference, postgres, monkeypatch, capsys):
+    """The database crashes after round 3's commit transaction but before the ledger reads the
+    committed round back: the server cannot tell that round 3 was committed, so it treats it as
+    failed — nothing of it is released — and, the database staying down, stops with one line. The
+    restarted server resumes after round 3 from its checkpoint (committed once, never redone)."""
+    import server.strategy
+
+    from fedmf.ledger.repository import RunLedger
+
+    monkeypatch.setattr(server.strategy, "LEDGER_RETRIES", 2)
+    monkeypatch.setattr(server.strategy, "LEDGER_BACKOFF_S", 0.05)
+    armed, crashed = [], []
+    original = RunLedger.round
+
+    def round_(self, t):
+        if armed and t == FAULT_ROUND and not crashed:
+            crashed.append(fs.round_status(None, FAULT_ROUND))
+            postgres.crash()
+        return original(self, t)
+
+    monkeypatch.setattr(RunLedger, "round", round_)
+    with _pg_run(postgres, tmp_path, monkeypatch) as (url, run_dir, values):
+        recorder = fs.Recorder(run_dir)
+        _on_event(monkeypatch, {("checkpointed", FAULT_ROUND): lambda: armed.append(1)})
+        try:
+            error, err = _main(values, recorder, capsys)
+        finally:
+            if crashed:
+                postgres.start()
+        assert crashed == ["committed"], crashed  # the commit transaction was through when the server died
+        assert error is not None and error.startswith("fedmf: error: ") and "Connection refused" in error, error
+        assert set(_error_lines(err)) == {error} and PASSWORD not in err
+        assert max(r["round"] for r in recorder.records if r["kind"] == "train") == FAULT_ROUND
+        assert max(r["round"] for r in recorder.records if r["kind"] == "evaluate") == FAULT_ROUND - 1
+        _check_releases(recorder.records, reference)
+        assert _pg_statuses(url, run_dir) == ["committed"] * (FAULT_ROUND + 1) + ["planned"] * (ROUNDS - 4)
+        again = fs.Recorder(run_dir)
+        _on_event(monkeypatch, {})
+        error, err = _main(values, again, capsys)
+        assert error is None, error
+        _assert_same(_final(run_dir), reference.final)
+        _check_pg_ledger(url, run_dir, attempts={})
+        # round 3's model was never evaluated (a lost metric); it left the server only in round 4's TRAIN
+        _check_releases(recorder.records + again.records, reference, complete=True,
+                        unevaluated=frozenset({FAULT_ROUND}))
+        _released_once(recorder.records + again.records, redone=None)
+
+
 # ---- a full disk ------------------------------------------------------------------------------
 DISK_BYTES = 16 << 20
 
