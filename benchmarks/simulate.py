@@ -106,20 +106,20 @@ class SideResult:
     client_s: list[float] = field(default_factory=list)
     error: str | None = None
 
-    def steady(self) -> list[tuple[float, int]]:
-        return [(s, u) for s, u in list(zip(self.round_s, self.updates))[1:] if u > 0]
+    def steady(self) -> list[tuple[float, int, float | None]]:
+        """(seconds, updates, client seconds or None) of every round after the warm-up."""
+        client = self.client_s or [None] * len(self.round_s)
+        return [(s, u, c) for s, u, c in list(zip(self.round_s, self.updates, client))[1:] if u > 0]
 
     def rate(self) -> float | None:
         """Updates per second of the median steady round (by seconds per update)."""
         rows = self.steady()
-        if not rows:
-            return None
-        return 1.0 / statistics.median(s / u for s, u in rows)
+        return 1.0 / statistics.median(s / u for s, u, _ in rows) if rows else None
 
     def summary(self) -> dict[str, Any]:
         rate = self.rate()
-        per_update = sorted(s / u for s, u in self.steady())
-        client = [c / u for c, (_, u) in zip(self.client_s[1:], self.steady())] if self.client_s else []
+        per_update = sorted(s / u for s, u, _ in self.steady())
+        client = [c / u for _, u, c in self.steady() if c is not None]
         return {"updates_per_s": rate, "ms_per_update": None if rate is None else 1000.0 / rate,
                 "ms_per_update_min": 1000 * per_update[0] if per_update else None,
                 "ms_per_update_max": 1000 * per_update[-1] if per_update else None,
@@ -327,10 +327,10 @@ def run_flower_fedavg(case: Case, work: Path, timeout_s: float) -> SideResult:
 
     out = SideResult("flower-fedavg")
     values = case.values(work / "flower-fedavg")
-    run_config = {"task": values["task"], "task-options": values["task-options"], "rounds": case.rounds,
+    config, _, hyper = _task(values)
+    run_config = {"task": config.task, "task-options": values["task-options"], "rounds": case.rounds,
                   "clients-per-round": case.users_per_round, "population": case.population,
-                  "client-lr": float(values["client-lr"]), "local-epochs": int(values["local-epochs"]),
-                  "batch-size": int(values["batch-size"])}
+                  "client-lr": hyper.client_lr, "local-epochs": hyper.local_epochs, "batch-size": hyper.batch_size}
     launched = time.time()
     res = run_simulation(ANCHOR_APP, num_supernodes=case.population, run_config=run_config, timeout=timeout_s,
                          tmp_path=work / "flwr-fedavg")
@@ -375,10 +375,51 @@ def table(results: list[dict[str, Any]]) -> str:
             vs_pfl = f"{rate / pfl:.2f}x" if rate and pfl else "-"
             vs_fedavg = f"{rate / fedavg:.2f}x" if rate and fedavg else "-"
             spread = f"{_fmt(s['ms_per_update_min'], '.1f')}–{_fmt(s['ms_per_update_max'], '.1f')}"
-            lines.append(f"| {r['case']} | {r['parameters']:,} | {r['users_per_round']} | {name} | {_fmt(rate, '.1f')} | "
-                         f"{_fmt(s['ms_per_update'], '.1f')} | {spread} | {_fmt(s['client_ms_per_update'], '.1f')} | "
-                         f"{_fmt(s['startup_s'], '.1f')} | {vs_pfl} | {vs_fedavg} |")
+            lines.append(f"| {r['case']} | {r['parameters']:,} | {r['users_per_round']} | {name} | "
+                         f"{_fmt(rate, '.1f')} | {_fmt(s['ms_per_update'], '.1f')} | {spread} | "
+                         f"{_fmt(s['client_ms_per_update'], '.1f')} | {_fmt(s['startup_s'], '.1f')} | {vs_pfl} | "
+                         f"{vs_fedavg} |")
     return "\n".join(lines)
+
+
+#: issue 12's targets: in process >= this x pfl's updates/s (by case); Flower backend >= 1/1.5 x Flower FedAvg
+PFL_TARGET = {"small": 3.0, "lstm": 1.0}
+FEDAVG_TARGET = 1 / 1.5
+
+
+def targets(results: list[dict[str, Any]]) -> list[str]:
+    """One line per target: the measured ratio and whether it is met."""
+    lines = []
+    for r in results:
+        sides = r["sides"]
+        rate = {k: v["updates_per_s"] for k, v in sides.items() if not v["error"] and v["updates_per_s"]}
+        local = {k: rate[k] for k in ("inprocess", "sequential", "vectorized") if k in rate}
+        if local and "pfl" in rate and r["case"] in PFL_TARGET:
+            best = max(local, key=local.get)
+            ratio = local[best] / rate["pfl"]
+            lines.append(f"{r['case']}: in process ({best}) / pfl = {ratio:.2f}x, target >= "
+                         f"{PFL_TARGET[r['case']]:g}x: {'met' if ratio >= PFL_TARGET[r['case']] else 'NOT met'}")
+        if "flower-fedmf" in rate and "flower-fedavg" in rate:
+            ratio = rate["flower-fedavg"] / rate["flower-fedmf"]
+            lines.append(f"{r['case']}: fedmf's Flower backend takes {ratio:.2f}x Flower FedAvg's time per update, "
+                         f"target <= 1.5x: {'met' if ratio <= 1 / FEDAVG_TARGET else 'NOT met'}")
+    return lines
+
+
+def _guarded(sides: tuple[str, ...], measure) -> tuple[SideResult, ...]:
+    """``measure()`` (one SideResult per name in ``sides``), printed as it ends; an exception becomes
+    every side's error."""
+    try:
+        out = measure()
+        out = out if isinstance(out, tuple) else (out,)
+    except Exception as e:  # one side failing must not lose the others' numbers
+        out = tuple(SideResult(side, error=f"{type(e).__name__}: {e}"[:300]) for side in sides)
+    for r in out:
+        s = r.summary()
+        print(f"#   {r.side:14s} {_fmt(s['updates_per_s'], '8.1f')} updates/s; rounds s "
+              f"{[round(x, 3) for x in r.round_s]}; start-up {_fmt(s['startup_s'], '.1f')} s"
+              f"{'  ERROR ' + s['error'] if s['error'] else ''}  ({uptime()})", flush=True)
+    return out
 
 
 def uptime() -> str:
@@ -387,13 +428,13 @@ def uptime() -> str:
 
 
 def merge(runs: list[SideResult]) -> SideResult:
-    """Repeats of one side: their steady rounds pooled (each repeat's round 0 dropped)."""
+    """Repeats of one side: their steady rounds pooled (each repeat's round 0 dropped), median start-up."""
     ok = [r for r in runs if not r.error]
     if not ok:
         return runs[-1]
-    out = SideResult(ok[0].side, [0.0], [0], startup_s=statistics.median(
-        [r.startup_s for r in ok if r.startup_s is not None] or [0.0]) if any(r.startup_s for r in ok) else None,
-        client_s=[0.0] if all(r.client_s for r in ok) else [])
+    startups = [r.startup_s for r in ok if r.startup_s is not None]
+    out = SideResult(ok[0].side, [0.0], [0], statistics.median(startups) if startups else None,
+                     [0.0] if all(r.client_s for r in ok) else [])
     for r in ok:
         out.round_s += r.round_s[1:]
         out.updates += r.updates[1:]
@@ -440,27 +481,23 @@ def main(argv: list[str] | None = None) -> int:
             for repeat in range(args.repeats):
                 work = work_root / f"{name}-{repeat}"
                 work.mkdir()
+                measured: list[SideResult] = []
                 if "inprocess" in runs:
-                    runs["inprocess"].append(run_inprocess(case, work))
+                    measured += _guarded(("inprocess",), lambda: run_inprocess(case, work))
                 if "sequential" in runs or "vectorized" in runs:
-                    seq, vec = run_client_loops(case, work)
-                    for side in (seq, vec):
-                        if side.side in runs:
-                            runs[side.side].append(side)
+                    measured += _guarded(("sequential", "vectorized"), lambda: run_client_loops(case, work))
                 if "pfl" in runs:
-                    runs["pfl"].append(run_pfl(case, args.quick, python) if pfl_version else
-                                       SideResult("pfl", error=f"pfl not importable in {python}"))
+                    measured += _guarded(("pfl",), lambda: run_pfl(case, args.quick, python) if pfl_version else
+                                         SideResult("pfl", error=f"pfl not importable in {python}"))
                 if "flower-fedmf" in runs:
-                    runs["flower-fedmf"].append(run_flower_fedmf(case, work, args.flower_timeout))
+                    measured += _guarded(("flower-fedmf",), lambda: run_flower_fedmf(case, work, args.flower_timeout))
                 if "flower-fedavg" in runs:
-                    runs["flower-fedavg"].append(run_flower_fedavg(case, work, args.flower_timeout))
-                for side, done in runs.items():
-                    s = done[-1].summary()
-                    print(f"# {name} run {repeat + 1}: {side:14s} {_fmt(s['updates_per_s'], '8.1f')} updates/s "
-                          f"rounds {[round(x, 3) for x in done[-1].round_s]} "
-                          f"start-up {_fmt(s['startup_s'], '.1f')} s{'  ERROR ' + s['error'] if s['error'] else ''}",
-                          flush=True)
+                    measured += _guarded(("flower-fedavg",),
+                                         lambda: run_flower_fedavg(case, work, args.flower_timeout))
                 shutil.rmtree(work, ignore_errors=True)
+                for result in measured:
+                    if result.side in runs:
+                        runs[result.side].append(result)
             results.append({"case": name, "preset": case.preset, "parameters": model_size(case),
                             "users_per_round": case.users_per_round, "population": case.population,
                             "rounds": case.rounds, "overrides": case.overrides,
@@ -470,6 +507,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(work_root, ignore_errors=True)
     print(table(results))
+    print("\n".join(targets(results)))
     if args.json:
         Path(args.json).write_text(json.dumps({"quick": args.quick, "pfl": pfl_version, "results": results}, indent=1))
     return 0
