@@ -1,6 +1,6 @@
 """Strategy optimization: fedmf vs jax_privacy, side by side in one process.
 
-    python benchmarks/mechanisms.py [--repeats 3] [--kinds banded-toeplitz,banded,blt,dense] [--max-n 100000]
+    python benchmarks/mechanisms.py [--repeats 3] [--kinds banded-toeplitz,banded,blt,dense,dense-many] [--max-n 100000]
 
 For each case both optimizers run ``repeats`` times (after one untimed warm-up each, so
 jax's compilation is excluded from its medians — the first-call time is printed too);
@@ -116,6 +116,46 @@ def _dense_loss(c: np.ndarray, schema: FixedEpoch) -> float:
     return float(np.sum(b**2)) / n * sens2
 
 
+def case_dense_many(n: int, k: int, repeats: int, momentum: bool = False) -> dict:
+    """Dense with many participations (k > 12, fedmf's block dual) against jax_privacy's
+    orthogonality-masked primal; jax only for n <= 128 (its L-BFGS on n x n takes minutes beyond)."""
+    from fedmf.mechanisms.dense import optimize_dense
+    from fedmf.workloads import Workload
+
+    workload = Workload(0.95, 0.25) if momentum else Workload()
+    schema = FixedEpoch(k, n // k)
+
+    def ours_strategy():
+        mech = optimize_dense(n, schema, workload)[0]
+        mech.strategy_matrix()
+        return mech
+
+    ours, first, med = _timed(ours_strategy, repeats if n <= 1024 else 0)
+    report = ours.evaluate(schema)
+    label = "dense-many" + (" (momentum)" if momentum else "")
+    row = {"kind": label, "case": f"n={n} k={k} b={n // k}", "ours_loss": report["loss"], "ours_s": med,
+           "ours_first_s": first}
+    if HAVE_JAX and n <= 128:
+        a = workload.matrix(n)
+        c, jfirst, jmed = _timed(lambda: np.asarray(jp_dense.optimize(n, epochs=k, A=jax.numpy.asarray(a))), repeats)
+        loss, exact = _explicit_loss(c, a, schema)
+        row.update(jax_loss=loss, jax_s=jmed, jax_first_s=jfirst)
+        row["case"] += f" (sens exact: fedmf {report['sensitivity_exact']}, jax {exact})"
+    return row
+
+
+def _explicit_loss(c: np.ndarray, a: np.ndarray, schema: FixedEpoch) -> tuple[float, bool]:
+    """(loss, sensitivity exact) of an explicit strategy C for workload A under fixed-epoch
+    participation, with fedmf's sensitivity for updates of any dimension (pattern_sensitivity)."""
+    from fedmf.sensitivity import pattern_sensitivity
+
+    n = c.shape[0]
+    x = c.T @ c
+    sens = [pattern_sensitivity(x[np.ix_(p, p)]) for p in schema.patterns()]
+    b = a @ np.linalg.inv(c)
+    return float(np.sum(b**2)) / n * max(s.value for s in sens) ** 2, all(s.exact for s in sens)
+
+
 def case_blt(n: int, repeats: int, k: int = 1) -> dict:
     from fedmf.mechanisms.blt_optimize import optimize_blt
 
@@ -143,6 +183,8 @@ CASES: dict[str, list[tuple[int, Callable[[int], dict]]]] = {
     "banded-toeplitz": [(n, lambda r, n=n: case_banded_toeplitz(n, r)) for n in (128, 1024, 2052, 10_000, 100_000)],
     "banded": [(n, lambda r, n=n: case_banded(n, r)) for n in (128, 1024, 2052, 10_000)],
     "dense": [(n, lambda r, n=n: case_dense(n, r)) for n in (128, 2052)],
+    "dense-many": [(128, lambda r: case_dense_many(128, 32, r)), (128, lambda r: case_dense_many(128, 32, r, True)),
+                   (64, lambda r: case_dense_many(64, 16, r)), (2000, lambda r: case_dense_many(2000, 20, r))],
     "blt": [(n, lambda r, n=n: case_blt(n, r)) for n in (128, 1024, 10_000, 100_000, 1_000_000)]
     + [(1024, lambda r: case_blt(1024, r, k=4))],
 }
