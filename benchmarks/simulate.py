@@ -4,6 +4,12 @@ simulation engine, Flower's own FedAvg simulation and Apple's pfl simulator, sid
     python benchmarks/simulate.py [--sizes small,lstm] [--repeats 1] [--pfl-python /tmp/pflvenv/bin/python]
                                   [--skip SIDES] [--json PATH] [--quick]
 
+pfl 0.6.0 cannot join the ``bench`` extra: it requires dp-accounting>=0.4,<0.6 (and with it absl-py~=1.0),
+fedmf pins dp-accounting==0.6.0. Its own interpreter, sharing everything else (torch, numpy, fedmf):
+
+    python -m venv --system-site-packages /tmp/pflvenv
+    /tmp/pflvenv/bin/pip install --no-deps pfl==0.6.0 prv-accountant==0.2.0 multiprocess==0.70.19 dill==0.4.1
+
 Cases (the same task, options, hyperparameters, population and users per round on every side):
   small  the ``so-tiny`` preset (so-synthetic, vocab 2,000, 32 sentences per user, ``model_size: small``:
          the small WordLSTM), 40 of 800 users per round, 3 local epochs, batch 16; rounds 6 (min-sep 6)
