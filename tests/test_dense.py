@@ -317,7 +317,7 @@ def test_many_participations_momentum(n, k):
 
 @pytest.mark.heavy
 def test_many_participations_n2000_k20():
-    """issue 14's large case: n = 2000, k = 20, b = 100 (about 80 s on 2 loaded CPU cores)."""
+    """issue 14's large case: n = 2000, k = 20, b = 100 (30-170 s on 2 loaded CPU cores)."""
     _check_blocks(2000, 20)
 
 

@@ -708,7 +708,7 @@ def _max_step(u: torch.Tensor, d: torch.Tensor) -> float:
 
 #: barrier weight at the start, relative to |g| / n, its decay per accepted Newton step, and its
 #: floor (relative, ~ eps: the barrier must not hold U away from an ill-conditioned optimum)
-_MU_START, _MU_DECAY, _MU_FLOOR = 0.1, 0.2, 1e-12
+_MU_START, _MU_DECAY, _MU_FLOOR = 0.1, 0.35, 1e-12
 #: Armijo's slack for the rounding error of g, relative to |g|
 _SLACK = 1e-12
 
