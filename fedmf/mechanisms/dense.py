@@ -9,6 +9,9 @@ the +-1 sign vectors on each pattern {j, j+b, ..., j+(k-1)b}, 2^(k-1) per patter
 global sign. The mechanism stores the dual variables v (one per corner) and derives
     U = sum_i v_i u_i u_i^T,   X(v) = U^{-1/2} (U^{1/2} T U^{1/2})^{1/2} U^{-1/2}   (Thm 3.1),
 scaled to be feasible, then a lower-triangular C by reversed Cholesky (App. I / code).
+For k > MAX_PARTICIPATIONS the corners are not enumerated: the dual runs over PSD pattern blocks
+U_j with constant diagonal (the sensitivity for updates of any dimension), O(b k^2) variables,
+and X is the structured (same-pattern-orthogonal) projection of X(U); see ``_BlockDual``.
 
 Working order: rounds are permuted pattern-major (round e·b + j -> position j·k + e), so U
 is block-diagonal with b blocks of size k x k and U^{+-1/2} costs O(b k^3).
@@ -36,8 +39,8 @@ from .streaming import Dense
 
 __all__ = ["DenseMechanism", "optimize_dense", "corner_signs", "MAX_PARTICIPATIONS"]
 
-#: largest k whose 2^(k-1) sign corners per pattern are enumerated; beyond it the corners are
-#: generated (``_column_generation``) and the mechanism stores them explicitly
+#: largest k whose 2^(k-1) sign corners per pattern are enumerated; beyond it the block dual
+#: (``_optimize_blocks``) runs and the mechanism stores the (b, k, k) blocks U_j
 MAX_PARTICIPATIONS = 12
 
 #: up to this many rounds a CPU solve runs single-threaded with torch's eigh: at this size each
@@ -334,7 +337,8 @@ class DenseMechanism(Mechanism):
 
     @property
     def dual_value(self) -> float:
-        """g(v): a lower bound on the loss·n of any factorization under FixedEpoch(k, b)."""
+        """g: a lower bound on the loss·n of any factorization under FixedEpoch(k, b) (block duals:
+        of any whose sensitivity holds for updates of every dimension, as fedmf reports it)."""
         return self._solution[2]
 
     @cached_property
@@ -601,7 +605,7 @@ class _BlockPoint:
     u: torch.Tensor  # (b, k, k) pattern blocks U_j, constant diagonal
     sigma: torch.Tensor  # (n,) eigenvalues of M = (U^{1/2} T U^{1/2})^{1/2}
     basis: torch.Tensor  # (b, k, n): V = U^{-1/2} Q, so X(U) = V diag(sigma) V^T
-    dual: float  # g(U), a lower bound on the optimal total loss
+    dual: float  # g(U), a lower bound on the optimal total loss (any-dimension sensitivity)
     primal: float  # tr(T X_s^{-1}) of the structured projection X_s of X(U) (inf: not PD)
 
 
