@@ -27,10 +27,14 @@ from .errors import ConfigError, HorizonReached, PrivacyBudgetExceeded
 from .plan import RunPlan
 from .run import EVENTS, PrivateRun, RoundRecord
 
-__all__ = ["train", "TrainResult", "RoundRecord", "LocalUpdate", "EVENTS"]
+__all__ = ["train", "TrainResult", "RoundRecord", "LocalUpdate", "LocalUpdates", "EVENTS"]
 
 #: a user's update: a mapping name → tensor (the model delta), or None when the user dropped out
 LocalUpdate = Callable[[Mapping[str, torch.Tensor], Hashable, int], Mapping[str, torch.Tensor] | None]
+#: a round's users trained together: (params, users, t) → {user: update or None}; a user missing
+#: from the result dropped out
+LocalUpdates = Callable[[Mapping[str, torch.Tensor], Sequence[Hashable], int],
+                        Mapping[Hashable, Mapping[str, torch.Tensor] | None]]
 
 
 @dataclass
@@ -67,8 +71,9 @@ def train(
     model: torch.nn.Module,
     users: Sequence[Hashable],
     plan: RunPlan,
-    local_update: LocalUpdate,
+    local_update: LocalUpdate | None,
     *,
+    local_updates: LocalUpdates | None = None,
     server_lr: float = 1.0,
     optimizer: str = "workload",
     rounds: int | None = None,
@@ -84,13 +89,17 @@ def train(
     """Train ``model`` privately under ``plan`` over ``users`` (ids with a stable ``str``).
 
     ``local_update(params, user, t)`` gets a copy of the global parameters and returns the
-    user's model delta (or None: the user dropped out). ``rounds``: stop after this many rounds
+    user's model delta (or None: the user dropped out); or, instead (``local_update=None``),
+    ``local_updates(params, users, t)`` trains the round's reachable users together (vectorized
+    clients) and returns {user: delta or None}. ``rounds``: stop after this many rounds
     in total (default: the plan's horizon). ``checkpoint_dir``: checkpoints, secrets (0600) and
     by default the SQLite ledger; the run resumes from it (default: a temporary directory, no
     resume). ``available(t)``: the users reachable in round t (default: all). ``evaluate(model)``
     runs after each commit (server-side held-out data). ``observed_guard`` (default: on for
     unamplified runs with a target ε) also stops before a round when a user's observed ε,
     accounted from the ledger, exceeds the target."""
+    if (local_update is None) == (local_updates is None):
+        raise ConfigError("give exactly one of local_update (one user at a time) and local_updates (a round's users)")
     users = list(users)
     if not users or len({str(u) for u in users}) != len(users):
         raise ConfigError("users must be a non-empty list of distinct ids (distinct as strings)")
@@ -117,10 +126,16 @@ def train(
                     t = run.next_round
                     selection = run.select(users if available is None else available(t))
                     updates: dict[Hashable, Any] = {}
-                    for user in selection.reachable:
-                        update = local_update(run.global_params(), user, t)
-                        if update is not None:
-                            updates[user] = update
+                    if local_updates is not None:
+                        reachable = list(selection.reachable)
+                        if reachable:
+                            batch = local_updates(run.global_params(), reachable, t)
+                            updates = {user: batch[user] for user in reachable if batch.get(user) is not None}
+                    else:
+                        for user in selection.reachable:
+                            update = local_update(run.global_params(), user, t)
+                            if update is not None:
+                                updates[user] = update
                     run.aggregate(updates)
                     record = run.commit()
                     if evaluate is not None:  # released only now: round t is committed

@@ -103,16 +103,18 @@ class SimulationResult:
         return {**asdict(self), "audit": self.audit_command()}
 
 
-def simulate(config: RunConfig, *, model, users, local_update, evaluate, progress: bool = True,
-             plot: bool = True) -> SimulationResult:
+def simulate(config: RunConfig, *, model, users, local_update=None, local_updates=None, evaluate,
+             progress: bool = True, plot: bool = True) -> SimulationResult:
     """Train ``model`` privately under ``config`` in process over ``users`` with ``local_update``
-    (``fedmf.federated.LocalUpdate``) and server-side ``evaluate(model)``; resumes from
+    (``fedmf.federated.LocalUpdate``, one user at a time) or ``local_updates`` (a round's users
+    together: vectorized clients) and server-side ``evaluate(model)``; resumes from
     ``config.run_dir``. The caller (the CLI) takes these from a task of ``client.tasks``."""
     from .federated import train
 
     started = time.perf_counter()
     plan = config.build_plan()
-    result = train(model, users, plan, local_update, server_lr=config.server_lr, checkpoint_dir=config.run_dir,
+    result = train(model, users, plan, local_update, local_updates=local_updates, server_lr=config.server_lr,
+                   checkpoint_dir=config.run_dir,
                    ledger=config.ledger_url, evaluate=evaluate, progress=progress)
     import torch
 

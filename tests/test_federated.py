@@ -80,11 +80,14 @@ def test_ledger_equals_the_schedulers_decisions_and_bad_updates_are_rejected(tmp
         book.close()
 
 
-def test_zero_updates_give_theta0_plus_lr_A_noise_over_m(tmp_path):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device"))])
+def test_zero_updates_give_theta0_plus_lr_A_noise_over_m(tmp_path, device):
     """Noise enters exactly once per round, after the sum, before the optimizer: with all-zero
-    updates θ_{t+1} = θ_0 + η·(A·σ C⁻¹Z / m)_t for the generator's own Z."""
+    updates θ_{t+1} = θ_0 + η·(A·σ C⁻¹Z / m)_t for the generator's own Z — drawn on the model's
+    device (on a GPU when the model is there)."""
     plan = task.plan(rounds=16)
-    model = task.Tiny(torch.float64)
+    model = task.Tiny(torch.float64).to(device)
     theta0 = {k: v.detach().clone() for k, v in model.named_parameters()}
     trajectory = []
     zeros = lambda params, user, t: {k: torch.zeros_like(v) for k, v in params.items()}  # noqa: E731
@@ -92,11 +95,12 @@ def test_zero_updates_give_theta0_plus_lr_A_noise_over_m(tmp_path):
           on_round=lambda r: trajectory.append({k: v.detach().clone() for k, v in model.named_parameters()}))
     seed = (tmp_path / "secrets" / "noise_seed").read_bytes()
     layout = {k: tuple(v.shape) for k, v in theta0.items()}
-    gen = NoiseGenerator(plan.mechanism, layout, plan.noise_std, dtype=torch.float64, device="cpu", seed=seed)
-    noise = np.stack([torch.cat([v.reshape(-1) for v in gen.next().values()]).numpy() for _ in range(16)])
+    gen = NoiseGenerator(plan.mechanism, layout, plan.noise_std, dtype=torch.float64, device=device, seed=seed)
+    noise = np.stack([torch.cat([v.reshape(-1) for v in gen.next().values()]).cpu().numpy() for _ in range(16)])
     a = plan.mechanism.workload.matrix(16)
-    expected = torch.cat([v.reshape(-1) for v in theta0.values()]).numpy() + 0.3 * (a @ noise) / 10
-    got = np.stack([torch.cat([v.reshape(-1) for v in step.values()]).numpy() for step in trajectory])
+    expected = torch.cat([v.reshape(-1) for v in theta0.values()]).cpu().numpy() + 0.3 * (a @ noise) / 10
+    got = np.stack([torch.cat([v.reshape(-1) for v in step.values()]).cpu().numpy() for step in trajectory])
+    assert all(v.device.type == device for step in trajectory for v in step.values())
     np.testing.assert_allclose(got, expected, rtol=1e-10, atol=1e-12)
 
 

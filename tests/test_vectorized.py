@@ -112,3 +112,24 @@ def test_unsupported_task_falls_back_to_the_loop():
     assert all(torch.equal(vec[u].update[k], seq[u].update[k]) for u in seq for k in seq[u].update)
     with pytest.raises(ConfigError):
         vectorized_local_updates(task, params, ["0"], 0, hyper)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_vectorized_on_cuda_equals_sequential_on_cpu():
+    task = get_task("so-synthetic", **SMALL_SYN)
+    users = task.users()[:6]
+    params = _params(task)
+    hyper = ClientHyper(0.5, 2, 8)
+    seq = task.local_updates(params, users, 3, hyper)
+    vec = task.local_updates(params, users, 3, hyper, vectorized=True, device="cuda")
+    assert all(v.device.type == "cpu" for r in vec.values() for v in r.update.values())  # back on params' device
+    _assert_close(seq, vec)
+
+
+def test_a_cuda_device_without_cuda_is_one_line(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    task = get_task("tiny")
+    with pytest.raises(ConfigError, match="CUDA is not available"):
+        task.local_updates(_params(task), task.users()[:2], 0, ClientHyper(0.1, 1, 8), vectorized=True, device="cuda")
+    with pytest.raises(ConfigError, match="only vectorized clients"):
+        task.local_updates(_params(task), task.users()[:2], 0, ClientHyper(0.1, 1, 8), device="cuda")

@@ -119,16 +119,35 @@ class Task(ABC):
         return model
 
     def local_updates(self, params: Mapping[str, torch.Tensor], users: Sequence[str], round: int,
-                      hyper: ClientHyper, *, vectorized: bool = False) -> dict[str, LocalResult]:
+                      hyper: ClientHyper, *, vectorized: bool = False,
+                      device: str | torch.device | None = None) -> dict[str, LocalResult]:
         """``local_update`` of every user in ``users`` (one after another by default): {user: result}.
         ``vectorized=True`` asks for the task's batched path (:mod:`client.tasks.vectorized`), equal to
-        the sequential one within float tolerance (not bit for bit); a task without one loops."""
+        the sequential one within float tolerance (not bit for bit), trained on ``device`` (default:
+        the parameters'); a task without one loops (on the CPU: ``device`` must then be None or cpu)."""
         if vectorized:
             from .vectorized import vectorized_local_updates, supports_vectorized
 
             if supports_vectorized(self):
-                return vectorized_local_updates(self, params, users, round, hyper)
+                return vectorized_local_updates(self, params, users, round, hyper, device=device)
+        if device is not None and torch.device(device).type != "cpu":
+            raise ConfigError(f"task {self.name!r}: only vectorized clients run on {device}; this one trains "
+                              "on the CPU")
         return {user: self.local_update(params, user, round, hyper) for user in users}
+
+    def as_local_updates(self, hyper: ClientHyper, *, vectorized: bool = True,
+                         device: str | torch.device | None = None
+                         ) -> Callable[[Mapping[str, torch.Tensor], Sequence[Hashable], int], dict[Hashable, Any]]:
+        """``local_updates`` in the shape ``fedmf.federated.train(local_updates=...)`` calls:
+        (params, users, t) -> {user: delta}, the round's users trained together."""
+
+        def local_updates(params: Mapping[str, torch.Tensor], users: Sequence[Hashable], t: int
+                          ) -> dict[Hashable, Any]:
+            names = {str(user): user for user in users}
+            results = self.local_updates(params, list(names), t, hyper, vectorized=vectorized, device=device)
+            return {names[name]: result.update for name, result in results.items()}
+
+        return local_updates
 
     def as_local_update(self, hyper: ClientHyper) -> Callable[[Mapping[str, torch.Tensor], Hashable, int],
                                                                dict[str, torch.Tensor]]:
@@ -201,8 +220,14 @@ class SupervisedTask(Task):
             model.train(training)
         return {"loss": float(loss), "accuracy": float(accuracy)}
 
-    def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
-        return self._score(model, *self.heldout_data())
+    def evaluate(self, model: torch.nn.Module, *, device: str | torch.device | None = None) -> dict[str, float]:
+        """Held-out evaluation; ``device``: score a copy of ``model`` there (e.g. ``cuda``)."""
+        x, y = self.heldout_data()
+        if device is None or torch.device(device) == next(model.parameters()).device:
+            return self._score(model, x, y)
+        import copy
+
+        return self._score(copy.deepcopy(model).to(device), x.to(device), y.to(device))
 
     def evaluate_user(self, model: torch.nn.Module, user: str) -> tuple[int, dict[str, float]]:
         x, y = self.user_data(user)

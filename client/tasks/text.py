@@ -32,6 +32,7 @@ __all__ = ["SEQ_LEN", "PAD", "Vocab", "special_ids", "frame", "to_xy", "read_wor
 SEQ_LEN = 20
 PAD = 0
 _EVAL_CHUNK = 32  # sentences per forward pass in evaluation (small chunks stay in cache: faster, less memory)
+_EVAL_CHUNK_ACCELERATOR = 1024  # on a GPU larger chunks keep it busy
 
 
 def special_ids(vocab_size: int) -> tuple[int, int, int, int]:
@@ -184,8 +185,9 @@ class TextTask(SupervisedTask):
         loss_sum, tokens, correct, tokens2, correct2 = 0.0, 0, 0, 0, 0
         try:
             with torch.no_grad(), one_thread():
-                for start in range(0, len(y), _EVAL_CHUNK):
-                    xb, yb = x[start:start + _EVAL_CHUNK], y[start:start + _EVAL_CHUNK]
+                chunk = _EVAL_CHUNK if x.device.type == "cpu" else _EVAL_CHUNK_ACCELERATOR
+                for start in range(0, len(y), chunk):
+                    xb, yb = x[start:start + chunk], y[start:start + chunk]
                     logits = model(xb)
                     loss_sum += float(torch.nn.functional.cross_entropy(
                         logits.reshape(-1, logits.shape[-1]), yb.reshape(-1), ignore_index=PAD, reduction="sum"))

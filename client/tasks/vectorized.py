@@ -125,11 +125,15 @@ def _pad_row(x: torch.Tensor, ignore: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def vectorized_local_updates(task: SupervisedTask, params: Mapping[str, torch.Tensor], users: Sequence[str],
-                             round: int, hyper: ClientHyper, *, max_users: int | None = None) -> dict[str, LocalResult]:
+                             round: int, hyper: ClientHyper, *, max_users: int | None = None,
+                             device: str | torch.device | None = None) -> dict[str, LocalResult]:
     """``{user: task.local_update(params, user, round, hyper)}`` computed for all users together
     (within float tolerance of the sequential results). ``max_users`` caps the users of one
-    vmap call (memory); users are taken in the given order."""
+    vmap call (memory); users are taken in the given order. ``device`` (default: the
+    parameters' device) is where the users train; the updates come back on the parameters'
+    device, in their dtypes."""
     check_int("round", round, 0)
+    compute = _compute_device(device, params)
     if not isinstance(hyper, ClientHyper):
         raise ConfigError(f"hyper must be a ClientHyper, got {type(hyper).__name__}")
     if not supports_vectorized(task):
@@ -143,12 +147,25 @@ def vectorized_local_updates(task: SupervisedTask, params: Mapping[str, torch.Te
     step = max_users or len(users)
     template = task.load(params)  # checks names and shapes; the model's own dtypes
     for start in range(0, len(users), step):
-        out.update(_run(task, template, params, users[start:start + step], round, hyper))
+        out.update(_run(task, template, params, users[start:start + step], round, hyper, compute))
+    return out
+
+
+def _compute_device(device: str | torch.device | None, params: Mapping[str, torch.Tensor]) -> torch.device:
+    if device is None:
+        first = next(iter(params.values()), None)
+        return first.device if isinstance(first, torch.Tensor) else torch.device("cpu")
+    try:
+        out = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ConfigError(f"vectorized clients: bad device {device!r} ({e})") from None
+    if out.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"vectorized clients: device {device!r} asked for, but CUDA is not available here")
     return out
 
 
 def _run(task: SupervisedTask, template: torch.nn.Module, params: Mapping[str, torch.Tensor], users: list[str],
-         round: int, hyper: ClientHyper) -> dict[str, LocalResult]:
+         round: int, hyper: ClientHyper, device: torch.device) -> dict[str, LocalResult]:
     ignore = _ignore_label(task)
     assert ignore is not None
     data = []
@@ -187,10 +204,13 @@ def _run(task: SupervisedTask, template: torch.nn.Module, params: Mapping[str, t
 
     step_fn = vmap(grad_and_value(loss_fn))
     lr = hyper.client_lr
-    rows = torch.arange(num_users).unsqueeze(1)
-    total = torch.zeros(num_users, dtype=torch.float64)
+    # the schedules were drawn on the CPU (as the sequential path draws them); the work runs on ``device``
+    xs, ys, index, sizes = xs.to(device), ys.to(device), index.to(device), sizes.to(device)
+    rows = torch.arange(num_users, device=device).unsqueeze(1)
+    total = torch.zeros(num_users, dtype=torch.float64, device=device)
     with one_thread():
-        p = {k: state[k].detach().unsqueeze(0).expand(num_users, *state[k].shape).clone() for k in names}
+        p = {k: state[k].detach().to(device).unsqueeze(0).expand(num_users, *state[k].shape).clone()
+             for k in names}
         for s in range(steps):
             idx = index[s]
             xb, yb = xs[rows, idx], ys[rows, idx]
@@ -202,7 +222,9 @@ def _run(task: SupervisedTask, template: torch.nn.Module, params: Mapping[str, t
                 shape = (num_users,) + (1,) * (p[k].dim() - 1)
                 p[k] = torch.where(active.view(shape), p[k] - lr * grads[k], p[k])
             total += torch.where(active, loss.detach().double() * sizes[s], 0.0)
-    seen = sizes.sum(dim=0)
+    seen = sizes.sum(dim=0).cpu()
+    total = total.cpu()
+    p = {k: v.to(params[k].device) for k, v in p.items()}  # one transfer per tensor, not per user
     out: dict[str, LocalResult] = {}
     for u, user in enumerate(users):
         update = {name: p[name][u].detach().to(old.dtype) - old.detach() for name, old in params.items()}

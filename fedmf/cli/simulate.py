@@ -94,6 +94,15 @@ def _simulate_flower(args: argparse.Namespace, values: dict, config, task):
                          plot=not args.no_plot)
 
 
+def _check_device(device: str) -> None:
+    import torch
+
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise ConfigError(f"--device must be cpu, cuda or cuda:N, got {device!r}")
+    if device != "cpu" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {device}: CUDA is not available on this machine")
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     """Run the preset (with overrides) in process or on the Flower simulation engine; print the
     summary (or one JSON object)."""
@@ -104,6 +113,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     if args.timeout is not None and not args.timeout > 0:
         raise ConfigError(f"--timeout must be > 0 seconds, got {args.timeout:g}")
+    if args.device is not None and not args.vectorized:
+        raise ConfigError("--device needs --vectorized (one-at-a-time clients train on the CPU)")
+    if args.vectorized and args.backend == "flower":
+        raise ConfigError("--vectorized is for --backend inprocess (on Flower every user is its own SuperNode)")
+    if args.device is not None:
+        _check_device(args.device)
     values = preset_values(args.preset, _overrides(args))
     if args.data is not None:
         values["task-options"] = json.dumps({k: v for k, v in json.loads(values["task-options"]).items()
@@ -113,10 +128,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.backend == "flower":
         result = _simulate_flower(args, values, config, task)
     else:
-        result = simulate(config, model=task.model(), users=task.users(),
-                          local_update=task.as_local_update(ClientHyper(config.client_lr, config.local_epochs,
-                                                                        config.batch_size)),
-                          evaluate=task.evaluate, progress=not (args.quiet or args.json), plot=not args.no_plot)
+        hyper = ClientHyper(config.client_lr, config.local_epochs, config.batch_size)
+        clients = ({"local_updates": task.as_local_updates(hyper, device=args.device)} if args.vectorized else
+                   {"local_update": task.as_local_update(hyper)})
+        result = simulate(config, model=task.model(), users=task.users(), **clients, evaluate=task.evaluate,
+                          progress=not (args.quiet or args.json), plot=not args.no_plot)
     if args.json:
         print(json.dumps(result.to_dict(), allow_nan=False))
         return 0
@@ -163,6 +179,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", choices=("inprocess", "flower"), default="inprocess",
                    help="inprocess (default) or flower: the Flower app on the Flower simulation engine, from the "
                         "source tree fedmf was installed from")
+    p.add_argument("--vectorized", action="store_true",
+                   help="train each round's users together (torch.func.vmap; in process only; equal to the "
+                        "one-at-a-time clients within float tolerance, not bit for bit)")
+    p.add_argument("--device", help="where --vectorized clients train: cpu, cuda or cuda:N (default: cpu)")
     p.add_argument("--timeout", type=float, default=7 * 24 * 3600.0,
                    help="--backend flower: stop the Flower run after this many seconds (default: a week)")
     p.add_argument("--out", default="fedmf-sim", help="output directory (default: ./fedmf-sim)")
