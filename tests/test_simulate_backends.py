@@ -49,15 +49,22 @@ def _assert_nothing_left(launches):
             assert [p for p in result.pids_seen if launcher.pid_alive(p)] == []  # ...and are all gone
 
 
-def test_tiny_on_both_backends_with_the_same_secrets_gives_the_same_model(tmp_path, capsys, launches):
+#: so-tiny, 2 rounds: its 800 users are 800 simulated SuperNodes; 8 of them train the small LSTM per round
+SO_TINY_2 = ["simulate", "--preset", "so-tiny", "--rounds", "2", "--min-sep", "1", "--clients-per-round", "8",
+             "--json", "--no-plot"]
+
+
+@pytest.mark.parametrize("argv", [TINY_2, pytest.param(SO_TINY_2, marks=pytest.mark.heavy, id="so-tiny")],
+                         ids=["tiny", "so-tiny"])
+def test_both_backends_with_the_same_secrets_give_the_same_model(tmp_path, capsys, launches, argv):
     flower_dir, local_dir = tmp_path / "flower", tmp_path / "inprocess"
     fixed.write_secrets(flower_dir)
     fixed.write_secrets(local_dir)
     started = time.perf_counter()
-    assert main([*TINY_2, "--backend", "flower", "--out", str(flower_dir)]) == 0, capsys.readouterr().err[-3000:]
+    assert main([*argv, "--backend", "flower", "--out", str(flower_dir)]) == 0, capsys.readouterr().err[-3000:]
     flower = json.loads(capsys.readouterr().out)
     flower_s = time.perf_counter() - started
-    assert main([*TINY_2, "--backend", "inprocess", "--out", str(local_dir)]) == 0
+    assert main([*argv, "--backend", "inprocess", "--out", str(local_dir)]) == 0
     local = json.loads(capsys.readouterr().out)
     print(f"flower backend {flower_s:.1f} s, in process {time.perf_counter() - started - flower_s:.1f} s")
     _assert_nothing_left(launches)

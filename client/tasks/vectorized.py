@@ -145,7 +145,8 @@ def vectorized_local_updates(task: SupervisedTask, params: Mapping[str, torch.Te
     if not users:
         return out
     step = max_users or len(users)
-    template = task.load(params)  # checks names and shapes; the model's own dtypes
+    with one_thread():
+        template = task.load(params)  # checks names and shapes; the model's own dtypes
     for start in range(0, len(users), step):
         out.update(_run(task, template, params, users[start:start + step], round, hyper, compute))
     return out
