@@ -24,6 +24,7 @@ from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
 import torch
 
 from .errors import ConfigError, HorizonReached, PrivacyBudgetExceeded
+from .ledger.db import public_url
 from .plan import RunPlan
 from .run import EVENTS, PrivateRun, RoundRecord
 
@@ -39,6 +40,8 @@ LocalUpdates = Callable[[Mapping[str, torch.Tensor], Sequence[Hashable], int],
 
 @dataclass
 class TrainResult:
+    """What ``train`` did; ``ledger`` is the ledger's URL without any password."""
+
     run_id: int
     ledger: str
     rounds_done: int
@@ -130,6 +133,11 @@ def train(
                         reachable = list(selection.reachable)
                         if reachable:
                             batch = local_updates(run.global_params(), reachable, t)
+                            asked = set(reachable)
+                            strays = [user for user in batch if user not in asked]
+                            if strays:  # e.g. keys "3" for a user 3: every user would silently drop out
+                                raise ConfigError(f"local_updates returned users that were not asked for in round "
+                                                  f"{t}: {strays[:3]!r}")
                             updates = {user: batch[user] for user in reachable if batch.get(user) is not None}
                     else:
                         for user in selection.reachable:
@@ -147,7 +155,8 @@ def train(
                         on_round(record)
             finally:
                 bar.close()
-            return TrainResult(run.run_id, run.ledger_url, run.next_round, stopped, history, plan.to_dict())
+            return TrainResult(run.run_id, public_url(run.ledger_url), run.next_round, stopped, history,
+                               plan.to_dict())
     finally:
         if temporary is not None:
             temporary.cleanup()

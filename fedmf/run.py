@@ -292,11 +292,20 @@ class PrivateRun:
         if self._report is None:
             raise RoundOrderError(f"round {selection.round} has not been aggregated")
         t = selection.round
+        digest = None
         try:
             digest = self.store.save(t, _state(self.plan, self.model, self.optimizer, self.privatizer, self.scheduler))
             self._event("checkpointed", t)
             summary = self._run.commit_round(t, noise_std=self.plan.noise_std, epsilon_planned=self.plan.epsilon_after(t),
                                              checkpoint_sha256=digest)
+        except FedmfError:
+            # a lost connection during COMMIT leaves its outcome unknown: if the ledger did commit
+            # round t (naming this checkpoint), the round is done — aborting it would put memory
+            # one round behind the ledger
+            summary = self._committed_anyway(t, digest)
+            if summary is None:
+                self.abort("the round failed while committing")
+                raise
         except BaseException:
             self.abort("the round failed while committing")
             raise
@@ -307,6 +316,14 @@ class PrivateRun:
         return RoundRecord(t, self.plan.epsilon_after(t), summary.selected, summary.contributed, summary.dropped,
                            summary.rejected, summary.clipped, report.counts()["zeroed"],
                            time.perf_counter() - self._started, self.store.last_bytes)
+
+    def _committed_anyway(self, t: int, digest: str | None):
+        if digest is None:
+            return None
+        try:
+            return self._run.confirm_commit(t, digest)
+        except FedmfError:
+            return None  # the ledger cannot say (still down): abort; a restart resolves it from the ledger
 
     def released(self, t: int) -> None:
         """Mark round t's release (fault-injection hook point)."""

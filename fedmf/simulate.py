@@ -27,6 +27,7 @@ from typing import Any, Mapping
 
 from .config import DEFAULTS, RunConfig
 from .errors import ConfigError
+from .ledger.db import public_url
 from .files import atomic_write
 
 __all__ = ["PRESETS", "preset_values", "simulate", "SimulationResult", "flower_run_config", "flower_population",
@@ -235,7 +236,7 @@ def flower_result(config: RunConfig, *, model, evaluate, output: str = "", secon
         stopped = ended[-1]
     else:
         stopped = "horizon" if done == plan.rounds else "rounds"
-    out = SimulationResult(str(directory), ledger, run_id, done, stopped,
+    out = SimulationResult(str(directory), public_url(ledger), run_id, done, stopped,
                            plan.epsilon_after(done - 1) if done else 0.0, plan.delta, plan.noise_multiplier,
                            scores.get("accuracy"), seconds, history)
     return _write_outputs(out, config.run_dir, plot)

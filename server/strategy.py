@@ -22,7 +22,7 @@ from flwr.serverapp.strategy import Result, Strategy
 
 from fedmf.config import RunConfig
 from fedmf.errors import HorizonReached, PrivacyBudgetExceeded
-from fedmf.ledger.db import LedgerError, display_url, resolve_url
+from fedmf.ledger.db import LedgerError, public_url
 from fedmf.run import PrivateRun, RoundRecord
 
 from .identity import NodeDirectory
@@ -134,6 +134,7 @@ class DPMFStrategy(Strategy):
         """Round t; when the ledger fails, the round is aborted (nothing of it was released) and
         redone after an exponential backoff — the same selection and noise, so the same result."""
         def attempt() -> tuple[ArrayRecord | None, MetricRecord | None]:
+            self.run.global_params()  # raises if the state in memory is not the committed one (nothing is sent)
             arrays = ArrayRecord(self.run.model.state_dict())
             messages = self.configure_train(t + 1, arrays, train_config, grid)
             replies = grid.send_and_receive(messages, timeout=timeout)
@@ -167,7 +168,8 @@ class DPMFStrategy(Strategy):
         result = Result()
         observed = self.run.plan.sampling.kind == "none" and self.run.plan.target_epsilon is not None
         started = time.time()
-        self._wait_for_users(grid)
+        if self.run.next_round < end:  # a restart with no round left (say, to write the final model) waits for no one
+            self._wait_for_users(grid)
         while self.run.next_round < end:
             try:  # the observed guard reads the ledger: a database that is down is waited for
                 self._with_retries(self.run.next_round, lambda: self.run.guard(observed=observed),
@@ -189,8 +191,7 @@ class DPMFStrategy(Strategy):
             self.run.released(t)
         else:
             self.stopped = "horizon" if end == self.run.plan.rounds else "rounds"
-        url = self.run.ledger_url
-        ledger = display_url(resolve_url(url)) if "://" in url else url  # a password in the URL is never logged
+        ledger = public_url(self.run.ledger_url)  # a password in the URL is never logged
         log.info("fedmf: %d rounds committed in %.1fs (%s); ledger %s; audit with: fedmf audit --ledger %s --run %d",
                  self.run.next_round, time.time() - started, self.stopped or "done", ledger, ledger, self.run.run_id)
         if not result.arrays:

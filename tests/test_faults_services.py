@@ -468,37 +468,51 @@ def test_postgresql_down_past_the_retries_stops_cleanly_and_a_restart_finishes(
         _released_once(recorder.records + again.records, redone=FAULT_ROUND)
 
 
-def test_postgresql_crashing_between_the_commit_and_its_read_back_stops_cleanly_and_resumes(
-        tmp_path, reference, postgres, monkeypatch, capsys):
-    """The database crashes after round 3's commit transaction but before the ledger reads the
-    committed round back: the server cannot tell that round 3 was committed, so it treats it as
-    failed — nothing of it is released — and, the database staying down, stops with one line. The
+@pytest.mark.parametrize("database_back", [True, False], ids=["database-back", "database-down"])
+def test_a_commit_whose_outcome_is_unknown_is_resolved_from_the_ledger(
+        tmp_path, reference, postgres, monkeypatch, capsys, database_back):
+    """Round 3's commit transaction goes through but the server hears an error (the connection
+    lost during COMMIT). With the database reachable, the server asks the ledger: round 3 is
+    committed, naming this checkpoint, so the round stands (not redone, not aborted) and the run
+    goes on. With the database down, the server cannot tell: it treats round 3 as failed —
+    nothing of it is released — and, the database staying down, stops with one line; the
     restarted server resumes after round 3 from its checkpoint (committed once, never redone)."""
     import server.strategy
 
+    from fedmf.ledger.db import LedgerError
     from fedmf.ledger.repository import RunLedger
 
     monkeypatch.setattr(server.strategy, "LEDGER_RETRIES", 2)
     monkeypatch.setattr(server.strategy, "LEDGER_BACKOFF_S", 0.05)
     armed, crashed = [], []
-    original = RunLedger.round
+    original = RunLedger.commit_round
 
-    def round_(self, t):
+    def commit_round(self, t, **kw):
+        summary = original(self, t, **kw)
         if armed and t == FAULT_ROUND and not crashed:
             crashed.append(fs.round_status(None, FAULT_ROUND))
-            postgres.crash()
-        return original(self, t)
+            if not database_back:
+                postgres.crash()
+            raise LedgerError("cannot write to ledger: server closed the connection unexpectedly (during COMMIT)")
+        return summary
 
-    monkeypatch.setattr(RunLedger, "round", round_)
+    monkeypatch.setattr(RunLedger, "commit_round", commit_round)
     with _pg_run(postgres, tmp_path, monkeypatch) as (url, run_dir, values):
         recorder = fs.Recorder(run_dir)
         _on_event(monkeypatch, {("checkpointed", FAULT_ROUND): lambda: armed.append(1)})
         try:
             error, err = _main(values, recorder, capsys)
         finally:
-            if crashed:
+            if crashed and not database_back:
                 postgres.start()
-        assert crashed == ["committed"], crashed  # the commit transaction was through when the server died
+        assert crashed == ["committed"], crashed  # the commit transaction was through when the error came
+        if database_back:
+            assert error is None, error
+            _assert_same(_final(run_dir), reference.final)
+            _check_pg_ledger(url, run_dir, attempts={})
+            _check_releases(recorder.records, reference, complete=True)
+            _released_once(recorder.records, redone=None)
+            return
         assert error is not None and error.startswith("fedmf: error: ") and "Connection refused" in error, error
         assert set(_error_lines(err)) == {error} and PASSWORD not in err
         assert max(r["round"] for r in recorder.records if r["kind"] == "train") == FAULT_ROUND

@@ -93,3 +93,21 @@ def test_train_takes_exactly_one_kind_of_client_function(tmp_path):
               checkpoint_dir=tmp_path / "a")
     with pytest.raises(ConfigError, match="exactly one"):
         train(task.Tiny(), task.users(), plan, None, checkpoint_dir=tmp_path / "b")
+
+
+def test_a_batch_hook_answering_for_users_not_asked_is_refused(tmp_path):
+    """local_updates keyed differently from the user ids (here str vs int) would make every user
+    silently drop out: the round is refused with one line instead (and nothing is committed)."""
+    import torch
+
+    from fedmf.errors import ConfigError
+    from fedmf.federated import train
+    from tests import _federated_task as task
+
+    users = list(range(20))
+
+    def by_string(params, asked, t):
+        return {str(u): {k: torch.zeros_like(v) for k, v in params.items()} for u in asked}
+
+    with pytest.raises(ConfigError, match="not asked for in round 0"):
+        train(task.Tiny(), users, task.plan(rounds=6), None, local_updates=by_string, checkpoint_dir=tmp_path)

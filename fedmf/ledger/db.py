@@ -88,8 +88,29 @@ def _safe_text(url: str) -> str:
     return url
 
 
+_SECRET_QUERY_KEYS = ("password", "sslpassword")  # libpq accepts a password in the query string too
+
+
 def display_url(url: URL) -> str:
-    return url.render_as_string(hide_password=True)
+    """``url`` for logs and messages: the password masked (``***``), also in the query string."""
+    query = {k: ("***" if k in _SECRET_QUERY_KEYS else v) for k, v in url.query.items()}
+    return url.set(query=query).render_as_string(hide_password=True)
+
+
+def public_url(url: str | os.PathLike) -> str:
+    """``url`` without any password (userinfo or query string): what a printed ``fedmf audit
+    --ledger`` command or a results file may hold. It still connects where the password comes
+    from ``.pgpass`` / ``PGPASSWORD``. A path is returned as it is."""
+    text = os.fspath(url)
+    if "://" not in text:
+        return text
+    try:
+        parsed = make_url(text)
+    except (ArgumentError, ValueError):
+        return _safe_text(text)
+    query = {k: v for k, v in parsed.query.items() if k not in _SECRET_QUERY_KEYS}
+    # URL.set(password=None) means "unchanged"; URL is a named tuple, so _replace clears it
+    return parsed._replace(password=None).set(query=query).render_as_string(hide_password=False)
 
 
 def _is_memory(url: URL) -> bool:

@@ -611,8 +611,23 @@ class RunLedger:
             if eps_w is not None or eps_p is not None:
                 conn.execute(insert(PrivacySnapshot).values(
                     run_id=self.id, round_index=t, epsilon_worst_user=eps_w, epsilon_planned=eps_p, created_at=_now()))
+            # read back inside the transaction: once COMMIT returns there is nothing left that can fail
+            summary = RoundSummary.from_row(conn.execute(
+                select(Round.__table__).where(Round.run_id == self.id, Round.round_index == t)).one())
         self._pending = None
-        return self.round(t)
+        return summary
+
+    def confirm_commit(self, t: int, checkpoint_sha256: str) -> RoundSummary | None:
+        """After a commit that failed with an unknown outcome (the connection lost during COMMIT):
+        round t's summary if the ledger holds it committed naming ``checkpoint_sha256`` — the
+        commit did happen, and the open round is closed here — else None."""
+        if self._pending is not None and self._pending.t != t:
+            return None
+        summary = self.round(t)
+        if summary.status != "committed" or summary.checkpoint_sha256 != checkpoint_sha256:
+            return None
+        self._pending = None
+        return summary
 
     def abort_round(self, t: int, reason: str = "aborted") -> None:
         """Discard round t's rows (none was written) and mark it aborted; it may be re-opened."""
