@@ -34,9 +34,9 @@ median round's updates / its wall time; "start-up" is what comes before round 0)
                  actor (2 actors on 2 cores); round window = the ledger's opened_at → closed_at
   flower-fedavg  Flower's FedAvg ServerApp (benchmarks/flower_fedavg_app) on the same task, same launcher;
                  round window = configure_train start → aggregate_train end
-Threads: fedmf's ``local_update`` runs its SGD on one intra-op thread (``fedmf.threads.one_thread``) but
-builds and loads its model before that block, on the process's threads; the pfl worker sets one thread
-for the whole process. Flower: two ClientApp actors of 1 CPU each.
+Threads: fedmf's ``local_update`` runs entirely on one intra-op thread (``fedmf.threads.one_thread``,
+model loading included) and reuses one model per thread; the pfl worker sets one thread for the whole
+process. Flower: two ClientApp actors of 1 CPU each.
 """
 
 from __future__ import annotations
