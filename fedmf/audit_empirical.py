@@ -5,8 +5,8 @@
 
 or ``fedmf audit-empirical --canaries 200 --epsilon 2`` (the tiny task). ``M`` canary users join
 the population of a real ``fedmf.federated.train`` run (the round the Flower strategy drives, bit
-for bit). Canary c has a fixed random direction u_c in parameter space (nearly orthogonal to the
-others in high dimension) and is "in" with probability 1/2, independently of everything else:
+for bit). Canary c has a fixed random direction u_c in parameter space (the M directions are
+orthonormal when M ≤ d, nearly so otherwise) and is "in" with probability 1/2, independently of everything else:
 an in-canary sends ζ'·u_c whenever the scheduler selects it (ζ' a hair below the clip norm ζ, so
 clipping leaves it unchanged), an out-canary sends a zero update — the two neighbouring datasets
 of zero-out adjacency (one user's contributions replaced by zeros), the neighbouring notion under
@@ -18,6 +18,10 @@ the audit recovers each round's privatized mean update x̂_t (inverting the serv
 scores every canary, guesses the top-k as in and the bottom-k as out, and turns the number of
 correct guesses into a lower bound on ε with the one-run theorem of Steinke, Nasr and Jagielski
 2023, "Privacy Auditing with One (1) Training Run" (arXiv:2305.08846; SNJ below).
+
+The run's directory (``checkpoint_dir``) and its ledger reveal which canaries were in (the ledger
+records each contribution's norm): keep it private, and audit with a ledger of its own — never the
+production ledger (the CLI always uses a private SQLite ledger in the audit's directory).
 
 Interpretation. ``epsilon_lower_bound`` is a statement about the whole deployed pipeline
 (clipping, noise, scheduler, optimizer): with probability ≥ ``confidence`` over the run's
@@ -315,22 +319,26 @@ def run_canary_audit(model, users: Sequence[Hashable], plan, local_update: Calla
         raise ConfigError(f"rounds must be an integer in [1, {plan.rounds}], got {rounds!r}")
     if checkpoint_dir is not None and (Path(checkpoint_dir) / "run.json").exists():
         raise ConfigError(f"{str(checkpoint_dir)!r} already holds a run; the audit needs a new run directory")
+    params = dict(model.named_parameters())
+    layout = layout_of(params)
+    dim = flat_size(layout)
+    if canaries * dim > _MAX_DIRECTION_VALUES:  # checked before anything of size M is built
+        raise ConfigError(f"{canaries} canaries x {dim} parameters exceed the audit's memory limit "
+                          f"({_MAX_DIRECTION_VALUES} values); use fewer canaries or a smaller model")
     users = list(users)
     ids = [f"{CANARY_PREFIX}{i:05d}" for i in range(canaries)]
     if {str(u) for u in users} & set(ids):
         raise ConfigError(f"a user id collides with the canary ids ({CANARY_PREFIX}NNNNN)")
-    params = dict(model.named_parameters())
-    layout = layout_of(params)
-    dim = flat_size(layout)
-    if canaries * dim > _MAX_DIRECTION_VALUES:
-        raise ConfigError(f"{canaries} canaries x {dim} parameters exceed the audit's memory limit "
-                          f"({_MAX_DIRECTION_VALUES} values); use fewer canaries or a smaller model")
     dtype = next(iter(params.values())).dtype
 
     # canary c: an independent fair coin (SNJ: S_c uniform on {in, out}) and a random unit direction
     rng = np.random.default_rng(secrets.randbits(128) if seed is None else seed)
     members = rng.random(canaries) < 0.5
     directions = rng.standard_normal((canaries, dim))
+    if canaries <= dim:
+        # exactly orthonormal (QR of the Gaussian draws: uniformly random orthonormal directions), so
+        # that one canary's contribution adds nothing to another's score; with M > d they cannot be
+        directions = np.linalg.qr(directions.T)[0].T
     directions /= np.linalg.norm(directions, axis=1, keepdims=True)
     cast = torch.from_numpy(directions * (plan.clip_norm * _CANARY_SCALE)).to(dtype)
     released = cast.to(torch.float64).numpy()  # what the canaries really send, in the model's dtype

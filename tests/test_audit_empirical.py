@@ -122,9 +122,10 @@ def test_scores_invert_the_server_optimizer_and_whiten_the_noise():
     rng = np.random.default_rng(0)
     theta = {"w": torch.zeros(d, dtype=torch.float64)}
     opt = server_optimizer(theta, workload, n, eta)
-    models = [theta["w"].clone().numpy()]
+    models, known = [theta["w"].clone().numpy()], []
     for _ in range(n):
-        opt.step({"w": torch.from_numpy(rng.standard_normal(d))})
+        known.append(rng.standard_normal(d))
+        opt.step({"w": torch.from_numpy(known[-1])})
         models.append(theta["w"].clone().numpy())
     models = np.array(models)
     units = rng.standard_normal((canaries, d))
@@ -134,6 +135,7 @@ def test_scores_invert_the_server_optimizer_and_whiten_the_noise():
     got = canary_scores(np.diff(models, axis=0) @ units.T, participated, norms, workload=workload, server_lr=eta,
                         expected_users=users, noise_std=sigma, noise_inverse=mechanism.inverse_matrix())
     x = np.linalg.solve(workload.matrix(n), (models[1:] - models[0]) / eta)
+    np.testing.assert_allclose(x, np.array(known), rtol=1e-9, atol=1e-12)  # the released x̂, recovered
     y = users * x @ units.T
     inverse = mechanism.inverse_matrix()
     g_inv = np.linalg.inv(inverse @ inverse.T)
@@ -198,6 +200,27 @@ def test_with_the_configured_noise_the_bound_stays_below_the_accounted_epsilon(t
     assert result.epsilon_lower_bound <= result.epsilon_accounted and not result.violated()
 
 
+def test_noise_cut_to_a_tenth_is_detected(tmp_path, monkeypatch):
+    """Power, not only validity: a server adding a tenth of the planned σ (a sensitivity or scaling
+    bug of that size) at accounted ε = 2 is caught by the default audit on the tiny task."""
+    fill = fedmf.noise.fill_normal
+    monkeypatch.setattr(fedmf.noise, "fill_normal", lambda out, seed, scale=1.0: fill(out, seed, 0.1 * scale))
+    result = _tiny_audit(tmp_path, 2.0, canaries=200, seed=11)
+    assert result.violated() and result.epsilon_lower_bound > result.epsilon_accounted
+
+
+def test_canary_directions_are_orthonormal_when_they_fit(tmp_path, no_noise):
+    """M ≤ d: the directions are orthonormal, so with zero noise no canary's score carries another's
+    contribution and every guess of every rule is right even at M = d."""
+    plan = _plan(target_epsilon=1.0)
+    run = tmp_path / "run"
+    write_secrets(run)
+    zero = lambda params, user, t: {"w": torch.zeros_like(params["w"])}  # noqa: E731
+    result = run_canary_audit(_Linear(60), [f"u{i}" for i in range(10)], plan, zero, canaries=60, seed=5,
+                              checkpoint_dir=run)
+    assert all(t["correct"] == t["guesses"] for t in result.tests)
+
+
 def test_with_the_noise_switched_off_the_audit_detects_the_violation(tmp_path, no_noise):
     result = _tiny_audit(tmp_path, 1.0, canaries=200, seed=11)
     assert result.epsilon_accounted == pytest.approx(1.0, rel=1e-6)
@@ -251,7 +274,7 @@ def test_cli_json_and_output_directory(tmp_path, capsys):
 @pytest.mark.parametrize("argv", [["--canaries", "1"], ["--confidence", "1"],
                                   ["--epsilon", "1", "--noise-multiplier", "1"], ["--noise-multiplier", "0"],
                                   ["--epsilon", "-2"], ["--rounds", "0"], ["--seed", "-3"], ["--preset", "nope"],
-                                  ["--canaries", "x"]])
+                                  ["--canaries", "x"], ["--canaries", "100000000"]])
 def test_cli_bad_input_exits_2_with_one_line(tmp_path, capsys, argv):
     from fedmf.cli import main
 

@@ -11,6 +11,9 @@ from pathlib import Path
 
 from .common import UsageError
 
+#: more canaries than this is a typo, not an audit (each needs a direction of the model's size)
+MAX_CANARIES = 100_000
+
 __all__ = ["register", "cmd_audit_empirical"]
 
 
@@ -44,8 +47,8 @@ def cmd_audit_empirical(args: argparse.Namespace) -> int:
     from ..files import atomic_write
     from ..simulate import preset_values
 
-    if args.canaries < 2:
-        raise UsageError(f"--canaries must be at least 2, got {args.canaries}")
+    if not 2 <= args.canaries <= MAX_CANARIES:
+        raise UsageError(f"--canaries must lie in [2, {MAX_CANARIES}], got {args.canaries}")
     if not (math.isfinite(args.confidence) and 0 < args.confidence < 1):
         raise UsageError(f"--confidence must lie in (0, 1), got {args.confidence:g}")
     if args.seed is not None and args.seed < 0:
@@ -60,7 +63,7 @@ def cmd_audit_empirical(args: argparse.Namespace) -> int:
     hyper = ClientHyper(config.client_lr, config.local_epochs, config.batch_size)
     result = run_canary_audit(task.model(), task.users(), plan, task.as_local_update(hyper), canaries=args.canaries,
                               seed=args.seed, confidence=args.confidence, server_lr=config.server_lr,
-                              checkpoint_dir=out, ledger=config.ledger_url)
+                              checkpoint_dir=out)  # a private SQLite ledger: it reveals the canaries' coins
     report = result.to_dict()
     if out is not None:
         atomic_write(out / "audit.json", lambda f: json.dump(report, f, indent=1, allow_nan=False), text=True,
@@ -100,7 +103,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rounds", type=int)
     p.add_argument("--min-sep", type=int)
     p.add_argument("--clients-per-round", type=float, default=40.0,
-                   help="users per round, canaries included (default 40)")
+                   help="users per round, canaries included (default 40); with --sampling the expected "
+                        "number planned for (the real mean grows with the canaries)")
     p.add_argument("--mechanism", help="mechanism kind or a mechanism file (default: the preset's)")
     p.add_argument("--sampling", help="none, bminsep:P, cyclic-poisson:Q or poisson:P")
     p.add_argument("--server-lr", type=float)
