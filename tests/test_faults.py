@@ -128,9 +128,10 @@ def reference(tmp_path_factory):
 
 
 # ---- checks ----------------------------------------------------------------------------------
-def _ledger(run_dir: Path):
+def _ledger(run_dir: Path, url: str | None = None):
+    """The run's ledger: its SQLite file, or ``url`` (a PostgreSQL ledger of tests/test_faults_services.py)."""
     secret = (Path(run_dir) / "secrets" / "ledger_secret").read_bytes()
-    return Ledger.open(Path(run_dir) / "ledger.db", secret=secret)
+    return Ledger.open(url or Path(run_dir) / "ledger.db", secret=secret)
 
 
 def _statuses(run_dir: Path) -> list[str]:
@@ -141,10 +142,12 @@ def _statuses(run_dir: Path) -> list[str]:
         return [run.round(t).status for t in range(ROUNDS)]
 
 
-def _check_ledger(run_dir: Path, attempts: dict[int, int] | None = None, dropped: dict | None = None) -> dict:
-    """Every round committed exactly once, rows consistent with the counts, the audit clean."""
+def _check_ledger(run_dir: Path, attempts: dict[int, int] | None = None, dropped: dict | None = None,
+                  url: str | None = None) -> dict:
+    """Every round committed exactly once, rows consistent with the counts, the audit clean (and its
+    output, for a ``url`` ledger: the audit's own report is returned with it under "stdout")."""
     attempts = attempts or {}
-    with _ledger(run_dir) as book:
+    with _ledger(run_dir, url) as book:
         runs = book.runs()
         assert len(runs) == 1, "a restart must resume the run, not start a second one"
         run = book.run(runs[0].id)
@@ -173,7 +176,7 @@ def _check_ledger(run_dir: Path, attempts: dict[int, int] | None = None, dropped
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = fedmf_cli(["audit", "--ledger", str(Path(run_dir) / "ledger.db"), "--run", str(run_id), "--json"])
+        rc = fedmf_cli(["audit", "--ledger", url or str(Path(run_dir) / "ledger.db"), "--run", str(run_id), "--json"])
     assert rc == 0, err.getvalue()
     report = json.loads(out.getvalue())
     realized = report["realized"]
@@ -184,7 +187,7 @@ def _check_ledger(run_dir: Path, attempts: dict[int, int] | None = None, dropped
     assert realized["rounds_below_planned_noise"] == []
     assert realized["client_state_consistent"] is True
     assert realized["min_separation"] is None or realized["min_separation"] >= 2
-    return realized
+    return {**realized, "stdout": out.getvalue() + err.getvalue()}
 
 
 def _check_releases(records: list[dict], reference: Reference | None, complete: bool = False,
