@@ -827,5 +827,7 @@ def _optimize_blocks(
     rel = gap / primal
     if rel < -1e-9:
         raise AssertionError(f"duality gap is negative ({gap}): primal {primal} < dual {dual}")
+    # the structure makes the sensitivity exactly 1; the flag reports what the sensitivity code certifies
+    exact = mechanism.sensitivity(FixedEpoch(k, b)).exact
     return mechanism, _result(rel <= tolerance, evaluations, primal, dual, gap, rel, rounds, tolerance, message,
-                              started, hvps, dev, progress, sensitivity_exact=True)
+                              started, hvps, dev, progress, sensitivity_exact=exact)
