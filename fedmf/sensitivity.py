@@ -198,7 +198,30 @@ def _best_sign(x: np.ndarray, v: np.ndarray | None) -> np.ndarray:
         u[i] = -u[i]
 
 
-def pattern_sensitivity(sub_gram: np.ndarray) -> Sensitivity:
+_UNIT_ROUNDOFF = np.finfo(np.float64).eps / 2
+
+
+def _gamma(n: int) -> float:
+    """gamma_n = n·u / (1 − n·u): the relative error bound of an n-term float64 sum or inner
+    product (Higham, "Accuracy and Stability of Numerical Algorithms", 2nd ed., Lemma 3.1, Eq. 3.4)."""
+    return n * _UNIT_ROUNDOFF / (1.0 - n * _UNIT_ROUNDOFF)
+
+
+def gram_error(cols: np.ndarray) -> float:
+    """A bound on sum_ij |fl(C^T C)_ij − (C^T C)_ij| for the pattern's columns C (m rows): each entry
+    is an m-term inner product, |error_ij| <= gamma_m (|C|^T |C|)_ij (Higham, Eq. 3.5), and
+    sum_ij (|C|^T |C|)_ij = ||(|C| 1)||^2."""
+    cols = np.asarray(cols, dtype=np.float64)
+    row_sums = np.abs(cols).sum(axis=1)
+    return _gamma(cols.shape[0]) * float(row_sums @ row_sums)
+
+
+def _sqrt_up(value: float) -> float:
+    """sqrt rounded up (the square root is correctly rounded; one ulp up makes it an upper bound)."""
+    return float(np.nextafter(np.sqrt(value), np.inf))
+
+
+def pattern_sensitivity(sub_gram: np.ndarray, gram_err: float = 0.0) -> Sensitivity:
     """Sensitivity of one participation pattern pi from X = X[pi, pi], for updates of any
     dimension d: sens^2 = max sum_ij X_ij g_i.g_j over ||g_i|| <= 1, i.e. max tr(X Y) over Gram
     matrices Y of such vectors (Multi-Epoch MF, Definition 1 and App. H).
@@ -215,12 +238,15 @@ def pattern_sensitivity(sub_gram: np.ndarray) -> Sensitivity:
     k = x.shape[0]
     if k == 0:
         return Sensitivity(0.0, "pattern-exact", True)
+    # every value below is an upper bound: X's own rounding (``gram_err``, from ``gram_error`` of
+    # the columns it was formed from) plus the k^2-term sums over X, and the square root rounded up
+    slack = gram_err + _gamma(k * k) * float(np.abs(x).sum())
     if np.all(x >= 0):
-        return Sensitivity(float(np.sqrt(x.sum())), "pattern-exact", True)
+        return Sensitivity(_sqrt_up(float(x.sum()) + slack), "pattern-exact", True)
     if k <= 2:
         signs = np.array([[1.0] * k, [1.0, -1.0][:k]])
         value = max(float(s @ x @ s) for s in signs)
-        return Sensitivity(float(np.sqrt(value)), "pattern-exact", True)
+        return Sensitivity(_sqrt_up(value + slack), "pattern-exact", True)
     mixing = None if k <= _SIGN_ENUMERATION else _mixing(x)
     u = _best_sign(x, None if mixing is None else mixing[0])
     lower = float(u @ x @ u)
@@ -235,7 +261,7 @@ def pattern_sensitivity(sub_gram: np.ndarray) -> Sensitivity:
     exact = bool(value <= lower * (1.0 + _CERTIFY_RTOL))
     if exact:
         method = "pattern-sdp-exact"
-    return Sensitivity(float(np.sqrt(value)), method, exact)
+    return Sensitivity(_sqrt_up(value + slack), method, exact)
 
 
 def _worst(results: Sequence[Sensitivity], exact_name: str, bound_name: str) -> Sensitivity:
@@ -251,14 +277,14 @@ def fixed_epoch(mechanism: "Mechanism", schema: FixedEpoch) -> Sensitivity:
     results = []
     for pattern in schema.patterns():
         cols = mechanism.strategy_columns(pattern)
-        results.append(pattern_sensitivity(cols.T @ cols))
+        results.append(pattern_sensitivity(cols.T @ cols, gram_error(cols)))
     return _worst(results, "fixed-epoch-exact", "fixed-epoch-bound")
 
 
 def observed(mechanism: "Mechanism", rounds: Sequence[int]) -> Sensitivity:
     """Sensitivity of one user's observed participation rounds."""
     cols = mechanism.strategy_columns(list(rounds))
-    result = pattern_sensitivity(cols.T @ cols)
+    result = pattern_sensitivity(cols.T @ cols, gram_error(cols))
     return Sensitivity(result.value, "observed-exact" if result.exact else "observed-bound", result.exact)
 
 

@@ -367,3 +367,19 @@ def test_block_sensitivity_is_the_exhaustive_maximum(k):
 def test_block_duals_validated(duals, match):
     with pytest.raises(ValueError, match=match):
         DenseMechanism(26, 13, 2, duals)
+
+
+@pytest.mark.parametrize("workload", [Workload(), MOMENTUM], ids=["prefix", "momentum"])
+def test_reported_sensitivity_is_an_upper_bound_of_the_exact_one_for_the_stored_c(workload):
+    """The sensitivity that calibrates σ must not sit below the exact value for the float C the
+    noise really uses, not even by an ulp: each pattern's block of CᵀC is diagonal, so for any
+    update dimension sens² = max_j tr(X_j) — computed here exactly, in rationals, from C's floats."""
+    from fractions import Fraction
+
+    n, k, b = 64, 16, 4
+    mech, _ = optimize_dense(n, FixedEpoch(k, b), workload, device="cpu")
+    c = mech.strategy_matrix()
+    reported = fixed_epoch(mech, FixedEpoch(k, b)).value
+    exact_sq = max(sum(Fraction(float(v)) ** 2 for v in c[:, list(range(j, n, b))].ravel()) for j in range(b))
+    assert Fraction(reported) ** 2 >= exact_sq
+    assert float(Fraction(reported) ** 2 - exact_sq) < 1e-12  # and only rounding above it

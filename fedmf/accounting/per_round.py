@@ -144,8 +144,8 @@ def _generic(mechanism: "Mechanism", schema: "Schema", max_points: int) -> tuple
         elif isinstance(schema, (FixedEpoch, Observed)):
             pats = (schema.patterns() if isinstance(schema, FixedEpoch)
                     else [rounds for _, rounds in schema.rounds_by_user])
-            results = [_sens.pattern_sensitivity(prefix.strategy_columns(c).T @ prefix.strategy_columns(c))
-                       for c in ([r for r in p if r < t] for p in pats) if c]
+            results = [_sens.pattern_sensitivity(cols.T @ cols, _sens.gram_error(cols))
+                       for cols in (prefix.strategy_columns(c) for c in ([r for r in p if r < t] for p in pats) if c)]
             worst = _sens._worst(results, "exact", "bound") if results else _sens.Sensitivity(0.0, "exact", True)
             value, exact[j] = worst.value, worst.exact
         else:
