@@ -42,9 +42,9 @@ _MAX_USER_ID = 200
 app = ClientApp()
 
 
-def user_id(node_config: Mapping[str, Any]) -> str:
+def user_id(node_config: Mapping[str, Any], run_config: Mapping[str, Any] | None = None) -> str:
     """This node's user: ``node_config["user-id"]`` (deployment; an int is taken as its decimal
-    string), else ``str(node_config["partition-id"])`` (simulation); ConfigError otherwise."""
+    string), else the simulation's ``partition-id`` (``simulation_user``); ConfigError otherwise."""
     if "user-id" in node_config:
         user = node_config["user-id"]
         if isinstance(user, int) and not isinstance(user, bool):
@@ -57,8 +57,21 @@ def user_id(node_config: Mapping[str, Any]) -> str:
         part = node_config["partition-id"]
         if isinstance(part, bool) or not isinstance(part, int) or part < 0:
             raise ConfigError(f"node config partition-id must be an integer >= 0, got {part!r}")
-        return str(part)
+        return simulation_user(part, run_config)
     raise ConfigError("node config has neither user-id nor partition-id: this node has no user identity")
+
+
+def simulation_user(partition: int, run_config: Mapping[str, Any] | None = None) -> str:
+    """Simulated node ``partition``'s user: ``str(partition)`` for a task whose users are "0".."N-1"
+    (or without a run config), else the task's ``partition``-th user in ``task.users()`` order —
+    the order ``fedmf simulate --backend flower`` numbers them in (shakespeare's roles, say)."""
+    if not run_config or "task" not in run_config:
+        return str(partition)
+    users = load_task(str(run_config["task"]), run_config.get("task-options", "{}")).users()
+    if partition >= len(users):
+        raise ConfigError(f"partition-id {partition} is beyond the task's {len(users)} users")
+    numbered = {str(i) for i in range(len(users))}
+    return str(partition) if set(users) == numbered else str(users[partition])
 
 
 @functools.lru_cache(maxsize=8)
@@ -121,7 +134,7 @@ def _arrays(msg: Message) -> ArrayRecord:
 
 def _checked(msg: Message, context: Context, hyper: bool) -> tuple[TrainRequest, Task]:
     request = parse_request(msg, hyper)
-    me = user_id(context.node_config)
+    me = user_id(context.node_config, context.run_config)
     if request.user != me:
         raise ConfigError(f"message is for user {request.user!r}, this node is {me!r}")
     return request, load_task(request.task, request.options)
@@ -139,7 +152,7 @@ def _error(msg: Message, e: FedmfError) -> Message:
 def query(msg: Message, context: Context) -> Message:
     """Reply with this node's user identity."""
     try:
-        user = user_id(context.node_config)
+        user = user_id(context.node_config, context.run_config)
     except FedmfError as e:
         return _error(msg, e)
     return Message(RecordDict({IDENTITY_RECORD: ConfigRecord({"user-id": user})}), reply_to=msg)

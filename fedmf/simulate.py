@@ -10,7 +10,7 @@ the ledger and checkpoints in the output directory, ``final-model.pt``, ``result
 ``--backend flower`` runs the same configuration as the Flower app on the Flower simulation engine
 (``server/launcher.py``, which runs Flower's executables: nothing here imports Flower). This module
 gives it the complete run configuration (``flower_run_config``), the population check
-(``flower_population``: simulation users are ``str(partition-id)``) and reads the finished run back
+(``flower_population``: one SuperNode per user; partition i is the task's i-th user) and reads the finished run back
 into the same ``SimulationResult`` (``flower_result``: the ledger, ``final-model.pt``, the ServerApp's
 progress lines).
 """
@@ -158,14 +158,14 @@ def flower_run_config(values: Mapping[str, Any], config: RunConfig) -> dict[str,
 
 
 def flower_population(task_name: str, users: list[str]) -> int:
-    """The number of simulated SuperNodes for a task whose users are ``users``: the Flower simulation
-    names its users ``str(partition-id)`` (``client.app.user_id``), so they must be "0".."N-1";
-    ConfigError (one line) otherwise."""
+    """The number of simulated SuperNodes for a task whose users are ``users``: one per user. The
+    ClientApp of partition i is user ``str(i)`` for tasks whose users are "0".."N-1", else the
+    task's i-th user (``client.app.simulation_user``); ConfigError (one line) for no users or
+    users that are not distinct."""
     n = len(users)
-    if n == 0 or len(set(users)) != n or set(users) != {str(i) for i in range(n)}:
-        shown = ", ".join(repr(u) for u in list(users)[:3]) + (", ..." if n > 3 else "")
-        raise ConfigError(f"task {task_name!r} names its users {shown}, not '0'..'{max(n - 1, 0)}' as the Flower "
-                          "simulation does (user = partition-id): use --backend inprocess")
+    if n == 0 or len(set(users)) != n:
+        raise ConfigError(f"task {task_name!r} has {'no users' if n == 0 else 'users that are not distinct'}: "
+                          "the Flower simulation needs one distinct user per SuperNode")
     return n
 
 

@@ -203,6 +203,22 @@ def test_user_id(node_config, expected):
     assert user_id(node_config) == expected
 
 
+def test_a_simulated_node_is_the_tasks_partition_th_user():
+    """Numbered tasks keep str(partition-id); a task with named users (shakespeare's roles) maps
+    partition i to its i-th user, the order fedmf simulate --backend flower numbers them in."""
+    from client.app import simulation_user
+    from client.tasks import get_task
+
+    tiny = {"task": "tiny", "task-options": json.dumps({"num_users": 12})}
+    assert [user_id({"partition-id": i}, tiny) for i in range(12)] == [str(i) for i in range(12)]
+    roles = get_task("shakespeare", model_size="small").users()
+    shakespeare = {"task": "shakespeare", "task-options": json.dumps({"model_size": "small"})}
+    assert [simulation_user(i, shakespeare) for i in (0, 5, len(roles) - 1)] == [roles[0], roles[5], roles[-1]]
+    assert user_id({"user-id": "alice", "partition-id": 3}, shakespeare) == "alice"  # deployment: the config wins
+    with pytest.raises(ConfigError, match="beyond the task's"):
+        simulation_user(len(roles), shakespeare)
+
+
 @pytest.mark.parametrize("node_config, match", [
     ({}, "neither user-id nor partition-id"),
     ({"num-partitions": 3}, "neither"),

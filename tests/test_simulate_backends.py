@@ -54,8 +54,14 @@ SO_TINY_2 = ["simulate", "--preset", "so-tiny", "--rounds", "2", "--min-sep", "1
              "--json", "--no-plot"]
 
 
-@pytest.mark.parametrize("argv", [TINY_2, pytest.param(SO_TINY_2, marks=pytest.mark.heavy, id="so-tiny")],
-                         ids=["tiny", "so-tiny"])
+#: shakespeare, 2 rounds: users are speaking roles (partition i -> the i-th role), 879 simulated SuperNodes
+SHAKESPEARE_2 = ["simulate", "--preset", "shakespeare", "--rounds", "2", "--min-sep", "1", "--clients-per-round", "8",
+                 "--json", "--no-plot"]
+
+
+@pytest.mark.parametrize("argv", [TINY_2, pytest.param(SO_TINY_2, marks=pytest.mark.heavy, id="so-tiny"),
+                                  pytest.param(SHAKESPEARE_2, marks=pytest.mark.heavy, id="shakespeare")],
+                         ids=["tiny", "so-tiny", "shakespeare"])
 def test_both_backends_with_the_same_secrets_give_the_same_model(tmp_path, capsys, launches, argv):
     flower_dir, local_dir = tmp_path / "flower", tmp_path / "inprocess"
     fixed.write_secrets(flower_dir)
@@ -116,10 +122,11 @@ def test_the_run_config_is_complete_and_absolute(tmp_path, monkeypatch):
     assert RunConfig.from_mapping(rc) == config
 
 
-def test_population_must_be_partition_ids():
+def test_population_is_one_supernode_per_distinct_user():
     assert flower_population("tiny", [str(i) for i in range(5)][::-1]) == 5
-    for users in (["u0", "u1"], ["1", "2"], ["0", "0"], []):
-        with pytest.raises(Exception, match="use --backend inprocess"):
+    assert flower_population("shakespeare", ["ROMEO", "JULIET", "NURSE"]) == 3  # partition i -> the i-th role
+    for users in (["0", "0"], []):
+        with pytest.raises(Exception, match="one distinct user per SuperNode"):
             flower_population("t", users)
 
 
@@ -128,13 +135,13 @@ class _Roles:
         self._task = task
 
     def users(self):
-        return ["ROMEO", "JULIET"]
+        return ["ROMEO", "ROMEO"]
 
     def __getattr__(self, name):
         return getattr(self._task, name)
 
 
-def test_a_task_with_other_user_ids_is_refused_before_any_process(tmp_path, capsys, monkeypatch):
+def test_a_task_with_repeated_user_ids_is_refused_before_any_process(tmp_path, capsys, monkeypatch):
     import client.tasks
 
     real = client.tasks.get_task
@@ -142,7 +149,7 @@ def test_a_task_with_other_user_ids_is_refused_before_any_process(tmp_path, caps
     monkeypatch.setattr(launcher, "run_simulation", lambda *a, **k: pytest.fail("launched"))
     assert main([*TINY_2, "--backend", "flower", "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "names its users 'ROMEO', 'JULIET'" in err[0] and "--backend inprocess" in err[0]
+    assert len(err) == 1 and "not distinct" in err[0], err
 
 
 def test_without_the_source_tree_the_flower_backend_is_one_line(tmp_path, capsys, monkeypatch):
