@@ -158,15 +158,19 @@ def _plan(rounds=10, min_sep=2, users_per_round=40, **kw) -> RunPlan:
     return RunPlan.create(mechanism, schema, clip_norm=1.0, delta=1e-5, expected_users=users_per_round, **kw)
 
 
+def _audit_with_silent_users(run, plan: RunPlan, *, dim: int, canaries: int, seed: int):
+    """An audit of a linear model of ``dim`` parameters whose 10 real users send zero updates."""
+    write_secrets(run)
+    zero = lambda params, user, t: {"w": torch.zeros_like(params["w"])}  # noqa: E731
+    return run_canary_audit(_Linear(dim), [f"u{i}" for i in range(10)], plan, zero, canaries=canaries, seed=seed,
+                            checkpoint_dir=run)
+
+
 def test_without_noise_every_canary_passes_clipping_and_is_recognised(tmp_path, no_noise):
     """Zero noise, real users that send nothing: in-canaries reach the sum unclipped (the norm margin)
     and the scores separate in from out perfectly, so every rule's guesses are all correct."""
-    plan = _plan(target_epsilon=1.0)
-    run = tmp_path / "run"
-    write_secrets(run)
-    zero = lambda params, user, t: {"w": torch.zeros_like(params["w"])}  # noqa: E731
-    result = run_canary_audit(_Linear(2000), [f"u{i}" for i in range(10)], plan, zero, canaries=100, seed=7,
-                              checkpoint_dir=run)
+    plan, run = _plan(target_epsilon=1.0), tmp_path / "run"
+    result = _audit_with_silent_users(run, plan, dim=2000, canaries=100, seed=7)
     from fedmf.ledger import Ledger
 
     with Ledger.open(str(run / "ledger.db"), secret=(run / "secrets" / "ledger_secret").read_bytes()) as book:
@@ -212,12 +216,7 @@ def test_noise_cut_to_a_tenth_is_detected(tmp_path, monkeypatch):
 def test_canary_directions_are_orthonormal_when_they_fit(tmp_path, no_noise):
     """M ≤ d: the directions are orthonormal, so with zero noise no canary's score carries another's
     contribution and every guess of every rule is right even at M = d."""
-    plan = _plan(target_epsilon=1.0)
-    run = tmp_path / "run"
-    write_secrets(run)
-    zero = lambda params, user, t: {"w": torch.zeros_like(params["w"])}  # noqa: E731
-    result = run_canary_audit(_Linear(60), [f"u{i}" for i in range(10)], plan, zero, canaries=60, seed=5,
-                              checkpoint_dir=run)
+    result = _audit_with_silent_users(tmp_path / "run", _plan(target_epsilon=1.0), dim=60, canaries=60, seed=5)
     assert all(t["correct"] == t["guesses"] for t in result.tests)
 
 

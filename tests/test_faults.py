@@ -76,6 +76,17 @@ def _serve(values: dict, recorder: fs.Recorder, **faults):
         return fs.serve(values, recorder, **faults)
 
 
+def _resume_and_check(run_dir: Path, values: dict, recorder: fs.Recorder, reference, attempts: dict[int, int]):
+    """Start the server again after a fault: it finishes bit-identically to the uninterrupted run, the
+    ledger holds every round once (``attempts`` where redone), and the releases of both runs are right."""
+    again = fs.Recorder(run_dir)
+    _serve(values, again)
+    _assert_same(_final(run_dir), reference.final)
+    _check_ledger(run_dir, attempts=attempts)
+    _check_releases(recorder.records + again.records, reference, complete=True)
+    return again
+
+
 def _final(run_dir: Path) -> dict:
     return torch.load(Path(run_dir) / "final-model.pt", weights_only=True)
 
@@ -406,11 +417,7 @@ def test_a_ledger_failure_at_the_commit_aborts_the_round_releases_nothing_and_a_
     _check_releases(recorder.records, reference)
     with _ledger(run_dir) as book, book.engine.connect() as conn:
         assert conn.execute(select(Participation.client_key).where(Participation.round_index == 3)).all() == []
-    again = fs.Recorder(run_dir)
-    _serve(values, again)
-    _assert_same(_final(run_dir), reference.final)
-    _check_ledger(run_dir, attempts={3: 2})
-    _check_releases(recorder.records + again.records, reference, complete=True)
+    _resume_and_check(run_dir, values, recorder, reference, attempts={3: 2})
 
 
 def test_a_ledger_locked_by_another_writer_is_waited_for(tmp_path, reference):
@@ -467,11 +474,7 @@ def test_an_unwritable_checkpoint_stops_cleanly_releases_nothing_and_a_resume_wo
     assert max(r["round"] for r in recorder.records if r["kind"] == "evaluate") == 2
     assert _statuses(run_dir) == ["committed"] * 3 + ["aborted"] + ["planned"] * 2
     shutil.rmtree(blocker)
-    again = fs.Recorder(run_dir)
-    _serve(values, again)
-    _assert_same(_final(run_dir), reference.final)
-    _check_ledger(run_dir, attempts={3: 2})
-    _check_releases(recorder.records + again.records, reference, complete=True)
+    _resume_and_check(run_dir, values, recorder, reference, attempts={3: 2})
 
 
 def test_a_stop_on_error_prints_its_one_line_error_once(tmp_path, capsys):

@@ -47,7 +47,7 @@ from fedmf.ledger import Ledger
 
 from . import _fault_script as fs
 from .test_faults import (ROUNDS, _assert_same, _check_ledger, _check_releases, _final, _new_run, _recording_evaluate,
-                          _serve, _statuses, reference)
+                          _resume_and_check, _serve, _statuses, reference)
 
 __all__ = ["reference"]  # the uninterrupted run, shared with tests/test_faults.py
 
@@ -595,10 +595,7 @@ def test_a_full_disk_stops_cleanly_releases_nothing_and_a_restart_finishes(
         assert statuses[FAULT_ROUND] in ("aborted", "open") and statuses[FAULT_ROUND + 1:] == ["planned"] * 2, statuses
         assert sorted(p.name for p in run_dir.glob("round-*.pt")) in (["round-000002.pt"],
                                                                       ["round-000002.pt", "round-000003.pt"])
-    again = fs.Recorder(run_dir)
-    _serve(values, again)
-    _assert_same(_final(run_dir), reference.final)
     redone = None if where == "final" else FAULT_ROUND
-    _check_ledger(run_dir, attempts={} if redone is None else {FAULT_ROUND: 2})
-    _check_releases(recorder.records + again.records, reference, complete=True)
+    again = _resume_and_check(run_dir, values, recorder, reference,
+                              attempts={} if redone is None else {FAULT_ROUND: 2})
     _released_once(recorder.records + again.records, redone=redone)
