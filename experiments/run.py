@@ -98,6 +98,7 @@ def prepare(out: Path) -> None:
 
 def _jobs(phase: str, out: Path) -> list[dict[str, Any]]:
     jobs = []
+    results = _load(out) if phase == "final" else []  # the sweep's records, read once
     for dataset in DATASETS:
         for method in METHODS:
             epsilons = (None,) if METHODS[method] is None else EPSILONS
@@ -106,7 +107,7 @@ def _jobs(phase: str, out: Path) -> list[dict[str, Any]]:
                     jobs += [dict(dataset=dataset, method=method, epsilon=eps, server_lr=lr, seed=0)
                              for lr in SERVER_LRS]
                 elif eps is None or eps in FINAL_EPSILONS[dataset]:
-                    best = _best_lr(out, dataset, method, eps)
+                    best = _best_lr(results, dataset, method, eps)
                     jobs += [dict(dataset=dataset, method=method, epsilon=eps, server_lr=best, seed=s)
                              for s in SEEDS]
     if phase == "final":  # every configuration's first seed before any second one
@@ -131,10 +132,10 @@ def _final_accuracy(result: dict[str, Any], metric: str = "accuracy") -> float:
     return accs[-1] if accs and all(a == a for a in accs) else float("-inf")
 
 
-def _best_lr(out: Path, dataset: str, method: str, eps: float | None) -> float:
+def _best_lr(results: list[dict[str, Any]], dataset: str, method: str, eps: float | None) -> float:
     """The swept server learning rate with the best final accuracy (seed 0); DEFAULT_LR where the
     device budget left no sweep for this configuration (EXPERIMENTS.md says which)."""
-    runs = [r for r in _load(out) if r["job"]["dataset"] == dataset and r["job"]["method"] == method
+    runs = [r for r in results if r["job"]["dataset"] == dataset and r["job"]["method"] == method
             and r["job"]["epsilon"] == eps and r["job"]["seed"] == 0 and r["job"]["server_lr"] in SERVER_LRS]
     return max(runs, key=_final_accuracy)["job"]["server_lr"] if runs else DEFAULT_LR
 
@@ -248,7 +249,7 @@ def report(out: Path) -> None:
     finals = {}
     for r in results:
         j = r["job"]
-        best = _best_lr(out, j["dataset"], j["method"], j["epsilon"])
+        best = _best_lr(results, j["dataset"], j["method"], j["epsilon"])
         if j["server_lr"] != best:
             continue
         finals.setdefault((j["dataset"], j["method"], j["epsilon"]), []).append(r)
