@@ -47,6 +47,8 @@ def test_presets_are_valid_configurations():
     ["--backend", "flower", "--rounds", "2"],  # the preset's min-sep 4 > 2 rounds: no plan
     ["--backend", "flower", "--timeout", "0"], ["--backend", "flower", "--delta", "0.9"],
     ["--device", "cpu"], ["--vectorized", "--backend", "flower"], ["--vectorized", "--device", "tpu"],
+    ["--workers", "0"], ["--workers", "2", "--vectorized"], ["--workers", "2", "--backend", "flower"],
+    ["--workers", "two"],
 ])
 def test_bad_arguments_exit_2_with_one_line(tmp_path, argv):
     done = subprocess.run([sys.executable, "-m", "fedmf.cli", "simulate", "--preset", "tiny", "--out",
@@ -80,6 +82,30 @@ def test_vectorized_clients_give_the_one_at_a_time_model_within_float_tolerance(
     audits = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     fields = ("round", "status", "selected", "contributed", "dropped", "rejected", "noise_std")
     assert [[r[f] for f in fields] for r in audits[0]["rounds"]] == [[r[f] for f in fields] for r in audits[1]["rounds"]]
+
+
+def test_parallel_clients_give_the_one_at_a_time_model_bit_for_bit(tmp_path, capsys):
+    """--workers N trains N users at a time (threads): with the same secrets the final model and
+    the ledger are the one-at-a-time run's, bit for bit."""
+    import torch
+
+    from tests._federated_task import share_secrets
+
+    argv = ["simulate", "--preset", "tiny", "--rounds", "6", "--epsilon", "6", "--json", "--no-plot"]
+    assert main([*argv, "--out", str(tmp_path / "one"), "--workers", "1"]) == 0
+    share_secrets(tmp_path / "one", tmp_path / "three")
+    assert main([*argv, "--out", str(tmp_path / "three"), "--workers", "3"]) == 0
+    one, three = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert one["accuracy"] == three["accuracy"] and one["rounds_done"] == three["rounds_done"] == 6
+    a = torch.load(tmp_path / "one" / "final-model.pt")
+    b = torch.load(tmp_path / "three" / "final-model.pt")
+    assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+    for run in ("one", "three"):
+        assert main(["audit", "--ledger", str(tmp_path / run / "ledger.db"), "--json"]) == 0
+    audits = [json.loads(line)["rounds"] for line in capsys.readouterr().out.splitlines()]
+    fields = ("round", "status", "selected", "contributed", "clipped", "noise_std", "norm_min", "norm_max",
+              "checkpoint_sha256")
+    assert [[r[f] for f in fields] for r in audits[0]] == [[r[f] for f in fields] for r in audits[1]]
 
 
 def test_train_takes_exactly_one_kind_of_client_function(tmp_path):

@@ -13,8 +13,10 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import threading
 from abc import ABC, abstractmethod
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Hashable, Mapping, Sequence
 
@@ -23,7 +25,19 @@ import torch
 from fedmf.errors import ConfigError
 from fedmf.threads import one_thread
 
-__all__ = ["ClientHyper", "LocalResult", "Task", "SupervisedTask", "stable_seed", "check_int"]
+__all__ = ["ClientHyper", "LocalResult", "Task", "SupervisedTask", "stable_seed", "check_int", "MAX_WORKERS",
+           "default_workers"]
+
+#: most parallel client threads ``local_updates`` runs
+MAX_WORKERS = 256
+
+
+def default_workers() -> int:
+    """The CPUs this process may run on (parallel clients: one intra-op thread each)."""
+    try:
+        return max(1, min(len(os.sched_getaffinity(0)), MAX_WORKERS))
+    except AttributeError:  # not Linux
+        return max(1, min(os.cpu_count() or 1, MAX_WORKERS))
 
 
 def stable_seed(*parts: Any) -> int:
@@ -122,11 +136,16 @@ class Task(ABC):
 
     def local_updates(self, params: Mapping[str, torch.Tensor], users: Sequence[str], round: int,
                       hyper: ClientHyper, *, vectorized: bool = False,
-                      device: str | torch.device | None = None) -> dict[str, LocalResult]:
-        """``local_update`` of every user in ``users`` (one after another by default): {user: result}.
-        ``vectorized=True`` asks for the task's batched path (:mod:`client.tasks.vectorized`), equal to
-        the sequential one within float tolerance (not bit for bit), trained on ``device`` (default:
-        the parameters'); a task without one loops (on the CPU: ``device`` must then be None or cpu)."""
+                      device: str | torch.device | None = None, workers: int = 1) -> dict[str, LocalResult]:
+        """``local_update`` of every user in ``users``: {user: result}, in ``users``' order.
+
+        ``workers`` > 1 runs that many users at a time on as many threads (each update on one
+        intra-op thread, as always): the same bits as one after another, since every update depends
+        only on its own inputs. ``vectorized=True`` asks for the task's batched path
+        (:mod:`client.tasks.vectorized`), equal to the sequential one within float tolerance (not
+        bit for bit), trained on ``device`` (default: the parameters'); a task without one loops (on
+        the CPU: ``device`` must then be None or cpu)."""
+        check_int("workers", workers, 1, MAX_WORKERS)
         if vectorized:
             from .vectorized import vectorized_local_updates, supports_vectorized
 
@@ -135,18 +154,26 @@ class Task(ABC):
         if device is not None and torch.device(device).type != "cpu":
             raise ConfigError(f"task {self.name!r}: only vectorized clients run on {device}; this one trains "
                               "on the CPU")
-        return {user: self.local_update(params, user, round, hyper) for user in users}
+        users = list(users)
+        if workers == 1 or len(users) < 2:
+            return {user: self.local_update(params, user, round, hyper) for user in users}
+        with ThreadPoolExecutor(min(workers, len(users)), thread_name_prefix="fedmf-client") as pool:
+            results = list(pool.map(lambda user: self.local_update(params, user, round, hyper), users))
+        return dict(zip(users, results))
 
     def as_local_updates(self, hyper: ClientHyper, *, vectorized: bool = True,
-                         device: str | torch.device | None = None
+                         device: str | torch.device | None = None, workers: int = 1
                          ) -> Callable[[Mapping[str, torch.Tensor], Sequence[Hashable], int], dict[Hashable, Any]]:
         """``local_updates`` in the shape ``fedmf.federated.train(local_updates=...)`` calls:
-        (params, users, t) -> {user: delta}, the round's users trained together."""
+        (params, users, t) -> {user: delta}, the round's users trained together (``vectorized``)
+        or ``workers`` at a time."""
+        check_int("workers", workers, 1, MAX_WORKERS)
 
         def local_updates(params: Mapping[str, torch.Tensor], users: Sequence[Hashable], t: int
                           ) -> dict[Hashable, Any]:
             names = {str(user): user for user in users}
-            results = self.local_updates(params, list(names), t, hyper, vectorized=vectorized, device=device)
+            results = self.local_updates(params, list(names), t, hyper, vectorized=vectorized, device=device,
+                                         workers=workers)
             return {names[name]: result.update for name, result in results.items()}
 
         return local_updates
@@ -190,6 +217,11 @@ class SupervisedTask(Task):
         """Mean loss of one batch (cross-entropy by default); accuracy is argmax(logits) == y."""
         return torch.nn.functional.cross_entropy(logits, y)
 
+    def train_loss(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The loss local SGD differentiates on one batch: ``criterion(model(x), y)``. A task may
+        compute the same value more cheaply (the text tasks skip pad positions)."""
+        return self.criterion(model(x), y)
+
     def local_update(self, params: Mapping[str, torch.Tensor], user: str, round: int,
                      hyper: ClientHyper) -> LocalResult:
         check_int("round", round, 0)
@@ -212,7 +244,7 @@ class SupervisedTask(Task):
                 for start in range(0, n, hyper.batch_size):
                     batch = order[start:start + hyper.batch_size]
                     optimizer.zero_grad(set_to_none=True)
-                    loss = self.criterion(model(x[batch]), y[batch])
+                    loss = self.train_loss(model, x[batch], y[batch])
                     loss.backward()
                     optimizer.step()
                     total += float(loss.detach()) * len(batch)

@@ -40,7 +40,16 @@ class WordLSTM(nn.Module):
         self.output = nn.Linear(embed, num_ids, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        """ids (batch, time) → the LSTM's outputs (batch, time, hidden); causal: position t depends
+        on x[:, :t + 1] only."""
         h, _ = self.lstm(self.embedding(x))
+        return h
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """LSTM outputs (..., hidden) → logits (..., num_ids), position by position."""
         return self.output(self.dense(h))
 
 

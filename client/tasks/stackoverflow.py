@@ -183,8 +183,9 @@ class StackOverflowTask(TextTask):
 
     def users(self) -> list[str]:
         if self._users is None:
-            self._users = self.clients("train")
-            self._user_set = frozenset(self._users)
+            users = self.clients("train")
+            self._user_set = frozenset(users)  # before _users: parallel clients test _users first
+            self._users = users
         return list(self._users)
 
     def sentences(self, client: str, split: str, limit: int) -> list[str]:

@@ -107,6 +107,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     """Run the preset (with overrides) in process or on the Flower simulation engine; print the
     summary (or one JSON object)."""
     from client.tasks import ClientHyper, get_task
+    from client.tasks.base import MAX_WORKERS, default_workers
 
     from ..config import RunConfig
     from ..simulate import preset_values, simulate
@@ -119,6 +120,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         raise ConfigError("--vectorized is for --backend inprocess (on Flower every user is its own SuperNode)")
     if args.device is not None:
         _check_device(args.device)
+    if args.workers is not None:
+        if args.vectorized or args.backend == "flower":
+            raise ConfigError("--workers is for one-at-a-time clients in process (not --vectorized, not "
+                              "--backend flower: Flower runs its own ClientApp actors)")
+        if not 1 <= args.workers <= MAX_WORKERS:
+            raise ConfigError(f"--workers must be an integer in [1, {MAX_WORKERS}], got {args.workers}")
     values = preset_values(args.preset, _overrides(args))
     if args.data is not None:
         values["task-options"] = json.dumps({k: v for k, v in json.loads(values["task-options"]).items()
@@ -129,8 +136,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         result = _simulate_flower(args, values, config, task)
     else:
         hyper = ClientHyper(config.client_lr, config.local_epochs, config.batch_size)
-        clients = ({"local_updates": task.as_local_updates(hyper, device=args.device)} if args.vectorized else
-                   {"local_update": task.as_local_update(hyper)})
+        workers = default_workers() if args.workers is None else args.workers
+        if args.vectorized:
+            clients = {"local_updates": task.as_local_updates(hyper, device=args.device)}
+        elif workers > 1:  # the same bits as one at a time (each update depends on its own inputs only)
+            clients = {"local_updates": task.as_local_updates(hyper, vectorized=False, workers=workers)}
+        else:
+            clients = {"local_update": task.as_local_update(hyper)}
         result = simulate(config, model=task.model(), users=task.users(), **clients, evaluate=task.evaluate,
                           progress=not (args.quiet or args.json), plot=not args.no_plot)
     if args.json:
@@ -183,6 +195,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="train each round's users together (torch.func.vmap; in process only; equal to the "
                         "one-at-a-time clients within float tolerance, not bit for bit)")
     p.add_argument("--device", help="where --vectorized clients train: cpu, cuda or cuda:N (default: cpu)")
+    p.add_argument("--workers", type=int,
+                   help="users trained at a time in process, one thread each (default: the CPUs available); "
+                        "the same model bit for bit for any value")
     p.add_argument("--timeout", type=float, default=7 * 24 * 3600.0,
                    help="--backend flower: stop the Flower run after this many seconds (default: a week)")
     p.add_argument("--out", default="fedmf-sim", help="output directory (default: ./fedmf-sim)")
