@@ -19,24 +19,29 @@ Cases (the same task, options, hyperparameters, population and users per round o
 
 Sides (all measured on steady-state rounds: round 0 is a warm-up and is not counted; the rate is the
 median round's updates / its wall time; "start-up" is what comes before round 0):
-  inprocess      ``fedmf.federated.train`` with ``task.as_local_update`` (what ``fedmf simulate`` runs, minus
-                 the per-round held-out evaluation): the whole private round (select, local updates,
-                 clip, noise, optimizer, checkpoint, ledger commit); "client s" = time inside local_update
+  inprocess      ``fedmf.federated.train`` with ``task.as_local_updates(workers=<the CPUs>)`` (what
+                 ``fedmf simulate`` runs by default, minus the per-round held-out evaluation): the whole
+                 private round (select, local updates, clip, noise, optimizer, checkpoint, ledger commit);
+                 "client s" = time inside the clients' hook
   sequential     client work only: ``task.local_updates(params, users, t, hyper)`` (one after another)
+  parallel       client work only: ``task.local_updates(..., workers=<the CPUs>)`` (threads, the same bits)
   vectorized     client work only: ``task.local_updates(..., vectorized=True)`` on the same users and
-                 params, alternating with ``sequential`` round by round
+                 params, alternating with the two above round by round
   pfl            pfl 0.6.0's ``FederatedAveraging`` on its ``SimulatedBackend`` (no DP), the same PyTorch
-                 model (the task's WordLSTM wrapped with the task's criterion as pfl's ``loss``) and data
-                 (the task's ``user_data``), SGD with the same lr / epochs / batch; users cycled by pfl's
-                 ``MinimizeReuseUserSampler``; run in ``--pfl-python`` (pfl pins dp-accounting<0.6, fedmf pins 0.6.0)
+                 model (the task's WordLSTM with the task's plain ``criterion`` as pfl's ``loss``: what a pfl
+                 user writes) and data (the task's ``user_data``), SGD with the same lr / epochs / batch;
+                 users cycled by pfl's ``MinimizeReuseUserSampler``; one intra-op thread; run in
+                 ``--pfl-python`` (pfl pins dp-accounting<0.6, fedmf pins 0.6.0)
+  pfl-2threads   the same on two intra-op threads (targets compare with the faster of the two)
+  pfl-masked     pfl differentiating fedmf's pad-skipping ``task.train_loss`` (one thread): the same model
+                 code on both sides, so what is left of the ratio is the frameworks'
   flower-fedmf   ``fedmf simulate --backend flower``'s path (``server.launcher.run_simulation`` of the repo's
                  app with ``fedmf.simulate.flower_run_config``), one SuperNode per user, 1 CPU per ClientApp
                  actor (2 actors on 2 cores); round window = the ledger's opened_at → closed_at
   flower-fedavg  Flower's FedAvg ServerApp (benchmarks/flower_fedavg_app) on the same task, same launcher;
                  round window = configure_train start → aggregate_train end
 Threads: fedmf's ``local_update`` runs entirely on one intra-op thread (``fedmf.threads.one_thread``,
-model loading included) and reuses one model per thread; the pfl worker sets one thread for the whole
-process. Flower: two ClientApp actors of 1 CPU each.
+model loading included) and reuses one model per thread. Flower: two ClientApp actors of 1 CPU each.
 """
 
 from __future__ import annotations
@@ -68,7 +73,13 @@ for _name, _value in (("FLWR_TELEMETRY_ENABLED", "0"), ("FLWR_DISABLE_UPDATE_CHE
                       ("RAY_USAGE_STATS_ENABLED", "0")):
     os.environ[_name] = _value
 
-SIDES = ("inprocess", "sequential", "vectorized", "pfl", "flower-fedmf", "flower-fedavg")
+SIDES = ("inprocess", "sequential", "parallel", "vectorized", "pfl", "pfl-2threads", "pfl-masked", "flower-fedmf",
+         "flower-fedavg")
+#: pfl sides: (intra-op threads, loss) — "criterion" is the task's plain loss (what a pfl user writes),
+#: "masked" fedmf's pad-skipping training loss (``task.train_loss``)
+PFL_SIDES = {"pfl": (1, "criterion"), "pfl-2threads": (2, "criterion"), "pfl-masked": (1, "masked")}
+#: the pfl sides a target compares against (the best of them): pfl as its users would run it
+PFL_PLAIN = ("pfl", "pfl-2threads")
 ANCHOR_APP = _HERE / "flower_fedavg_app"
 
 
@@ -151,18 +162,20 @@ def _cohort(users: list[str], t: int, m: int) -> list[str]:
 # ---- in process ---------------------------------------------------------------------------------------
 def run_inprocess(case: Case, work: Path) -> SideResult:
     """``fedmf.federated.train`` as ``fedmf simulate`` runs it (no evaluation): whole rounds."""
+    from client.tasks.base import default_workers
     from fedmf.federated import train
 
     out = SideResult("inprocess")
     values = case.values(work / "inprocess")
     config, task, hyper = _task(values)
-    inner = task.as_local_update(hyper)
+    workers = default_workers()
+    inner = task.as_local_updates(hyper, vectorized=False, workers=workers)  # fedmf simulate's default
     client_s: dict[int, float] = {}
 
-    def local_update(params, user, t):
+    def local_updates(params, users, t):
         started = time.perf_counter()
         try:
-            return inner(params, user, t)
+            return inner(params, users, t)
         finally:
             client_s[t] = client_s.get(t, 0.0) + time.perf_counter() - started
 
@@ -175,7 +188,8 @@ def run_inprocess(case: Case, work: Path) -> SideResult:
     started = time.perf_counter()
     plan = config.build_plan()
     model = task.model()
-    train(model, task.users(), plan, local_update, server_lr=config.server_lr, checkpoint_dir=config.run_dir,
+    train(model, task.users(), plan, None, local_updates=local_updates, server_lr=config.server_lr,
+          checkpoint_dir=config.run_dir,
           on_round=on_round, on_event=lambda name, t: stamps.append(time.perf_counter())
           if (name, t) == ("guarded", 0) else None)
     out.startup_s = stamps[0] - started
@@ -185,26 +199,30 @@ def run_inprocess(case: Case, work: Path) -> SideResult:
     return out
 
 
-def run_client_loops(case: Case, work: Path) -> tuple[SideResult, SideResult]:
-    """Client work only, round by round on the same users and params: sequential, then vectorized."""
+def run_client_loops(case: Case, work: Path) -> tuple[SideResult, SideResult, SideResult]:
+    """Client work only, round by round on the same users and params: sequential, parallel
+    (``workers`` = the CPUs), vectorized."""
+    from client.tasks.base import default_workers
+
     values = case.values(work / "loops")
     _, task, hyper = _task(values)
     users = task.users()
     params = task.model().state_dict()
-    seq, vec = SideResult("sequential"), SideResult("vectorized")
+    seq, par, vec = SideResult("sequential"), SideResult("parallel"), SideResult("vectorized")
     for t in range(case.rounds):
         cohort = _cohort(users, t, case.users_per_round)
-        for side, vectorized in ((seq, False), (vec, True)):
+        for side, options in ((seq, {}), (par, {"workers": default_workers()}), (vec, {"vectorized": True})):
             started = time.perf_counter()
-            results = task.local_updates(params, cohort, t, hyper, vectorized=vectorized)
+            results = task.local_updates(params, cohort, t, hyper, **options)
             side.round_s.append(time.perf_counter() - started)
             side.updates.append(len(results))
-    return seq, vec
+    return seq, par, vec
 
 
 # ---- pfl ----------------------------------------------------------------------------------------------
-def pfl_worker(case: Case) -> dict[str, Any]:
-    """pfl's FedAvg simulation of ``case`` (run inside an interpreter that has pfl)."""
+def pfl_worker(case: Case, threads: int, loss: str) -> dict[str, Any]:
+    """pfl's FedAvg simulation of ``case`` (run inside an interpreter that has pfl) on ``threads``
+    intra-op threads, differentiating the task's ``criterion`` or its ``train_loss`` (``masked``)."""
     from pfl.aggregate.simulate import SimulatedBackend
     from pfl.algorithm import FederatedAveraging, NNAlgorithmParams
     from pfl.callback.base import TrainingProcessCallback
@@ -215,7 +233,7 @@ def pfl_worker(case: Case) -> dict[str, Any]:
     from pfl.metrics import Metrics, Weighted
     from pfl.model.pytorch import PyTorchModel
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     work = Path(tempfile.mkdtemp(prefix="fedmf-bench-pfl-"))
     try:
         _, task, hyper = _task(case.values(work / "pfl"))
@@ -234,6 +252,8 @@ def pfl_worker(case: Case) -> dict[str, Any]:
 
         def loss(self, x: torch.Tensor, y: torch.Tensor, eval: bool = False) -> torch.Tensor:
             self.eval() if eval else self.train()
+            if loss == "masked":
+                return task.train_loss(self.net, x, y)
             return task.criterion(self.net(x), y)
 
         @torch.no_grad()
@@ -271,9 +291,11 @@ def pfl_worker(case: Case) -> dict[str, Any]:
             "version": getattr(pfl, "__version__", "?")}
 
 
-def run_pfl(case: Case, quick: bool, python: str) -> SideResult:
-    out = SideResult("pfl")
-    command = [python, str(Path(__file__).resolve()), "--pfl-worker", case.name] + (["--quick"] if quick else [])
+def run_pfl(case: Case, quick: bool, python: str, side: str = "pfl") -> SideResult:
+    out = SideResult(side)
+    threads, loss = PFL_SIDES[side]
+    command = [python, str(Path(__file__).resolve()), "--pfl-worker", case.name, "--pfl-threads", str(threads),
+               "--pfl-loss", loss] + (["--quick"] if quick else [])
     done = subprocess.run(command, capture_output=True, text=True, timeout=3600)
     if done.returncode != 0:
         out.error = (done.stderr.strip().splitlines() or ["pfl worker failed"])[-1][:300]
@@ -367,11 +389,12 @@ def _fmt(x: float | None, spec: str) -> str:
 
 def table(results: list[dict[str, Any]]) -> str:
     head = ("| case | parameters | users/round | side | updates/s | ms/update (median) | min–max | client ms/update | "
-            "start-up s | vs pfl | vs Flower FedAvg |")
+            "start-up s | vs pfl (best) | vs Flower FedAvg |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in results:
         sides = r["sides"]
-        pfl = sides.get("pfl", {}).get("updates_per_s")
+        pfl = max((sides[k]["updates_per_s"] or 0.0 for k in PFL_PLAIN if k in sides and not sides[k]["error"]),
+                  default=0.0) or None
         fedavg = sides.get("flower-fedavg", {}).get("updates_per_s")
         for name, s in sides.items():
             rate = s["updates_per_s"]
@@ -400,12 +423,16 @@ def targets(results: list[dict[str, Any]]) -> list[str]:
     for r in results:
         sides = r["sides"]
         rate = {k: v["updates_per_s"] for k, v in sides.items() if not v["error"] and v["updates_per_s"]}
-        local = {k: rate[k] for k in ("inprocess", "sequential", "vectorized") if k in rate}
-        if local and "pfl" in rate and r["case"] in PFL_TARGET:
-            best = max(local, key=local.get)
-            ratio = local[best] / rate["pfl"]
-            lines.append(f"{r['case']}: in process ({best}) / pfl = {ratio:.2f}x, target >= "
+        local = {k: rate[k] for k in ("inprocess", "sequential", "parallel", "vectorized") if k in rate}
+        plain = {k: rate[k] for k in PFL_PLAIN if k in rate}
+        if local and plain and r["case"] in PFL_TARGET:
+            best, pfl = max(local, key=local.get), max(plain, key=plain.get)
+            ratio = local[best] / plain[pfl]
+            lines.append(f"{r['case']}: in process ({best}) / pfl ({pfl}, the faster) = {ratio:.2f}x, target >= "
                          f"{PFL_TARGET[r['case']]:g}x: {'met' if ratio >= PFL_TARGET[r['case']] else 'NOT met'}")
+            if "inprocess" in local and "pfl-masked" in rate:
+                lines.append(f"{r['case']}: whole private rounds (inprocess) / pfl with fedmf's masked loss = "
+                             f"{local['inprocess'] / rate['pfl-masked']:.2f}x (same model code on both sides)")
         if "flower-fedmf" in rate and "flower-fedavg" in rate:
             ratio = rate["flower-fedavg"] / rate["flower-fedmf"]
             lines.append(f"{r['case']}: fedmf's Flower backend takes {ratio:.2f}x Flower FedAvg's time per update, "
@@ -462,18 +489,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None, help="write the results as JSON to this path")
     parser.add_argument("--quick", action="store_true", help="fewer rounds and users: a validation run")
     parser.add_argument("--pfl-worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--pfl-threads", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--pfl-loss", default="criterion", choices=("criterion", "masked"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     cases = make_cases(args.quick)
     if args.pfl_worker:
-        print(json.dumps(pfl_worker(cases[args.pfl_worker])))
+        print(json.dumps(pfl_worker(cases[args.pfl_worker], args.pfl_threads, args.pfl_loss)))
         return 0
     skip = {s for s in args.skip.split(",") if s}
     unknown = skip - set(SIDES)
     if unknown:
         parser.error(f"unknown sides {sorted(unknown)}")
     python = args.pfl_python or (sys.executable if pfl_available(sys.executable) else "/tmp/pflvenv/bin/python")
-    pfl_version = None if "pfl" in skip else pfl_available(python)
-    pfl_label = pfl_version or ("skipped" if "pfl" in skip else "not available")
+    pfl_skipped = set(PFL_SIDES) <= skip
+    pfl_version = None if pfl_skipped else pfl_available(python)
+    pfl_label = pfl_version or ("skipped" if pfl_skipped else "not available")
     import flwr
 
     print(f"# {platform.node()} {os.cpu_count()} CPUs, torch {torch.__version__}, flwr {flwr.__version__}, "
@@ -491,11 +521,14 @@ def main(argv: list[str] | None = None) -> int:
                 measured: list[SideResult] = []
                 if "inprocess" in runs:
                     measured += _guarded(("inprocess",), lambda: run_inprocess(case, work))
-                if "sequential" in runs or "vectorized" in runs:
-                    measured += _guarded(("sequential", "vectorized"), lambda: run_client_loops(case, work))
-                if "pfl" in runs:
-                    measured += _guarded(("pfl",), lambda: run_pfl(case, args.quick, python) if pfl_version else
-                                         SideResult("pfl", error=f"pfl not importable in {python}"))
+                if {"sequential", "parallel", "vectorized"} & set(runs):
+                    measured += _guarded(("sequential", "parallel", "vectorized"),
+                                         lambda: run_client_loops(case, work))
+                for side in PFL_SIDES:
+                    if side in runs:
+                        measured += _guarded((side,), lambda side=side: run_pfl(case, args.quick, python, side)
+                                             if pfl_version else
+                                             SideResult(side, error=f"pfl not importable in {python}"))
                 if "flower-fedmf" in runs:
                     measured += _guarded(("flower-fedmf",), lambda: run_flower_fedmf(case, work, args.flower_timeout))
                 if "flower-fedavg" in runs:
