@@ -15,8 +15,10 @@ def one_thread(device: torch.device | str | None = None) -> Iterator[None]:
     """Run torch's CPU ops on one intra-op thread inside the block (results then do not depend
     on the process's thread count, and memory-bound passes skip an OpenMP team's wake-ups,
     which cost more than they save at these sizes on a busy machine). No-op for accelerators.
-    It sets torch's process-wide thread count for the block: use it from one thread at a time
-    (a thread that first touches torch inside another thread's block starts with one thread)."""
+    The count it sets is the calling thread's (OpenMP's per-thread nthreads-var): blocks in
+    several threads at once do not change each other's count or the main thread's, but a thread
+    that first touches torch while a block is open starts with one thread (torch also records
+    the last count set as new threads' default)."""
     if device is not None and torch.device(device).type != "cpu":
         yield
         return

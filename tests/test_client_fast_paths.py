@@ -105,6 +105,11 @@ def test_parallel_clients_give_the_same_bits_as_one_at_a_time(name):
             for key in params:
                 assert torch.equal(many[user].update[key], one[user].update[key]), (user, key)
     assert torch.get_num_threads() == threads_before  # the workers' one-thread blocks are their own
+    fresh: list[int] = []  # and a thread started afterwards gets the process's count, not one
+    thread = threading.Thread(target=lambda: fresh.append(torch.get_num_threads()))
+    thread.start()
+    thread.join()
+    assert fresh == [threads_before]
 
 
 def test_parallel_clients_pass_a_bad_user_up_as_one_error():

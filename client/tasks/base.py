@@ -157,8 +157,12 @@ class Task(ABC):
         users = list(users)
         if workers == 1 or len(users) < 2:
             return {user: self.local_update(params, user, round, hyper) for user in users}
-        with ThreadPoolExecutor(min(workers, len(users)), thread_name_prefix="fedmf-client") as pool:
-            results = list(pool.map(lambda user: self.local_update(params, user, round, hyper), users))
+        threads = torch.get_num_threads()
+        try:
+            with ThreadPoolExecutor(min(workers, len(users)), thread_name_prefix="fedmf-client") as pool:
+                results = list(pool.map(lambda user: self.local_update(params, user, round, hyper), users))
+        finally:  # the workers' one-thread blocks leave torch's default for new threads at 1: restore it
+            torch.set_num_threads(threads)
         return dict(zip(users, results))
 
     def as_local_updates(self, hyper: ClientHyper, *, vectorized: bool = True,
