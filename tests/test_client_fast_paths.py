@@ -146,3 +146,62 @@ def test_lru_is_safe_under_threads_and_pickles_empty():
     assert len(cache._data) <= 3
     copy = pickle.loads(pickle.dumps(cache))
     assert copy.size == 3 and not copy._data and copy.get("5", lambda: 10) == 10
+
+
+def test_softmax_cross_entropy_refuses_what_it_does_not_compute():
+    logits = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
+    loss = softmax_cross_entropy(logits, torch.tensor([0, 1, 4])) + (logits ** 3).sum()
+    with pytest.raises(RuntimeError, match="first-order only"):  # no silently wrong Hessian
+        torch.autograd.grad(loss, logits, create_graph=True)
+    with pytest.raises(ValueError, match="N >= 1"):
+        softmax_cross_entropy(torch.zeros(0, 5), torch.zeros(0, dtype=torch.int64))
+    with pytest.raises(ValueError, match="N >= 1"):
+        softmax_cross_entropy(torch.zeros(2, 5), torch.zeros(3, dtype=torch.int64))
+
+
+def test_a_subclass_criterion_or_another_model_gets_no_shortcut(monkeypatch):
+    """The shortcut is TextTask's own masked cross-entropy on a WordLSTM; a subclass with another
+    criterion, or a model without that structure, trains on criterion(model(x), y)."""
+    task = _so_tiny()
+    model = task.model().double()
+    x, y = task.user_data("2")
+    x, y = x[:6], y[:6]
+
+    def doubled(self, logits, targets):
+        return 2 * TextTask.criterion(self, logits, targets)
+
+    monkeypatch.setattr(type(task), "criterion", doubled)
+    assert float(task.train_loss(model, x, y).detach()) == pytest.approx(
+        2 * float(TextTask.criterion(task, model(x), y).detach()), rel=1e-13)
+    monkeypatch.undo()
+
+    class Wrapped(torch.nn.Module):  # same outputs, not a WordLSTM
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, ids):
+            return self.inner(ids)
+
+    calls = []
+    monkeypatch.setattr(TextTask, "criterion", lambda self, logits, targets: calls.append(1) or
+                        torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                                          ignore_index=PAD))
+    task.train_loss(Wrapped(model), x, y)
+    assert calls == [1]
+
+
+def test_parallel_clients_train_the_same_under_no_grad_and_refuse_vectorized_workers():
+    task = get_task("tiny", num_users=6)
+    params = {k: v.clone() for k, v in task.model().state_dict().items()}
+    hyper = ClientHyper(0.5, 1, 8)
+    users = task.users()
+    with torch.no_grad():  # grad mode is per thread: local_update turns it on wherever it runs
+        one = task.local_updates(params, users, 0, hyper)
+        many = task.local_updates(params, users, 0, hyper, workers=3)
+    for user in users:
+        assert all(torch.equal(one[user].update[k], many[user].update[k]) for k in params)
+    from fedmf.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="vectorized=False"):
+        task.as_local_updates(hyper, workers=2)

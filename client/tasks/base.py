@@ -33,11 +33,20 @@ MAX_WORKERS = 256
 
 
 def default_workers() -> int:
-    """The CPUs this process may run on (parallel clients: one intra-op thread each)."""
+    """The CPUs this process may use (parallel clients: one intra-op thread each): its CPU
+    affinity, capped by a cgroup v2 CPU quota (a container's ``--cpus``) when there is one."""
     try:
-        return max(1, min(len(os.sched_getaffinity(0)), MAX_WORKERS))
+        cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        return max(1, min(os.cpu_count() or 1, MAX_WORKERS))
+        cpus = os.cpu_count() or 1
+    try:
+        with open("/sys/fs/cgroup/cpu.max", encoding="ascii") as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            cpus = min(cpus, max(1, int(quota) // int(period)))
+    except (OSError, ValueError):
+        pass
+    return max(1, min(cpus, MAX_WORKERS))
 
 
 def stable_seed(*parts: Any) -> int:
@@ -158,10 +167,15 @@ class Task(ABC):
         if workers == 1 or len(users) < 2:
             return {user: self.local_update(params, user, round, hyper) for user in users}
         threads = torch.get_num_threads()
+        pool = ThreadPoolExecutor(min(workers, len(users)), thread_name_prefix="fedmf-client")
         try:
-            with ThreadPoolExecutor(min(workers, len(users)), thread_name_prefix="fedmf-client") as pool:
-                results = list(pool.map(lambda user: self.local_update(params, user, round, hyper), users))
+            futures = [pool.submit(self.local_update, params, user, round, hyper) for user in users]
+            results = [future.result() for future in futures]
+        except BaseException:  # a failing user (or Ctrl-C): do not train the users still queued
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
         finally:  # the workers' one-thread blocks leave torch's default for new threads at 1: restore it
+            pool.shutdown(wait=True)
             torch.set_num_threads(threads)
         return dict(zip(users, results))
 
@@ -172,6 +186,8 @@ class Task(ABC):
         (params, users, t) -> {user: delta}, the round's users trained together (``vectorized``)
         or ``workers`` at a time."""
         check_int("workers", workers, 1, MAX_WORKERS)
+        if vectorized and workers > 1:
+            raise ConfigError("workers is for one-at-a-time clients: give vectorized=False with workers > 1")
 
         def local_updates(params: Mapping[str, torch.Tensor], users: Sequence[Hashable], t: int
                           ) -> dict[Hashable, Any]:
@@ -233,7 +249,7 @@ class SupervisedTask(Task):
             raise ConfigError(f"hyper must be a ClientHyper, got {type(hyper).__name__}")
         # one thread for all of it, loading included: waking a second thread costs ~1 ms per small
         # op on a busy machine (benchmarks/simulate.py: 1.7-1.8x faster per update)
-        with one_thread():
+        with one_thread(), torch.enable_grad():  # grad mode is per thread: the same in every worker
             x, y = self.user_data(user)
             model = self._work_model(params)
             model.train()

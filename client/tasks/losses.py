@@ -38,10 +38,16 @@ class _SoftmaxCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:
+        if torch.is_grad_enabled():  # create_graph=True: the saved gradient is a constant, its derivative wrong
+            raise RuntimeError("softmax_cross_entropy is first-order only (no create_graph, no double backward)")
         (grad,) = ctx.saved_tensors
         return grad * grad_output, None
 
 
 def softmax_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of ``logits`` (N, C) against int64 class ids ``targets`` (N,), N ≥ 1."""
+    """Mean cross-entropy of ``logits`` (N, C) against int64 class ids ``targets`` (N,), N ≥ 1
+    (not for torch.func transforms)."""
+    if logits.ndim != 2 or targets.shape != logits.shape[:1] or len(targets) == 0:
+        raise ValueError(f"softmax_cross_entropy needs logits (N, C) and targets (N,) with N >= 1, got "
+                         f"{tuple(logits.shape)} and {tuple(targets.shape)}")
     return _SoftmaxCrossEntropy.apply(logits, targets)

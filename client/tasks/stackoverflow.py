@@ -198,7 +198,8 @@ class StackOverflowTask(TextTask):
         return to_xy([self.vocab.encode(s.split(" ")) for s in sentences])
 
     def user_data(self, user: str) -> tuple[torch.Tensor, torch.Tensor]:
-        self.users()
+        if self._users is None:
+            self.users()
         if not isinstance(user, str) or user not in self._user_set:
             raise ConfigError(f"unknown stackoverflow user {user!r} (not a train client)")
         return self._cache.get(user, lambda: self._encode(

@@ -26,7 +26,7 @@ from fedmf.threads import one_thread
 
 from .base import SupervisedTask, check_int, stable_seed
 from .losses import softmax_cross_entropy
-from .models import MODEL_SIZES, empty_word_model, make_word_model
+from .models import MODEL_SIZES, WordLSTM, empty_word_model, make_word_model
 
 __all__ = ["SEQ_LEN", "PAD", "Vocab", "special_ids", "frame", "to_xy", "read_word_counts", "top_words",
            "TextTask", "LRU", "check_model_size", "check_float"]
@@ -194,8 +194,8 @@ class TextTask(SupervisedTask):
         softmax on the non-pad positions (pad targets add nothing to the masked mean or its
         gradient). About half of a text batch is padding: 1.6x faster per update (BENCHMARKS.md)."""
         split = _split_positions(model, y)
-        if split is None:
-            return self.criterion(model(x), y)
+        if split is None or type(self).criterion is not TextTask.criterion:  # another loss: no shortcut
+            return super().train_loss(model, x, y)
         steps, keep = split
         return softmax_cross_entropy(model.head(model.features(x[:, :steps])[keep]), y[:, :steps][keep])
 
@@ -236,10 +236,10 @@ class TextTask(SupervisedTask):
 
 
 def _split_positions(model: torch.nn.Module, y: torch.Tensor) -> tuple[int, torch.Tensor] | None:
-    """(steps, keep) for a model with ``features``/``head`` (:class:`WordLSTM`): the positions up to
+    """(steps, keep) for a :class:`WordLSTM` (causal; ``features`` then a per-position ``head``): the positions up to
     the batch's last non-pad target, and the non-pad mask over them; None to run the whole model
     (another model, or a batch without targets)."""
-    if not (hasattr(model, "features") and hasattr(model, "head")):
+    if not isinstance(model, WordLSTM):  # the shortcut needs a causal model with a per-position head
         return None
     columns = (y != PAD).any(dim=0).nonzero()
     if len(columns) == 0:
