@@ -220,7 +220,7 @@ def run_client_loops(case: Case, work: Path) -> tuple[SideResult, SideResult, Si
 
 
 # ---- pfl ----------------------------------------------------------------------------------------------
-def pfl_worker(case: Case, threads: int, loss: str) -> dict[str, Any]:
+def pfl_worker(case: Case, threads: int, loss_kind: str) -> dict[str, Any]:
     """pfl's FedAvg simulation of ``case`` (run inside an interpreter that has pfl) on ``threads``
     intra-op threads, differentiating the task's ``criterion`` or its ``train_loss`` (``masked``)."""
     from pfl.aggregate.simulate import SimulatedBackend
@@ -252,7 +252,7 @@ def pfl_worker(case: Case, threads: int, loss: str) -> dict[str, Any]:
 
         def loss(self, x: torch.Tensor, y: torch.Tensor, eval: bool = False) -> torch.Tensor:
             self.eval() if eval else self.train()
-            if loss == "masked":
+            if loss_kind == "masked":
                 return task.train_loss(self.net, x, y)
             return task.criterion(self.net(x), y)
 

@@ -34,11 +34,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from client.tasks import ClientHyper, get_task
     from client.tasks.base import default_workers
-    from fedmf.simulate import PRESETS
+    from fedmf.config import RunConfig
+    from fedmf.simulate import preset_values
 
-    preset = PRESETS["so-paper"]
-    task = get_task(preset["task"], **preset["task-options"])
-    hyper = ClientHyper(preset["client-lr"], preset.get("local-epochs", 1), preset["batch-size"])
+    config = RunConfig.from_mapping(preset_values("so-paper", {"run-dir": "unused"}))
+    task = get_task(config.task, **config.task_options)
+    hyper = ClientHyper(config.client_lr, config.local_epochs, config.batch_size)
     params = {k: v.detach().clone() for k, v in task.model().state_dict().items()}
     workers = default_workers()
     users = task.users()
@@ -58,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
               f" {workers} workers {many[-1]:.3f} s/update", flush=True)
     per_update = statistics.median(one)
     per_update_parallel = statistics.median(many)
-    rounds, users_per_round = preset["rounds"], int(preset["clients-per-round"])
+    rounds, users_per_round = config.rounds, int(config.clients_per_round)
     core_s = per_update * users_per_round
     out = {
         "s_per_update_one_thread": per_update, "s_per_update_with_workers": per_update_parallel,

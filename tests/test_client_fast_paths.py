@@ -76,7 +76,7 @@ def test_text_training_and_evaluation_match_the_whole_model_path(monkeypatch):
     fast_eval = task.evaluate(model)
     # the whole-model path: the base class's loss, every position through the head
     monkeypatch.setattr(TextTask, "train_loss", SupervisedTask.train_loss)
-    monkeypatch.setattr("client.tasks.text._split_positions", lambda model, y: None)
+    monkeypatch.setattr("client.tasks.text._target_logits", lambda model, x, y: None)
     slow = task.local_update(params, "3", 1, hyper)
     slow_eval = task.evaluate(model)
     assert fast.metrics["train-loss"] == pytest.approx(slow.metrics["train-loss"], rel=1e-5)

@@ -193,11 +193,10 @@ class TextTask(SupervisedTask):
         the LSTM runs up to the batch's last non-pad target (it is causal), the head and the
         softmax on the non-pad positions (pad targets add nothing to the masked mean or its
         gradient). About half of a text batch is padding: 1.6x faster per update (BENCHMARKS.md)."""
-        split = _split_positions(model, y)
-        if split is None or type(self).criterion is not TextTask.criterion:  # another loss: no shortcut
+        targeted = _target_logits(model, x, y) if type(self).criterion is TextTask.criterion else None
+        if targeted is None:  # another loss or model, or no target: the whole model, the criterion
             return super().train_loss(model, x, y)
-        steps, keep = split
-        return softmax_cross_entropy(model.head(model.features(x[:, :steps])[keep]), y[:, :steps][keep])
+        return softmax_cross_entropy(*targeted)
 
     def _score(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
         """Token-weighted over all rows: loss and accuracy without pad; accuracy without pad, OOV
@@ -211,13 +210,8 @@ class TextTask(SupervisedTask):
                 chunk = _EVAL_CHUNK if x.device.type == "cpu" else _EVAL_CHUNK_ACCELERATOR
                 for start in range(0, len(y), chunk):
                     xb, yb = x[start:start + chunk], y[start:start + chunk]
-                    split = _split_positions(model, yb)
-                    if split is None:
-                        logits = model(xb)
-                    else:  # logits of the non-pad targets only (they alone are scored)
-                        steps, keep = split
-                        xb, yb = xb[:, :steps], yb[:, :steps][keep]
-                        logits = model.head(model.features(xb)[keep])
+                    targeted = _target_logits(model, xb, yb)  # the non-pad targets alone are scored
+                    logits, yb = (model(xb), yb) if targeted is None else targeted
                     loss_sum += float(torch.nn.functional.cross_entropy(
                         logits.reshape(-1, logits.shape[-1]), yb.reshape(-1), ignore_index=PAD, reduction="sum"))
                     hit = logits.argmax(dim=-1) == yb
@@ -235,17 +229,19 @@ class TextTask(SupervisedTask):
                 "accuracy_no_oov_eos": correct2 / tokens2 if tokens2 else 0.0}
 
 
-def _split_positions(model: torch.nn.Module, y: torch.Tensor) -> tuple[int, torch.Tensor] | None:
-    """(steps, keep) for a :class:`WordLSTM` (causal; ``features`` then a per-position ``head``): the positions up to
-    the batch's last non-pad target, and the non-pad mask over them; None to run the whole model
-    (another model, or a batch without targets)."""
-    if not isinstance(model, WordLSTM):  # the shortcut needs a causal model with a per-position head
+def _target_logits(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(logits, targets) of the batch's non-pad targets only, for a :class:`WordLSTM` (causal:
+    ``features`` runs up to the last non-pad target; ``head`` is per position); None to run the
+    whole model (another model, or a batch without targets)."""
+    if not isinstance(model, WordLSTM):
         return None
     columns = (y != PAD).any(dim=0).nonzero()
     if len(columns) == 0:
         return None
     steps = int(columns[-1]) + 1
-    return steps, y[:, :steps] != PAD
+    keep = y[:, :steps] != PAD
+    return model.head(model.features(x[:, :steps])[keep]), y[:, :steps][keep]
 
 
 def common_options(task: str, out: dict[str, Any]) -> dict[str, Any]:
