@@ -78,8 +78,27 @@ def preset_values(name: str, overrides: Mapping[str, Any] | None = None) -> dict
             values[key] = value
     if (overrides or {}).get("noise-multiplier"):  # an explicit z replaces the preset's target ε
         values.pop("target-epsilon", None)
+    if "num-bands" not in (overrides or {}) and not _preset_bands_apply(values):
+        values.pop("num-bands", None)  # the preset's bands were for its own mechanism and geometry: the default
     values["task-options"] = json.dumps(values.get("task-options", {}), sort_keys=True)
     return values
+
+
+#: kinds whose number of bands is a parameter (the others refuse or ignore --bands)
+_BANDED_KINDS = ("bsr", "bisr", "bifr", "banded", "banded-toeplitz", "robust")
+
+
+def _preset_bands_apply(values: Mapping[str, Any]) -> bool:
+    """Whether a preset's ``num-bands`` still fits after overrides: a banded kind, at most the rounds
+    and at most min-sep (a banded C keeps its MinSep sensitivity only up to b bands)."""
+    bands = values.get("num-bands")
+    if not bands:
+        return True
+    try:
+        limit = min(int(values.get("rounds", DEFAULTS["rounds"])), int(values.get("min-sep", DEFAULTS["min-sep"])))
+    except (TypeError, ValueError):
+        return True  # a bad value is RunConfig's to report, in one line
+    return values.get("mechanism") in _BANDED_KINDS and bands <= limit
 
 
 @dataclass

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from fedmf.cli import main
+from fedmf.errors import FedmfError
 from fedmf.simulate import PRESETS, preset_values
 
 
@@ -38,6 +39,26 @@ def test_presets_are_valid_configurations():
     for name in PRESETS:
         config = RunConfig.from_mapping(preset_values(name, {"run-dir": "x"}))
         assert config.rounds >= 1 and config.task
+
+
+def test_a_presets_bands_give_way_to_another_mechanism_or_geometry():
+    """so-small's 32 bands are for its banded-toeplitz over 300 rounds with min-sep 50: another
+    kind, or fewer rounds / a smaller min-sep, gets the default instead of an error about a flag
+    the user never gave; bands the user gives are kept (and checked)."""
+    from fedmf.config import RunConfig
+
+    def bands(overrides):
+        return RunConfig.from_mapping(preset_values("so-small", {"run-dir": "x", **overrides})).num_bands
+
+    assert bands({}) == 32 and bands({"mechanism": "bsr"}) == 32 and bands({"min-sep": 32}) == 32
+    for overrides in ({"mechanism": "dp-sgd"}, {"mechanism": "blt"}, {"mechanism": "tree"},
+                      {"rounds": 20, "min-sep": 10}, {"min-sep": 31}):
+        assert bands(overrides) is None, overrides  # the mechanism's default, min(b, 64, n)
+    assert bands({"num-bands": 8, "mechanism": "bsr"}) == 8
+    RunConfig.from_mapping(preset_values("so-small", {"run-dir": "x", "mechanism": "dp-sgd"})).build_plan()
+    with pytest.raises(FedmfError, match="does not apply to dp-sgd"):
+        RunConfig.from_mapping(preset_values("so-small", {"run-dir": "x", "mechanism": "dp-sgd",
+                                                          "num-bands": 3})).build_plan()
 
 
 @pytest.mark.parametrize("argv", [
