@@ -220,12 +220,15 @@ def _worker(args: tuple[dict[str, Any], str, str]) -> str:
         return f"{_key(job)}: FAILED {type(e).__name__}: {e}"
 
 
-def run(out: Path, phase: str, device: str, workers: int, only: str | None, skip: str | None = None) -> None:
+def run(out: Path, phase: str, device: str, workers: int, only: str | None, skip: str | None = None,
+        epsilon: float | None = None) -> None:
     import multiprocessing as mp
 
     jobs = _jobs(phase, out)
     if only:
         jobs = [j for j in jobs if j["dataset"] == only]
+    if epsilon is not None:  # this ε's runs (and the no-noise ones, which have none)
+        jobs = [j for j in jobs if j["epsilon"] in (epsilon, None)]
     if skip:
         jobs = [j for j in jobs if j["method"] not in skip.split(",")]
     todo = [j for j in jobs if not (out / "results" / f"{_key(j)}.json").exists()]
@@ -312,6 +315,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--only", choices=sorted(DATASETS))
     parser.add_argument("--skip", help="methods to leave out of this run, comma-separated")
+    parser.add_argument("--epsilon", type=float, help="only this ε's runs (and no noise)")
     args = parser.parse_args()
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -319,7 +323,7 @@ def main() -> None:
     if args.step == "prepare":
         prepare(out)
     elif args.step == "run":
-        run(out, args.phase, args.device, args.workers, args.only, args.skip)
+        run(out, args.phase, args.device, args.workers, args.only, args.skip, args.epsilon)
     else:
         report(out)
 
