@@ -40,7 +40,7 @@ METHODS: dict[str, str | None] = {"banded-toeplitz": "banded-toeplitz", "blt": "
                                   "robust": "robust", "dp-fedavg": "dp-sgd", "no-noise": None}
 EPSILONS = (2.0, 8.0)
 SEEDS = (0, 1, 2)
-SERVER_LRS = (0.5, 1.0, 2.0)
+SERVER_LRS = (0.25, 0.5, 1.0, 2.0)
 #: the final runs' ε per dataset (shakespeare's 40 users per round learn nothing at ε = 2: the sweep shows it)
 FINAL_EPSILONS = {"so-small": (2.0, 8.0), "shakespeare": (8.0,)}
 #: the server learning rate of configurations without a sweep (chosen by 5 of the 6 complete sweeps that learn)
@@ -221,7 +221,7 @@ def _worker(args: tuple[dict[str, Any], str, str]) -> str:
 
 
 def run(out: Path, phase: str, device: str, workers: int, only: str | None, skip: str | None = None,
-        epsilon: float | None = None) -> None:
+        epsilon: float | None = None, lrs: str | None = None) -> None:
     import multiprocessing as mp
 
     jobs = _jobs(phase, out)
@@ -229,6 +229,8 @@ def run(out: Path, phase: str, device: str, workers: int, only: str | None, skip
         jobs = [j for j in jobs if j["dataset"] == only]
     if epsilon is not None:  # this ε's runs (and the no-noise ones, which have none)
         jobs = [j for j in jobs if j["epsilon"] in (epsilon, None)]
+    if lrs:
+        jobs = [j for j in jobs if j["server_lr"] in {float(x) for x in lrs.split(",")}]
     if skip:
         jobs = [j for j in jobs if j["method"] not in skip.split(",")]
     todo = [j for j in jobs if not (out / "results" / f"{_key(j)}.json").exists()]
@@ -316,6 +318,7 @@ def main() -> None:
     parser.add_argument("--only", choices=sorted(DATASETS))
     parser.add_argument("--skip", help="methods to leave out of this run, comma-separated")
     parser.add_argument("--epsilon", type=float, help="only this ε's runs (and no noise)")
+    parser.add_argument("--lrs", help="only these server learning rates, comma-separated")
     args = parser.parse_args()
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -323,7 +326,7 @@ def main() -> None:
     if args.step == "prepare":
         prepare(out)
     elif args.step == "run":
-        run(out, args.phase, args.device, args.workers, args.only, args.skip, args.epsilon)
+        run(out, args.phase, args.device, args.workers, args.only, args.skip, args.epsilon, args.lrs)
     else:
         report(out)
 
