@@ -43,7 +43,8 @@ SEEDS = (0, 1, 2)
 SERVER_LRS = (0.03125, 0.0625, 0.125, 0.25, 0.5, 1.0, 2.0)
 #: the final runs' ε per dataset (shakespeare's 40 users per round learn nothing at ε = 2: the sweep shows it)
 FINAL_EPSILONS = {"so-small": (2.0, 8.0), "shakespeare": (8.0,)}
-#: the server learning rate of configurations without a sweep (chosen by 5 of the 6 complete sweeps that learn)
+#: the server learning rate of a configuration with no sweep record yet (the first sweep's common best;
+#: independent noise prefers far smaller steps: EXPERIMENTS.md)
 DEFAULT_LR = 0.5
 NO_NOISE_Z = 1e-9
 EVAL_EVERY = 10
