@@ -231,7 +231,8 @@ def run(out: Path, phase: str, device: str, workers: int, only: str | None, skip
     if epsilon is not None:  # this ε's runs (and the no-noise ones, which have none)
         jobs = [j for j in jobs if j["epsilon"] in (epsilon, None)]
     if lrs:
-        jobs = [j for j in jobs if j["server_lr"] in {float(x) for x in lrs.split(",")}]
+        rates = {float(x) for x in lrs.split(",")}
+        jobs = [j for j in jobs if j["server_lr"] in rates]
     if skip:
         jobs = [j for j in jobs if j["method"] not in skip.split(",")]
     todo = [j for j in jobs if not (out / "results" / f"{_key(j)}.json").exists()]

@@ -70,27 +70,26 @@ def preset_values(name: str, overrides: Mapping[str, Any] | None = None) -> dict
     """A preset's RunConfig values with ``overrides`` applied (``task-options`` merged)."""
     if name not in PRESETS:
         raise ConfigError(f"unknown preset {name!r} (known: {', '.join(PRESETS)})")
+    overrides = overrides or {}
     values = {k: (dict(v) if isinstance(v, dict) else v) for k, v in PRESETS[name].items()}
-    for key, value in (overrides or {}).items():
+    for key, value in overrides.items():
         if key == "task-options":
             values["task-options"] = {**values.get("task-options", {}), **value}
         else:
             values[key] = value
-    if (overrides or {}).get("noise-multiplier"):  # an explicit z replaces the preset's target ε
+    if overrides.get("noise-multiplier"):  # an explicit z replaces the preset's target ε
         values.pop("target-epsilon", None)
-    if "num-bands" not in (overrides or {}) and not _preset_bands_apply(values):
+    if "num-bands" not in overrides and not _preset_bands_apply(values):
         values.pop("num-bands", None)  # the preset's bands were for its own mechanism and geometry: the default
     values["task-options"] = json.dumps(values.get("task-options", {}), sort_keys=True)
     return values
 
 
-#: kinds whose number of bands is a parameter (the others refuse or ignore --bands)
-_BANDED_KINDS = ("bsr", "bisr", "bifr", "banded", "banded-toeplitz", "robust")
-
-
 def _preset_bands_apply(values: Mapping[str, Any]) -> bool:
     """Whether a preset's ``num-bands`` still fits after overrides: a banded kind, at most the rounds
     and at most min-sep (a banded C keeps its MinSep sensitivity only up to b bands)."""
+    from .mechanisms import BANDED_KINDS
+
     bands = values.get("num-bands")
     if not bands:
         return True
@@ -98,7 +97,7 @@ def _preset_bands_apply(values: Mapping[str, Any]) -> bool:
         limit = min(int(values.get("rounds", DEFAULTS["rounds"])), int(values.get("min-sep", DEFAULTS["min-sep"])))
     except (TypeError, ValueError):
         return True  # a bad value is RunConfig's to report, in one line
-    return values.get("mechanism") in _BANDED_KINDS and bands <= limit
+    return values.get("mechanism") in BANDED_KINDS and bands <= limit
 
 
 @dataclass

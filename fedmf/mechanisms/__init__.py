@@ -22,7 +22,7 @@ from .optimize import OptimizationResult, Progress
 from .robust import RobustToeplitz
 from .tree import TreeAggregation
 
-__all__ = ["Mechanism", "KINDS", "OPTIMIZED_KINDS", "build", "plan", "mechanism_class", "default_bands"]
+__all__ = ["Mechanism", "KINDS", "OPTIMIZED_KINDS", "BANDED_KINDS", "build", "plan", "mechanism_class", "default_bands"]
 
 #: every kind a mechanism file may hold -> its class
 _CLASSES: dict[str, type[Mechanism]] = {
@@ -54,6 +54,8 @@ CLOSED_FORM_KINDS = ("dp-sgd", "tree", "bsr", "bisr", "bifr")
 OPTIMIZED_KINDS = ("banded-toeplitz", "banded", "blt", "dense", "robust")
 #: every kind ``plan`` can produce
 KINDS = CLOSED_FORM_KINDS + OPTIMIZED_KINDS
+#: kinds whose number of bands is a parameter (dp-sgd and tree refuse --bands; blt and dense ignore it)
+BANDED_KINDS = ("bsr", "bisr", "bifr", "banded", "banded-toeplitz", "robust")
 
 
 def mechanism_class(kind: str) -> type[Mechanism]:
