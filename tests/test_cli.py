@@ -390,6 +390,8 @@ BAD_MECHANISM = {
     "bands-zero": ["bisr", "--rounds", "10", "--bands", "0"],
     "bands-negative": ["bsr", "--rounds", "10", "--bands=-2"],
     "bands-for-dpsgd": ["dp-sgd", "--rounds", "10", "--bands", "2"],
+    "bands-for-blt": ["blt", "--rounds", "10", "--min-sep", "5", "--bands", "2", "--quiet"],
+    "bands-for-dense": ["dense", "--rounds", "8", "--participations", "2", "--bands", "2", "--quiet"],
     "unknown-kind": ["foo", "--rounds", "10"],
     "unloadable-kind": ["banded-inverse-toeplitz", "--rounds", "10"],
     "unknown-workload": ["bisr", "--rounds", "10", "--workload", "adam"],

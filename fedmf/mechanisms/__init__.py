@@ -54,7 +54,7 @@ CLOSED_FORM_KINDS = ("dp-sgd", "tree", "bsr", "bisr", "bifr")
 OPTIMIZED_KINDS = ("banded-toeplitz", "banded", "blt", "dense", "robust")
 #: every kind ``plan`` can produce
 KINDS = CLOSED_FORM_KINDS + OPTIMIZED_KINDS
-#: kinds whose number of bands is a parameter (dp-sgd and tree refuse --bands; blt and dense ignore it)
+#: kinds whose number of bands is a parameter (every other kind refuses --bands)
 BANDED_KINDS = ("bsr", "bisr", "bifr", "banded", "banded-toeplitz", "robust")
 
 
@@ -103,6 +103,11 @@ def _check_options(tolerance: float | None, max_steps: int | None, error: str, w
         raise ConfigError(f"--weighting must be 'worst' or 'mean', got {weighting!r}")
 
 
+def _check_bands_apply(kind: str, num_bands: int | None) -> None:
+    if num_bands is not None and kind not in BANDED_KINDS:
+        raise ConfigError(f"--bands does not apply to {kind} (banded kinds: {', '.join(BANDED_KINDS)})")
+
+
 def build(
     kind: str,
     rounds: int,
@@ -120,8 +125,7 @@ def build(
     _check_bands(num_bands, rounds)
     if gamma is not None and kind != "bifr":
         raise ConfigError(f"--gamma applies to bifr only, not {kind}")
-    if num_bands is not None and kind in ("dp-sgd", "tree"):
-        raise ConfigError(f"--bands does not apply to {kind}")
+    _check_bands_apply(kind, num_bands)
     if kind == "dp-sgd":
         return DpSgd(rounds, workload)
     if kind == "tree":
@@ -166,6 +170,7 @@ def plan(
     mechanism_class(kind)
     _check_rounds(rounds)
     _check_bands(num_bands, rounds)
+    _check_bands_apply(kind, num_bands)
     _check_options(tolerance, max_steps, error, weighting)
     if gamma is not None:
         raise ConfigError(f"--gamma applies to bifr only, not {kind}")
