@@ -245,6 +245,50 @@ def run(out: Path, phase: str, device: str, workers: int, only: str | None, skip
             print(f"[{time.perf_counter() - started:6.0f} s] {line}", flush=True)
 
 
+def _finals(results: list[dict[str, Any]]) -> dict[tuple[str, str, float | None], list[dict[str, Any]]]:
+    """Each configuration's runs at its best server learning rate (chosen on seed 0), every seed."""
+    finals: dict[tuple[str, str, float | None], list[dict[str, Any]]] = {}
+    for r in results:
+        j = r["job"]
+        if j["server_lr"] == _best_lr(results, j["dataset"], j["method"], j["epsilon"]):
+            finals.setdefault((j["dataset"], j["method"], j["epsilon"]), []).append(r)
+    return finals
+
+
+def welch_t(a: list[float], b: list[float]) -> float | None:
+    """Welch's t statistic of mean(a) - mean(b) (unequal variances); None below two samples a side."""
+    if len(a) < 2 or len(b) < 2:
+        return None
+    se = (statistics.variance(a) / len(a) + statistics.variance(b) / len(b)) ** 0.5
+    return None if se == 0 else (statistics.mean(a) - statistics.mean(b)) / se
+
+
+def versus_table(finals: dict[tuple[str, str, float | None], list[dict[str, Any]]]) -> str:
+    """Every DP-MF configuration against DP-FedAvg at the same dataset and ε, both at their best rates."""
+    def cell(runs: list[dict[str, Any]]) -> str:
+        accs = [_final_accuracy(r) for r in runs]
+        sd = f"{statistics.stdev(accs):.4f}" if len(accs) > 1 else "—"
+        return f"{statistics.mean(accs):.4f} ± {sd} (lr {runs[0]['job']['server_lr']:g}, {len(accs)} seed{'s' * (len(accs) > 1)})"
+
+    lines = ["| dataset | ε | DP-MF method | DP-MF accuracy | DP-FedAvg accuracy | difference | Welch t |",
+             "|---|---|---|---|---|---|---|"]
+    for dataset in DATASETS:
+        for eps in EPSILONS:
+            base = finals.get((dataset, "dp-fedavg", eps))
+            if not base:
+                continue
+            b = [_final_accuracy(r) for r in base]
+            for method, kind in METHODS.items():
+                runs = finals.get((dataset, method, eps))
+                if kind in (None, "dp-sgd") or not runs:
+                    continue
+                a = [_final_accuracy(r) for r in runs]
+                t = welch_t(a, b)
+                lines.append(f"| {dataset} | {eps:g} | {method} | {cell(runs)} | {cell(base)} | "
+                             f"{statistics.mean(a) - statistics.mean(b):+.4f} | {'—' if t is None else f'{t:.1f}'} |")
+    return "\n".join(lines)
+
+
 def report(out: Path) -> None:
     """The table (mean ± sd over seeds of the final held-out accuracy) and accuracy-by-round plots."""
     import matplotlib
@@ -253,13 +297,7 @@ def report(out: Path) -> None:
     import matplotlib.pyplot as plt
 
     results = _load(out)
-    finals = {}
-    for r in results:
-        j = r["job"]
-        best = _best_lr(results, j["dataset"], j["method"], j["epsilon"])
-        if j["server_lr"] != best:
-            continue
-        finals.setdefault((j["dataset"], j["method"], j["epsilon"]), []).append(r)
+    finals = _finals(results)
     lines = ["| dataset | method | ε (δ) | server lr | z | σ (ζ = 1) | final accuracy (mean ± sd) | without OOV/EOS | seeds "
              "| minutes/run |", "|---|---|---|---|---|---|---|---|---|---|"]
     for (dataset, method, eps), runs in sorted(finals.items(), key=lambda kv: (kv[0][0], kv[0][2] or 1e9,
@@ -287,7 +325,8 @@ def report(out: Path) -> None:
                     sweep.append(f"| {dataset} | {method} | {'∞' if eps is None else f'{eps:g}'} | "
                                  + " | ".join(cells) + " |")
     (out / "table.md").write_text("\n".join(lines) + "\n\nServer learning-rate sweep (seed 0, final accuracy):\n\n"
-                                  + "\n".join(sweep) + "\n")
+                                  + "\n".join(sweep) + "\n\nTuned against tuned (each at its best rate):\n\n"
+                                  + versus_table(finals) + "\n")
     print((out / "table.md").read_text())
     for dataset in DATASETS:
         fig, axes = plt.subplots(1, len(EPSILONS), figsize=(6 * len(EPSILONS), 4.2), sharey=True)
