@@ -247,12 +247,21 @@ def run(out: Path, phase: str, device: str, workers: int, only: str | None, skip
 
 def _finals(results: list[dict[str, Any]]) -> dict[tuple[str, str, float | None], list[dict[str, Any]]]:
     """Each configuration's runs at its best server learning rate (chosen on seed 0), every seed."""
+    configurations = {(r["job"]["dataset"], r["job"]["method"], r["job"]["epsilon"]) for r in results}
+    best = {c: _best_lr(results, *c) for c in configurations}  # once per configuration, not per record
     finals: dict[tuple[str, str, float | None], list[dict[str, Any]]] = {}
     for r in results:
         j = r["job"]
-        if j["server_lr"] == _best_lr(results, j["dataset"], j["method"], j["epsilon"]):
-            finals.setdefault((j["dataset"], j["method"], j["epsilon"]), []).append(r)
+        key = (j["dataset"], j["method"], j["epsilon"])
+        if j["server_lr"] == best[key]:
+            finals.setdefault(key, []).append(r)
     return finals
+
+
+def _mean_sd(values: list[float]) -> str:
+    """The cell "mean ± sd" (sample sd; "—" for one value)."""
+    sd = f"{statistics.stdev(values):.4f}" if len(values) > 1 else "—"
+    return f"{statistics.mean(values):.4f} ± {sd}"
 
 
 def welch_t(a: list[float], b: list[float]) -> float | None:
@@ -266,9 +275,8 @@ def welch_t(a: list[float], b: list[float]) -> float | None:
 def versus_table(finals: dict[tuple[str, str, float | None], list[dict[str, Any]]]) -> str:
     """Every DP-MF configuration against DP-FedAvg at the same dataset and ε, both at their best rates."""
     def cell(runs: list[dict[str, Any]]) -> str:
-        accs = [_final_accuracy(r) for r in runs]
-        sd = f"{statistics.stdev(accs):.4f}" if len(accs) > 1 else "—"
-        return f"{statistics.mean(accs):.4f} ± {sd} (lr {runs[0]['job']['server_lr']:g}, {len(accs)} seed{'s' * (len(accs) > 1)})"
+        return (f"{_mean_sd([_final_accuracy(r) for r in runs])} (lr {runs[0]['job']['server_lr']:g}, "
+                f"{len(runs)} seed{'s' * (len(runs) > 1)})")
 
     lines = ["| dataset | ε | DP-MF method | DP-MF accuracy | DP-FedAvg accuracy | difference | Welch t |",
              "|---|---|---|---|---|---|---|"]
@@ -278,13 +286,14 @@ def versus_table(finals: dict[tuple[str, str, float | None], list[dict[str, Any]
             if not base:
                 continue
             b = [_final_accuracy(r) for r in base]
+            base_cell = cell(base)
             for method, kind in METHODS.items():
                 runs = finals.get((dataset, method, eps))
                 if kind in (None, "dp-sgd") or not runs:
                     continue
                 a = [_final_accuracy(r) for r in runs]
                 t = welch_t(a, b)
-                lines.append(f"| {dataset} | {eps:g} | {method} | {cell(runs)} | {cell(base)} | "
+                lines.append(f"| {dataset} | {eps:g} | {method} | {cell(runs)} | {base_cell} | "
                              f"{statistics.mean(a) - statistics.mean(b):+.4f} | {'—' if t is None else f'{t:.1f}'} |")
     return "\n".join(lines)
 
@@ -304,12 +313,10 @@ def report(out: Path) -> None:
                                                                                  list(METHODS).index(kv[0][1]))):
         accs = [_final_accuracy(r) for r in runs]
         accs2 = [_final_accuracy(r, "accuracy_no_oov_eos") for r in runs]
-        sd = f"{statistics.stdev(accs):.4f}" if len(accs) > 1 else "—"
-        sd2 = f"{statistics.stdev(accs2):.4f}" if len(accs2) > 1 else "—"
         eps_txt = "∞ (no noise)" if eps is None else f"{eps:g} ({runs[0]['delta']:g})"
         lines.append(f"| {dataset} | {method} | {eps_txt} | {runs[0]['job']['server_lr']:g} | "
                      f"{runs[0]['noise_multiplier']:.4g} | {runs[0]['noise_std'] / 1.0:.4g} | "
-                     f"{statistics.mean(accs):.4f} ± {sd} | {statistics.mean(accs2):.4f} ± {sd2} | {len(accs)} | "
+                     f"{_mean_sd(accs)} | {_mean_sd(accs2)} | {len(accs)} | "
                      f"{statistics.mean(r['seconds'] for r in runs) / 60:.1f} |")
     sweep = ["| dataset | method | ε | " + " | ".join(f"lr {lr:g}" for lr in SERVER_LRS) + " |",
              "|---|---|---|" + "---|" * len(SERVER_LRS)]
