@@ -132,7 +132,7 @@ def _not_a_recorddict(ctx: Ctx) -> Message:
 
 
 def _metrics_garbage(ctx: Ctx) -> Message:
-    metrics = MetricRecord({"num-examples": 8, "train-loss": float("nan"), "other": [1.0, 2.0]})
+    metrics = MetricRecord({"num-examples": 8, "train-loss": float("nan")})
     return ctx.reply(metrics=metrics)
 
 
@@ -197,6 +197,7 @@ NON_FINITE = "has non-finite values"
 MISMATCH = "do not match the model"
 ANOTHER_ROUND = "reply for another round or server"
 UNREADABLE = "not a mapping of tensors"
+OVER_SHAPE = "its shape in float32 needs"  # more bytes than the declared shape and dtype take as .npy
 
 KINDS: dict[str, Kind] = {
     # values
@@ -243,7 +244,7 @@ KINDS: dict[str, Kind] = {
         c, raw_array("float32", (2, 4), npy(_weight(c))[:-7]))), "rejected", UNREADABLE),
     "npy pickled object array": Kind(lambda c: c.reply(arrays=_npy_record(
         c, raw_array("float32", (2, 4), npy(np.array([{"x": 1}] * 8, dtype=object).reshape(2, 4),
-                                            allow_pickle=True)))), "rejected", UNREADABLE),
+                                            allow_pickle=True)))), "rejected", OVER_SHAPE),
     "npy big-endian": Kind(lambda c: c.reply(arrays=_npy_record(
         c, raw_array("float32", (2, 4), npy(_weight(c).astype(">f4"))))), "rejected", UNREADABLE),
     "stype not numpy": Kind(lambda c: c.reply(arrays=_npy_record(
