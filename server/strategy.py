@@ -26,7 +26,7 @@ from fedmf.ledger.db import LedgerError, public_url
 from fedmf.run import PrivateRun, RoundRecord
 
 from .identity import NodeDirectory
-from .replies import RoundReplies
+from .replies import RoundReplies, max_update_bytes
 
 __all__ = ["DPMFStrategy"]
 
@@ -112,6 +112,8 @@ class DPMFStrategy(Strategy):
         log.info("fedmf DP-MF strategy: %s mechanism, %d rounds, %s, sampling %s, clip %g, z %.4g, noise std %.4g, "
                  "epsilon %.4g at delta %g", plan.mechanism.kind, plan.rounds, plan.schema.name, plan.sampling,
                  plan.clip_norm, plan.noise_multiplier, plan.noise_std, plan.epsilon(), plan.delta)
+        log.info("fedmf: a reply holds the records arrays, config and metrics only, its arrays at most %d bytes "
+                 "(the model in float64 as .npy); anything else is rejected", max_update_bytes(self.run.privatizer.layout))
 
     # ---- the loop ------------------------------------------------------------------------
     def _with_retries(self, t: int, step: Callable[[], T], given_up: str) -> T:

@@ -593,7 +593,7 @@ def mutations(draw):
     what = draw(st.sampled_from(["config", "config-missing", "config-extra", "drop-array", "extra-array",
                                  "declared-dtype", "declared-shape", "actual-dtype", "actual-shape", "stype",
                                  "truncate", "envelope", "config-name", "arrays-name", "no-arrays", "metrics",
-                                 "metric-string"]))
+                                 "metric-string", "extra-record"]))
     key = draw(st.sampled_from(["round", "run-nonce", "user-id"]))
     name = draw(st.sampled_from(list(LAYOUT)))
     if what == "config":
@@ -623,6 +623,8 @@ def mutations(draw):
     if what == "metrics":
         return what, draw(st.dictionaries(st.sampled_from(["train-loss", "num-examples", "x"]), metric_values,
                                           max_size=3))
+    if what == "extra-record":
+        return what, draw(st.text(max_size=8)), draw(st.sampled_from(["array", "config", "metric"]))
     return (what,)
 
 
@@ -666,6 +668,8 @@ def reply_specs(draw):
             spec["metrics"] = args[0]
         elif what == "metric-string":
             spec["metric_string"] = True
+        elif what == "extra-record":
+            spec.setdefault("extra_records", {})[args[0]] = args[1]
     spec["arrays"] = list(arrays.items())
     return spec
 
@@ -725,6 +729,10 @@ def build_reply(spec: dict, message: Message) -> Any:
         if spec["metric_string"]:
             metrics.__dict__["_data"]["train-loss"] = "1.0"
         records["metrics"] = metrics
+    extra = {"array": lambda: ArrayRecord({"x": Array(np.zeros(3, np.float32))}),
+             "config": lambda: ConfigRecord({"x": 1}), "metric": lambda: MetricRecord({"num-examples": 8})}
+    for name, kind in spec.get("extra_records", {}).items():
+        records.setdefault(name, extra[kind]())
     reply = Message(RecordDict(records), reply_to=message)
     if spec["envelope"] == "none":
         reply.__dict__["_content"] = None
