@@ -113,7 +113,8 @@ class DPMFStrategy(Strategy):
                  "epsilon %.4g at delta %g", plan.mechanism.kind, plan.rounds, plan.schema.name, plan.sampling,
                  plan.clip_norm, plan.noise_multiplier, plan.noise_std, plan.epsilon(), plan.delta)
         log.info("fedmf: a reply holds the records arrays, config and metrics only, its arrays at most %d bytes "
-                 "(the model in float64 as .npy); anything else is rejected", max_update_bytes(self.run.privatizer.layout))
+                 "(the model in float64 as .npy); anything else is rejected",
+                 max_update_bytes(self.run.privatizer.layout))
 
     # ---- the loop ------------------------------------------------------------------------
     def _with_retries(self, t: int, step: Callable[[], T], given_up: str) -> T:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import io
+import math
 import tracemalloc
 import weakref
 from typing import Any
@@ -339,3 +340,43 @@ def test_the_strategy_logs_the_reply_bound(tmp_path, server_log):
         bound = max_update_bytes(run.privatizer.layout)
     assert bound == 8 * 10 + npy_header_max_bytes(2) + npy_header_max_bytes(1)  # Tiny: a 2x4 weight, a bias of 2
     assert any(f"at most {bound} bytes" in line for line in server_log)
+
+
+# ---- the transport ---------------------------------------------------------------------------------
+def test_every_request_an_honest_client_sends_fits_the_documented_proxy_limit():
+    """deploy/README.md sets the reverse proxy's ``client_max_body_size``: every request body Flower
+    1.41's SuperNode sends for an honest reply (one push-object per object, and the push-messages
+    with the object tree) must fit, for a model far larger than one 5 MiB chunk."""
+    import re
+    from pathlib import Path
+
+    from flwr.common.constant import FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE
+    from flwr.common.serde import message_to_proto
+    from flwr.proto.fleet_pb2 import PushMessagesRequest
+    from flwr.proto.message_pb2 import PushObjectRequest
+    from flwr.proto.node_pb2 import Node
+    from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects, get_object_tree
+
+    readme = (Path(__file__).resolve().parents[1] / "deploy" / "README.md").read_text()
+    limit = int(re.search(r"client_max_body_size (\d+)m;", readme).group(1)) * MIB
+    LocalGrid({})
+    asked = Message(RecordDict({"config": ConfigRecord({"round": 1})}), dst_node_id=2**62,
+                    message_type=MessageType.TRAIN)
+    gen = torch.Generator().manual_seed(0)
+    update = {f"layer{i}.weight": torch.randn(2680, 766, generator=gen, dtype=torch.float64) for i in range(2)}
+    update["bias"] = torch.randn(7, generator=gen)
+    content = RecordDict({"arrays": ArrayRecord(update),
+                          "config": ConfigRecord({"round": 1, "run-nonce": "a" * 32, "user-id": "u" * 256}),
+                          "metrics": MetricRecord({"num-examples": 8, "train-loss": 0.1})})
+    message = Message(content, reply_to=asked)
+    node = Node(node_id=2**63 - 1)
+    objects = get_all_nested_objects(message)
+    bodies = [PushObjectRequest(node=node, run_id=2**63 - 1, object_id=oid, object_content=obj.deflate(),
+                                session_id="s" * 64).ByteSize() for oid, obj in objects.items()]
+    empty = Message(RecordDict(), reply_to=asked)  # the SuperNode strips the content before push-messages
+    bodies.append(PushMessagesRequest(node=node, messages_list=[message_to_proto(empty)],
+                                      message_object_trees=[get_object_tree(message)]).ByteSize())
+    assert sum(4 * math.prod(t.shape) > FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE for t in update.values()) == 2
+    assert max(bodies) > FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE  # full chunks were sent
+    assert max(bodies) <= limit
+    assert limit <= 2 * FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE  # and the limit is not loose enough to be no limit
