@@ -41,6 +41,7 @@ from fedmf.federated import train
 from fedmf.ledger import Ledger
 from fedmf.ledger.db import LedgerError
 from fedmf.ledger.models import Participation
+from fedmf.run import REPEATABLE_NOISE_ENV
 
 from . import _fault_script as fs
 from . import _federated_task as task
@@ -111,7 +112,7 @@ def _loop(values: dict, directory: Path, drop=(), available=None) -> dict:
 
     model = tiny.model()
     train(model, tiny.users(), config.build_plan(), local_update, server_lr=config.server_lr,
-          checkpoint_dir=directory, available=available)
+          checkpoint_dir=directory, available=available, repeatable_noise=True)
     return model.state_dict()
 
 
@@ -124,6 +125,15 @@ class Reference:
 
     def users(self, t: int) -> list[str]:
         return self.train[t]["users"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _repeatable_noise():
+    """Every run here is compared bit for bit with an uninterrupted one, redone rounds included: the
+    ServerApp (in process and in the killed children) runs with FEDMF_UNSAFE_REPEATABLE_NOISE=1."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(REPEATABLE_NOISE_ENV, "1")
+        yield
 
 
 @pytest.fixture(scope="module")
