@@ -40,6 +40,7 @@ from typing import Any, Mapping
 import torch
 
 from .errors import CheckpointError
+from .files import check_private
 
 __all__ = ["CheckpointStore", "load_or_create_secret", "RunSecrets"]
 
@@ -101,6 +102,7 @@ def load_or_create_secret(path: str | os.PathLike, nbytes: int = 32) -> bytes:
         if mode & 0o077:
             raise CheckpointError(f"secret file {str(path)!r} has mode {mode:o}; it must be 600 (chmod 600 it, "
                                   "and consider the secret leaked)") from None
+        check_private(path, "secret file", CheckpointError)
         data = path.read_bytes()
         if len(data) != nbytes:
             raise CheckpointError(f"secret file {str(path)!r} is damaged (expected {nbytes} bytes)")
@@ -125,6 +127,11 @@ class RunSecrets:
 
     def __init__(self, directory: str | os.PathLike) -> None:
         directory = Path(directory)
+        try:
+            directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+            check_private(directory, "secrets directory", CheckpointError)
+        except OSError as e:
+            raise CheckpointError(f"cannot create secrets directory {str(directory)!r}: {e.strerror or e}") from None
         self.noise_seed = load_or_create_secret(directory / "noise_seed")
         self.schedule_key = load_or_create_secret(directory / "schedule_key")
         self.ledger_secret = load_or_create_secret(directory / "ledger_secret")
@@ -141,13 +148,10 @@ class CheckpointStore:
         self.directory = Path(directory)
         try:
             self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-            mode = stat.S_IMODE(self.directory.stat().st_mode)
+            # checkpoints hold noise tensors and who was sampled: as secret as the seed
+            check_private(self.directory, "run directory", CheckpointError)
         except OSError as e:
             raise CheckpointError(f"cannot create checkpoint directory {str(directory)!r}: {e.strerror or e}") from None
-        if mode & 0o077:
-            # checkpoints hold noise tensors and who was sampled: as secret as the seed
-            raise CheckpointError(f"checkpoint directory {str(directory)!r} has mode {mode:o}; it must not be "
-                                  "readable by group or others (chmod 700 it)")
         for stale in self.directory.glob(".*.tmp"):  # half-written files of a process that was killed
             stale.unlink(missing_ok=True)
         self.last_bytes = 0
