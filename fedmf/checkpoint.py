@@ -21,7 +21,10 @@ checkpoints. A round therefore writes the model, the optimizer state, one new no
 (banded C) or the few that change every round (BLT buffers), not the whole noise history.
 
 Secrets (noise seed, scheduler key, ledger HMAC secret) live in files of mode 0600 under
-``<directory>/secrets``; they are never in a checkpoint, the ledger or a log. The checkpoints
+``<directory>/secrets``; they are never in a checkpoint, the ledger or a log. A run binds its
+noise seed to itself: a random binding id is appended to the ``noise_seed`` file (and recorded
+in ``run.json``) before the seed's first use, so a copy of the file carries it and a new run
+refuses a seed that is already bound (``fedmf.run``). The checkpoints
 themselves are confidential too — a banded C's past noise outputs and the scheduler's record of
 who was sampled are in them — so the directory must be 0700 and every file is written 0600.
 """
@@ -42,9 +45,11 @@ import torch
 from .errors import CheckpointError
 from .files import check_private
 
-__all__ = ["CheckpointStore", "load_or_create_secret", "RunSecrets"]
+__all__ = ["CheckpointStore", "load_or_create_secret", "RunSecrets", "BINDING_BYTES"]
 
 _FORMAT = 1
+#: the noise seed file's binding to its run: this many random bytes after the seed
+BINDING_BYTES = 16
 _NAME = re.compile(r"^round-(\d{6,})\.pt$")
 _TENSOR_NAME = re.compile(r"^noise-([a-z_]+)-r(\d{6,})\.pt$")
 
@@ -90,9 +95,10 @@ def _sha256(data: bytes) -> str:
 
 
 # ---- secrets -------------------------------------------------------------------------------
-def load_or_create_secret(path: str | os.PathLike, nbytes: int = 32) -> bytes:
+def load_or_create_secret(path: str | os.PathLike, nbytes: int = 32, *, bindable: bool = False) -> bytes:
     """The secret in ``path``, created from the OS's secure source (mode 0600) if absent.
-    A file readable by group or others is refused: the secret may have leaked."""
+    A file readable by group or others is refused: the secret may have leaked. ``bindable``:
+    the file may also hold a binding (``BINDING_BYTES`` after the secret), returned with it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     try:
@@ -104,7 +110,7 @@ def load_or_create_secret(path: str | os.PathLike, nbytes: int = 32) -> bytes:
                                   "and consider the secret leaked)") from None
         check_private(path, "secret file", CheckpointError)
         data = path.read_bytes()
-        if len(data) != nbytes:
+        if len(data) != nbytes and not (bindable and len(data) == nbytes + BINDING_BYTES):
             raise CheckpointError(f"secret file {str(path)!r} is damaged (expected {nbytes} bytes)")
         return data
     except OSError as e:
@@ -120,7 +126,8 @@ def load_or_create_secret(path: str | os.PathLike, nbytes: int = 32) -> bytes:
 
 
 class RunSecrets:
-    """The run's three secrets, each in its own 0600 file under ``directory``."""
+    """The run's three secrets, each in its own 0600 file under ``directory``;
+    ``noise_seed_binding``: the run the noise seed is bound to (None: not bound yet)."""
 
     def __reduce__(self):  # it holds a secret: never pickled (save state_dict() instead)
         raise TypeError(f"{type(self).__name__} holds a secret and cannot be pickled")
@@ -132,9 +139,19 @@ class RunSecrets:
             check_private(directory, "secrets directory", CheckpointError)
         except OSError as e:
             raise CheckpointError(f"cannot create secrets directory {str(directory)!r}: {e.strerror or e}") from None
-        self.noise_seed = load_or_create_secret(directory / "noise_seed")
+        self._noise_seed_file = directory / "noise_seed"
+        seed = load_or_create_secret(self._noise_seed_file, bindable=True)
+        self.noise_seed, self.noise_seed_binding = seed[:32], (seed[32:] or None)
         self.schedule_key = load_or_create_secret(directory / "schedule_key")
         self.ledger_secret = load_or_create_secret(directory / "ledger_secret")
+
+    def bind_noise_seed(self) -> str:
+        """Bind the noise seed to a new run: append a new random binding id to its file
+        (atomically, 0600); returns the id in hex."""
+        binding = _secrets.token_bytes(BINDING_BYTES)
+        _atomic_bytes(self._noise_seed_file, self.noise_seed + binding)
+        self.noise_seed_binding = binding
+        return binding.hex()
 
     def __repr__(self) -> str:  # never shows a secret
         return "RunSecrets(<3 secrets>)"

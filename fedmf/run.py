@@ -143,23 +143,28 @@ class PrivateRun:
             scheduler = make_scheduler(plan.schema, plan.sampling, key=secrets.schedule_key, rounds=plan.rounds,
                                        users_per_round=users_per_round,
                                        population=None if population is None else list(population))
-            run = cls._attach(book, directory, store, plan, model, privatizer, opt, scheduler, name)
+            run = cls._attach(book, directory, store, secrets, plan, model, privatizer, opt, scheduler, name)
         except BaseException:
             book.close()
             raise
         return cls(model, plan, directory, secrets, store, book, ledger_url, run, privatizer, opt, scheduler, on_event)
 
     @staticmethod
-    def _attach(book, directory: Path, store: CheckpointStore, plan: RunPlan, model, privatizer, optimizer,
-                scheduler, name):
+    def _attach(book, directory: Path, store: CheckpointStore, secrets: RunSecrets, plan: RunPlan, model, privatizer,
+                optimizer, scheduler, name):
         run_file = directory / _RUN_FILE
+        seed_file = str(directory / "secrets" / "noise_seed")
         if run_file.exists():
             try:
                 recorded = json.loads(run_file.read_text(encoding="utf-8"))
                 run_id, fingerprint = int(recorded["run_id"]), recorded["plan_fingerprint"]
                 initial_sha256 = str(recorded["initial_sha256"])
+                binding = recorded.get("noise_seed_binding")  # absent: a run started before seeds were bound
             except (OSError, ValueError, KeyError, TypeError):
                 raise ConfigError(f"{str(run_file)!r} is damaged") from None
+            if binding is not None and (secrets.noise_seed_binding or b"").hex() != binding:
+                raise CheckpointError(f"the noise seed in {seed_file!r} is not bound to the run {_RUN_FILE} names: "
+                                      "restore that run's own secrets/ to resume it")
             plan.check_fingerprint(fingerprint, f"checkpoint directory {str(directory)!r}")
             run = book.run(run_id)
             plan.check_fingerprint(run.info.plan_fingerprint, f"ledger run {run_id}")
@@ -175,6 +180,10 @@ class PrivateRun:
             torch.set_rng_state(state["rng"]["torch"])
             return run
         # one noise seed, one run: a second run with this seed would repeat released noise
+        if secrets.noise_seed_binding is not None:
+            raise CheckpointError(f"the noise seed in {seed_file!r} is bound to another run (copied from its run "
+                                  "directory?): a new run needs new secrets (a new directory, or remove secrets/); "
+                                  "noise is never reused")
         leftovers = sorted(p.name for p in directory.iterdir()
                            if p.name == "initial.pt" or p.name.startswith(("round-", "noise-")))
         used = directory / "secrets" / "noise_seed.used"
@@ -188,6 +197,7 @@ class PrivateRun:
                 raise CheckpointError(f"ledger run {other.id} was made with the noise seed in {str(directory)!r} and "
                                       f"{_RUN_FILE} is missing: restore {_RUN_FILE} to resume it, or start a new run "
                                       "in a new directory (new secrets); noise is never reused")
+        binding = secrets.bind_noise_seed()  # before the seed's first use: a copy of the file carries it
         atomic_write(used, lambda f: f.write("a run was started with this noise seed; it is never used again\n"),
                      text=True, mode=0o600)
         initial_sha256 = store.save(-1, _state(plan, model, optimizer, privatizer, scheduler))
@@ -195,7 +205,8 @@ class PrivateRun:
                               delta=plan.delta, target_epsilon=plan.target_epsilon, schema=plan.schema,
                               sampling=str(plan.sampling), name=name, plan=plan.to_dict(),
                               plan_fingerprint=plan.fingerprint, config={"noise_key_check": noise_check})
-        record = {"run_id": run.id, "plan_fingerprint": plan.fingerprint, "initial_sha256": initial_sha256}
+        record = {"run_id": run.id, "plan_fingerprint": plan.fingerprint, "initial_sha256": initial_sha256,
+                  "noise_seed_binding": binding}
         atomic_write(directory / _RUN_FILE, lambda f: json.dump(record, f), text=True, mode=0o600)
         return run
 

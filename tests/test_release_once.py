@@ -11,6 +11,7 @@ shown to come back with ``repeatable_noise=True`` (the test-only mode), so the c
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import sqlite3
@@ -83,7 +84,7 @@ def _train(directory, update, *, stop=None, rounds=None, ledger=None, repeatable
 def _expected_models(directory: Path, salts: list[bytes], theta0: np.ndarray) -> np.ndarray:
     """θ_{t+1} = θ_0 + η·(A·σC⁻¹Z/m)_t for all-zero updates, Z keyed by the given salts."""
     plan = _plan()
-    seed = (directory / "secrets" / "noise_seed").read_bytes()
+    seed = (directory / "secrets" / "noise_seed").read_bytes()[:32]  # after it: the binding to its run
     layout = {k: tuple(v.shape) for k, v in task.Tiny(torch.float64).named_parameters()}
     gen = NoiseGenerator(plan.mechanism, layout, plan.noise_std, dtype=torch.float64, device="cpu", seed=seed,
                          salted=True)
@@ -252,3 +253,34 @@ def test_no_salt_appears_in_logs_metrics_or_the_ledger(tmp_path, capfd, caplog):
     for where, blob in hay.items():
         assert not any(f in blob for f in forms), where
     assert salts[-1].hex().encode() in (tmp_path / "round-000003.pt").read_bytes()  # the search can find them
+
+
+def test_a_noise_seed_copied_from_a_used_run_is_refused_in_one_line(tmp_path):
+    """The seed file carries its binding to the run that used it (run.json records it): copying
+    only the three secret files into a new directory, or swapping a run's seed file for a copy
+    bound elsewhere, is refused in one line."""
+    run = tmp_path / "run"
+    _train(run, _zeros, rounds=1)
+    seed_file = run / "secrets" / "noise_seed"
+    binding = json.loads((run / "run.json").read_text())["noise_seed_binding"]
+    assert seed_file.read_bytes()[32:].hex() == binding and len(binding) == 32
+    assert oct(seed_file.stat().st_mode & 0o777) == "0o600"
+
+    copy = tmp_path / "copy"
+    (copy / "secrets").mkdir(mode=0o700, parents=True)
+    copy.chmod(0o700)
+    for name in ("noise_seed", "schedule_key", "ledger_secret"):  # the secrets only, not noise_seed.used
+        shutil.copy2(run / "secrets" / name, copy / "secrets" / name)
+    with pytest.raises(CheckpointError) as info:
+        _train(copy, _zeros, rounds=1)
+    message = str(info.value)
+    assert "\n" not in message and "is bound to another run" in message and "noise is never reused" in message
+    assert not (copy / "run.json").exists() and not list(copy.glob("*.pt"))
+
+    other = bytes(16)  # the same seed bound to another run: the run in run.json is not its run
+    seed_file.write_bytes(seed_file.read_bytes()[:32] + other)
+    with pytest.raises(CheckpointError, match="is not bound to the run run.json names") as info:
+        _train(run, _zeros, rounds=2)
+    assert "\n" not in str(info.value)
+    seed_file.write_bytes(seed_file.read_bytes()[:32] + bytes.fromhex(binding))
+    assert _train(run, _zeros, rounds=2) is not None  # its own binding back: it resumes

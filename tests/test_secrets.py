@@ -98,7 +98,8 @@ def derived_noise_seeds(noise_seed: bytes, salts: list[bytes]) -> dict[str, byte
 
 
 def read_secrets(run_dir: Path) -> dict[str, bytes]:
-    return {f"{run_dir.name}/{name}": (run_dir / "secrets" / name).read_bytes() for name in SECRET_FILES}
+    # [:32]: a used noise seed's file also holds its (not secret) binding to the run
+    return {f"{run_dir.name}/{name}": (run_dir / "secrets" / name).read_bytes()[:32] for name in SECRET_FILES}
 
 
 class Haystack:
