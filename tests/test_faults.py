@@ -4,7 +4,8 @@ Kill points: ``server.app.run_server`` over a LocalGrid of real ClientApps runs 
 (tests/_fault_script.py) that SIGKILLs itself at one point — a round event of ``fedmf.run.EVENTS``
 or a point inside an operation, armed by monkeypatching in the child only — and is then started
 again with the same configuration. For every point: the final model is bit-identical to the
-uninterrupted ServerApp run and to the in-process loop (same fixed secrets); the ledger has every
+uninterrupted ServerApp run and to the in-process loop (same fixed secrets, and repeatable noise:
+FEDMF_UNSAFE_REPEATABLE_NOISE=1, tests only, so that a redone round repeats its noise); the ledger has every
 round committed exactly once with consistent participation rows and ``fedmf audit`` finds no
 problem; and everything the server released (the model broadcast in each round's TRAIN messages,
 the model evaluated after each round) came from a committed round and is bit-identical to what the
