@@ -192,8 +192,9 @@ def run_job(job: dict[str, Any], out: Path, device: str) -> dict[str, Any]:
     started = time.perf_counter()
     # vectorized clients on an accelerator; one user at a time on the CPU (faster there: BENCHMARKS.md)
     clients = task.as_local_updates(hyper, vectorized=device != "cpu", device=device)
-    result = train(model, task.users(), plan, None, local_updates=clients,
-                   server_lr=config.server_lr, checkpoint_dir=run_dir, evaluate=evaluate, observed_guard=False)
+    # unsalted noise: a job rerun from its fixed secrets reproduces its numbers (never in a deployment)
+    result = train(model, task.users(), plan, None, local_updates=clients, server_lr=config.server_lr,
+                   checkpoint_dir=run_dir, evaluate=evaluate, observed_guard=False, repeatable_noise=True)
     seconds = time.perf_counter() - started
     eps_curve = None if kind is None else [float(e) for e in plan.epsilon_by_round()]
     history = [{"round": r.round + 1, "accuracy": r.metrics.get("accuracy"),

@@ -11,7 +11,8 @@ The end of round t is one step (ARCHITECTURE.md, "One round, as data flows"):
 
 After a crash the run resumes from the checkpoint of the last *committed* round (its hash must
 match the ledger's); a checkpoint written for an uncommitted round is ignored and that round
-is redone with the same noise draw — safe only because nothing of it was released.
+is redone (nothing of it was released) with fresh noise: the noise state holds the salts of the
+committed rounds only (fedmf.noise).
 
 A checkpoint does not copy what can be regenerated from the seed (past Gaussian draws are
 counter-based) and writes each noise tensor that no longer changes once: the noise state's
@@ -21,7 +22,10 @@ checkpoints. A round therefore writes the model, the optimizer state, one new no
 (banded C) or the few that change every round (BLT buffers), not the whole noise history.
 
 Secrets (noise seed, scheduler key, ledger HMAC secret) live in files of mode 0600 under
-``<directory>/secrets``; they are never in a checkpoint, the ledger or a log. The checkpoints
+``<directory>/secrets``; they are never in a checkpoint, the ledger or a log. A run binds its
+noise seed to itself: a random binding id is appended to the ``noise_seed`` file (and recorded
+in ``run.json``) before the seed's first use, so a copy of the file carries it and a new run
+refuses a seed that is already bound (``fedmf.run``). The checkpoints
 themselves are confidential too — a banded C's past noise outputs and the scheduler's record of
 who was sampled are in them — so the directory must be 0700 and every file is written 0600.
 """
@@ -40,10 +44,13 @@ from typing import Any, Mapping
 import torch
 
 from .errors import CheckpointError
+from .files import check_private
 
-__all__ = ["CheckpointStore", "load_or_create_secret", "RunSecrets"]
+__all__ = ["CheckpointStore", "load_or_create_secret", "RunSecrets", "BINDING_BYTES"]
 
 _FORMAT = 1
+#: the noise seed file's binding to its run: this many random bytes after the seed
+BINDING_BYTES = 16
 _NAME = re.compile(r"^round-(\d{6,})\.pt$")
 _TENSOR_NAME = re.compile(r"^noise-([a-z_]+)-r(\d{6,})\.pt$")
 
@@ -89,9 +96,10 @@ def _sha256(data: bytes) -> str:
 
 
 # ---- secrets -------------------------------------------------------------------------------
-def load_or_create_secret(path: str | os.PathLike, nbytes: int = 32) -> bytes:
+def load_or_create_secret(path: str | os.PathLike, nbytes: int = 32, *, bindable: bool = False) -> bytes:
     """The secret in ``path``, created from the OS's secure source (mode 0600) if absent.
-    A file readable by group or others is refused: the secret may have leaked."""
+    A file readable by group or others is refused: the secret may have leaked. ``bindable``:
+    the file may also hold a binding (``BINDING_BYTES`` after the secret), returned with it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     try:
@@ -101,8 +109,9 @@ def load_or_create_secret(path: str | os.PathLike, nbytes: int = 32) -> bytes:
         if mode & 0o077:
             raise CheckpointError(f"secret file {str(path)!r} has mode {mode:o}; it must be 600 (chmod 600 it, "
                                   "and consider the secret leaked)") from None
+        check_private(path, "secret file", CheckpointError)
         data = path.read_bytes()
-        if len(data) != nbytes:
+        if len(data) != nbytes and not (bindable and len(data) == nbytes + BINDING_BYTES):
             raise CheckpointError(f"secret file {str(path)!r} is damaged (expected {nbytes} bytes)")
         return data
     except OSError as e:
@@ -118,16 +127,32 @@ def load_or_create_secret(path: str | os.PathLike, nbytes: int = 32) -> bytes:
 
 
 class RunSecrets:
-    """The run's three secrets, each in its own 0600 file under ``directory``."""
+    """The run's three secrets, each in its own 0600 file under ``directory``;
+    ``noise_seed_binding``: the run the noise seed is bound to (None: not bound yet)."""
 
     def __reduce__(self):  # it holds a secret: never pickled (save state_dict() instead)
         raise TypeError(f"{type(self).__name__} holds a secret and cannot be pickled")
 
     def __init__(self, directory: str | os.PathLike) -> None:
         directory = Path(directory)
-        self.noise_seed = load_or_create_secret(directory / "noise_seed")
+        try:
+            directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+            check_private(directory, "secrets directory", CheckpointError)
+        except OSError as e:
+            raise CheckpointError(f"cannot create secrets directory {str(directory)!r}: {e.strerror or e}") from None
+        self._noise_seed_file = directory / "noise_seed"
+        seed = load_or_create_secret(self._noise_seed_file, bindable=True)
+        self.noise_seed, self.noise_seed_binding = seed[:32], (seed[32:] or None)
         self.schedule_key = load_or_create_secret(directory / "schedule_key")
         self.ledger_secret = load_or_create_secret(directory / "ledger_secret")
+
+    def bind_noise_seed(self) -> str:
+        """Bind the noise seed to a new run: append a new random binding id to its file
+        (atomically, 0600); returns the id in hex."""
+        binding = _secrets.token_bytes(BINDING_BYTES)
+        _atomic_bytes(self._noise_seed_file, self.noise_seed + binding)
+        self.noise_seed_binding = binding
+        return binding.hex()
 
     def __repr__(self) -> str:  # never shows a secret
         return "RunSecrets(<3 secrets>)"
@@ -141,13 +166,10 @@ class CheckpointStore:
         self.directory = Path(directory)
         try:
             self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-            mode = stat.S_IMODE(self.directory.stat().st_mode)
+            # checkpoints hold noise tensors and who was sampled: as secret as the seed
+            check_private(self.directory, "run directory", CheckpointError)
         except OSError as e:
             raise CheckpointError(f"cannot create checkpoint directory {str(directory)!r}: {e.strerror or e}") from None
-        if mode & 0o077:
-            # checkpoints hold noise tensors and who was sampled: as secret as the seed
-            raise CheckpointError(f"checkpoint directory {str(directory)!r} has mode {mode:o}; it must not be "
-                                  "readable by group or others (chmod 700 it)")
         for stale in self.directory.glob(".*.tmp"):  # half-written files of a process that was killed
             stale.unlink(missing_ok=True)
         self.last_bytes = 0

@@ -9,8 +9,9 @@ divide by the planned expected users → server optimizer (exactly the workload 
 ledger commit (naming the checkpoint's hash) → only then release (progress, evaluation, callbacks).
 
 Started again with the same plan and directory, ``train`` resumes after the last committed
-round; a round that was not committed is redone with the same selection and the same noise.
-With deterministic local updates the final model is bit-identical to an uninterrupted run.
+round, whose noise it reproduces exactly; a round that was not committed is redone with the
+same selection and fresh noise (fedmf.run). With deterministic local updates and
+``repeatable_noise=True`` (tests only) the final model is bit-identical to an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ def train(
     on_round: Callable[[RoundRecord], None] | None = None,
     observed_guard: bool | None = None,
     progress: bool = False,
+    repeatable_noise: bool = False,
 ) -> TrainResult:
     """Train ``model`` privately under ``plan`` over ``users`` (ids with a stable ``str``).
 
@@ -100,7 +102,8 @@ def train(
     resume). ``available(t)``: the users reachable in round t (default: all). ``evaluate(model)``
     runs after each commit (server-side held-out data). ``observed_guard`` (default: on for
     unamplified runs with a target ε) also stops before a round when a user's observed ε,
-    accounted from the ledger, exceeds the target."""
+    accounted from the ledger, exceeds the target. ``repeatable_noise``: tests only, unsafe
+    (``PrivateRun.open``)."""
     if (local_update is None) == (local_updates is None):
         raise ConfigError("give exactly one of local_update (one user at a time) and local_updates (a round's users)")
     users = list(users)
@@ -115,7 +118,7 @@ def train(
     directory = temporary.name if temporary is not None else checkpoint_dir
     try:
         with PrivateRun.open(model, plan, directory, ledger=ledger, server_lr=server_lr, optimizer=optimizer,
-                             population=users, on_event=on_event) as run:
+                             population=users, on_event=on_event, repeatable_noise=repeatable_noise) as run:
             history: list[RoundRecord] = []
             stopped = "horizon" if end == plan.rounds else "rounds"
             bar = _Progress(progress, end)

@@ -1,13 +1,33 @@
-"""Atomic file writes: a reader sees the old file or the whole new one, never a part."""
+"""Atomic file writes (a reader sees the old file or the whole new one, never a part) and the
+check that a run's directories and files are private to the user running the server."""
 
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import IO, Any, Callable
 
-__all__ = ["atomic_write"]
+__all__ = ["atomic_write", "check_private"]
+
+
+def check_private(path: str | os.PathLike, what: str, error: Callable[[str], Exception], *,
+                  others_may_read: bool = False) -> None:
+    """Raise ``error(one line)`` unless ``path`` is owned by this process's user and neither group
+    nor others may write it (nor read it, unless ``others_may_read``): another user who can write
+    a run directory, its ``secrets/`` or the ledger can replace the secrets, checkpoints or
+    history under the server."""
+    path = Path(path)
+    info = path.stat()
+    mode = stat.S_IMODE(info.st_mode)
+    if info.st_uid != os.geteuid():
+        raise error(f"{what} {str(path)!r} is owned by uid {info.st_uid}, not by the user running fedmf (uid "
+                    f"{os.geteuid()}): chown it, and consider what it holds tampered with")
+    if mode & (0o022 if others_may_read else 0o077):
+        fix = "chmod go-w" if others_may_read else "chmod 700" if path.is_dir() else "chmod 600"
+        whom = "writable" if others_may_read else "readable or writable"
+        raise error(f"{what} {str(path)!r} has mode {mode:o}; it must not be {whom} by group or others ({fix} it)")
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[IO[Any]], object], *, text: bool,

@@ -1,11 +1,20 @@
 """Streaming correlated noise in torch: the noise of round t is std·(L z)_t, L = C^{-1}.
 
 Fresh Gaussian rows z_r are counter-based: the values of row r in chunk c of the flat
-parameter vector come from a generator seeded with a keyed hash of (secret seed, r, c)
+parameter vector come from a generator seeded with a keyed hash of (secret seed, r, salt, c)
 (BLAKE2b; values by ``fedmf.normal``, tails to 8.6σ), so any past draw can be regenerated
 exactly and any slice of the parameters (a shard) can be produced alone and equals the same
 slice of the unsharded noise
 ("Scaling up BandMF", Sec. 3.3: coordinate-wise independence).
+
+Salts (``salted=True``; every private run uses them): each call of ``next()`` for round t
+draws a fresh 16-byte salt from the OS's secure source before any of the round's fresh rows,
+and those rows are keyed by it: seed of (row r, chunk c) = BLAKE2b-128(key = seed,
+salt = salt_t, person = "fedmf-noise-s1", message = LE64(r) ‖ LE64(c)) (RFC 7693). The salts
+of the rounds done are part of the state, so a generator restored from it regenerates past
+draws exactly, but a round drawn again after a restore (or by a copy of the seed) gets new,
+independent fresh noise. Unsalted rows (salt b"") keep the keys of state format 3:
+BLAKE2b-128(key = seed, person = "fedmf-noise-v2", message = LE64(r) ‖ LE64(c)).
 
 L comes from the mechanism as one description (``Mechanism.streaming_inverse()``, see
 fedmf.mechanisms.streaming); each description type has one interpreter here, and the state
@@ -18,7 +27,7 @@ banded C^{-1}; McMahan et al. 2024 for BLT buffers):
   Tree   O(log n) node estimates
   Dense  nothing: past draws are regenerated, O(t·d) per round
 
-The state (format 3) is bound to its mechanism by ``Mechanism.fingerprint``. Its
+The state (format 4) is bound to its mechanism by ``Mechanism.fingerprint``. Its
 ``structure_rounds`` labels every kept tensor with the round whose ``next()`` produced it
 (unchanged while it stays in the state, so a checkpoint writer can store it once), or None
 for a tensor updated every round (BLT buffers).
@@ -47,15 +56,18 @@ from .mechanisms.base import Mechanism
 from .mechanisms.streaming import Blt, Dense, Fir, Iir, StreamingInverse, Tree
 from .normal import fill_normal
 
-__all__ = ["NoiseGenerator", "Layout", "CHUNK_SIZE"]
+__all__ = ["NoiseGenerator", "Layout", "CHUNK_SIZE", "SALT_BYTES"]
 
 Layout = Union[int, Mapping[str, Sequence[int]]]
 CHUNK_SIZE = 1 << 18
 #: on CPU a round's arithmetic runs block by block so each output block stays in cache
 BLOCK_SIZE = 1 << 19
-#: 3: bound to the mechanism's fingerprint, seed or seed_check, structure_rounds
-#: (2: std folded into the draws by fedmf.normal; 1: another sampler, unscaled state)
-_STATE_FORMAT = 3
+#: 4: salts of the rounds done; 3: bound to the mechanism's fingerprint, seed or seed_check,
+#: structure_rounds (read as 4 with every round unsalted); 2: std folded into the draws by
+#: fedmf.normal; 1: another sampler, unscaled state
+_STATE_FORMAT = 4
+_UNSALTED_FORMAT = 3
+SALT_BYTES = 16
 _FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _SEED_CHECK_LABEL = b"fedmf noise state seed check"
 
@@ -105,15 +117,23 @@ class _Draws:
     """Counter-based Gaussian rows, scaled by ``scale``, for the flat range [lo, hi) of a
     size-``total`` vector (values from ``fedmf.normal.fill_normal``, whose tails are not cut
     at 5.8σ as float32 ``torch.randn``'s are). On CPU the chunks of a row are drawn on several
-    threads; each chunk has its own seed, so the result does not depend on the thread count."""
+    threads; each chunk has its own seed, so the result does not depend on the thread count.
+    ``salts[r]``: the salt of row r (b"": unsalted), one entry per row drawn so far (a
+    generator's draws); None: every row unsalted (draws on their own)."""
 
     def __init__(self, key: bytes, total: int, lo: int, hi: int, dtype: torch.dtype, device: torch.device,
                  chunk: int, scale: float = 1.0) -> None:
         self.key, self.total, self.lo, self.hi = key, total, lo, hi
         self.dtype, self.device, self.chunk, self.scale = dtype, device, chunk, float(scale)
+        self.salts: list[bytes] | None = None
 
     def _seed(self, row: int, chunk: int) -> int:
-        h = hashlib.blake2b(struct.pack("<QQ", row, chunk), key=self.key, digest_size=16, person=b"fedmf-noise-v2")
+        message = struct.pack("<QQ", row, chunk)
+        salt = b"" if self.salts is None else self.salts[row]
+        if salt:
+            h = hashlib.blake2b(message, key=self.key, digest_size=16, salt=salt, person=b"fedmf-noise-s1")
+        else:
+            h = hashlib.blake2b(message, key=self.key, digest_size=16, person=b"fedmf-noise-v2")
         return int.from_bytes(h.digest(), "little")
 
     def _fill_chunk(self, row: int, c: int, out: torch.Tensor) -> None:
@@ -458,9 +478,13 @@ class NoiseGenerator:
 
     ``next()`` returns round t's noise std·(C^{-1} z)_t (a dict of tensors for a dict
     layout, else a flat tensor) in ``dtype`` on ``device``. Same seed, mechanism, layout,
-    device and dtype ⇒ bit-identical noise. ``shard=(i, s)`` produces only the i-th of s
-    contiguous slices of the flattened parameters; the slices concatenate to the full noise.
-    Every argument is checked here (``fedmf.errors.ConfigError``).
+    device and dtype (and salts) ⇒ bit-identical noise. ``salted``: key each round's fresh
+    rows with a new random salt (module docstring), so that a round drawn again after a restore
+    never repeats the noise drawn before; past rounds are still regenerated exactly from the
+    state's salts. ``shard=(i, s)`` produces only the i-th of s contiguous slices of the
+    flattened parameters; the slices concatenate to the full noise (for a salted generator:
+    when every shard gets the same ``salt`` in ``next``). Every argument is checked here
+    (``fedmf.errors.ConfigError``).
     """
 
     def __reduce__(self):  # it holds a secret: never pickled (save state_dict() instead)
@@ -478,6 +502,7 @@ class NoiseGenerator:
         shard: tuple[int, int] = (0, 1),
         regenerate: bool = False,
         chunk_size: int = CHUNK_SIZE,
+        salted: bool = False,
     ) -> None:
         if not isinstance(mechanism, Mechanism):
             raise ConfigError(f"mechanism must be a fedmf Mechanism, got {type(mechanism).__name__}")
@@ -486,6 +511,9 @@ class NoiseGenerator:
             raise ConfigError(f"dtype must be a floating torch dtype, got {dtype!r}")
         if not isinstance(regenerate, bool):
             raise ConfigError(f"regenerate must be True or False, got {regenerate!r}")
+        if not isinstance(salted, bool):
+            raise ConfigError(f"salted must be True or False, got {salted!r}")
+        self.salted = salted
         if not _is_int(chunk_size) or chunk_size <= 0:
             raise ConfigError(f"chunk_size must be a positive int, got {chunk_size!r}")
         self.mechanism = mechanism
@@ -505,6 +533,8 @@ class NoiseGenerator:
         self._structure = _structure(mechanism.streaming_inverse(), self._draws, regenerate)
         self.round = 0
         self._row = 0  # next fresh noise row
+        self._salts: list[bytes] = []  # salt of each round done (b"": unsalted)
+        self._draws.salts = []  # salt of each fresh row drawn
 
     def __repr__(self) -> str:  # never shows the seed
         return (f"NoiseGenerator(kind={self.mechanism.kind!r}, rounds={self.mechanism.rounds}, round={self.round}, "
@@ -514,9 +544,11 @@ class NoiseGenerator:
     def rounds(self) -> int:
         return self.mechanism.rounds
 
-    def next(self, out: torch.Tensor | None = None) -> torch.Tensor | dict[str, torch.Tensor]:
+    def next(self, out: torch.Tensor | None = None, *,
+             salt: bytes | None = None) -> torch.Tensor | dict[str, torch.Tensor]:
         """The noise of the next round; raises ``HorizonReached`` once the mechanism's horizon
-        is reached.
+        is reached. A salted generator keys the round's fresh rows with ``salt`` (16 bytes;
+        default: new ones from the OS's secure source — give one only to make shards agree).
 
         ``out``: an optional flat, contiguous tensor of this shard's size, dtype and device to
         write into (reusing one buffer saves a fresh allocation, and its page faults, per round);
@@ -535,8 +567,19 @@ class NoiseGenerator:
                   and out.device == self.device and out.is_contiguous()):
             raise ConfigError(f"out must be a contiguous flat tensor of {size} elements, dtype {self.dtype}, "
                               f"device {self.device}")
-        flat = self._structure.step(t, self._row, out)
-        self._row += self.mechanism.fresh_rows(t)
+        if salt is None:
+            salt = secrets.token_bytes(SALT_BYTES) if self.salted else b""
+        elif not (self.salted and isinstance(salt, bytes) and len(salt) == SALT_BYTES):
+            raise ConfigError(f"salt must be {SALT_BYTES} bytes, given to a salted generator")
+        rows = self.mechanism.fresh_rows(t)
+        self._draws.salts[self._row:] = [salt] * rows  # before any of the round's fresh rows is drawn
+        try:
+            flat = self._structure.step(t, self._row, out)
+        except BaseException:
+            del self._draws.salts[self._row:]
+            raise
+        self._row += rows
+        self._salts.append(salt)
         self.round += 1
         return self._unflatten(flat)
 
@@ -572,6 +615,7 @@ class NoiseGenerator:
             "std": self.std,
             "regenerate": self.regenerate,
             "chunk_size": self.chunk_size,
+            "salts": [salt.hex() for salt in self._salts],  # hex: torch.load(weights_only) refuses b""
             **secret,
             "structure": {k: [_snapshot(x, copy) for x in v] for k, v in self._structure.state().items()},
             "structure_rounds": self._structure.rounds(self.round),
@@ -583,9 +627,11 @@ class NoiseGenerator:
         changes (``CheckpointError`` for an unreadable state, ``PlanMismatch`` for another one)."""
         if not isinstance(state, Mapping):
             raise CheckpointError(f"a noise state must be a mapping, got {type(state).__name__}")
-        if state.get("format") != _STATE_FORMAT:
-            raise CheckpointError(f"unsupported noise state format {state.get('format')!r} (this fedmf writes and "
-                                  f"reads format {_STATE_FORMAT}; older formats are not bound to their mechanism)")
+        fmt = state.get("format")
+        if fmt not in (_STATE_FORMAT, _UNSALTED_FORMAT) or isinstance(fmt, bool):
+            raise CheckpointError(f"unsupported noise state format {fmt!r} (this fedmf writes format "
+                                  f"{_STATE_FORMAT} and reads {_UNSALTED_FORMAT} and {_STATE_FORMAT}; older formats "
+                                  "are not bound to their mechanism)")
         if state.get("fingerprint") != self._fingerprint:
             raise PlanMismatch(f"noise state was written for another mechanism (fingerprint "
                                f"{str(state.get('fingerprint'))[:80]}, expected {self._fingerprint})")
@@ -601,11 +647,26 @@ class NoiseGenerator:
                                    f"expected {value!r}")
         key = self._state_key(state)
         t, row = self._state_position(state)
+        salts = self._state_salts(state, t) if fmt == _STATE_FORMAT else [b""] * t
         self._check_structure(state, t)
         self._key = key
         self._draws.key = key
         self.round, self._row = t, row
+        self._salts = salts
+        self._draws.salts = [salt for s in range(t) for salt in [salts[s]] * self.mechanism.fresh_rows(s)]
         self._structure.load(state["structure"], t, row)
+
+    @staticmethod
+    def _state_salts(state: Mapping[str, Any], t: int) -> list[bytes]:
+        salts = state.get("salts")
+        if not (isinstance(salts, (list, tuple)) and len(salts) == t
+                and all(isinstance(x, str) and len(x) in (0, 2 * SALT_BYTES) for x in salts)):
+            raise CheckpointError(f"noise state must hold one salt (empty or {SALT_BYTES} bytes in hex) for each of "
+                                  f"its {t} rounds")
+        try:
+            return [bytes.fromhex(x) for x in salts]
+        except ValueError:
+            raise CheckpointError("noise state holds a salt that is not hex") from None
 
     def _state_key(self, state: Mapping[str, Any]) -> bytes:
         if "seed" in state:
@@ -648,7 +709,8 @@ class NoiseGenerator:
             raise ConfigError("shard() splits an unsharded generator")
         child = NoiseGenerator(self.mechanism, self.layout, self.std, dtype=self.dtype, device=self.device,
                                seed=self._key, shard=(index, count), regenerate=self.regenerate,
-                               chunk_size=self.chunk_size)
+                               chunk_size=self.chunk_size, salted=self.salted)
         child.round, child._row = self.round, self._row
+        child._salts, child._draws.salts = list(self._salts), list(self._draws.salts)
         child._structure.load(self._structure.slice(child.lo, child.hi), self.round, self._row)
         return child

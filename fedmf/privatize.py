@@ -137,16 +137,23 @@ class RoundPrivatizer:
     """Clip, sum and noise the updates of each round of ``plan``, in order, on ``device``.
 
     The noise generator is seeded with ``seed`` (a secret: keep it in a 0600 file; the
-    state dict never contains it). Sums are kept in one flat buffer of the model's
+    state dict never contains it) and salted: each round's fresh noise is keyed by a new
+    random salt, so a round privatized again after ``load_state_dict`` (a redo, a restored
+    backup) gets new noise, while the rounds in the state are reproduced exactly.
+    ``repeatable_noise=True`` (tests only: unsafe) leaves the salts out, so that the same seed
+    and state always give the same noise. Sums are kept in one flat buffer of the model's
     ``dtype`` on its ``device``."""
 
     def __reduce__(self):  # it holds a secret: never pickled (save state_dict() instead)
         raise TypeError(f"{type(self).__name__} holds a secret and cannot be pickled")
 
     def __init__(self, plan: RunPlan, layout: Layout, *, device: str | torch.device | None = None,
-                 dtype: torch.dtype = torch.float32, seed: bytes | int | None = None) -> None:
+                 dtype: torch.dtype = torch.float32, seed: bytes | int | None = None,
+                 repeatable_noise: bool = False) -> None:
         if not isinstance(plan, RunPlan):
             raise ConfigError(f"plan must be a RunPlan, got {type(plan).__name__}")
+        if not isinstance(repeatable_noise, bool):
+            raise ConfigError(f"repeatable_noise must be True or False, got {repeatable_noise!r}")
         if dtype not in _FLOATING:
             raise ConfigError(f"dtype must be floating point, got {dtype}")
         self.plan = plan
@@ -154,7 +161,8 @@ class RoundPrivatizer:
         self.size = flat_size(self.layout)
         # half-precision models are summed and noised in float32, then cast back
         work = dtype if dtype in (torch.float32, torch.float64) else torch.float32
-        self.noise = NoiseGenerator(plan.mechanism, self.layout, plan.noise_std, dtype=work, device=device, seed=seed)
+        self.noise = NoiseGenerator(plan.mechanism, self.layout, plan.noise_std, dtype=work, device=device, seed=seed,
+                                    salted=not repeatable_noise)
         self.device, self.dtype, self._work = self.noise.device, dtype, work
         self._sum = torch.zeros(self.size, dtype=work, device=self.device)
         self._scratch = torch.empty(self.size, dtype=work, device=self.device)

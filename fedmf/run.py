@@ -12,11 +12,14 @@ checkpoint store, and exposes the round as the steps of ARCHITECTURE.md's data f
     ...only now release the model, metrics, evaluation...
 
 ``fedmf.federated.train`` (the in-process loop) and the Flower strategy (``server/``) are both
-thin drivers of these calls, so they produce bit-identical models for the same plan, secrets,
-users and (deterministic) local updates. A round that was not committed is redone with the same
-noise; its selection is the same when the same users are available (the scheduler's decisions
-are a deterministic function of its state and the available set). Both are safe only because
-nothing of an uncommitted round is released.
+thin drivers of these calls. A round that was not committed is redone with fresh noise (a new
+noise salt per attempt, fedmf.noise) and the same selection when the same users are available
+(the scheduler's decisions are a deterministic function of its state and the available set);
+the committed rounds' noise is reproduced exactly from the checkpoint's salts. So a run
+directory restored from a backup never releases a round again with the noise it was released
+with. ``repeatable_noise=True`` (tests only, unsafe) leaves the salts out: then the two drivers
+produce bit-identical models for the same plan, secrets, users and (deterministic) local
+updates, and a redone round repeats its noise.
 """
 
 from __future__ import annotations
@@ -37,11 +40,21 @@ from .participation import MinSep
 from .plan import RunPlan
 from .privatize import RoundPrivatizer, RoundReport, layout_of
 
-__all__ = ["PrivateRun", "RoundRecord", "EVENTS"]
+__all__ = ["PrivateRun", "RoundRecord", "EVENTS", "REPEATABLE_NOISE_ENV", "repeatable_noise_from_env"]
 
 #: the points of a round at which ``on_event(event, t)`` is called (fault-injection tests use them)
 EVENTS = ("guarded", "selected", "updates", "noised", "stepped", "checkpointed", "committed", "released")
 _RUN_FILE = "run.json"
+#: set to 1 (tests only) to run the ServerApp and ``fedmf simulate`` without noise salts
+REPEATABLE_NOISE_ENV = "FEDMF_UNSAFE_REPEATABLE_NOISE"
+#: the warning printed when it is set
+REPEATABLE_NOISE_WARNING = (f"{REPEATABLE_NOISE_ENV}=1: UNSAFE, for tests only: noise is not salted, so a redone round "
+                            "or a restored run directory releases a round again with the same noise")
+
+
+def repeatable_noise_from_env() -> bool:
+    """Whether ``FEDMF_UNSAFE_REPEATABLE_NOISE=1`` asks for unsalted noise (tests only)."""
+    return os.environ.get(REPEATABLE_NOISE_ENV) == "1"
 
 
 @dataclass
@@ -96,11 +109,12 @@ class PrivateRun:
     def open(cls, model: torch.nn.Module, plan: RunPlan, directory: str | os.PathLike, *,
              ledger: str | os.PathLike | None = None, server_lr: float = 1.0, optimizer: str = "workload",
              population: Iterable[Hashable] | None = None, on_event: Callable[[str, int], None] | None = None,
-             name: str | None = None) -> "PrivateRun":
+             name: str | None = None, repeatable_noise: bool = False) -> "PrivateRun":
         """Resume the run recorded in ``directory`` (restoring the last committed round's
         checkpoint; the plan must be the same) or start a new one. ``ledger``: a ledger URL
         (default: ``<directory>/ledger.db``). ``population``: the users, for schedulers that
-        sample the whole population (required by the fixed-epoch order)."""
+        sample the whole population (required by the fixed-epoch order). ``repeatable_noise``:
+        tests only (unsafe): no noise salts, so a redone round repeats its noise."""
         from .ledger import Ledger
         from .schedule import make_scheduler
         from .server_optimizer import server_optimizer
@@ -117,7 +131,8 @@ class PrivateRun:
         try:
             params = dict(model.named_parameters())
             dtype, device = _param_dtype(params)
-            privatizer = RoundPrivatizer(plan, layout_of(params), device=device, dtype=dtype, seed=secrets.noise_seed)
+            privatizer = RoundPrivatizer(plan, layout_of(params), device=device, dtype=dtype, seed=secrets.noise_seed,
+                                         repeatable_noise=repeatable_noise)
             opt = server_optimizer(params, plan.mechanism.workload, plan.rounds, server_lr, kind=optimizer)
             users_per_round = None
             if plan.sampling.kind == "none" and isinstance(plan.schema, MinSep):
@@ -128,27 +143,33 @@ class PrivateRun:
             scheduler = make_scheduler(plan.schema, plan.sampling, key=secrets.schedule_key, rounds=plan.rounds,
                                        users_per_round=users_per_round,
                                        population=None if population is None else list(population))
-            run = cls._attach(book, directory, store, plan, model, privatizer, opt, scheduler, name)
+            run = cls._attach(book, directory, store, secrets, plan, model, privatizer, opt, scheduler, name)
         except BaseException:
             book.close()
             raise
         return cls(model, plan, directory, secrets, store, book, ledger_url, run, privatizer, opt, scheduler, on_event)
 
     @staticmethod
-    def _attach(book, directory: Path, store: CheckpointStore, plan: RunPlan, model, privatizer, optimizer,
-                scheduler, name):
+    def _attach(book, directory: Path, store: CheckpointStore, secrets: RunSecrets, plan: RunPlan, model, privatizer,
+                optimizer, scheduler, name):
         run_file = directory / _RUN_FILE
+        seed_file = str(directory / "secrets" / "noise_seed")
         if run_file.exists():
             try:
                 recorded = json.loads(run_file.read_text(encoding="utf-8"))
                 run_id, fingerprint = int(recorded["run_id"]), recorded["plan_fingerprint"]
                 initial_sha256 = str(recorded["initial_sha256"])
+                binding = recorded.get("noise_seed_binding")  # absent: a run started before seeds were bound
             except (OSError, ValueError, KeyError, TypeError):
                 raise ConfigError(f"{str(run_file)!r} is damaged") from None
+            if binding is not None and (secrets.noise_seed_binding or b"").hex() != binding:
+                raise CheckpointError(f"the noise seed in {seed_file!r} is not bound to the run {_RUN_FILE} names: "
+                                      "restore that run's own secrets/ to resume it")
             plan.check_fingerprint(fingerprint, f"checkpoint directory {str(directory)!r}")
             run = book.run(run_id)
             plan.check_fingerprint(run.info.plan_fingerprint, f"ledger run {run_id}")
             last = run.next_round - 1  # -1: the initial state, before round 0
+            _refuse_rollback(store, last)
             digest = run.round(last).checkpoint_sha256 if last >= 0 else initial_sha256
             state = store.load(last, digest)
             plan.check_fingerprint(state.get("plan_fingerprint"), f"checkpoint of round {last}")
@@ -159,6 +180,10 @@ class PrivateRun:
             torch.set_rng_state(state["rng"]["torch"])
             return run
         # one noise seed, one run: a second run with this seed would repeat released noise
+        if secrets.noise_seed_binding is not None:
+            raise CheckpointError(f"the noise seed in {seed_file!r} is bound to another run (copied from its run "
+                                  "directory?): a new run needs new secrets (a new directory, or remove secrets/); "
+                                  "noise is never reused")
         leftovers = sorted(p.name for p in directory.iterdir()
                            if p.name == "initial.pt" or p.name.startswith(("round-", "noise-")))
         used = directory / "secrets" / "noise_seed.used"
@@ -172,6 +197,7 @@ class PrivateRun:
                 raise CheckpointError(f"ledger run {other.id} was made with the noise seed in {str(directory)!r} and "
                                       f"{_RUN_FILE} is missing: restore {_RUN_FILE} to resume it, or start a new run "
                                       "in a new directory (new secrets); noise is never reused")
+        binding = secrets.bind_noise_seed()  # before the seed's first use: a copy of the file carries it
         atomic_write(used, lambda f: f.write("a run was started with this noise seed; it is never used again\n"),
                      text=True, mode=0o600)
         initial_sha256 = store.save(-1, _state(plan, model, optimizer, privatizer, scheduler))
@@ -179,7 +205,8 @@ class PrivateRun:
                               delta=plan.delta, target_epsilon=plan.target_epsilon, schema=plan.schema,
                               sampling=str(plan.sampling), name=name, plan=plan.to_dict(),
                               plan_fingerprint=plan.fingerprint, config={"noise_key_check": noise_check})
-        record = {"run_id": run.id, "plan_fingerprint": plan.fingerprint, "initial_sha256": initial_sha256}
+        record = {"run_id": run.id, "plan_fingerprint": plan.fingerprint, "initial_sha256": initial_sha256,
+                  "noise_seed_binding": binding}
         atomic_write(directory / _RUN_FILE, lambda f: json.dump(record, f), text=True, mode=0o600)
         return run
 
@@ -365,6 +392,18 @@ class PrivateRun:
         if self._selection is None:
             raise RoundOrderError("no round is open: call select() first")
         return self._selection
+
+
+def _refuse_rollback(store: CheckpointStore, committed: int) -> None:
+    """A run directory older than the ledger's last committed (so released) round is a restored
+    backup: resuming it would release rounds again. One line naming both rounds."""
+    newest = max(store.rounds(), default=-1)
+    if newest < committed:
+        have = "only the initial state" if newest < 0 else f"round {newest}"
+        raise CheckpointError(f"the ledger says round {committed} was committed and released, but "
+                              f"{str(store.directory)!r} holds checkpoints up to {have}: a run directory older than "
+                              "the ledger (a restored backup?) is never resumed, it would release those rounds again; "
+                              "start a new run in a new directory")
 
 
 def _state(plan: RunPlan, model, optimizer, privatizer, scheduler) -> dict[str, Any]:

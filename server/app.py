@@ -17,7 +17,7 @@ from flwr.serverapp import Grid, ServerApp
 from fedmf.config import RunConfig
 from fedmf.errors import CheckpointError, FedmfError
 from fedmf.files import atomic_write
-from fedmf.run import PrivateRun
+from fedmf.run import REPEATABLE_NOISE_WARNING, PrivateRun, repeatable_noise_from_env
 
 from .strategy import DPMFStrategy
 
@@ -64,8 +64,11 @@ def run_server(grid: Grid, run_config: dict) -> DPMFStrategy:
         with torch.no_grad():
             return MetricRecord({k: float(v) for k, v in task.evaluate(evaluated).items()})
 
+    repeatable = repeatable_noise_from_env()  # FEDMF_UNSAFE_REPEATABLE_NOISE=1: tests only
+    if repeatable:
+        log.warning("fedmf: warning: %s", REPEATABLE_NOISE_WARNING)
     with PrivateRun.open(model, plan, config.run_dir, ledger=config.ledger_url, server_lr=config.server_lr,
-                         population=task.users(), on_event=_fault_injection()) as run:
+                         population=task.users(), on_event=_fault_injection(), repeatable_noise=repeatable) as run:
         users = task.users()
         wanted = min(len(users), max(1, math.ceil(plan.expected_users)))
         strategy = DPMFStrategy(run, config, evaluate_fn=evaluate, min_available=wanted)

@@ -2,7 +2,7 @@
 
 Run as a script: ``python tests/_federated_task.py CHECKPOINT_DIR OUT.pt [EVENT ROUND]`` trains
 (resuming from CHECKPOINT_DIR), SIGKILLs itself at (EVENT, ROUND) if given, and saves the final
-model's state dict to OUT.pt.
+model's state dict to OUT.pt; with FEDMF_UNSAFE_REPEATABLE_NOISE=1 without noise salts.
 """
 
 from __future__ import annotations
@@ -30,14 +30,19 @@ class Tiny(torch.nn.Module):
 
 def share_secrets(source, target) -> None:
     """Give ``target`` (a new run directory, mode 0700) the secrets of ``source``: the same
-    noise, schedule and keys — how a test compares two runs bit for bit."""
-    import shutil
+    seed, schedule and keys — how a test compares two runs bit for bit (with
+    ``repeatable_noise``: salted runs draw new noise even from the same seed). The copy is
+    unbound: without the seed's binding to the source's run (which makes a run refuse a copied
+    seed) nor the record that a run used it — what only a test may do."""
     from pathlib import Path
 
     Path(target).mkdir(mode=0o700, parents=True)
     (Path(target) / "secrets").mkdir(mode=0o700)
-    for name in ("noise_seed", "schedule_key", "ledger_secret"):  # not the record that a run used them
-        shutil.copy2(Path(source) / "secrets" / name, Path(target) / "secrets" / name)
+    for name in ("noise_seed", "schedule_key", "ledger_secret"):
+        data = (Path(source) / "secrets" / name).read_bytes()[:32]
+        fd = os.open(Path(target) / "secrets" / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, data)
+        os.close(fd)
 
 
 def write_secrets(target, label: bytes = b"fixed") -> None:
@@ -52,6 +57,15 @@ def write_secrets(target, label: bytes = b"fixed") -> None:
         fd = os.open(directory / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         os.write(fd, hashlib.sha256(label + name.encode()).digest())
         os.close(fd)
+
+
+def checkpoint_salts(directory) -> list[bytes]:
+    """The noise salts of every committed round, from the run's last committed checkpoint."""
+    from fedmf.checkpoint import CheckpointStore
+
+    store = CheckpointStore(directory)
+    last = max(store.rounds())
+    return [bytes.fromhex(s) for s in store.load(last, None)["privatizer"]["noise"]["salts"]]
 
 
 def users(count: int = USERS) -> list[str]:
@@ -94,6 +108,7 @@ def local_update(params, user, t):
 
 def main(argv: list[str]) -> int:
     from fedmf.federated import train
+    from fedmf.run import repeatable_noise_from_env
 
     directory, out = argv[0], argv[1]
     kill = (argv[2], int(argv[3])) if len(argv) > 2 else None
@@ -103,7 +118,8 @@ def main(argv: list[str]) -> int:
             os.kill(os.getpid(), signal.SIGKILL)
 
     model = Tiny()
-    train(model, users(), plan(rounds=12), local_update, checkpoint_dir=directory, on_event=on_event)
+    train(model, users(), plan(rounds=12), local_update, checkpoint_dir=directory, on_event=on_event,
+          repeatable_noise=repeatable_noise_from_env())
     torch.save(model.state_dict(), out)
     return 0
 

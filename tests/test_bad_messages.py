@@ -468,7 +468,9 @@ def counted_replies(monkeypatch):
 def _run(directory, nodes, inject_fn=None):
     model = task.Tiny()
     grid = BadGrid(nodes, inject_fn)
-    with PrivateRun.open(model, task.plan(rounds=ROUNDS), directory, population=USERS) as run:
+    # repeatable noise (tests only): the clean and the dirty run are compared bit for bit
+    with PrivateRun.open(model, task.plan(rounds=ROUNDS), directory, population=USERS,
+                         repeatable_noise=True) as run:
         strategy = DPMFStrategy(run, CONFIG)
         result = strategy.start(grid)
         names = {run.user_key(u): u for u in USERS}
@@ -785,7 +787,7 @@ class Twins:
         task.write_secrets(a, label=b"fuzz%d" % self.generation)
         task.share_secrets(a, b)
         self.models = [task.Tiny(), task.Tiny()]
-        self.runs = [PrivateRun.open(m, task.plan(rounds=FUZZ_ROUNDS), d, population=USERS)
+        self.runs = [PrivateRun.open(m, task.plan(rounds=FUZZ_ROUNDS), d, population=USERS, repeatable_noise=True)
                      for m, d in zip(self.models, (a, b))]
         nodes = {NODE[u]: make_node(u, {}, "dirty") for u in USERS}
         self.grids = [FuzzGrid(nodes), FuzzGrid(nodes)]

@@ -24,7 +24,7 @@ TENSOR_BYTES = (64 * 32 + 32) * 4
 def _privatizer(kind="bsr", bands=4):
     mech = build(kind, N, MinSep(B, K), num_bands=bands)
     plan = RunPlan.create(mech, MinSep(B, K), clip_norm=1.0, delta=1e-5, expected_users=3, noise_multiplier=1.0)
-    return RoundPrivatizer(plan, LAYOUT, device="cpu", seed=SEED)
+    return RoundPrivatizer(plan, LAYOUT, device="cpu", seed=SEED, repeatable_noise=True)
 
 
 def _run(privatizer, t):

@@ -4,7 +4,8 @@ Kill points: ``server.app.run_server`` over a LocalGrid of real ClientApps runs 
 (tests/_fault_script.py) that SIGKILLs itself at one point — a round event of ``fedmf.run.EVENTS``
 or a point inside an operation, armed by monkeypatching in the child only — and is then started
 again with the same configuration. For every point: the final model is bit-identical to the
-uninterrupted ServerApp run and to the in-process loop (same fixed secrets); the ledger has every
+uninterrupted ServerApp run and to the in-process loop (same fixed secrets, and repeatable noise:
+FEDMF_UNSAFE_REPEATABLE_NOISE=1, tests only, so that a redone round repeats its noise); the ledger has every
 round committed exactly once with consistent participation rows and ``fedmf audit`` finds no
 problem; and everything the server released (the model broadcast in each round's TRAIN messages,
 the model evaluated after each round) came from a committed round and is bit-identical to what the
@@ -41,6 +42,7 @@ from fedmf.federated import train
 from fedmf.ledger import Ledger
 from fedmf.ledger.db import LedgerError
 from fedmf.ledger.models import Participation
+from fedmf.run import REPEATABLE_NOISE_ENV
 
 from . import _fault_script as fs
 from . import _federated_task as task
@@ -111,7 +113,7 @@ def _loop(values: dict, directory: Path, drop=(), available=None) -> dict:
 
     model = tiny.model()
     train(model, tiny.users(), config.build_plan(), local_update, server_lr=config.server_lr,
-          checkpoint_dir=directory, available=available)
+          checkpoint_dir=directory, available=available, repeatable_noise=True)
     return model.state_dict()
 
 
@@ -124,6 +126,15 @@ class Reference:
 
     def users(self, t: int) -> list[str]:
         return self.train[t]["users"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _repeatable_noise():
+    """Every run here is compared bit for bit with an uninterrupted one, redone rounds included: the
+    ServerApp (in process and in the killed children) runs with FEDMF_UNSAFE_REPEATABLE_NOISE=1."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(REPEATABLE_NOISE_ENV, "1")
+        yield
 
 
 @pytest.fixture(scope="module")

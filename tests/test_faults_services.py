@@ -17,6 +17,8 @@ Every case drives ``server.app.main`` over the in-process grid of real ClientApp
 (tests/_fault_script.py) and checks against the uninterrupted run (``reference`` from
 tests/test_faults.py): the model is bit-identical, every round is committed exactly once with
 consistent rows, nothing of an uncommitted round was released and nothing was released twice.
+Like tests/test_faults.py, the ServerApp runs with FEDMF_UNSAFE_REPEATABLE_NOISE=1 (a redone round
+repeats its noise, so the runs can be compared bit for bit).
 """
 
 from __future__ import annotations
@@ -47,9 +49,11 @@ from fedmf.ledger import Ledger
 
 from . import _fault_script as fs
 from .test_faults import (ROUNDS, _assert_same, _check_ledger, _check_releases, _final, _new_run, _recording_evaluate,
-                          _resume_and_check, _serve, _statuses, reference)
+                          _repeatable_noise, _resume_and_check, _serve, _statuses, reference)
 
-__all__ = ["reference"]  # the uninterrupted run, shared with tests/test_faults.py
+# the uninterrupted run, shared with tests/test_faults.py, and its unsalted noise (tests only): every
+# case here is compared bit for bit with it, redone rounds included
+__all__ = ["reference", "_repeatable_noise"]
 
 PASSWORD = "pw-" + uuid.uuid4().hex  # in the ledger URL (trust auth ignores it): it must never be shown
 FAULT_ROUND = 3

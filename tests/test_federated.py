@@ -3,6 +3,7 @@ noise enters once per round in the right place, crash-exact resume, the guard.""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections import defaultdict
@@ -18,6 +19,7 @@ from fedmf.federated import train
 from fedmf.ledger import Ledger
 from fedmf.ledger.models import Participation
 from fedmf.noise import NoiseGenerator
+from fedmf.run import REPEATABLE_NOISE_ENV
 from fedmf.schedule import make_scheduler
 
 from . import _federated_task as task
@@ -84,8 +86,9 @@ def test_ledger_equals_the_schedulers_decisions_and_bad_updates_are_rejected(tmp
     not torch.cuda.is_available(), reason="no CUDA device"))])
 def test_zero_updates_give_theta0_plus_lr_A_noise_over_m(tmp_path, device):
     """Noise enters exactly once per round, after the sum, before the optimizer: with all-zero
-    updates θ_{t+1} = θ_0 + η·(A·σ C⁻¹Z / m)_t for the generator's own Z — drawn on the model's
-    device (on a GPU when the model is there)."""
+    updates θ_{t+1} = θ_0 + η·(A·σ C⁻¹Z / m)_t for the generator's own Z — salted per round by
+    the salts the last checkpoint holds, drawn on the model's device (on a GPU when the model
+    is there)."""
     plan = task.plan(rounds=16)
     model = task.Tiny(torch.float64).to(device)
     theta0 = {k: v.detach().clone() for k, v in model.named_parameters()}
@@ -93,10 +96,13 @@ def test_zero_updates_give_theta0_plus_lr_A_noise_over_m(tmp_path, device):
     zeros = lambda params, user, t: {k: torch.zeros_like(v) for k, v in params.items()}  # noqa: E731
     train(model, task.users(), plan, zeros, server_lr=0.3, checkpoint_dir=tmp_path,
           on_round=lambda r: trajectory.append({k: v.detach().clone() for k, v in model.named_parameters()}))
-    seed = (tmp_path / "secrets" / "noise_seed").read_bytes()
+    seed = (tmp_path / "secrets" / "noise_seed").read_bytes()[:32]  # after it: the binding to its run
     layout = {k: tuple(v.shape) for k, v in theta0.items()}
-    gen = NoiseGenerator(plan.mechanism, layout, plan.noise_std, dtype=torch.float64, device=device, seed=seed)
-    noise = np.stack([torch.cat([v.reshape(-1) for v in gen.next().values()]).cpu().numpy() for _ in range(16)])
+    salts = task.checkpoint_salts(tmp_path)
+    assert len(salts) == 16 and len(set(salts)) == 16 and all(len(s) == 16 for s in salts)
+    gen = NoiseGenerator(plan.mechanism, layout, plan.noise_std, dtype=torch.float64, device=device, seed=seed,
+                         salted=True)
+    noise = np.stack([torch.cat([v.reshape(-1) for v in gen.next(salt=s).values()]).cpu().numpy() for s in salts])
     a = plan.mechanism.workload.matrix(16)
     expected = torch.cat([v.reshape(-1) for v in theta0.values()]).cpu().numpy() + 0.3 * (a @ noise) / 10
     got = np.stack([torch.cat([v.reshape(-1) for v in step.values()]).cpu().numpy() for step in trajectory])
@@ -125,29 +131,33 @@ def test_another_plan_is_refused_on_resume(tmp_path):
 
 def test_resume_after_a_clean_stop_is_bit_identical(tmp_path):
     straight = task.Tiny()
-    train(straight, task.users(), task.plan(rounds=10), task.local_update, checkpoint_dir=tmp_path / "a")
+    train(straight, task.users(), task.plan(rounds=10), task.local_update, checkpoint_dir=tmp_path / "a",
+          repeatable_noise=True)
     _share_secrets(tmp_path / "a", tmp_path / "b")
     resumed = task.Tiny()
     first = train(resumed, task.users(), task.plan(rounds=10), task.local_update, checkpoint_dir=tmp_path / "b",
-                  rounds=4)
+                  rounds=4, repeatable_noise=True)
     assert first.rounds_done == 4
     resumed = task.Tiny()  # a fresh process would start from θ_0: the checkpoint restores round 3's state
-    train(resumed, task.users(), task.plan(rounds=10), task.local_update, checkpoint_dir=tmp_path / "b")
+    train(resumed, task.users(), task.plan(rounds=10), task.local_update, checkpoint_dir=tmp_path / "b",
+          repeatable_noise=True)
     for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
         assert torch.equal(a, b), name
 
 
 def _run_task(directory: Path, out: Path, *kill: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, REPEATABLE_NOISE_ENV: "1"}  # bit-identical to the reference even for a redone round
     return subprocess.run([sys.executable, str(TASK), str(directory), str(out), *kill], capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=300, env=env)
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """The reference: the same task run in this process, without interruption."""
+    """The reference: the same task run in this process, without interruption (repeatable noise)."""
     directory = tmp_path_factory.mktemp("straight")
     model = task.Tiny()
-    train(model, task.users(), task.plan(rounds=12), task.local_update, checkpoint_dir=directory)
+    train(model, task.users(), task.plan(rounds=12), task.local_update, checkpoint_dir=directory,
+          repeatable_noise=True)
     return directory, model.state_dict()
 
 
@@ -220,7 +230,8 @@ def test_abort_restores_the_committed_state_and_the_redo_is_identical(tmp_path):
     results = []
     for name, fail in (("a", False), ("b", True)):
         model = task.Tiny()
-        with PrivateRun.open(model, task.plan(rounds=6), tmp_path / name, population=task.users()) as run:
+        with PrivateRun.open(model, task.plan(rounds=6), tmp_path / name, population=task.users(),
+                             repeatable_noise=True) as run:
             for t in range(3):
                 for attempt in range(2 if (fail and t == 1) else 1):
                     selection = run.select(task.users())

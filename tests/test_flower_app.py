@@ -16,11 +16,19 @@ from client.tasks import ClientHyper, get_task
 from fedmf.config import RunConfig
 from fedmf.federated import train
 from fedmf.ledger import Ledger
+from fedmf.run import REPEATABLE_NOISE_ENV
 
 from . import _federated_task as task
 from .flower_harness import Deployment, run_simulation
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _repeatable_noise(monkeypatch):
+    """Every test here compares a Flower run with the in-process loop (or an uninterrupted run) bit
+    for bit: the ServerApp processes inherit FEDMF_UNSAFE_REPEATABLE_NOISE=1 (no noise salts)."""
+    monkeypatch.setenv(REPEATABLE_NOISE_ENV, "1")
 
 
 def _values(run_dir: Path, users: int, rounds: int, per_round: int, **over) -> dict:
@@ -39,7 +47,7 @@ def _in_process_reference(values: dict, secrets_from: Path, directory: Path) -> 
     model = tiny.model()
     hyper = ClientHyper(config.client_lr, config.local_epochs, config.batch_size)
     train(model, tiny.users(), config.build_plan(), tiny.as_local_update(hyper), server_lr=config.server_lr,
-          checkpoint_dir=directory)
+          checkpoint_dir=directory, repeatable_noise=True)
     return model.state_dict()
 
 

@@ -42,3 +42,51 @@ def test_train_reports_its_postgres_ledger_without_the_password(tmp_path, pg_url
     assert result.rounds_done == 6
     assert SECRET not in result.ledger and SECRET not in result.audit_command()
     assert make_url(result.ledger).database == make_url(pg_url).database
+
+
+PASSWORD_KEYS = ["password", "PASSWORD", "Password", "sslpassword", "SSLPASSWORD", "sslPassword", "passwd", "PASS",
+                 "pwd", "secret", "Client_Secret", "TOKEN", "access_token"]
+
+
+@pytest.mark.parametrize("key", PASSWORD_KEYS)
+def test_every_password_like_query_value_is_masked_in_any_case(key):
+    url = f"postgresql://alice:{SECRET}@db/fedmf?{key}={SECRET}2&sslmode=require"
+    shown = display_url(resolve_url(url))
+    assert SECRET not in shown and "alice" in shown and "sslmode=require" in shown
+    assert f"{key}=***" in shown or f"{key}=%2A%2A%2A" in shown
+    assert public_url(url) == "postgresql://alice@db/fedmf?sslmode=require"
+    # an URL that does not parse is masked by text
+    broken = f"postgresql://alice:{SECRET}@db:port/fedmf?{key}={SECRET}2&x=1"
+    from fedmf.ledger.db import LedgerError
+
+    with pytest.raises(LedgerError) as caught:
+        resolve_url(broken)
+    assert SECRET not in str(caught.value) and f"{key}=***" in str(caught.value)
+    assert public_url(broken) == f"postgresql://alice:***@db:port/fedmf?{key}=***&x=1"
+
+
+@pytest.mark.parametrize("key", ["PASSWORD", "Password", "SslPassword", "passwd", "TOKEN"])
+def test_the_cli_error_line_never_shows_a_password_like_query_value(key, capsys):
+    """The driver refuses these keys (libpq's are lower case) and says so: the one error line names
+    the ledger with the value masked and never quotes it."""
+    from fedmf.cli import main
+
+    url = f"postgresql://postgres@127.0.0.1:1/test?{key}={SECRET}"
+    assert main(["audit", "--ledger", url]) == 2
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("fedmf: error: cannot read ledger postgresql+psycopg://"), err
+    assert SECRET not in err and SECRET not in out and key in lines[0]
+
+
+def test_a_driver_message_quoting_the_password_is_scrubbed():
+    """Should a driver quote the password in its message, the error line masks it."""
+    from sqlalchemy.exc import OperationalError
+
+    from fedmf.ledger.db import LedgerError, database_errors
+
+    url = resolve_url(f"postgresql://alice:{SECRET}@db/fedmf?PassWord={SECRET}x")
+    with pytest.raises(LedgerError) as caught:
+        with database_errors(url, "cannot open ledger"):
+            raise OperationalError("connect", {}, Exception(f'bad value "{SECRET}x" and "{SECRET}"'))
+    assert SECRET not in str(caught.value) and 'bad value "***" and "***"' in str(caught.value)

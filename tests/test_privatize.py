@@ -57,7 +57,7 @@ def test_check_update_gives_the_reason(update, fragment):
 
 def test_clipping_zeroing_sum_and_the_planned_divisor():
     plan = _plan()
-    privatizer = RoundPrivatizer(plan, LAYOUT, device="cpu", seed=SEED)
+    privatizer = RoundPrivatizer(plan, LAYOUT, device="cpu", seed=SEED, repeatable_noise=True)
     small, large, huge = _update(0.05, 1), _update(3.0, 2), _update(0.01, 3)
     huge["b"][1] = 11.0  # ℓ∞ > zero_threshold = 10 → replaced by zero
     mean, report = privatizer.privatize(0, {"u1": small, "u2": large, "u3": huge})
@@ -89,7 +89,7 @@ def test_clipped_norm_never_exceeds_the_clip_norm():
 
 def test_zero_updates_give_exactly_the_noise_over_the_expected_users():
     plan = _plan()
-    privatizer = RoundPrivatizer(plan, LAYOUT, device="cpu", dtype=torch.float64, seed=SEED)
+    privatizer = RoundPrivatizer(plan, LAYOUT, device="cpu", dtype=torch.float64, seed=SEED, repeatable_noise=True)
     reference = NoiseGenerator(plan.mechanism, LAYOUT, plan.noise_std, dtype=torch.float64, device="cpu", seed=SEED)
     zeros = {k: torch.zeros(s, dtype=torch.float64) for k, s in LAYOUT.items()}
     for t in range(N):
@@ -107,9 +107,9 @@ def test_rejected_updates_leave_the_aggregate_unchanged_and_order_does_not_matte
     bad = {"nan": {"w": torch.full((3, 4), float("nan")), "b": torch.zeros(4)},
            "shape": {"w": torch.zeros(2, 2), "b": torch.zeros(4)},
            "intruder": _update(0.1, 9)}
-    clean, _ = RoundPrivatizer(plan, LAYOUT, device="cpu", seed=SEED).privatize(0, good)
+    clean, _ = RoundPrivatizer(plan, LAYOUT, device="cpu", seed=SEED, repeatable_noise=True).privatize(0, good)
     mixed = dict(reversed(list({**bad, **good}.items())))
-    noisy, report = RoundPrivatizer(plan, LAYOUT, device="cpu", seed=SEED).privatize(
+    noisy, report = RoundPrivatizer(plan, LAYOUT, device="cpu", seed=SEED, repeatable_noise=True).privatize(
         0, mixed, selected=["u1", "u2", "u3", "nan", "shape"])
     for k in LAYOUT:
         assert torch.equal(clean[k], noisy[k])
@@ -143,16 +143,16 @@ def test_rounds_are_served_in_order_only():
 def test_state_dict_continues_bit_identically_and_holds_no_seed():
     plan = _plan()
     updates = [{"u": _update(1.0, t)} for t in range(N)]
-    straight = RoundPrivatizer(plan, LAYOUT, device="cpu", seed=SEED)
+    straight = RoundPrivatizer(plan, LAYOUT, device="cpu", seed=SEED, repeatable_noise=True)
     expected = [straight.privatize(t, updates[t])[0] for t in range(N)]
-    first = RoundPrivatizer(plan, LAYOUT, device="cpu", seed=SEED)
+    first = RoundPrivatizer(plan, LAYOUT, device="cpu", seed=SEED, repeatable_noise=True)
     for t in range(5):
         first.privatize(t, updates[t])
     state = first.state_dict()
     buffer = io.BytesIO()
     torch.save(state, buffer)
     assert SEED not in buffer.getvalue() and SEED not in pickle.dumps(state)
-    second = RoundPrivatizer(plan, LAYOUT, device="cpu", seed=SEED)
+    second = RoundPrivatizer(plan, LAYOUT, device="cpu", seed=SEED, repeatable_noise=True)
     second.load_state_dict(torch.load(io.BytesIO(buffer.getvalue()), weights_only=True))
     for t in range(5, N):
         got, _ = second.privatize(t, updates[t])

@@ -81,14 +81,15 @@ def forms(secret: bytes) -> dict[str, bytes]:
     return out
 
 
-def derived_noise_seeds(noise_seed: bytes, rounds: int) -> dict[str, bytes]:
+def derived_noise_seeds(noise_seed: bytes, salts: list[bytes]) -> dict[str, bytes]:
     """The per-(row, chunk) seeds of the noise generator (anyone holding one can subtract that
-    chunk's noise): they must not leave the process either. Rows 0..rounds, chunk 0 (the
-    models here fit in one chunk)."""
-    key = SimpleNamespace(key=noise_seed)
+    chunk's noise): they must not leave the process either. Rows 0..len(salts), chunk 0 (the
+    models here fit in one chunk), each keyed by the run's salt of that row and without salt."""
+    rows = len(salts) + 1
     out = {}
-    for row in range(rounds + 1):
-        seed = _Draws._seed(key, row, 0)
+    for row, salt in [(r, b"") for r in range(rows)] + list(enumerate(salts)):
+        seed = _Draws._seed(SimpleNamespace(key=noise_seed, salts=[salt] * rows), row, 0)
+        row = f"{row}{', salted' if salt else ''}"
         out[f"noise chunk seed (row {row}) decimal"] = str(seed).encode()
         out[f"noise chunk seed (row {row}) decimal, 63 bits"] = str(seed & ((1 << 63) - 1)).encode()
         out[f"noise chunk seed (row {row}) bytes"] = seed.to_bytes(16, "little")
@@ -97,7 +98,8 @@ def derived_noise_seeds(noise_seed: bytes, rounds: int) -> dict[str, bytes]:
 
 
 def read_secrets(run_dir: Path) -> dict[str, bytes]:
-    return {f"{run_dir.name}/{name}": (run_dir / "secrets" / name).read_bytes() for name in SECRET_FILES}
+    # [:32]: a used noise seed's file also holds its (not secret) binding to the run
+    return {f"{run_dir.name}/{name}": (run_dir / "secrets" / name).read_bytes()[:32] for name in SECRET_FILES}
 
 
 class Haystack:
@@ -442,8 +444,8 @@ def test_no_secret_appears_in_anything_a_run_writes_logs_releases_or_raises(tmp_
     assert len(set(secrets.values())) == len(secrets) and all(len(s) == 32 for s in secrets.values())
     derived = {}
     for run_dir in (loop_dir, app_dir, strat_dir):
-        derived.update({f"{run_dir.name} {k}": v for k, v in
-                        derived_noise_seeds(secrets[f"{run_dir.name}/noise_seed"], ROUNDS).items()})
+        seeds = derived_noise_seeds(secrets[f"{run_dir.name}/noise_seed"], task.checkpoint_salts(run_dir))
+        derived.update({f"{run_dir.name} {k}": v for k, v in seeds.items()})
 
     # the search finds a secret where one is (the check is not vacuous)
     probe = Haystack()

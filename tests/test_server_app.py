@@ -3,6 +3,8 @@ bit-identical to the in-process loop on the same task, plan, secrets and users."
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -11,6 +13,7 @@ from client.tasks import ClientHyper, get_task
 from fedmf.config import RunConfig
 from fedmf.errors import ConfigError
 from fedmf.federated import train
+from fedmf.run import REPEATABLE_NOISE_ENV
 from server.app import run_server
 from server.local_grid import LocalGrid, client_node
 
@@ -27,23 +30,39 @@ def _config(tmp_path, name, **over):
     return values
 
 
-def test_server_app_with_the_client_app_matches_the_in_process_loop(tmp_path):
+def _nodes():
+    return {9000 + 7 * i: client_node(client_app, {"partition-id": i, "num-partitions": USERS}, 9000 + 7 * i)
+            for i in range(USERS)}
+
+
+def test_server_app_with_the_client_app_matches_the_in_process_loop(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv(REPEATABLE_NOISE_ENV, "1")  # tests only: unsalted noise in the ServerApp, as in the loop
     values = _config(tmp_path, "loop")
     config = RunConfig.from_mapping(values)
     tiny = get_task("tiny", num_users=USERS)
     model = tiny.model()
     hyper = ClientHyper(config.client_lr, config.local_epochs, config.batch_size)
     train(model, tiny.users(), config.build_plan(), tiny.as_local_update(hyper), server_lr=config.server_lr,
-          checkpoint_dir=config.run_dir)
+          checkpoint_dir=config.run_dir, repeatable_noise=True)
     task.share_secrets(tmp_path / "loop", tmp_path / "flower")
-    nodes = {9000 + 7 * i: client_node(client_app, {"partition-id": i, "num-partitions": USERS}, 9000 + 7 * i)
-             for i in range(USERS)}
-    strategy = run_server(LocalGrid(nodes), _config(tmp_path, "flower"))
+    with caplog.at_level(logging.WARNING, logger="fedmf.server"):
+        strategy = run_server(LocalGrid(_nodes()), _config(tmp_path, "flower"))
+    assert "UNSAFE, for tests only" in caplog.text
+    assert task.checkpoint_salts(tmp_path / "flower") == [b""] * 6
     final = strategy.run.model.state_dict()
     for name, value in model.state_dict().items():
         assert torch.equal(final[name], value), name
     assert len(strategy.history) == 6 and all(r.contributed == 4 for r in strategy.history)
     assert all("accuracy" in r.metrics for r in strategy.history)
+
+
+def test_the_server_app_salts_every_round_by_default(tmp_path, monkeypatch, caplog):
+    monkeypatch.delenv(REPEATABLE_NOISE_ENV, raising=False)
+    with caplog.at_level(logging.WARNING, logger="fedmf.server"):
+        run_server(LocalGrid(_nodes()), _config(tmp_path, "run", rounds=3))
+    assert "UNSAFE" not in caplog.text
+    salts = task.checkpoint_salts(tmp_path / "run")
+    assert len(salts) == 3 and len(set(salts)) == 3 and all(len(s) == 16 for s in salts)
 
 
 def test_a_bad_configuration_fails_before_round_one(tmp_path):

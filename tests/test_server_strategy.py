@@ -67,7 +67,8 @@ def honest_node(user: str, behaviour: str = "honest"):
 def _strategy_run(directory, nodes, rounds=ROUNDS, grid_class=LocalGrid):
     model = task.Tiny()
     plan = task.plan(rounds=rounds)
-    with PrivateRun.open(model, plan, directory, population=task.users()) as run:
+    # repeatable noise: the tests compare the aggregate with another run's on the same secrets
+    with PrivateRun.open(model, plan, directory, population=task.users(), repeatable_noise=True) as run:
         strategy = DPMFStrategy(run, CONFIG)
         strategy.start(grid_class(nodes))
         return model.state_dict(), strategy
@@ -80,7 +81,8 @@ def _nodes(behaviours=None):
 
 def test_flower_strategy_matches_the_in_process_loop_bit_for_bit(tmp_path):
     reference = task.Tiny()
-    train(reference, task.users(), task.plan(rounds=ROUNDS), task.local_update, checkpoint_dir=tmp_path / "loop")
+    train(reference, task.users(), task.plan(rounds=ROUNDS), task.local_update, checkpoint_dir=tmp_path / "loop",
+          repeatable_noise=True)
     task.share_secrets(tmp_path / "loop", tmp_path / "flower")
     final, strategy = _strategy_run(tmp_path / "flower", _nodes())
     for name, value in reference.state_dict().items():

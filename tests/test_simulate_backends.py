@@ -15,6 +15,7 @@ import torch
 import server.launcher as launcher
 from fedmf.cli import main
 from fedmf.config import DEFAULTS, RunConfig
+from fedmf.run import REPEATABLE_NOISE_ENV
 from fedmf.simulate import flower_population, flower_run_config, preset_values
 
 from . import _federated_task as fixed
@@ -62,7 +63,8 @@ SHAKESPEARE_2 = ["simulate", "--preset", "shakespeare", "--rounds", "2", "--min-
 @pytest.mark.parametrize("argv", [TINY_2, pytest.param(SO_TINY_2, marks=pytest.mark.heavy, id="so-tiny"),
                                   pytest.param(SHAKESPEARE_2, marks=pytest.mark.heavy, id="shakespeare")],
                          ids=["tiny", "so-tiny", "shakespeare"])
-def test_both_backends_with_the_same_secrets_give_the_same_model(tmp_path, capsys, launches, argv):
+def test_both_backends_with_the_same_secrets_give_the_same_model(tmp_path, capsys, launches, argv, monkeypatch):
+    monkeypatch.setenv(REPEATABLE_NOISE_ENV, "1")  # tests only: the same noise in both backends' runs
     flower_dir, local_dir = tmp_path / "flower", tmp_path / "inprocess"
     fixed.write_secrets(flower_dir)
     fixed.write_secrets(local_dir)

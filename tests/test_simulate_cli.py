@@ -79,13 +79,16 @@ def test_bad_arguments_exit_2_with_one_line(tmp_path, argv):
     assert "Traceback" not in done.stderr
 
 
-def test_vectorized_clients_give_the_one_at_a_time_model_within_float_tolerance(tmp_path, capsys):
+def test_vectorized_clients_give_the_one_at_a_time_model_within_float_tolerance(tmp_path, capsys, monkeypatch):
     """--vectorized trains a round's users together (train(local_updates=...)); with the same
-    secrets (the same noise and selection) the final model equals the sequential run's within
-    float tolerance, and the ledger records the same participations."""
+    secrets (the same noise and selection: repeatable noise, tests only) the final model equals the
+    sequential run's within float tolerance, and the ledger records the same participations."""
     import torch
 
+    from fedmf.run import REPEATABLE_NOISE_ENV
     from tests._federated_task import share_secrets
+
+    monkeypatch.setenv(REPEATABLE_NOISE_ENV, "1")
 
     argv = ["simulate", "--preset", "tiny", "--rounds", "6", "--epsilon", "6", "--json", "--no-plot"]
     assert main([*argv, "--out", str(tmp_path / "seq")]) == 0
@@ -105,12 +108,15 @@ def test_vectorized_clients_give_the_one_at_a_time_model_within_float_tolerance(
     assert [[r[f] for f in fields] for r in audits[0]["rounds"]] == [[r[f] for f in fields] for r in audits[1]["rounds"]]
 
 
-def test_parallel_clients_give_the_one_at_a_time_model_bit_for_bit(tmp_path, capsys):
-    """--workers N trains N users at a time (threads): with the same secrets the final model and
-    the ledger are the one-at-a-time run's, bit for bit."""
+def test_parallel_clients_give_the_one_at_a_time_model_bit_for_bit(tmp_path, capsys, monkeypatch):
+    """--workers N trains N users at a time (threads): with the same secrets (and repeatable noise,
+    tests only) the final model and the ledger are the one-at-a-time run's, bit for bit."""
     import torch
 
+    from fedmf.run import REPEATABLE_NOISE_ENV
     from tests._federated_task import share_secrets
+
+    monkeypatch.setenv(REPEATABLE_NOISE_ENV, "1")
 
     argv = ["simulate", "--preset", "tiny", "--rounds", "6", "--epsilon", "6", "--json", "--no-plot"]
     assert main([*argv, "--out", str(tmp_path / "one"), "--workers", "1"]) == 0

@@ -110,6 +110,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from client.tasks.base import MAX_WORKERS, default_workers
 
     from ..config import RunConfig
+    from ..run import REPEATABLE_NOISE_WARNING, repeatable_noise_from_env
     from ..simulate import preset_values, simulate
 
     if args.timeout is not None and not args.timeout > 0:
@@ -143,8 +144,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             clients = {"local_updates": task.as_local_updates(hyper, vectorized=False, workers=workers)}
         else:
             clients = {"local_update": task.as_local_update(hyper)}
+        repeatable = repeatable_noise_from_env()
+        if repeatable:
+            print(f"fedmf: warning: {REPEATABLE_NOISE_WARNING}", file=sys.stderr)
         result = simulate(config, model=task.model(), users=task.users(), **clients, evaluate=task.evaluate,
-                          progress=not (args.quiet or args.json), plot=not args.no_plot)
+                          progress=not (args.quiet or args.json), plot=not args.no_plot, repeatable_noise=repeatable)
     if args.json:
         print(json.dumps(result.to_dict(), allow_nan=False))
         return 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import sqlite3
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,7 +19,7 @@ from urllib.parse import quote
 
 from sqlalchemy import create_engine, event, inspect, pool, text
 from sqlalchemy.engine import URL, Connection, Engine, make_url
-from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, SQLAlchemyError
+from sqlalchemy.exc import ArgumentError, DBAPIError, SQLAlchemyError
 
 from ..errors import FedmfError
 from .models import VERSION_TABLE
@@ -77,8 +78,23 @@ def resolve_url(url: str | os.PathLike) -> URL:
     )
 
 
+#: parts of a query-string key that make its value password-like, in any case (libpq takes
+#: password= and sslpassword= in the query string; drivers and proxies add their own)
+_SECRET_KEY_PARTS = ("pass", "pwd", "secret", "token", "credential", "auth")
+_SECRET_QUERY = re.compile(r"([?&;][^=&;#]*(?:" + "|".join(_SECRET_KEY_PARTS) + r")[^=&;#]*=)[^&;#]*", re.IGNORECASE)
+
+
+def _is_secret_key(key: str) -> bool:
+    """Whether a URL query key names a password-like value (password, PASSWORD, sslPassword,
+    passwd, secret, token, …)."""
+    lowered = key.lower()
+    return any(part in lowered for part in _SECRET_KEY_PARTS)
+
+
 def _safe_text(url: str) -> str:
-    """``url`` with any password replaced (for messages about unparsable URLs)."""
+    """``url`` with any password replaced (for messages about unparsable URLs): the userinfo's
+    and every password-like query value."""
+    url = _SECRET_QUERY.sub(r"\1***", url)
     if "@" in url and "://" in url:
         scheme, rest = url.split("://", 1)
         creds, host = rest.rsplit("@", 1)
@@ -88,12 +104,10 @@ def _safe_text(url: str) -> str:
     return url
 
 
-_SECRET_QUERY_KEYS = ("password", "sslpassword")  # libpq accepts a password in the query string too
-
-
 def display_url(url: URL) -> str:
-    """``url`` for logs and messages: the password masked (``***``), also in the query string."""
-    query = {k: ("***" if k in _SECRET_QUERY_KEYS else v) for k, v in url.query.items()}
+    """``url`` for logs and messages: the password masked (``***``), also every password-like
+    value in the query string (any case)."""
+    query = {k: ("***" if _is_secret_key(k) else v) for k, v in url.query.items()}
     return url.set(query=query).render_as_string(hide_password=True)
 
 
@@ -108,7 +122,7 @@ def public_url(url: str | os.PathLike) -> str:
         parsed = make_url(text)
     except (ArgumentError, ValueError):
         return _safe_text(text)
-    query = {k: v for k, v in parsed.query.items() if k not in _SECRET_QUERY_KEYS}
+    query = {k: v for k, v in parsed.query.items() if not _is_secret_key(k)}
     # URL.set(password=None) means "unchanged"; URL is a named tuple, so _replace clears it
     return parsed._replace(password=None).set(query=query).render_as_string(hide_password=False)
 
@@ -188,20 +202,30 @@ def reader_engine(url: URL) -> Engine:
     return engine.execution_options(postgresql_readonly=True, isolation_level="REPEATABLE READ")
 
 
+def _scrubbed(message: str, url: URL) -> str:
+    """A driver's message with the URL's password and password-like query values masked, should
+    the driver quote them."""
+    secrets_ = [url.password] if url.password else []
+    for key, value in url.query.items():
+        if _is_secret_key(key):
+            secrets_ += [value] if isinstance(value, str) else list(value)
+    for secret in sorted((str(s) for s in secrets_ if s), key=len, reverse=True):
+        message = message.replace(secret, "***")
+    return message
+
+
 @contextmanager
 def database_errors(url: URL, doing: str) -> Iterator[None]:
-    """Turn driver errors into one-line LedgerErrors that name the ledger (password hidden)."""
+    """Turn driver errors into one-line LedgerErrors that name the ledger (passwords hidden)."""
     try:
         yield
     except LedgerError:
         raise
     except DBAPIError as e:
         orig = getattr(e, "orig", None) or e
-        raise LedgerError(f"{doing} {display_url(url)}: {_one_line(orig)}") from None
-    except (NoSuchModuleError, ArgumentError) as e:
-        raise LedgerError(f"{doing} {display_url(url)}: {_one_line(e)}") from None
-    except SQLAlchemyError as e:
-        raise LedgerError(f"{doing} {display_url(url)}: {_one_line(e)}") from None
+        raise LedgerError(f"{doing} {display_url(url)}: {_scrubbed(_one_line(orig), url)}") from None
+    except SQLAlchemyError as e:  # NoSuchModuleError and ArgumentError among them
+        raise LedgerError(f"{doing} {display_url(url)}: {_scrubbed(_one_line(e), url)}") from None
 
 
 # ---- migrations and versions ----------------------------------------------------------------

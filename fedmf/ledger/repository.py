@@ -43,6 +43,7 @@ from sqlalchemy.engine import URL, Connection, Engine
 from sqlalchemy.orm import Session
 
 from ..errors import ConfigError
+from ..files import check_private
 from ..participation import FixedEpoch, MinSep, Observed, schema_from_dict
 from .db import WRITE, LedgerError, database_errors, display_url, resolve_url, upgrade, writer_engine
 from .keys import ServerSecret
@@ -73,7 +74,8 @@ _SECRET_WORDS = ("secret", "seed")  # a plan's keys that would put a secret into
 
 def _private_sqlite_file(url: URL) -> None:
     """A local SQLite ledger is created 0600 (its participation log is confidential; SQLite gives
-    its -wal and -shm files the database file's mode)."""
+    its -wal and -shm files the database file's mode); one owned by another user or writable by
+    group or others is refused (``fedmf.files.check_private``)."""
     path = url.database if url.get_backend_name() == "sqlite" else None
     if not path or path == ":memory:" or path.startswith("file:"):
         return
@@ -82,7 +84,8 @@ def _private_sqlite_file(url: URL) -> None:
     except FileExistsError:
         pass
     except OSError:
-        pass  # an unwritable place: opening the ledger reports it in one line
+        return  # an unwritable place: opening the ledger reports it in one line
+    check_private(path, "SQLite ledger", LedgerError, others_may_read=True)
 
 
 def _now() -> dt.datetime:
