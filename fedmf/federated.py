@@ -88,6 +88,7 @@ def train(
     on_round: Callable[[RoundRecord], None] | None = None,
     observed_guard: bool | None = None,
     progress: bool = False,
+    ledger_diagnostics: bool = False,
 ) -> TrainResult:
     """Train ``model`` privately under ``plan`` over ``users`` (ids with a stable ``str``).
 
@@ -100,7 +101,8 @@ def train(
     resume). ``available(t)``: the users reachable in round t (default: all). ``evaluate(model)``
     runs after each commit (server-side held-out data). ``observed_guard`` (default: on for
     unamplified runs with a target ε) also stops before a round when a user's observed ε,
-    accounted from the ledger, exceeds the target."""
+    accounted from the ledger, exceeds the target. ``ledger_diagnostics``: a new run's ledger also
+    keeps update norms (outside the DP guarantee)."""
     if (local_update is None) == (local_updates is None):
         raise ConfigError("give exactly one of local_update (one user at a time) and local_updates (a round's users)")
     users = list(users)
@@ -115,7 +117,8 @@ def train(
     directory = temporary.name if temporary is not None else checkpoint_dir
     try:
         with PrivateRun.open(model, plan, directory, ledger=ledger, server_lr=server_lr, optimizer=optimizer,
-                             population=users, on_event=on_event) as run:
+                             population=users, on_event=on_event,
+                             ledger_diagnostics=ledger_diagnostics) as run:
             history: list[RoundRecord] = []
             stopped = "horizon" if end == plan.rounds else "rounds"
             bar = _Progress(progress, end)

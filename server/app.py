@@ -65,7 +65,8 @@ def run_server(grid: Grid, run_config: dict) -> DPMFStrategy:
             return MetricRecord({k: float(v) for k, v in task.evaluate(evaluated).items()})
 
     with PrivateRun.open(model, plan, config.run_dir, ledger=config.ledger_url, server_lr=config.server_lr,
-                         population=task.users(), on_event=_fault_injection()) as run:
+                         population=task.users(), on_event=_fault_injection(),
+                         ledger_diagnostics=config.ledger_diagnostics) as run:
         users = task.users()
         wanted = min(len(users), max(1, math.ceil(plan.expected_users)))
         strategy = DPMFStrategy(run, config, evaluate_fn=evaluate, min_available=wanted)
