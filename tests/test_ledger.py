@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import random
 
 import pytest
@@ -687,3 +688,98 @@ def test_migration_0003_is_not_downgraded_and_a_refused_downgrade_changes_nothin
         resumed = again.run(run.id)
         assert resumed.info.plan == PLAN and resumed.round(0).status == "committed"
         assert resumed.observed_pattern() == run.observed_pattern()
+
+
+# ---- migrating a ledger written at 0002 (update norms on every row, mutable rounds) ------------------------
+
+def _write_at_0002(url: str, tmp_path) -> dict:
+    """A ledger at revision 0002 as the 0002 server wrote it: one run of 8 rounds, rounds 0-2 committed
+    (round 1 after an aborted attempt) with update norms, clipped flags, norm summaries and ε snapshots,
+    round 3 aborted, round 4 left open, the rest planned."""
+    import datetime as dt
+
+    from alembic import command
+    from sqlalchemy import MetaData
+
+    from fedmf.ledger.db import _alembic_config, resolve_url, writer_engine
+
+    path = mechanism_file(tmp_path, kind="dp-sgd", rounds=8, schema=MinSep(1, 8))
+    mechanism, schema, checksum = load_with_schema(path)
+    secret = ServerSecret(SECRET)
+    uid = "fedcba9876543210fedcba9876543210"
+    key = {c: secret.client_key(uid, c) for c in ("a", "b", "c")}
+    now = dt.datetime(2026, 11, 30, tzinfo=dt.timezone.utc)
+    engine = writer_engine(resolve_url(url))
+    try:
+        with engine.begin() as conn:
+            command.upgrade(_alembic_config(conn), "0002")
+            meta = MetaData()
+            meta.reflect(conn)
+            conn.execute(meta.tables["runs"].insert().values(
+                id=1, uid=uid, name="old", created_at=now, code_version="fedmf 0.2", config={"noise_key_check": "x"},
+                mechanism_kind=mechanism.kind, mechanism_checksum=checksum, mechanism_document=open(path).read(),
+                rounds=8, noise_multiplier=2.0, clip_norm=1.0, delta=1e-6, target_epsilon=None,
+                participation_schema=schema.to_dict(8), sampling="fixed-order", key_check=secret.key_check(),
+                plan=PLAN, plan_fingerprint=FINGERPRINT))
+            status = {0: "committed", 1: "committed", 2: "committed", 3: "aborted", 4: "open"}
+            conn.execute(meta.tables["rounds"].insert(), [
+                {"run_id": 1, "round_index": t, "status": status.get(t, "planned"),
+                 "attempts": {1: 2, 3: 1, 4: 1}.get(t, int(t < 3)), "selected": 3 if t < 3 else 0,
+                 "contributed": 2 if t < 3 else 0, "dropped": 1 if t < 3 else 0, "rejected": 0,
+                 "clipped": 1 if t < 3 else 0, "norm_min": 0.5 if t < 3 else None, "norm_max": 2.0 if t < 3 else None,
+                 "noise_std": 4.0 if t < 3 else None, "abort_reason": "lost quorum" if t == 3 else None,
+                 "checkpoint_sha256": f"{t:064x}" if t < 3 else None,
+                 "opened_at": now if t < 5 else None, "closed_at": now if t < 4 else None} for t in range(8)])
+            conn.execute(meta.tables["participations"].insert(), [
+                {"run_id": 1, "round_index": t, "client_key": key[c], "status": s, "update_norm": n, "clipped": cl,
+                 "reason": "no update received" if s == "dropped" else None}
+                for t in range(3) for c, s, n, cl in (("a", "contributed", 0.5, False), ("b", "contributed", 2.0, True),
+                                                      ("c", "dropped", None, None))])
+            conn.execute(meta.tables["client_state"].insert(), [
+                {"run_id": 1, "client_key": key[c], "contributions": 3, "last_round": 2} for c in ("a", "b")])
+            conn.execute(meta.tables["privacy_snapshots"].insert(), [
+                {"run_id": 1, "round_index": t, "epsilon_worst_user": 0.1 * (t + 1), "epsilon_planned": 0.2 * (t + 1),
+                 "created_at": now} for t in range(3)])
+    finally:
+        engine.dispose()
+    return key
+
+
+def test_a_ledger_at_0002_moves_to_append_only_history_and_verifies(ledger_url, tmp_path, capsys):
+    from fedmf.cli import main as fedmf_main
+    from fedmf.ledger.audit import audit
+
+    key = _write_at_0002(ledger_url, tmp_path)
+    with pytest.raises(LedgerError, match="schema version 0002, older than this fedmf's 0003"):
+        audit(ledger_url)
+    with Ledger.open(ledger_url, secret=SECRET) as ledger:
+        info, = ledger.runs()
+        assert info.diagnostics is True and info.plan == PLAN  # its norms were kept, as diagnostics
+        run = ledger.run(1)
+        assert run.next_round == 3
+        summary = run.round(1)
+        assert (summary.status, summary.attempts, summary.contributed, summary.dropped) == ("committed", 2, 2, 1)
+        assert (summary.epsilon_worst_user, summary.epsilon_planned) == pytest.approx((0.2, 0.4))
+        assert (summary.clipped, summary.norm_min, summary.norm_max, summary.norm_mean) == (1, 0.5, 2.0, 1.25)
+        assert (run.round(3).status, run.round(3).attempts) == ("aborted", 1)
+        assert (run.round(4).status, run.round(5).status) == ("open", "planned")
+        assert run.observed_pattern().rounds_by_user == tuple(sorted((key[c].hex(), (0, 1, 2)) for c in ("a", "b")))
+        with ledger.engine.connect() as conn:
+            assert conn.execute(select(func.count()).select_from(Round)).scalar() == 3
+            assert conn.execute(select(func.count()).select_from(UpdateNorm)).scalar() == 6
+            assert "privacy_snapshots" not in inspect(conn).get_table_names()
+    capsys.readouterr()
+    assert fedmf_main(["audit", "--ledger", ledger_url, "--verify", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["verify"]["ok"] and report["verify"]["rounds_verified"] == 3
+    assert [r["status"] for r in report["rounds"]] == ["committed"] * 3 + ["aborted", "open"]
+    assert report["realized"]["aborts"] == 2 and report["rounds"][0]["norm_max"] == 2.0
+    # the migrated run goes on, chained to the migrated rounds
+    with Ledger.open(ledger_url, secret=SECRET) as ledger:
+        run = ledger.run(1)
+        run.open_round(3)
+        run.record_selection(3, ["a", "c"])
+        run.record_contribution(3, "a", 0.3)
+        run.commit_round(3, noise_std=4.0)
+    again = audit(ledger_url, verify=True)
+    assert again.chain.ok and again.chain.head_round == 3 and again.realized["contributions"] == 7
