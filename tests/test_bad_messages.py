@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 from sqlalchemy import select
 
 from fedmf.config import RunConfig
-from fedmf.ledger.models import Participation
+from fedmf.ledger.models import Participation, UpdateNorm
 from fedmf.run import PrivateRun
 from server import strategy as strategy_module
 from server.local_grid import LocalGrid
@@ -467,13 +467,17 @@ def counted_replies(monkeypatch):
 def _run(directory, nodes, inject_fn=None):
     model = task.Tiny()
     grid = BadGrid(nodes, inject_fn)
-    with PrivateRun.open(model, task.plan(rounds=ROUNDS), directory, population=USERS) as run:
+    with PrivateRun.open(model, task.plan(rounds=ROUNDS), directory, population=USERS,
+                         ledger_diagnostics=True) as run:  # the norms and clipping, to check them
         strategy = DPMFStrategy(run, CONFIG)
         result = strategy.start(grid)
         names = {run.user_key(u): u for u in USERS}
         with run._book.engine.connect() as conn:
             rows = conn.execute(select(Participation.round_index, Participation.client_key, Participation.status,
-                                       Participation.reason, Participation.update_norm, Participation.clipped)).all()
+                                       Participation.reason, UpdateNorm.update_norm, UpdateNorm.clipped)
+                                .outerjoin(UpdateNorm, (UpdateNorm.run_id == Participation.run_id)
+                                           & (UpdateNorm.round_index == Participation.round_index)
+                                           & (UpdateNorm.client_key == Participation.client_key))).all()
     ledger = {(names[bytes(key)], t): (status, reason, norm, clipped) for t, key, status, reason, norm, clipped in rows}
     return model.state_dict(), strategy, result, grid, ledger
 
