@@ -197,6 +197,10 @@ def bench_backend(name: str, url: str, g: dict, timed_rounds: int, work: Path, p
     report = audit(url)
     out["audit_s"] = time.perf_counter() - t
     t = time.perf_counter()
+    verified = audit(url, verify=True).chain
+    out["audit_verify_s"] = time.perf_counter() - t  # the audit plus every participation re-hashed
+    assert verified.ok and verified.rounds_verified == n, verified
+    t = time.perf_counter()
     report.write_csv(work / f"audit-{name}.csv")
     if plot:
         report.plot(work / f"audit-{name}.png")
