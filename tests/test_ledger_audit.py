@@ -249,8 +249,8 @@ def test_the_audit_never_writes(ledger_url, tmp_path):
         assert hashlib.sha256(open(ledger_url, "rb").read()).hexdigest() == before
         assert os.stat(ledger_url).st_mtime_ns == mtime
         assert not os.path.exists(ledger_url + "-journal")
-        # WAL mode: a reader may create the WAL index beside the ledger, but writes nothing into it
-        assert not os.path.exists(ledger_url + "-wal") or os.path.getsize(ledger_url + "-wal") == 0
+        # WAL mode, closed by the server: read as immutable, no WAL index is created beside it
+        assert not os.path.exists(ledger_url + "-wal") and not os.path.exists(ledger_url + "-shm")
         message = "readonly database"
     else:
         message = "read-only transaction"
