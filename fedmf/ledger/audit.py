@@ -239,15 +239,12 @@ def _read(conn: Connection, url: URL, run_id: int | None, verify: bool):
         .where(ClientState.run_id == run_id).order_by(ClientState.client_key)
     ).cursor.fetchall()
     chain = None
-    if verify:
-        by_round: dict[int, list] = {}
-        result = conn.execute(select(Participation.round_index, Participation.client_key, Participation.status,
-                                     Participation.reason).where(Participation.run_id == run_id)
-                              .order_by(Participation.round_index, Participation.client_key))
-        for t, key, status, reason in result.cursor:
-            by_round.setdefault(int(t), []).append((bytes(key), status, reason))
+    if verify:  # every participation, streamed in primary-key order (one round in memory at a time)
+        result = conn.execution_options(stream_results=True, yield_per=10_000).execute(
+            select(Participation.round_index, Participation.client_key, Participation.status, Participation.reason)
+            .where(Participation.run_id == run_id).order_by(Participation.round_index, Participation.client_key))
         run_values = {c.key: getattr(run, c.key) for c in Run.__table__.columns}
-        chain = check_chain(run_values, records, by_round,
+        chain = check_chain(run_values, records, ((t, bytes(k), s, r) for t, k, s, r in result),
                             [int(t) for t, status, _ in states if status == "committed"])
     session.expunge_all()
     return run, records, states, norms, contributions, state, chain

@@ -115,33 +115,48 @@ class ChainCheck:
 
 
 def check_chain(run: Mapping[str, Any], rounds: Sequence[Mapping[str, Any]],
-                participations: Mapping[int, list[tuple[bytes, str, str | None]]],
+                participations: Iterable[tuple[int, bytes, str, str | None]],
                 marked_committed: Iterable[int] = ()) -> ChainCheck:
     """Recompute a run's chain from its rows and name the first round that does not match.
 
     ``rounds``: the committed round records sorted by round; ``participations``: every
-    participation row by round; ``marked_committed``: rounds the mutable round state says were
+    participation row as (round, client_key, status, reason), sorted by round (streamed: one
+    round in memory at a time); ``marked_committed``: rounds the mutable round state says were
     committed (a record missing at the end of the history shows only there)."""
     genesis = genesis_sha256(run)
     problems: list[tuple[int, str]] = []
     if run.get("genesis_sha256") != genesis:
         problems.append((-1, "the run row does not match its genesis hash (the run's plan or mechanism was changed)"))
-    previous, expected, verified = genesis, 0, 0
-    head = (None, None)
+    recorded = {int(r["round_index"]) for r in rounds}
+    rows = iter(participations)
+    pending = next(rows, None)
+    previous, expected, verified, head, broken = genesis, 0, 0, (None, None), False
     for record in rounds:
         t = int(record["round_index"])
+        mine = []
+        while pending is not None and int(pending[0]) <= t:
+            if int(pending[0]) == t:
+                mine.append(tuple(pending[1:]))
+            elif int(pending[0]) not in recorded:
+                problems.append((int(pending[0]), f"round {pending[0]} has participations but no committed record"))
+            pending = next(rows, None)
+        if broken:
+            continue
         if t != expected:
             problems.append((expected, f"round {expected} has no committed record but round {t} has"))
-            break
-        computed = round_sha256(previous, record, participations.get(t, []))
+            broken = True
+            continue
+        computed = round_sha256(previous, record, mine)
         if record.get("chain_sha256") != computed:
             problems.append((t, f"round {t} does not match its hash (its record or participations were changed, "
                                 "or it was not written by the server)"))
-            break
+            broken = True
+            continue
         previous, expected, verified, head = computed, t + 1, verified + 1, (t, computed)
-    recorded = {int(r["round_index"]) for r in rounds}
-    for t in sorted(set(participations) - recorded):
-        problems.append((t, f"round {t} has participations but no committed record"))
+    while pending is not None:
+        if int(pending[0]) not in recorded:
+            problems.append((int(pending[0]), f"round {pending[0]} has participations but no committed record"))
+        pending = next(rows, None)
     for t in sorted(set(marked_committed) - recorded):
         problems.append((t, f"round {t} was committed but its record is missing"))
     if not problems:

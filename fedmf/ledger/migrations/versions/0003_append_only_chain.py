@@ -19,8 +19,6 @@ No downgrade: the chain and the split tables have no 0002 equivalent.
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import sqlalchemy as sa
 from alembic import op
 
@@ -122,17 +120,14 @@ def _chain_existing_runs(conn) -> None:
     for run in conn.execute(sa.select(runs.c.id, *(runs.c[f] for f, _ in GENESIS_FIELDS))).mappings().all():
         previous = genesis_sha256(run)
         conn.execute(runs.update().where(runs.c.id == run["id"]).values(genesis_sha256=previous))
-        by_round = defaultdict(list)
-        for key, t, status, reason in conn.execute(
-                sa.select(parts.c.client_key, parts.c.round_index, parts.c.status, parts.c.reason)
-                .where(parts.c.run_id == run["id"])):
-            by_round[t].append((bytes(key), status, reason))
         records = conn.execute(sa.select(*(rounds.c[f] for f, _ in ROUND_FIELDS)).where(rounds.c.run_id == run["id"])
                                .order_by(rounds.c.round_index)).mappings().all()
-        for record in records:
-            previous = round_sha256(previous, record, by_round.get(record["round_index"], []))
-            conn.execute(rounds.update().where(rounds.c.run_id == run["id"],
-                                               rounds.c.round_index == record["round_index"])
+        for record in records:  # one round's participations in memory at a time
+            t = record["round_index"]
+            rows = conn.execute(sa.select(parts.c.client_key, parts.c.status, parts.c.reason)
+                                .where(parts.c.run_id == run["id"], parts.c.round_index == t))
+            previous = round_sha256(previous, record, [(bytes(k), s, r) for k, s, r in rows])
+            conn.execute(rounds.update().where(rounds.c.run_id == run["id"], rounds.c.round_index == t)
                          .values(chain_sha256=previous))
 
 
