@@ -50,9 +50,9 @@ from sqlalchemy.orm import Session
 
 from ..errors import ConfigError
 from ..participation import FixedEpoch, MinSep, Observed, schema_from_dict
+from .chain import genesis_sha256, round_sha256
 from .db import WRITE, LedgerError, database_errors, display_url, resolve_url, upgrade, writer_engine
 from .keys import ServerSecret
-from .chain import genesis_sha256, round_sha256
 from .models import ClientState, Participation, Round, RoundState, Run, UpdateNorm
 
 __all__ = ["Ledger", "RunLedger", "RunInfo", "RoundSummary", "fetch_contributions", "observed_from_arrays"]
