@@ -196,7 +196,10 @@ _READ_TRIES = 3
 
 def _file_signature(path: Path) -> tuple:
     """What changes when anyone writes a SQLite ledger (its file, or a new -wal beside it)."""
-    st = path.stat()
+    try:
+        st = path.stat()
+    except OSError:  # gone meanwhile: read again (and report it)
+        return (None, None, None, False)
     return st.st_ino, st.st_size, st.st_mtime_ns, Path(f"{path}-wal").exists()
 
 
@@ -213,20 +216,25 @@ def read_snapshot(url: URL, read: Callable[[Connection], T], doing: str = "canno
         if path is not None and path.is_file() and Path(f"{path}-wal").exists() and not Path(f"{path}-shm").exists():
             return _read_copy(path, url, read, doing)
         before = _file_signature(path) if path is not None and path.is_file() else None
-        with database_errors(url, doing):
-            engine = reader_engine(url)
-        try:
-            with database_errors(url, doing), engine.connect() as connection:
-                transaction = connection.begin()
-                try:
-                    result = read(connection)
-                finally:
-                    transaction.rollback()
-        finally:
-            engine.dispose()
+        result = _read_once(url, url, read, doing)
         if before is None or before[3] or _file_signature(path) == before:
             return result
     raise LedgerError(f"{display_url(url)} kept changing while it was read; try again")
+
+
+def _read_once(reader_url: URL, url: URL, read: Callable[[Connection], T], doing: str) -> T:
+    """``read`` in one transaction on a ``reader_engine(reader_url)``; errors name ``url``."""
+    with database_errors(url, doing):
+        engine = reader_engine(reader_url)
+    try:
+        with database_errors(url, doing), engine.connect() as connection:
+            transaction = connection.begin()
+            try:
+                return read(connection)
+            finally:
+                transaction.rollback()
+    finally:
+        engine.dispose()
 
 
 def _read_copy(path: Path, url: URL, read: Callable[[Connection], T], doing: str) -> T:
@@ -240,16 +248,7 @@ def _read_copy(path: Path, url: URL, read: Callable[[Connection], T], doing: str
             shutil.copyfile(f"{path}-wal", f"{copy}-wal")
         except OSError as e:
             raise LedgerError(f"{doing} {display_url(url)}: {e.strerror or e}") from None
-        engine = reader_engine(URL.create("sqlite", database=str(copy)))
-        try:
-            with database_errors(url, doing), engine.connect() as connection:
-                transaction = connection.begin()
-                try:
-                    return read(connection)
-                finally:
-                    transaction.rollback()
-        finally:
-            engine.dispose()
+        return _read_once(URL.create("sqlite", database=str(copy)), url, read, doing)
 
 
 @contextmanager

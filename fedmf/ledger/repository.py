@@ -643,12 +643,12 @@ class RunLedger:
             norms = [{"run_id": self.id, "round_index": t, "client_key": key, "update_norm": norm, "clipped": clipped}
                      for key, (norm, clipped) in pending.contributed.items()]
         with self.ledger._errors("cannot write to ledger"), self.ledger.write_engine.begin() as conn:
-            state = conn.execute(
-                select(RoundState.status, RoundState.attempts)
+            status, attempts, opened = conn.execute(
+                select(RoundState.status, RoundState.attempts, RoundState.opened_at)
                 .where(RoundState.run_id == self.id, RoundState.round_index == t)
                 .with_for_update()
-            ).one_or_none()
-            self._check_still_ours(t, *(state or ("planned", 0)), "committed")
+            ).one_or_none() or ("planned", 0, None)
+            self._check_still_ours(t, status, attempts, "committed")
             if t == 0:
                 previous = conn.execute(select(Run.genesis_sha256).where(Run.id == self.id)).scalar_one()
             else:
@@ -657,8 +657,6 @@ class RunLedger:
             record["chain_sha256"] = round_sha256(
                 previous, record, [(r["client_key"], r["status"], r["reason"]) for r in rows])
             now = _now()
-            opened = conn.execute(select(RoundState.opened_at).where(
-                RoundState.run_id == self.id, RoundState.round_index == t)).scalar()
             conn.execute(insert(Round).values(**record, opened_at=opened, closed_at=now))
             if rows:
                 conn.execute(insert(Participation), rows)
