@@ -294,10 +294,10 @@ def _flat(model) -> np.ndarray:
 def run_canary_audit(model, users: Sequence[Hashable], plan, local_update: Callable, *, canaries: int = 200,
                      seed: int | None = None, confidence: float = 0.95, server_lr: float = 1.0,
                      rounds: int | None = None, checkpoint_dir: str | Path | None = None,
-                     ledger: str | None = None,
+                     ledger: str | None = None, ledger_diagnostics: bool = False,
                      fractions: Sequence[float] = DEFAULT_GUESS_FRACTIONS) -> AuditResult:
     """Run ``fedmf.federated.train`` on ``users`` plus ``canaries`` canary users and audit it (see
-    the module docstring). ``seed``: the audit's own secret (canary directions and memberships;
+    the module docstring; ``ledger_diagnostics``: ``train``'s). ``seed``: the audit's own secret (canary directions and memberships;
     default: fresh randomness); it is never returned. ``checkpoint_dir`` must hold no earlier run
     (the audit must see every released model). The server optimizer is the plan's workload."""
     import torch
@@ -373,7 +373,8 @@ def run_canary_audit(model, users: Sequence[Hashable], plan, local_update: Calla
         previous = current
 
     result = train(model, users + ids, plan, audited_update, server_lr=server_lr, rounds=end,
-                   checkpoint_dir=checkpoint_dir, ledger=ledger, on_round=on_round)
+                   checkpoint_dir=checkpoint_dir, ledger=ledger, on_round=on_round,
+                   ledger_diagnostics=ledger_diagnostics)
     done = result.rounds_done
     notes = []
     if done < end:

@@ -29,6 +29,8 @@ value is checked here and a bad one is a one-line ``ConfigError`` before round 1
     run-dir           "fedmf-run"                 checkpoints, secrets, and the default SQLite ledger
     ledger-url        ""                          ledger URL (default: <run-dir>/ledger.db)
     reply-timeout     600.0                       seconds to wait for a round's replies
+    ledger-diagnostics false                      also record update norms and clipping in the ledger
+                                                  (data-dependent: outside the DP guarantee)
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ DEFAULTS: dict[str, Any] = {
     "noise-multiplier": 0.0, "target-epsilon": 0.0, "delta": 1e-5, "zero-threshold": "default", "accountant": "pld",
     "server-lr": 1.0, "server-momentum": 0.0, "server-cooldown": 0.0, "client-lr": 0.1, "local-epochs": 1,
     "batch-size": 16, "run-dir": "fedmf-run", "ledger-url": "", "reply-timeout": 600.0,
+    "ledger-diagnostics": False,
 }
 
 
@@ -64,6 +67,14 @@ def _int(key: str, value: Any, minimum: int) -> int:
     if value < minimum:
         raise ConfigError(f"{key} must be >= {minimum}, got {value}")
     return value
+
+
+def _bool(key: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    raise ConfigError(f"{key} must be true or false, got {value!r}")
 
 
 def _float(key: str, value: Any, *, minimum: float = 0.0, strict: bool = False, maximum: float | None = None) -> float:
@@ -115,6 +126,7 @@ class RunConfig:
     run_dir: str
     ledger_url: str | None
     reply_timeout: float
+    ledger_diagnostics: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -173,6 +185,7 @@ class RunConfig:
             local_epochs=_int("local-epochs", v["local-epochs"], 1), batch_size=_int("batch-size", v["batch-size"], 1),
             run_dir=str(base / run_dir), ledger_url=ledger,
             reply_timeout=_float("reply-timeout", v["reply-timeout"], strict=True),
+            ledger_diagnostics=_bool("ledger-diagnostics", v["ledger-diagnostics"]),
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -90,6 +90,7 @@ def train(
     observed_guard: bool | None = None,
     progress: bool = False,
     repeatable_noise: bool = False,
+    ledger_diagnostics: bool = False,
 ) -> TrainResult:
     """Train ``model`` privately under ``plan`` over ``users`` (ids with a stable ``str``).
 
@@ -103,7 +104,8 @@ def train(
     runs after each commit (server-side held-out data). ``observed_guard`` (default: on for
     unamplified runs with a target ε) also stops before a round when a user's observed ε,
     accounted from the ledger, exceeds the target. ``repeatable_noise``: tests only, unsafe
-    (``PrivateRun.open``)."""
+    (``PrivateRun.open``). ``ledger_diagnostics``: a new run's ledger also keeps update norms
+    (outside the DP guarantee)."""
     if (local_update is None) == (local_updates is None):
         raise ConfigError("give exactly one of local_update (one user at a time) and local_updates (a round's users)")
     users = list(users)
@@ -118,7 +120,8 @@ def train(
     directory = temporary.name if temporary is not None else checkpoint_dir
     try:
         with PrivateRun.open(model, plan, directory, ledger=ledger, server_lr=server_lr, optimizer=optimizer,
-                             population=users, on_event=on_event, repeatable_noise=repeatable_noise) as run:
+                             population=users, on_event=on_event, repeatable_noise=repeatable_noise,
+                             ledger_diagnostics=ledger_diagnostics) as run:
             history: list[RoundRecord] = []
             stopped = "horizon" if end == plan.rounds else "rounds"
             bar = _Progress(progress, end)

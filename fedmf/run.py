@@ -109,12 +109,15 @@ class PrivateRun:
     def open(cls, model: torch.nn.Module, plan: RunPlan, directory: str | os.PathLike, *,
              ledger: str | os.PathLike | None = None, server_lr: float = 1.0, optimizer: str = "workload",
              population: Iterable[Hashable] | None = None, on_event: Callable[[str, int], None] | None = None,
-             name: str | None = None, repeatable_noise: bool = False) -> "PrivateRun":
+             name: str | None = None, repeatable_noise: bool = False,
+             ledger_diagnostics: bool = False) -> "PrivateRun":
         """Resume the run recorded in ``directory`` (restoring the last committed round's
         checkpoint; the plan must be the same) or start a new one. ``ledger``: a ledger URL
         (default: ``<directory>/ledger.db``). ``population``: the users, for schedulers that
         sample the whole population (required by the fixed-epoch order). ``repeatable_noise``:
-        tests only (unsafe): no noise salts, so a redone round repeats its noise."""
+        tests only (unsafe): no noise salts, so a redone round repeats its noise.
+        ``ledger_diagnostics``: a new run also records each contribution's update norm and whether
+        it was clipped (data-dependent, outside the DP guarantee; a resumed run keeps its own setting)."""
         from .ledger import Ledger
         from .schedule import make_scheduler
         from .server_optimizer import server_optimizer
@@ -143,7 +146,8 @@ class PrivateRun:
             scheduler = make_scheduler(plan.schema, plan.sampling, key=secrets.schedule_key, rounds=plan.rounds,
                                        users_per_round=users_per_round,
                                        population=None if population is None else list(population))
-            run = cls._attach(book, directory, store, secrets, plan, model, privatizer, opt, scheduler, name)
+            run = cls._attach(book, directory, store, secrets, plan, model, privatizer, opt, scheduler, name,
+                              ledger_diagnostics)
         except BaseException:
             book.close()
             raise
@@ -151,7 +155,7 @@ class PrivateRun:
 
     @staticmethod
     def _attach(book, directory: Path, store: CheckpointStore, secrets: RunSecrets, plan: RunPlan, model, privatizer,
-                optimizer, scheduler, name):
+                optimizer, scheduler, name, diagnostics: bool):
         run_file = directory / _RUN_FILE
         seed_file = str(directory / "secrets" / "noise_seed")
         if run_file.exists():
@@ -204,7 +208,8 @@ class PrivateRun:
         run = book.create_run(plan.mechanism, noise_multiplier=plan.noise_multiplier, clip_norm=plan.clip_norm,
                               delta=plan.delta, target_epsilon=plan.target_epsilon, schema=plan.schema,
                               sampling=str(plan.sampling), name=name, plan=plan.to_dict(),
-                              plan_fingerprint=plan.fingerprint, config={"noise_key_check": noise_check})
+                              plan_fingerprint=plan.fingerprint, config={"noise_key_check": noise_check},
+                              diagnostics=diagnostics)
         record = {"run_id": run.id, "plan_fingerprint": plan.fingerprint, "initial_sha256": initial_sha256,
                   "noise_seed_binding": binding}
         atomic_write(directory / _RUN_FILE, lambda f: json.dump(record, f), text=True, mode=0o600)
@@ -340,8 +345,9 @@ class PrivateRun:
         self._last_digest = digest
         self._event("committed", t)
         self.store.prune(keep=t)
+        counts = report.counts()  # clipped: from the round's own report (the ledger keeps it only as a diagnostic)
         return RoundRecord(t, self.plan.epsilon_after(t), summary.selected, summary.contributed, summary.dropped,
-                           summary.rejected, summary.clipped, report.counts()["zeroed"],
+                           summary.rejected, counts["clipped"], counts["zeroed"],
                            time.perf_counter() - self._started, self.store.last_bytes)
 
     def _committed_anyway(self, t: int, digest: str | None):

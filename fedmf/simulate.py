@@ -135,7 +135,8 @@ def simulate(config: RunConfig, *, model, users, local_update=None, local_update
     plan = config.build_plan()
     result = train(model, users, plan, local_update, local_updates=local_updates, server_lr=config.server_lr,
                    checkpoint_dir=config.run_dir,
-                   ledger=config.ledger_url, evaluate=evaluate, progress=progress, repeatable_noise=repeatable_noise)
+                   ledger=config.ledger_url, evaluate=evaluate, progress=progress, repeatable_noise=repeatable_noise,
+                   ledger_diagnostics=config.ledger_diagnostics)
     import torch
 
     # the final model, as the Flower ServerApp writes it (both backends leave the same files)

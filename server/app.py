@@ -68,7 +68,8 @@ def run_server(grid: Grid, run_config: dict) -> DPMFStrategy:
     if repeatable:
         log.warning("fedmf: warning: %s", REPEATABLE_NOISE_WARNING)
     with PrivateRun.open(model, plan, config.run_dir, ledger=config.ledger_url, server_lr=config.server_lr,
-                         population=task.users(), on_event=_fault_injection(), repeatable_noise=repeatable) as run:
+                         population=task.users(), on_event=_fault_injection(), repeatable_noise=repeatable,
+                         ledger_diagnostics=config.ledger_diagnostics) as run:
         users = task.users()
         wanted = min(len(users), max(1, math.ceil(plan.expected_users)))
         strategy = DPMFStrategy(run, config, evaluate_fn=evaluate, min_available=wanted)

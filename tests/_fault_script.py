@@ -52,13 +52,14 @@ def state_sha(state: Mapping[str, Any]) -> str:
 
 
 def round_status(run_dir: str | os.PathLike, t: int) -> str | None:
-    """Round t's status in the run directory's SQLite ledger, read by a separate connection."""
+    """Round t's status (open, aborted, committed; None: planned) in the run directory's SQLite ledger, read
+    by a separate connection."""
     db = Path(run_dir) / "ledger.db"
     if not db.exists():
         return None
     con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30)
     try:
-        row = con.execute("SELECT status FROM rounds WHERE round_index = ? ORDER BY run_id DESC LIMIT 1",
+        row = con.execute("SELECT status FROM round_state WHERE round_index = ? ORDER BY run_id DESC LIMIT 1",
                           (t,)).fetchone()
     finally:
         con.close()

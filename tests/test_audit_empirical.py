@@ -163,7 +163,7 @@ def _audit_with_silent_users(run, plan: RunPlan, *, dim: int, canaries: int, see
     write_secrets(run)
     zero = lambda params, user, t: {"w": torch.zeros_like(params["w"])}  # noqa: E731
     return run_canary_audit(_Linear(dim), [f"u{i}" for i in range(10)], plan, zero, canaries=canaries, seed=seed,
-                            checkpoint_dir=run)
+                            checkpoint_dir=run, ledger_diagnostics=True)  # clipping recorded, to check it
 
 
 def test_without_noise_every_canary_passes_clipping_and_is_recognised(tmp_path, no_noise):

@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 from sqlalchemy import select
 
 from fedmf.config import RunConfig
-from fedmf.ledger.models import Participation
+from fedmf.ledger.models import Participation, UpdateNorm
 from fedmf.run import PrivateRun
 from server import strategy as strategy_module
 from server.local_grid import LocalGrid
@@ -468,15 +468,19 @@ def counted_replies(monkeypatch):
 def _run(directory, nodes, inject_fn=None):
     model = task.Tiny()
     grid = BadGrid(nodes, inject_fn)
-    # repeatable noise (tests only): the clean and the dirty run are compared bit for bit
+    # repeatable noise (tests only): the clean and the dirty run are compared bit for bit;
+    # ledger diagnostics: the norms and clipping, to check them
     with PrivateRun.open(model, task.plan(rounds=ROUNDS), directory, population=USERS,
-                         repeatable_noise=True) as run:
+                         repeatable_noise=True, ledger_diagnostics=True) as run:
         strategy = DPMFStrategy(run, CONFIG)
         result = strategy.start(grid)
         names = {run.user_key(u): u for u in USERS}
         with run._book.engine.connect() as conn:
             rows = conn.execute(select(Participation.round_index, Participation.client_key, Participation.status,
-                                       Participation.reason, Participation.update_norm, Participation.clipped)).all()
+                                       Participation.reason, UpdateNorm.update_norm, UpdateNorm.clipped)
+                                .outerjoin(UpdateNorm, (UpdateNorm.run_id == Participation.run_id)
+                                           & (UpdateNorm.round_index == Participation.round_index)
+                                           & (UpdateNorm.client_key == Participation.client_key))).all()
     ledger = {(names[bytes(key)], t): (status, reason, norm, clipped) for t, key, status, reason, norm, clipped in rows}
     return model.state_dict(), strategy, result, grid, ledger
 

@@ -23,6 +23,9 @@ def test_defaults_and_what_they_build(tmp_path):
     assert plan.mechanism.kind == "bsr" and plan.expected_users == 4 and plan.zero_threshold == 100.0
     assert plan.noise_std == pytest.approx(1.0 * 1.0 * plan.sensitivity.value)
     assert set(DEFAULTS) == {k.replace("_", "-") for k in config.to_dict()} - {"extra"}
+    assert config.ledger_diagnostics is False  # update norms stay out of the ledger unless asked for
+    for value, expected in ((True, True), ("true", True), (" False ", False)):
+        assert RunConfig.from_mapping({**BASE, "ledger-diagnostics": value}).ledger_diagnostics is expected
 
 
 def test_fixed_epoch_momentum_cooldown_and_strings_from_the_command_line(tmp_path):
@@ -55,7 +58,8 @@ def test_mechanism_file_must_match_rounds_and_workload(tmp_path):
     ({"noise-multiplier": 0}, "noise-multiplier or target-epsilon"), ({"accountant": "gdp"}, "accountant"),
     ({"server-momentum": 1.0}, "server-momentum"), ({"local-epochs": 0}, "local-epochs"), ({"batch-size": True}, "batch-size"),
     ({"zero-threshold": "big"}, "zero-threshold"), ({"run-dir": ""}, "run-dir"), ({"mechanism": " "}, "mechanism"),
-    ({"clients-per-round": -3}, "clients-per-round"),
+    ({"clients-per-round": -3}, "clients-per-round"), ({"ledger-diagnostics": "yes"}, "ledger-diagnostics"),
+    ({"ledger-diagnostics": 1}, "ledger-diagnostics"),
 ])
 def test_bad_values_are_one_line_errors(bad, fragment):
     with pytest.raises(ConfigError) as info:

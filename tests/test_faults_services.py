@@ -219,7 +219,7 @@ def _pg_round_status(url: str):
     def round_status(run_dir, t: int) -> str | None:
         try:
             with engine.connect() as conn:
-                row = conn.execute(text("SELECT status FROM rounds WHERE round_index = :t "
+                row = conn.execute(text("SELECT status FROM round_state WHERE round_index = :t "
                                         "ORDER BY run_id DESC LIMIT 1"), {"t": t}).first()
         except Exception:  # noqa: BLE001 - the server is down
             return "committed" if t in committed else "unreachable"

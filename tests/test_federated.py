@@ -40,6 +40,30 @@ def _ledger_rows(directory: Path, run_id: int):
     return book, run, rows
 
 
+@pytest.mark.parametrize("diagnostics", [False, True])
+def test_update_norms_reach_the_ledger_only_with_diagnostics(tmp_path, diagnostics):
+    from fedmf.ledger.audit import DIAGNOSTIC_COLUMNS, audit
+    from fedmf.ledger.models import UpdateNorm
+
+    result = train(task.Tiny(), task.users(), task.plan(), task.local_update, checkpoint_dir=tmp_path, rounds=3,
+                   ledger_diagnostics=diagnostics)
+    book, run, rows = _ledger_rows(tmp_path, result.run_id)
+    with book:
+        with book.engine.connect() as conn:
+            norms = conn.execute(select(UpdateNorm.update_norm)).scalars().all()
+        recorded_clipped = [run.round(t).clipped for t in range(3)]
+    contributed = sum(1 for _, _, status, _ in rows if status == "contributed")
+    assert contributed == sum(r.contributed for r in result.history) > 0
+    report = audit(tmp_path / "ledger.db", verify=True)
+    assert report.chain.ok and report.run["diagnostics"] is diagnostics
+    if diagnostics:
+        assert len(norms) == contributed and all(n > 0 for n in norms)
+        assert [r["clipped"] for r in report.rounds] == recorded_clipped == [r.clipped for r in result.history]
+    else:
+        assert norms == [] and recorded_clipped == [None] * 3 and not set(DIAGNOSTIC_COLUMNS) & set(report.columns)
+        assert all(set(DIAGNOSTIC_COLUMNS).isdisjoint(r) for r in report.rounds)
+
+
 @pytest.mark.parametrize("sampling, expected", [(None, 10.0), ("bminsep:0.3", 60 * 0.3 / (1 + 3 * 0.3))])
 def test_ledger_equals_the_schedulers_decisions_and_bad_updates_are_rejected(tmp_path, sampling, expected):
     plan = task.plan(sampling=sampling, expected_users=expected, delta=1e-2 if sampling else 1e-5)

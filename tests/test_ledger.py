@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import random
 
 import pytest
@@ -11,7 +12,7 @@ from sqlalchemy import func, inspect, select, text
 
 from fedmf import FixedEpoch, MinSep
 from fedmf.ledger import Ledger, LedgerError, ServerSecret, head_revision
-from fedmf.ledger.models import VERSION_TABLE, Base, ClientState, Participation, PrivacySnapshot, Round, Run
+from fedmf.ledger.models import VERSION_TABLE, Base, ClientState, Participation, Round, Run, UpdateNorm
 from fedmf.mechanisms.io import load_with_schema
 
 from .test_ledger_helpers import SECRET, dump_database, mechanism_file
@@ -25,10 +26,14 @@ def _run(url, tmp_path, schema=MinSep(4, 6), rounds=24, **kwargs):
 
 
 def _participations(ledger, run_id):
+    """(round, key, status, reason, update_norm, clipped): the norms from the diagnostics table."""
     with ledger.engine.connect() as conn:
         return conn.execute(
             select(Participation.round_index, Participation.client_key, Participation.status, Participation.reason,
-                   Participation.update_norm, Participation.clipped)
+                   UpdateNorm.update_norm, UpdateNorm.clipped)
+            .outerjoin(UpdateNorm, (UpdateNorm.run_id == Participation.run_id)
+                       & (UpdateNorm.round_index == Participation.round_index)
+                       & (UpdateNorm.client_key == Participation.client_key))
             .where(Participation.run_id == run_id).order_by(Participation.round_index, Participation.client_key)
         ).all()
 
@@ -64,7 +69,7 @@ def test_migrations_create_exactly_the_models(ledger_url):
     with Ledger.open(ledger_url) as ledger, ledger.engine.connect() as conn:
         context = MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE, "compare_type": True})
         assert compare_metadata(context, Base.metadata) == []
-        assert context.get_current_revision() == head_revision() == "0002"
+        assert context.get_current_revision() == head_revision() == "0003"
         indexes = {ix["name"]: ix["column_names"] for ix in inspect(conn).get_indexes("participations")}
         assert indexes["ix_participations_client"] == ["run_id", "client_key", "status", "round_index"]
     with Ledger.open(ledger_url) as again:  # idempotent: a second open migrates nothing
@@ -73,9 +78,9 @@ def test_migrations_create_exactly_the_models(ledger_url):
 
 def test_newer_schema_version_is_refused_and_nothing_is_written(ledger_url, tmp_path):
     with Ledger.open(ledger_url) as ledger, ledger.engine.begin() as conn:
-        conn.execute(text(f"UPDATE {VERSION_TABLE} SET version_num = '0003'"))
+        conn.execute(text(f"UPDATE {VERSION_TABLE} SET version_num = '0004'"))
     before = open(ledger_url, "rb").read() if "://" not in ledger_url else None
-    with pytest.raises(LedgerError, match=r"schema version 0003, newer than this fedmf understands \(0002\)") as e:
+    with pytest.raises(LedgerError, match=r"schema version 0004, newer than this fedmf understands \(0003\)") as e:
         Ledger.open(ledger_url, secret=SECRET)
     assert "\n" not in str(e.value)
     if before is not None:
@@ -137,7 +142,7 @@ def test_create_run_stores_the_plan_and_the_mechanism_verbatim(ledger_url, tmp_p
             doc = conn.execute(select(Run.mechanism_document)).scalar_one()
             statuses = conn.execute(select(Round.status, func.count()).group_by(Round.status)).all()
         assert doc == open(path).read()
-        assert statuses == [("planned", 24)]
+        assert statuses == [] and run.round(23).status == "planned"  # rounds are recorded when committed
         assert run.next_round == 0
         assert [r.id for r in ledger.runs()] == [1]
         second = ledger.create_run(path, noise_multiplier=1.0, clip_norm=1.0, delta=1e-6, schema=MinSep(6, 4))
@@ -181,8 +186,9 @@ def test_writing_needs_the_secret_and_a_resumed_run_needs_the_same_one(ledger_ur
 
 # ---- rounds ----------------------------------------------------------------------------------------
 
-def test_a_round_records_selection_contributions_rejections_and_drops(ledger_url, tmp_path):
-    ledger, run = _run(ledger_url, tmp_path)
+@pytest.mark.parametrize("diagnostics", [True, False])
+def test_a_round_records_selection_contributions_rejections_and_drops(ledger_url, tmp_path, diagnostics):
+    ledger, run = _run(ledger_url, tmp_path, diagnostics=diagnostics)
     with ledger:
         run.open_round(0)
         accepted = run.record_selection(0, ["a", "b", "c", "d", "e"])
@@ -194,20 +200,28 @@ def test_a_round_records_selection_contributions_rejections_and_drops(ledger_url
         run.record_rejection(0, "mallory", "not selected")  # an update nobody asked for
         summary = run.commit_round(0, noise_std=3.5, epsilon_worst_user=0.4, epsilon_planned=0.5)
         assert (summary.status, summary.attempts) == ("committed", 1)
-        assert (summary.selected, summary.contributed, summary.dropped, summary.rejected, summary.clipped) == (5, 3, 1, 2, 1)
-        assert (summary.norm_min, summary.norm_median, summary.norm_max) == (0.5, 1.0, 2.0)
-        assert summary.norm_mean == pytest.approx(3.5 / 3) and summary.noise_std == 3.5
+        assert (summary.selected, summary.contributed, summary.dropped, summary.rejected) == (5, 3, 1, 2)
+        assert summary.noise_std == 3.5
         rows = _participations(ledger, run.id)
         by_key = {bytes(k): (st, reason, norm, clip) for _, k, st, reason, norm, clip in rows}
-        assert by_key[run.key("a")] == ("contributed", None, 0.5, False)
-        assert by_key[run.key("b")] == ("contributed", None, 2.0, True)
+        if diagnostics:
+            assert summary.clipped == 1 and (summary.norm_min, summary.norm_median, summary.norm_max) == (0.5, 1.0, 2.0)
+            assert summary.norm_mean == pytest.approx(3.5 / 3)
+            assert by_key[run.key("a")] == ("contributed", None, 0.5, False)
+            assert by_key[run.key("b")] == ("contributed", None, 2.0, True)
+        else:  # no data-dependent value anywhere in the ledger
+            assert (summary.clipped, summary.norm_min, summary.norm_median, summary.norm_mean, summary.norm_max) == \
+                (None,) * 5
+            assert by_key[run.key("a")] == by_key[run.key("b")] == ("contributed", None, None, None)
+            with ledger.engine.connect() as conn:
+                assert conn.execute(select(func.count()).select_from(UpdateNorm)).scalar() == 0
         assert by_key[run.key("d")] == ("rejected", "non-finite update", None, None)
         assert by_key[run.key("e")] == ("dropped", "no update received", None, None)
         assert by_key[run.key("mallory")] == ("rejected", "not selected", None, None)
         assert len(rows) == 6
         with ledger.engine.connect() as conn:
-            snap = conn.execute(select(PrivacySnapshot.epsilon_worst_user, PrivacySnapshot.epsilon_planned)).one()
-        assert tuple(snap) == (0.4, 0.5)
+            snap = conn.execute(select(Round.epsilon_worst_user, Round.epsilon_planned)).one()
+        assert tuple(snap) == (0.4, 0.5) == (summary.epsilon_worst_user, summary.epsilon_planned)
         assert run.next_round == 1
 
 
@@ -632,11 +646,11 @@ def test_a_ledger_at_0001_is_upgraded_in_place_with_its_data(ledger_url, tmp_pat
     from fedmf.ledger.audit import audit
 
     keys = _write_at_0001(ledger_url, tmp_path)
-    with pytest.raises(LedgerError, match="schema version 0001, older than this fedmf's 0002"):
+    with pytest.raises(LedgerError, match="schema version 0001, older than this fedmf's 0003"):
         audit(ledger_url)  # the read-only audit never migrates
     with Ledger.open(ledger_url, secret=SECRET) as ledger:
         with ledger.engine.connect() as conn:
-            assert conn.execute(text(f"SELECT version_num FROM {VERSION_TABLE}")).scalar_one() == "0002"
+            assert conn.execute(text(f"SELECT version_num FROM {VERSION_TABLE}")).scalar_one() == "0003"
         (info,) = ledger.runs()
         assert (info.id, info.name, info.config, info.rounds, info.schema) == (1, "old", {"lr": 0.5}, 12, MinSep(3, 4))
         assert (info.plan, info.plan_fingerprint) == (None, None) and ledger.find_runs(FINGERPRINT) == []
@@ -653,10 +667,10 @@ def test_a_ledger_at_0001_is_upgraded_in_place_with_its_data(ledger_url, tmp_pat
     report = audit(ledger_url)
     assert report.realized["contributions"] == 5 and report.realized["client_state_consistent"] is True
     assert [r["checkpoint_sha256"] for r in report.rounds if r["status"] == "committed"] == [None, None, digest]
-    assert report.schema_version == "0002"
+    assert report.schema_version == "0003"
 
 
-def test_migration_0002_downgrades_and_upgrades_again(tmp_path):
+def test_migration_0003_is_not_downgraded_and_a_refused_downgrade_changes_nothing(tmp_path):
     from alembic import command
 
     from fedmf.ledger.db import _alembic_config
@@ -667,11 +681,105 @@ def test_migration_0002_downgrades_and_upgrades_again(tmp_path):
     run.record_selection(0, ["a"])
     run.record_contribution(0, "a", 0.1)
     run.commit_round(0, checkpoint_sha256="0" * 64)
-    with ledger.engine.begin() as conn:
-        command.downgrade(_alembic_config(conn), "0001")
-        assert "plan" not in {c["name"] for c in inspect(conn).get_columns("runs")}
+    with pytest.raises(NotImplementedError, match="cannot be downgraded"), ledger.engine.begin() as conn:
+        command.downgrade(_alembic_config(conn), "0002")
     ledger.close()
     with Ledger.open(url, secret=SECRET) as again:
         resumed = again.run(run.id)
-        assert resumed.info.plan is None and resumed.round(0).status == "committed"
+        assert resumed.info.plan == PLAN and resumed.round(0).status == "committed"
         assert resumed.observed_pattern() == run.observed_pattern()
+
+
+# ---- migrating a ledger written at 0002 (update norms on every row, mutable rounds) ------------------------
+
+def _write_at_0002(url: str, tmp_path) -> dict:
+    """A ledger at revision 0002 as the 0002 server wrote it: one run of 8 rounds, rounds 0-2 committed
+    (round 1 after an aborted attempt) with update norms, clipped flags, norm summaries and ε snapshots,
+    round 3 aborted, round 4 left open, the rest planned."""
+    import datetime as dt
+
+    from alembic import command
+    from sqlalchemy import MetaData
+
+    from fedmf.ledger.db import _alembic_config, resolve_url, writer_engine
+
+    path = mechanism_file(tmp_path, kind="dp-sgd", rounds=8, schema=MinSep(1, 8))
+    mechanism, schema, checksum = load_with_schema(path)
+    secret = ServerSecret(SECRET)
+    uid = "fedcba9876543210fedcba9876543210"
+    key = {c: secret.client_key(uid, c) for c in ("a", "b", "c")}
+    now = dt.datetime(2026, 11, 30, tzinfo=dt.timezone.utc)
+    engine = writer_engine(resolve_url(url))
+    try:
+        with engine.begin() as conn:
+            command.upgrade(_alembic_config(conn), "0002")
+            meta = MetaData()
+            meta.reflect(conn)
+            conn.execute(meta.tables["runs"].insert().values(
+                id=1, uid=uid, name="old", created_at=now, code_version="fedmf 0.2", config={"noise_key_check": "x"},
+                mechanism_kind=mechanism.kind, mechanism_checksum=checksum, mechanism_document=open(path).read(),
+                rounds=8, noise_multiplier=2.0, clip_norm=1.0, delta=1e-6, target_epsilon=None,
+                participation_schema=schema.to_dict(8), sampling="fixed-order", key_check=secret.key_check(),
+                plan=PLAN, plan_fingerprint=FINGERPRINT))
+            status = {0: "committed", 1: "committed", 2: "committed", 3: "aborted", 4: "open"}
+            conn.execute(meta.tables["rounds"].insert(), [
+                {"run_id": 1, "round_index": t, "status": status.get(t, "planned"),
+                 "attempts": {1: 2, 3: 1, 4: 1}.get(t, int(t < 3)), "selected": 3 if t < 3 else 0,
+                 "contributed": 2 if t < 3 else 0, "dropped": 1 if t < 3 else 0, "rejected": 0,
+                 "clipped": 1 if t < 3 else 0, "norm_min": 0.5 if t < 3 else None, "norm_max": 2.0 if t < 3 else None,
+                 "noise_std": 4.0 if t < 3 else None, "abort_reason": "lost quorum" if t == 3 else None,
+                 "checkpoint_sha256": f"{t:064x}" if t < 3 else None,
+                 "opened_at": now if t < 5 else None, "closed_at": now if t < 4 else None} for t in range(8)])
+            conn.execute(meta.tables["participations"].insert(), [
+                {"run_id": 1, "round_index": t, "client_key": key[c], "status": s, "update_norm": n, "clipped": cl,
+                 "reason": "no update received" if s == "dropped" else None}
+                for t in range(3) for c, s, n, cl in (("a", "contributed", 0.5, False), ("b", "contributed", 2.0, True),
+                                                      ("c", "dropped", None, None))])
+            conn.execute(meta.tables["client_state"].insert(), [
+                {"run_id": 1, "client_key": key[c], "contributions": 3, "last_round": 2} for c in ("a", "b")])
+            conn.execute(meta.tables["privacy_snapshots"].insert(), [
+                {"run_id": 1, "round_index": t, "epsilon_worst_user": 0.1 * (t + 1), "epsilon_planned": 0.2 * (t + 1),
+                 "created_at": now} for t in range(3)])
+    finally:
+        engine.dispose()
+    return key
+
+
+def test_a_ledger_at_0002_moves_to_append_only_history_and_verifies(ledger_url, tmp_path, capsys):
+    from fedmf.cli import main as fedmf_main
+    from fedmf.ledger.audit import audit
+
+    key = _write_at_0002(ledger_url, tmp_path)
+    with pytest.raises(LedgerError, match="schema version 0002, older than this fedmf's 0003"):
+        audit(ledger_url)
+    with Ledger.open(ledger_url, secret=SECRET) as ledger:
+        info, = ledger.runs()
+        assert info.diagnostics is True and info.plan == PLAN  # its norms were kept, as diagnostics
+        run = ledger.run(1)
+        assert run.next_round == 3
+        summary = run.round(1)
+        assert (summary.status, summary.attempts, summary.contributed, summary.dropped) == ("committed", 2, 2, 1)
+        assert (summary.epsilon_worst_user, summary.epsilon_planned) == pytest.approx((0.2, 0.4))
+        assert (summary.clipped, summary.norm_min, summary.norm_max, summary.norm_mean) == (1, 0.5, 2.0, 1.25)
+        assert (run.round(3).status, run.round(3).attempts) == ("aborted", 1)
+        assert (run.round(4).status, run.round(5).status) == ("open", "planned")
+        assert run.observed_pattern().rounds_by_user == tuple(sorted((key[c].hex(), (0, 1, 2)) for c in ("a", "b")))
+        with ledger.engine.connect() as conn:
+            assert conn.execute(select(func.count()).select_from(Round)).scalar() == 3
+            assert conn.execute(select(func.count()).select_from(UpdateNorm)).scalar() == 6
+            assert "privacy_snapshots" not in inspect(conn).get_table_names()
+    capsys.readouterr()
+    assert fedmf_main(["audit", "--ledger", ledger_url, "--verify", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["verify"]["ok"] and report["verify"]["rounds_verified"] == 3
+    assert [r["status"] for r in report["rounds"]] == ["committed"] * 3 + ["aborted", "open"]
+    assert report["realized"]["aborts"] == 2 and report["rounds"][0]["norm_max"] == 2.0
+    # the migrated run goes on, chained to the migrated rounds
+    with Ledger.open(ledger_url, secret=SECRET) as ledger:
+        run = ledger.run(1)
+        run.open_round(3)
+        run.record_selection(3, ["a", "c"])
+        run.record_contribution(3, "a", 0.3)
+        run.commit_round(3, noise_std=4.0)
+    again = audit(ledger_url, verify=True)
+    assert again.chain.ok and again.chain.head_round == 3 and again.realized["contributions"] == 7

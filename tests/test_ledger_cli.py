@@ -15,7 +15,7 @@ from fedmf import MinSep
 from fedmf.ledger import Ledger, head_revision
 from fedmf.cli import main as ledger_main
 
-from .test_ledger_helpers import SECRET, mechanism_file
+from .test_ledger_helpers import SECRET, TABLES, mechanism_file
 
 
 def _fedmf_main():
@@ -45,7 +45,7 @@ def _state(url) -> str:
     """A fingerprint of everything stored in the ledger."""
     with Ledger.open(url) as ledger, ledger.engine.connect() as conn:
         rows = []
-        for table in ("runs", "rounds", "participations", "client_state", "privacy_snapshots", "fedmf_ledger_version"):
+        for table in TABLES:
             rows.append(sorted(map(repr, conn.execute(text(f"SELECT * FROM {table}")))))
     return hashlib.sha256(repr(rows).encode()).hexdigest()
 
@@ -163,7 +163,7 @@ def _file_or_state(url):
     engine = create_engine(url.replace("postgresql://", "postgresql+psycopg://"))
     with engine.connect() as conn:
         state = [sorted(map(repr, conn.execute(text(f"SELECT * FROM {t}"))))
-                 for t in ("runs", "rounds", "participations", "client_state", "privacy_snapshots", "fedmf_ledger_version")]
+                 for t in TABLES]
     engine.dispose()
     return state
 

@@ -10,6 +10,7 @@ from fedmf.mechanisms import build
 from fedmf.mechanisms.io import save
 
 SECRET = b"test-secret-0123456789-abcdefghij"  # 33 bytes; must never reach the ledger
+TABLES = ("runs", "rounds", "participations", "update_norms", "round_state", "client_state", "fedmf_ledger_version")
 
 
 def mechanism_file(tmp_path, kind="bsr", rounds=24, schema=MinSep(4, 6), **kwargs) -> str:
@@ -26,7 +27,7 @@ def dump_database(url: str) -> bytes:
 
     with Ledger.open(url) as ledger, ledger.engine.connect() as conn:
         out = []
-        for table in ("runs", "rounds", "participations", "client_state", "privacy_snapshots", "fedmf_ledger_version"):
+        for table in TABLES:
             for row in conn.execute(text(f"SELECT * FROM {table}")):
                 for value in row:
                     out.append(bytes(value) if isinstance(value, (bytes, memoryview)) else str(value).encode())

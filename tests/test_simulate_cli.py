@@ -130,8 +130,7 @@ def test_parallel_clients_give_the_one_at_a_time_model_bit_for_bit(tmp_path, cap
     for run in ("one", "three"):
         assert main(["audit", "--ledger", str(tmp_path / run / "ledger.db"), "--json"]) == 0
     audits = [json.loads(line)["rounds"] for line in capsys.readouterr().out.splitlines()]
-    fields = ("round", "status", "selected", "contributed", "clipped", "noise_std", "norm_min", "norm_max",
-              "checkpoint_sha256")
+    fields = ("round", "status", "selected", "contributed", "dropped", "rejected", "noise_std", "checkpoint_sha256")
     assert [[r[f] for f in fields] for r in audits[0]] == [[r[f] for f in fields] for r in audits[1]]
 
 

@@ -2,13 +2,15 @@
 
 Bad input (an unreachable database, a wrong URL, a ledger from a newer fedmf, an unknown run)
 is one line on stderr and exit code 2, and nothing is written: the CSV and PNG only after the
-audit succeeded.
+audit succeeded. ``--verify`` also recomputes the hash chain; a chain that does not match is
+exit code 1, naming the first round that does not match (``--json``: ``verify``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 from .common import check_output
@@ -18,11 +20,17 @@ __all__ = ["register", "cmd_audit"]
 
 def cmd_audit(args: argparse.Namespace) -> int:
     """``fedmf audit``: recompute a run's privacy from its ledger; print it, optionally CSV and PNG."""
-    from ..ledger.audit import audit
+    from ..ledger.audit import ChainBroken, audit
 
     check_output("--csv", args.csv)
     check_output("--plot", args.plot, ".png")
-    report = audit(args.ledger, args.run)
+    try:
+        report = audit(args.ledger, args.run, verify=args.verify)
+    except ChainBroken as e:
+        if args.json:
+            print(json.dumps({"verify": e.chain.to_dict(), "error": str(e)}, allow_nan=False))
+        print(f"fedmf: verification failed: {_where(e.chain)}: {e.chain.reason} ({e})", file=sys.stderr)
+        return 1
     if args.csv:
         report.write_csv(args.csv)
     if args.plot:
@@ -39,7 +47,14 @@ def cmd_audit(args: argparse.Namespace) -> int:
         for option, path in (("csv", args.csv), ("plot", args.plot)):
             if path:
                 print(f"{option:<19} {path}")
+    if report.chain is not None and not report.chain.ok:
+        print(f"fedmf: verification failed: {_where(report.chain)}: {report.chain.reason}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _where(chain) -> str:
+    return "the run row (genesis)" if chain.first_bad_round == -1 else f"round {chain.first_bad_round}"
 
 
 def _run_id(text: str) -> int:
@@ -63,6 +78,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--ledger", required=True, metavar="URL",
                    help="a SQLite path or sqlite:///PATH, or postgresql://USER@HOST/DB")
     p.add_argument("--run", type=_run_id, metavar="ID", help="run id (default: the latest run)")
+    p.add_argument("--verify", action="store_true",
+                   help="recompute the hash chain; exit 1 naming the first round that does not match")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--csv", metavar="FILE", help="write the per-round table as CSV")
     p.add_argument("--plot", metavar="FILE.png", help="write ε-vs-round and the participation histogram (PNG)")

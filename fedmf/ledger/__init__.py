@@ -1,13 +1,15 @@
 """The participation ledger: who took part in which round, durably and atomically.
 
-* ``models``      SQLAlchemy 2 typed ORM models (runs, rounds, participations, client_state,
-                  privacy_snapshots)
+* ``models``      SQLAlchemy 2 typed ORM models: history (runs, rounds, participations,
+                  update_norms; only ever inserted) and mutable state (round_state, client_state)
+* ``chain``       the hash chain over the history (its byte encoding) and its verification
 * ``migrations``  Alembic migrations, the same for SQLite and PostgreSQL (run by ``db``)
 * ``db``          URLs, read-write (SQLite: WAL, writers take the lock up front) and read-only
-                  engines, migrations, the schema-version check
+                  engines (``read_snapshot``: nothing written beside a SQLite file), migrations,
+                  the schema-version check
 * ``keys``        HMAC-SHA256 pseudonymous client keys under the server secret
 * ``repository``  the API the server calls: ``Ledger``, ``RunLedger`` (the plan on the run row,
-                  the checkpoint hash on the round row)
+                  the checkpoint hash and chain hash on the round record)
 * ``privacy``     the audit's view of ``fedmf.accounting`` (per-round plan curve, post-hoc accounts)
 * ``audit``       the read-only audit behind ``fedmf audit`` (``fedmf.cli.audit``)
 

@@ -4,8 +4,10 @@ It opens the ledger read-only (SQLite ``mode=ro``; PostgreSQL READ ONLY transact
 reads one consistent snapshot of a run, and recomputes from the participations alone:
 the worst user's ε and the plan's ε after every committed round, the realized minimum
 separation and maximum participations, the participation histogram and the users who
-broke the plan (there are none when the server enforced it). Nothing is ever written
-to the ledger; the CSV and PNG files are written only after the audit succeeded.
+broke the plan (there are none when the server enforced it). With ``verify`` it also
+recomputes the hash chain (``fedmf.ledger.chain``) and names the first round that does not
+match. Nothing is ever written to the ledger, nor beside a SQLite ledger
+(``db.read_snapshot``); the CSV and PNG files are written only after the audit succeeded.
 """
 
 from __future__ import annotations
@@ -22,21 +24,32 @@ from sqlalchemy.engine import URL, Connection
 from ..files import atomic_write
 from ..mechanisms.base import Mechanism
 from ..participation import schema_from_dict
-from .db import LedgerError, check_version, database_errors, display_url, reader_engine, resolve_url
-from .models import ClientState, PrivacySnapshot, Round, Run
+from .chain import ChainCheck, check_chain
+from .db import LedgerError, check_version, display_url, read_snapshot, resolve_url
+from .models import ClientState, Participation, Round, RoundState, Run, UpdateNorm
 from .privacy import run_privacy
-from .repository import RunInfo, fetch_contributions
+from .repository import RunInfo, fetch_contributions, norm_summary
 
-__all__ = ["AuditReport", "audit", "ROUND_COLUMNS"]
+__all__ = ["AuditReport", "audit", "ROUND_COLUMNS", "DIAGNOSTIC_COLUMNS", "ChainBroken"]
 
 ROUND_COLUMNS = [
-    "round", "status", "attempts", "selected", "contributed", "dropped", "rejected", "clipped",
-    "noise_std", "norm_min", "norm_median", "norm_mean", "norm_max",
-    "sensitivity_worst_user", "epsilon_worst_user", "sensitivity_planned", "epsilon_planned",
+    "round", "status", "attempts", "selected", "contributed", "dropped", "rejected",
+    "noise_std", "sensitivity_worst_user", "epsilon_worst_user", "sensitivity_planned", "epsilon_planned",
     "recorded_epsilon_worst_user", "recorded_epsilon_planned", "min_separation", "max_participations",
-    "checkpoint_sha256",
+    "checkpoint_sha256", "chain_sha256",
 ]
+#: diagnostics (outside the DP guarantee): in the rows and the CSV only for runs that record them
+DIAGNOSTIC_COLUMNS = ["clipped", "norm_min", "norm_median", "norm_mean", "norm_max"]
 _REL_TOL = 1e-9
+
+
+class ChainBroken(LedgerError):
+    """``audit(verify=True)`` of a run whose chain does not match and whose rows could not even
+    be audited (e.g. a rewritten mechanism): the verification failure, not bad input."""
+
+    def __init__(self, chain: ChainCheck, message: str) -> None:
+        super().__init__(message)
+        self.chain = chain
 
 
 @dataclass
@@ -49,9 +62,15 @@ class AuditReport:
     histogram: dict[int, int]
     flagged: list[dict[str, Any]]
     rounds: list[dict[str, Any]] = field(default_factory=list)
+    chain: ChainCheck | None = None  # with verify
+
+    @property
+    def columns(self) -> list[str]:
+        """The CSV's columns: the diagnostics only where the run recorded them."""
+        return ROUND_COLUMNS + (DIAGNOSTIC_COLUMNS if self.run.get("diagnostics") else [])
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "ledger": self.ledger,
             "schema_version": self.schema_version,
             "run": self.run,
@@ -61,14 +80,17 @@ class AuditReport:
             "flagged_users": self.flagged,
             "rounds": self.rounds,
         }
+        if self.chain is not None:
+            out["verify"] = self.chain.to_dict()
+        return out
 
     # ---- outputs ---------------------------------------------------------------------------
     def write_csv(self, path: str | os.PathLike) -> None:
         def write(f) -> None:
-            writer = csv.DictWriter(f, fieldnames=ROUND_COLUMNS, lineterminator="\n")
+            writer = csv.DictWriter(f, fieldnames=self.columns, lineterminator="\n")
             writer.writeheader()
             for row in self.rounds:
-                writer.writerow({k: "" if row.get(k) is None else _csv_value(row[k]) for k in ROUND_COLUMNS})
+                writer.writerow({k: "" if row.get(k) is None else _csv_value(row[k]) for k in self.columns})
 
         atomic_write(path, write, text=True)
 
@@ -143,6 +165,17 @@ class AuditReport:
                        f"std {p['noise_std']:.6g}: {r['rounds_below_planned_noise'][:10]}")
         if not r["client_state_consistent"]:
             out.append("WARNING             the client_state table (eligibility) disagrees with the participations")
+        if self.run.get("diagnostics"):
+            out.append("diagnostics         update norms recorded (data-dependent, outside the DP guarantee)")
+        if self.chain is not None:
+            c = self.chain
+            if c.ok:
+                out.append(f"hash chain          verified: {c.rounds_verified} rounds, head "
+                           f"{'genesis' if c.head_round is None else 'round ' + str(c.head_round)} "
+                           f"{c.head_sha256 or c.genesis_sha256}")
+            else:
+                where = "the run row" if c.first_bad_round == -1 else f"round {c.first_bad_round}"
+                out.append(f"hash chain          FAILED at {where}: {c.reason}")
         out.append(f"flagged users       {r['flagged_users']}")
         for user in self.flagged[:max_flagged]:
             out.append(f"  {user['user']}  participations {user['participations']}, min separation "
@@ -177,8 +210,9 @@ def _mechanism_from_document(text: str, checksum: str, run_id: int) -> Mechanism
     return mechanism
 
 
-def _read(conn: Connection, url: URL, run_id: int | None):
-    """One snapshot of a run: its row, rounds, snapshots, contributions and client state."""
+def _read(conn: Connection, url: URL, run_id: int | None, verify: bool):
+    """One snapshot of a run: its row, committed records, round state, contributions, client
+    state, update norms (diagnostics) and, with ``verify``, every participation by round."""
     from sqlalchemy.orm import Session
 
     session = Session(bind=conn)
@@ -189,50 +223,84 @@ def _read(conn: Connection, url: URL, run_id: int | None):
     run = session.get(Run, run_id)
     if run is None:
         raise LedgerError(f"no run with id {run_id} in ledger {display_url(url)}")
-    rounds = list(session.scalars(select(Round).where(Round.run_id == run_id).order_by(Round.round_index)))
-    snaps = {s.round_index: s for s in session.scalars(select(PrivacySnapshot).where(PrivacySnapshot.run_id == run_id))}
+    records = conn.execute(select(Round.__table__).where(Round.run_id == run_id)
+                           .order_by(Round.round_index)).mappings().all()
+    states = conn.execute(select(RoundState.round_index, RoundState.status, RoundState.attempts)
+                          .where(RoundState.run_id == run_id).order_by(RoundState.round_index)).all()
+    norms: dict[int, list] | None = None
+    if run.diagnostics:
+        norms = {}
+        for t, norm, clipped in conn.execute(select(UpdateNorm.round_index, UpdateNorm.update_norm,
+                                                    UpdateNorm.clipped).where(UpdateNorm.run_id == run_id)):
+            norms.setdefault(t, []).append((norm, clipped))
     contributions = fetch_contributions(conn, run_id)
     state = conn.execute(
         select(ClientState.client_key, ClientState.contributions, ClientState.last_round)
         .where(ClientState.run_id == run_id).order_by(ClientState.client_key)
     ).cursor.fetchall()
+    chain = None
+    if verify:  # every participation, streamed in primary-key order (one round in memory at a time)
+        result = conn.execution_options(stream_results=True, yield_per=10_000).execute(
+            select(Participation.round_index, Participation.client_key, Participation.status, Participation.reason)
+            .where(Participation.run_id == run_id).order_by(Participation.round_index, Participation.client_key))
+        run_values = {c.key: getattr(run, c.key) for c in Run.__table__.columns}
+        chain = check_chain(run_values, records, ((t, bytes(k), s, r) for t, k, s, r in result),
+                            [int(t) for t, status, _ in states if status == "committed"])
     session.expunge_all()
-    return run, rounds, snaps, contributions, state
+    return run, records, states, norms, contributions, state, chain
 
 
-def audit(url: str | os.PathLike, run_id: int | None = None) -> AuditReport:
-    """Audit run ``run_id`` (default: the latest) of the ledger at ``url``, read-only."""
+def audit(url: str | os.PathLike, run_id: int | None = None, *, verify: bool = False) -> AuditReport:
+    """Audit run ``run_id`` (default: the latest) of the ledger at ``url``, read-only; with
+    ``verify``, also recompute its hash chain (``report.chain``)."""
     if run_id is not None and (isinstance(run_id, bool) or not isinstance(run_id, int) or run_id < 1):
         raise LedgerError(f"a run id is a positive integer, got {run_id!r}")
     resolved = resolve_url(url)
-    with database_errors(resolved, "cannot read ledger"):
-        engine = reader_engine(resolved)
+
+    def read(conn: Connection):
+        version = check_version(conn, resolved, allow_empty=False, allow_older=False)
+        return version, _read(conn, resolved, run_id, verify)
+
+    version, (run, records, states, norms, contributions, state, chain) = read_snapshot(resolved, read)
     try:
-        with database_errors(resolved, "cannot read ledger"), engine.connect() as conn:
-            transaction = conn.begin()  # one snapshot for every read; nothing to keep afterwards
-            try:
-                version = check_version(conn, resolved, allow_empty=False, allow_older=False)
-                run, rounds, snaps, contributions, state = _read(conn, resolved, run_id)
-            finally:
-                transaction.rollback()
-    finally:
-        engine.dispose()
-    return _report(display_url(resolved), version, run, rounds, snaps, *contributions, state)
+        report = _report(display_url(resolved), version, run, records, states, norms, *contributions, state)
+    except LedgerError as e:
+        if chain is not None and not chain.ok:
+            raise ChainBroken(chain, str(e)) from None
+        raise
+    report.chain = chain
+    return report
 
 
-def _report(ledger: str, version: str, run: Run, rounds: list[Round], snaps: dict[int, PrivacySnapshot],
+def _rounds_view(records: list, states: list, norms: dict[int, list] | None) -> list[dict[str, Any]]:
+    """Every opened round, by index: its committed record, else its (open or aborted) state;
+    with diagnostics, the norm summary of a committed round."""
+    view = {int(r["round_index"]): {**r, **norm_summary(None if norms is None else norms.get(r["round_index"], []))}
+            for r in records}
+    blank = {"selected": 0, "contributed": 0, "dropped": 0, "rejected": 0, "noise_std": None,
+             "checkpoint_sha256": None, "epsilon_worst_user": None, "epsilon_planned": None, "chain_sha256": None}
+    for t, status, attempts in states:
+        if int(t) not in view and status != "committed":
+            view[int(t)] = {**blank, "round_index": int(t), "status": status, "attempts": attempts}
+    return [view[t] for t in sorted(view)]
+
+
+def _report(ledger: str, version: str, run: Run, records: list, states: list, norms: dict[int, list] | None,
             unique: np.ndarray, users: np.ndarray, r_sorted: np.ndarray, state: list) -> AuditReport:
     info = RunInfo.from_row(run)
+    rounds = _rounds_view(records, states, norms)
     mechanism = _mechanism_from_document(run.mechanism_document, run.mechanism_checksum, info.id)
     schema = schema_from_dict(run.participation_schema)
     n = info.rounds
     if mechanism.rounds != n:
         raise LedgerError(f"run {info.id}: the stored mechanism has {mechanism.rounds} rounds, the run {n}")
     b, k = schema.min_sep, schema.participations(n)
-    committed = [r.round_index for r in rounds if r.status == "committed"]
+    committed = [r["round_index"] for r in rounds if r["status"] == "committed"]
     last = max(committed) if committed else None
     if r_sorted.size and (r_sorted.min() < 0 or r_sorted.max() >= n):
         raise LedgerError(f"run {info.id}: a participation lies outside the run's {n} rounds")
+    if rounds and not 0 <= rounds[0]["round_index"] <= rounds[-1]["round_index"] < n:
+        raise LedgerError(f"run {info.id}: a round lies outside the run's {n} rounds")
     n_users = len(unique)
     z, delta = info.noise_multiplier, info.delta
     priv = run_privacy(mechanism, schema, z, delta, users, r_sorted, n_users,
@@ -283,27 +351,24 @@ def _report(ledger: str, version: str, run: Run, rounds: list[Round], snaps: dic
     rows = []
     below = []
     for r in rounds:
-        if r.status == "planned":
-            continue
-        t = r.round_index
-        done = r.status == "committed"
-        snap = snaps.get(t)
-        if done and r.noise_std is not None and r.noise_std < planned_std * (1 - _REL_TOL):
+        t = r["round_index"]
+        done = r["status"] == "committed"
+        if done and r["noise_std"] is not None and r["noise_std"] < planned_std * (1 - _REL_TOL):
             below.append(t)
         rows.append({
-            "round": t, "status": r.status, "attempts": r.attempts, "selected": r.selected,
-            "contributed": r.contributed, "dropped": r.dropped, "rejected": r.rejected, "clipped": r.clipped,
-            "noise_std": r.noise_std, "norm_min": r.norm_min, "norm_median": r.norm_median,
-            "norm_mean": r.norm_mean, "norm_max": r.norm_max,
+            "round": t, "status": r["status"], "attempts": r["attempts"], "selected": r["selected"],
+            "contributed": r["contributed"], "dropped": r["dropped"], "rejected": r["rejected"],
+            "noise_std": r["noise_std"],
             "sensitivity_worst_user": float(priv.worst_by_round[t]) if done else None,
             "epsilon_worst_user": float(priv.epsilon_worst_by_round[t]) if done else None,
             "sensitivity_planned": float(priv.plan_by_round[t]) if done else None,
             "epsilon_planned": float(priv.epsilon_plan_by_round[t]) if done else None,
-            "recorded_epsilon_worst_user": snap.epsilon_worst_user if snap else None,
-            "recorded_epsilon_planned": snap.epsilon_planned if snap else None,
+            "recorded_epsilon_worst_user": r["epsilon_worst_user"],
+            "recorded_epsilon_planned": r["epsilon_planned"],
             "min_separation": None if min_gap_by_round[t] == big else int(min_gap_by_round[t]),
             "max_participations": int(max_part_by_round[t]),
-            "checkpoint_sha256": r.checkpoint_sha256,
+            "checkpoint_sha256": r["checkpoint_sha256"], "chain_sha256": r["chain_sha256"],
+            **({c: r.get(c) for c in DIAGNOSTIC_COLUMNS} if info.diagnostics else {}),
         })
 
     realized_gap = int(user_min_gap.min()) if n_users and user_min_gap.min() != big else None
@@ -316,9 +381,9 @@ def _report(ledger: str, version: str, run: Run, rounds: list[Round], snaps: dic
     }
     realized = {
         "rounds_committed": len(committed), "last_committed_round": last,
-        "rounds_aborted": sum(1 for r in rounds if r.status == "aborted"),
-        "rounds_open": sum(1 for r in rounds if r.status == "open"),
-        "aborts": sum(max(r.attempts - 1, 0) + (r.status == "aborted") for r in rounds),
+        "rounds_aborted": sum(1 for r in rounds if r["status"] == "aborted"),
+        "rounds_open": sum(1 for r in rounds if r["status"] == "open"),
+        "aborts": sum(max(r["attempts"] - 1, 0) + (r["status"] == "aborted") for r in rounds),
         "users": n_users, "contributions": int(len(users)),
         "min_separation": realized_gap, "max_participations": int(counts.max()) if n_users else 0,
         "worst_user_sensitivity": float(priv.user_sensitivity.max()) if n_users else 0.0,

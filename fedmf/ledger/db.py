@@ -14,7 +14,7 @@ import re
 import sqlite3
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator, TypeVar
 from urllib.parse import quote
 
 from sqlalchemy import create_engine, event, inspect, pool, text
@@ -30,12 +30,14 @@ __all__ = [
     "display_url",
     "writer_engine",
     "reader_engine",
+    "read_snapshot",
     "upgrade",
     "check_version",
     "head_revision",
     "database_errors",
 ]
 
+T = TypeVar("T")
 MIGRATIONS = Path(__file__).with_name("migrations")
 CONNECT_TIMEOUT_S = 10
 
@@ -176,8 +178,12 @@ def writer_engine(url: URL) -> Engine:
 
 
 def reader_engine(url: URL) -> Engine:
-    """An engine that cannot write: SQLite opened with mode=ro (a missing file is an error,
-    never created), PostgreSQL sessions in READ ONLY, REPEATABLE READ transactions."""
+    """An engine that cannot write: PostgreSQL sessions in READ ONLY, REPEATABLE READ
+    transactions; SQLite opened with mode=ro (a missing file is an error, never created) and,
+    when no -wal file lies beside it (no server has it open, none left committed pages
+    behind), as immutable: SQLite then creates no -wal or -shm file either. With a -wal (a live
+    server, or one that stopped without closing it) the reader uses the server's WAL index, as
+    any reader does. ``read_snapshot`` adds the checks that make both safe."""
     if url.get_backend_name() == "sqlite":
         if _is_memory(url):
             raise LedgerError("an in-memory SQLite database holds no ledger to audit")
@@ -186,10 +192,7 @@ def reader_engine(url: URL) -> Engine:
             raise LedgerError(f"no ledger at {str(path)!r}: file not found")
         path = path.resolve()
         uri = f"file:{quote(str(path))}?mode=ro"
-        if not os.access(path.parent, os.W_OK) and not Path(f"{path}-wal").exists():
-            # SQLite could not create the WAL index (-wal, -shm) a reader needs beside this ledger, and
-            # no server has it open (no -wal): read it as immutable. Elsewhere a reader creates the
-            # index files (empty); the ledger itself is never written.
+        if not Path(f"{path}-wal").exists():
             uri += "&immutable=1"
 
         def creator() -> sqlite3.Connection:
@@ -212,6 +215,66 @@ def _scrubbed(message: str, url: URL) -> str:
     for secret in sorted((str(s) for s in secrets_ if s), key=len, reverse=True):
         message = message.replace(secret, "***")
     return message
+
+
+_READ_TRIES = 3
+
+
+def _file_signature(path: Path) -> tuple:
+    """What changes when anyone writes a SQLite ledger (its file, or a new -wal beside it)."""
+    try:
+        st = path.stat()
+    except OSError:  # gone meanwhile: read again (and report it)
+        return (None, None, None, False)
+    return st.st_ino, st.st_size, st.st_mtime_ns, Path(f"{path}-wal").exists()
+
+
+def read_snapshot(url: URL, read: Callable[[Connection], T], doing: str = "cannot read ledger") -> T:
+    """``read(connection)`` in one read-only transaction (one snapshot), writing nothing.
+
+    SQLite: read as immutable, the result is kept only if the file did not change meanwhile (a
+    server that started writing is read again, through its WAL); a -wal without its -shm (a
+    server stopped without closing the ledger) is read from a private copy of both files, so
+    that no -shm is created beside the ledger."""
+    sqlite = url.get_backend_name() == "sqlite" and not _is_memory(url)
+    for _ in range(_READ_TRIES):
+        path = Path(url.database).resolve() if sqlite else None
+        if path is not None and path.is_file() and Path(f"{path}-wal").exists() and not Path(f"{path}-shm").exists():
+            return _read_copy(path, url, read, doing)
+        before = _file_signature(path) if path is not None and path.is_file() else None
+        result = _read_once(url, url, read, doing)
+        if before is None or before[3] or _file_signature(path) == before:
+            return result
+    raise LedgerError(f"{display_url(url)} kept changing while it was read; try again")
+
+
+def _read_once(reader_url: URL, url: URL, read: Callable[[Connection], T], doing: str) -> T:
+    """``read`` in one transaction on a ``reader_engine(reader_url)``; errors name ``url``."""
+    with database_errors(url, doing):
+        engine = reader_engine(reader_url)
+    try:
+        with database_errors(url, doing), engine.connect() as connection:
+            transaction = connection.begin()
+            try:
+                return read(connection)
+            finally:
+                transaction.rollback()
+    finally:
+        engine.dispose()
+
+
+def _read_copy(path: Path, url: URL, read: Callable[[Connection], T], doing: str) -> T:
+    import shutil
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="fedmf-audit-") as directory:
+        copy = Path(directory) / "ledger.db"
+        try:
+            shutil.copyfile(path, copy)
+            shutil.copyfile(f"{path}-wal", f"{copy}-wal")
+        except OSError as e:
+            raise LedgerError(f"{doing} {display_url(url)}: {e.strerror or e}") from None
+        return _read_once(URL.create("sqlite", database=str(copy)), url, read, doing)
 
 
 @contextmanager
@@ -302,13 +365,24 @@ def upgrade(engine: Engine, url: URL) -> str:
     """Create or migrate the ledger to the head revision in one transaction; returns it."""
     from alembic import command
 
-    with database_errors(url, "cannot open ledger"):
-        with engine.execution_options(**WRITE).begin() as connection:
-            if connection.dialect.name == "postgresql":
-                # two servers starting at once must not both migrate
-                connection.execute(text("SELECT pg_advisory_xact_lock(7213540911)"))
-            revision = check_version(connection, url, allow_empty=True, allow_older=True)
-            head = head_revision()
-            if revision != head:
-                command.upgrade(_alembic_config(connection), "head")
-            return head
+    with database_errors(url, "cannot open ledger"), engine.connect() as connection:
+        sqlite = connection.dialect.name == "sqlite"
+        if sqlite:
+            # SQLite's procedure for schema changes: foreign keys off outside the transaction (a table
+            # rebuilt by a migration must not cascade-delete its children), checked before COMMIT
+            connection.connection.dbapi_connection.execute("PRAGMA foreign_keys = OFF")
+        try:
+            with connection.execution_options(**WRITE).begin():
+                if not sqlite:
+                    # two servers starting at once must not both migrate
+                    connection.execute(text("SELECT pg_advisory_xact_lock(7213540911)"))
+                revision = check_version(connection, url, allow_empty=True, allow_older=True)
+                head = head_revision()
+                if revision != head:
+                    command.upgrade(_alembic_config(connection), "head")
+                    if sqlite and connection.exec_driver_sql("PRAGMA foreign_key_check").first() is not None:
+                        raise LedgerError(f"cannot migrate ledger {display_url(url)}: it breaks a foreign key")
+                return head
+        finally:
+            if sqlite:
+                connection.connection.dbapi_connection.execute("PRAGMA foreign_keys = ON")

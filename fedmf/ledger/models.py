@@ -1,5 +1,11 @@
 """The ledger's tables as SQLAlchemy 2 typed ORM models.
 
+History (only ever INSERTed; on PostgreSQL the server role may not UPDATE or DELETE it):
+``runs`` (the genesis of the hash chain), ``rounds`` (one record per committed round, chained),
+``participations`` (one row per client and committed round) and ``update_norms`` (diagnostics,
+written only when the run enables them). Mutable state: ``round_state`` (the open or aborted
+attempt of a round) and ``client_state`` (eligibility, derived from the participations).
+
 The migrations in ``fedmf/ledger/migrations`` create exactly these tables (a test
 compares them); the same migrations run on SQLite and PostgreSQL.
 """
@@ -31,8 +37,11 @@ __all__ = [
     "Run",
     "Round",
     "Participation",
-    "PrivacySnapshot",
+    "UpdateNorm",
+    "RoundState",
     "ClientState",
+    "HISTORY_TABLES",
+    "MUTABLE_TABLES",
     "ROUND_STATUSES",
     "PARTICIPATION_STATUSES",
     "VERSION_TABLE",
@@ -40,7 +49,9 @@ __all__ = [
 ]
 
 VERSION_TABLE = "fedmf_ledger_version"  # Alembic's version table, named so it cannot clash
-ROUND_STATUSES = ("planned", "open", "committed", "aborted")
+ROUND_STATUSES = ("planned", "open", "committed", "aborted")  # "planned": no round_state row yet
+HISTORY_TABLES = ("runs", "rounds", "participations", "update_norms")  # INSERT only
+MUTABLE_TABLES = ("round_state", "client_state")
 PARTICIPATION_STATUSES = ("contributed", "dropped", "rejected")
 NOISE_STD_COMMENT = "absolute noise std sigma = z * clip_norm * sensitivity (not z * sensitivity)"
 
@@ -79,6 +90,10 @@ class Run(Base):
     plan_fingerprint: Mapped[Optional[str]] = mapped_column(
         String(80), comment="RunPlan.fingerprint: finds the run to resume"
     )
+    diagnostics: Mapped[bool] = mapped_column(
+        Boolean, default=False, comment="update norms recorded (outside the DP guarantee)"
+    )
+    genesis_sha256: Mapped[str] = mapped_column(String(64), comment="the hash chain's genesis (fedmf.ledger.chain)")
 
     __table_args__ = (
         Index("ix_runs_plan_fingerprint", "plan_fingerprint"),
@@ -91,7 +106,8 @@ class Run(Base):
 
 
 class Round(Base):
-    """One round of one run (one row per round index, created 'planned' with the run)."""
+    """One committed round of one run: its counts, noise and ε, chained to the previous round
+    (``fedmf.ledger.chain``). Inserted once, by ``commit_round``; never updated."""
 
     __tablename__ = "rounds"
 
@@ -99,35 +115,32 @@ class Round(Base):
         ForeignKey("runs.id", ondelete="CASCADE", name="fk_rounds_run"), primary_key=True
     )
     round_index: Mapped[int] = mapped_column(Integer, primary_key=True)
-    status: Mapped[str] = mapped_column(String(16), default="planned")
-    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    status: Mapped[str] = mapped_column(String(16), default="committed")
+    attempts: Mapped[int] = mapped_column(Integer, default=1)
     opened_at: Mapped[Optional[dt.datetime]] = mapped_column(DateTime(timezone=True))
     closed_at: Mapped[Optional[dt.datetime]] = mapped_column(DateTime(timezone=True))
-    abort_reason: Mapped[Optional[str]] = mapped_column(String(200))
     selected: Mapped[int] = mapped_column(Integer, default=0)
     contributed: Mapped[int] = mapped_column(Integer, default=0)
     dropped: Mapped[int] = mapped_column(Integer, default=0)
     rejected: Mapped[int] = mapped_column(Integer, default=0)
-    clipped: Mapped[int] = mapped_column(Integer, default=0)
-    norm_min: Mapped[Optional[float]] = mapped_column(Float)
-    norm_median: Mapped[Optional[float]] = mapped_column(Float)
-    norm_mean: Mapped[Optional[float]] = mapped_column(Float)
-    norm_max: Mapped[Optional[float]] = mapped_column(Float)
     # the absolute std sigma = z * clip_norm * sensitivity added to the round's sum (never z * sensitivity)
     noise_std: Mapped[Optional[float]] = mapped_column(Float, comment=NOISE_STD_COMMENT)
     checkpoint_sha256: Mapped[Optional[str]] = mapped_column(
         String(64), comment="SHA-256 (hex) of the checkpoint written for this committed round"
     )
+    epsilon_worst_user: Mapped[Optional[float]] = mapped_column(Float)  # as the server's accountant reported
+    epsilon_planned: Mapped[Optional[float]] = mapped_column(Float)
+    chain_sha256: Mapped[str] = mapped_column(String(64), comment="hash of this record, its participations and "
+                                                                  "the previous round's hash")
 
     __table_args__ = (
-        CheckConstraint("status IN ('planned', 'open', 'committed', 'aborted')", name="ck_rounds_status"),
+        CheckConstraint("status = 'committed'", name="ck_rounds_status"),
         CheckConstraint("round_index >= 0", name="ck_rounds_index"),
-        Index("ix_rounds_status", "run_id", "status", "round_index"),
     )
 
 
 class Participation(Base):
-    """One client's part in one committed round (rows exist only for committed rounds)."""
+    """One client's part in one committed round (inserted with the round's record)."""
 
     __tablename__ = "participations"
 
@@ -136,8 +149,6 @@ class Participation(Base):
     client_key: Mapped[bytes] = mapped_column(LargeBinary(32), primary_key=True)
     status: Mapped[str] = mapped_column(String(16))
     reason: Mapped[Optional[str]] = mapped_column(String(200))
-    update_norm: Mapped[Optional[float]] = mapped_column(Float)
-    clipped: Mapped[Optional[bool]] = mapped_column(Boolean)
 
     __table_args__ = (
         CheckConstraint("status IN ('contributed', 'dropped', 'rejected')", name="ck_participations_status"),
@@ -151,22 +162,46 @@ class Participation(Base):
     )
 
 
-class PrivacySnapshot(Base):
-    """The ε the server's accountant reported after a committed round."""
+class UpdateNorm(Base):
+    """Diagnostics, only for runs created with ``diagnostics=True``: a contribution's update norm
+    before clipping and whether it was clipped. Data-dependent and outside the DP guarantee;
+    accounting never reads it."""
 
-    __tablename__ = "privacy_snapshots"
+    __tablename__ = "update_norms"
 
     run_id: Mapped[int] = mapped_column(Integer, primary_key=True)
     round_index: Mapped[int] = mapped_column(Integer, primary_key=True)
-    epsilon_worst_user: Mapped[Optional[float]] = mapped_column(Float)
-    epsilon_planned: Mapped[Optional[float]] = mapped_column(Float)
-    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=_utcnow)
+    client_key: Mapped[bytes] = mapped_column(LargeBinary(32), primary_key=True)
+    update_norm: Mapped[Optional[float]] = mapped_column(Float)
+    clipped: Mapped[Optional[bool]] = mapped_column(Boolean)
 
     __table_args__ = (
         ForeignKeyConstraint(
             ["run_id", "round_index"], ["rounds.run_id", "rounds.round_index"], ondelete="CASCADE",
-            name="fk_privacy_snapshots_round",
+            name="fk_update_norms_round",
         ),
+        {"sqlite_with_rowid": False},
+    )
+
+
+class RoundState(Base):
+    """The mutable state of a round that was opened: its status (open, aborted, committed) and
+    attempts. Not history: the audit reads it only for rounds that are not committed."""
+
+    __tablename__ = "round_state"
+
+    run_id: Mapped[int] = mapped_column(
+        ForeignKey("runs.id", ondelete="CASCADE", name="fk_round_state_run"), primary_key=True
+    )
+    round_index: Mapped[int] = mapped_column(Integer, primary_key=True)
+    status: Mapped[str] = mapped_column(String(16))
+    attempts: Mapped[int] = mapped_column(Integer)
+    opened_at: Mapped[Optional[dt.datetime]] = mapped_column(DateTime(timezone=True))
+    closed_at: Mapped[Optional[dt.datetime]] = mapped_column(DateTime(timezone=True))
+    abort_reason: Mapped[Optional[str]] = mapped_column(String(200))
+
+    __table_args__ = (
+        CheckConstraint("status IN ('open', 'committed', 'aborted')", name="ck_round_state_status"),
     )
 
 

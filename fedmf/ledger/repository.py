@@ -4,18 +4,24 @@
     run = ledger.create_run("so.mech.json", noise_multiplier=z, clip_norm=1.0, delta=1e-6)
     run.open_round(t)
     chosen = run.record_selection(t, candidates)     # refuses clients that would break MinSep(b, k)
-    run.record_contribution(t, client, update_norm=…)
+    run.record_contribution(t, client, update_norm=…)  # the norm is kept only with diagnostics=True
     run.record_rejection(t, client, "non-finite update")
     run.commit_round(t, noise_std=σ, checkpoint_sha256=h)  # all of round t's rows, or (abort_round) none
     run.eligible(clients, t) -> [bool, …]            # one indexed query
     ledger.observed_pattern(run.id) -> Observed      # what really happened, for post-hoc accounting
     ledger.find_runs(plan.fingerprint)               # a restarted server finds the run to resume
 
-A round's selections and contributions are held in memory until ``commit_round`` writes
-them, with the round's counts and the accountant's ε snapshot, in one transaction;
-``abort_round`` discards them and marks the round aborted (it may be re-opened). Rows of
-the ``participations`` table therefore exist only for committed rounds. A round left
-open by a server that stopped is marked aborted when the run is resumed.
+A round's selections and contributions are held in memory until ``commit_round`` inserts
+them, with the round's record (counts, noise, the accountant's ε, its chain hash), in one
+transaction; ``abort_round`` discards them and marks the round aborted in ``round_state``
+(it may be re-opened). History (``runs``, ``rounds``, ``participations``, ``update_norms``)
+is only ever inserted, and exists only for committed rounds; what changes during a round
+lives in ``round_state`` and ``client_state``. A round left open by a server that stopped is
+taken over by the next ``open_round``.
+
+Update norms and whether a contribution was clipped are data-dependent and outside the DP
+guarantee: they are stored (in ``update_norms``) only for a run created with
+``diagnostics=True``.
 
 Every writing transaction takes the write lock when it begins (SQLite: BEGIN IMMEDIATE,
 waiting up to the busy timeout), so servers writing different runs of one SQLite ledger
@@ -45,9 +51,10 @@ from sqlalchemy.orm import Session
 from ..errors import ConfigError
 from ..files import check_private
 from ..participation import FixedEpoch, MinSep, Observed, schema_from_dict
+from .chain import genesis_sha256, round_sha256
 from .db import WRITE, LedgerError, database_errors, display_url, resolve_url, upgrade, writer_engine
 from .keys import ServerSecret
-from .models import ClientState, Participation, PrivacySnapshot, Round, Run
+from .models import ClientState, Participation, Round, RoundState, Run, UpdateNorm
 
 __all__ = ["Ledger", "RunLedger", "RunInfo", "RoundSummary", "fetch_contributions", "observed_from_arrays"]
 
@@ -116,6 +123,8 @@ class RunInfo:
     config: dict[str, Any]
     plan: dict[str, Any] | None = None
     plan_fingerprint: str | None = None
+    diagnostics: bool = False
+    genesis_sha256: str | None = None
 
     @property
     def min_sep(self) -> int:
@@ -133,6 +142,7 @@ class RunInfo:
             target_epsilon=row.target_epsilon, schema=schema_from_dict(row.participation_schema),
             sampling=row.sampling, mechanism_kind=row.mechanism_kind, mechanism_checksum=row.mechanism_checksum,
             config=dict(row.config or {}), plan=row.plan, plan_fingerprint=row.plan_fingerprint,
+            diagnostics=bool(row.diagnostics), genesis_sha256=row.genesis_sha256,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -146,12 +156,17 @@ class RunInfo:
             "target_epsilon": self.target_epsilon, "schema": self.schema.to_dict(self.rounds),
             "sampling": self.sampling, "mechanism_kind": self.mechanism_kind,
             "mechanism_checksum": self.mechanism_checksum, "config": self.config,
-            "plan": self.plan, "plan_fingerprint": self.plan_fingerprint,
+            "plan": self.plan, "plan_fingerprint": self.plan_fingerprint, "diagnostics": self.diagnostics,
+            "genesis_sha256": self.genesis_sha256,
         }
 
 
 @dataclass(frozen=True)
 class RoundSummary:
+    """A round as the ledger holds it: its committed record, else its ``round_state``
+    (open or aborted), else planned. The norm fields and ``clipped`` are diagnostics: None
+    unless the run records them."""
+
     round_index: int
     status: str
     attempts: int
@@ -159,17 +174,40 @@ class RoundSummary:
     contributed: int
     dropped: int
     rejected: int
-    clipped: int
-    norm_min: float | None
-    norm_median: float | None
-    norm_mean: float | None
-    norm_max: float | None
     noise_std: float | None  # absolute: z · clip_norm · sensitivity
     checkpoint_sha256: str | None
+    epsilon_worst_user: float | None = None
+    epsilon_planned: float | None = None
+    chain_sha256: str | None = None
+    clipped: int | None = None
+    norm_min: float | None = None
+    norm_median: float | None = None
+    norm_mean: float | None = None
+    norm_max: float | None = None
 
     @classmethod
-    def from_row(cls, row: Round) -> "RoundSummary":
-        return cls(**{f: getattr(row, f) for f in cls.__dataclass_fields__})
+    def committed(cls, row: Any, norms: Sequence[tuple[float | None, bool | None]] | None) -> "RoundSummary":
+        """From a ``rounds`` record and, with diagnostics, its (update_norm, clipped) pairs."""
+        fields = {f: getattr(row, f) for f in ("round_index", "status", "attempts", "selected", "contributed",
+                                               "dropped", "rejected", "noise_std", "checkpoint_sha256",
+                                               "epsilon_worst_user", "epsilon_planned", "chain_sha256")}
+        return cls(**fields, **norm_summary(norms))
+
+    @classmethod
+    def uncommitted(cls, t: int, status: str = "planned", attempts: int = 0) -> "RoundSummary":
+        return cls(t, status, attempts, 0, 0, 0, 0, None, None)
+
+
+def norm_summary(norms: Sequence[tuple[float | None, bool | None]] | None) -> dict[str, Any]:
+    """clipped count and min / median / mean / max of the recorded update norms (diagnostics);
+    all None without them."""
+    if norms is None:
+        return {}
+    values = np.array([n for n, _ in norms if n is not None], dtype=np.float64)
+    out: dict[str, Any] = {"clipped": sum(1 for _, c in norms if c)}
+    for name, f in (("norm_min", np.min), ("norm_median", np.median), ("norm_mean", np.mean), ("norm_max", np.max)):
+        out[name] = float(f(values)) if values.size else None
+    return out
 
 
 class _Pending:
@@ -283,6 +321,7 @@ class Ledger:
         config: dict[str, Any] | None = None,
         plan: dict[str, Any] | None = None,
         plan_fingerprint: str | None = None,
+        diagnostics: bool = False,
     ) -> "RunLedger":
         """Record a new run and its plan; returns it ready for round 0.
 
@@ -290,7 +329,9 @@ class Ledger:
         alone suffices for an audit) or a Mechanism (stored as ``fedmf.mechanisms.io.dumps``
         writes it). ``schema`` defaults to the schema the file was planned for. ``plan`` (a
         ``RunPlan.to_dict()``, JSON without secrets) and ``plan_fingerprint`` are stored on the
-        run row; ``find_runs(plan_fingerprint)`` finds the run again.
+        run row; ``find_runs(plan_fingerprint)`` finds the run again. ``diagnostics``: also
+        record each contribution's update norm and whether it was clipped (data-dependent,
+        outside the DP guarantee; off by default).
         """
         from .. import __version__
         from ..mechanisms.io import loads
@@ -313,25 +354,21 @@ class Ledger:
         if not isinstance(schema, (MinSep, FixedEpoch)):
             raise ConfigError(f"a run is planned for MinSep or FixedEpoch, not {type(schema).__name__}")
         schema.validate(mech.rounds)
-        row = Run(
-            uid=secrets.token_hex(16), name=name, created_at=_now(), code_version=f"fedmf {__version__}",
-            config=dict(config or {}), mechanism_kind=mech.kind, mechanism_checksum=checksum,
-            mechanism_document=document, rounds=mech.rounds, noise_multiplier=z, clip_norm=zeta, delta=d,
-            target_epsilon=eps, participation_schema=schema.to_dict(mech.rounds), sampling=str(sampling)[:200],
-            key_check=secret.key_check(), plan=plan_data, plan_fingerprint=fingerprint,
+        if not isinstance(diagnostics, bool):
+            raise ConfigError(f"diagnostics must be True or False, got {diagnostics!r}")
+        values = dict(
+            uid=secrets.token_hex(16), name=name, code_version=f"fedmf {__version__}",
+            config=json.loads(json.dumps(dict(config or {}))), mechanism_kind=mech.kind,
+            mechanism_checksum=checksum, mechanism_document=document, rounds=mech.rounds, noise_multiplier=z,
+            clip_norm=zeta, delta=d, target_epsilon=eps, participation_schema=schema.to_dict(mech.rounds),
+            sampling=str(sampling)[:200], key_check=secret.key_check(), plan=plan_data, plan_fingerprint=fingerprint,
+            diagnostics=diagnostics,
         )
+        row = Run(**values, created_at=_now(), genesis_sha256=genesis_sha256(values))
         with self._errors("cannot write to ledger"), Session(self.write_engine) as session, session.begin():
             session.add(row)
             session.flush()
             run_id = row.id
-            session.execute(
-                insert(Round),
-                [
-                    {"run_id": run_id, "round_index": t, "status": "planned", "attempts": 0, "selected": 0,
-                     "contributed": 0, "dropped": 0, "rejected": 0, "clipped": 0}
-                    for t in range(mech.rounds)
-                ],
-            )
         return self.run(run_id)
 
     def runs(self) -> list[RunInfo]:
@@ -377,6 +414,19 @@ def _get_run(session: Session, run_id: int, url: URL) -> Run:
     if row is None:
         raise LedgerError(f"no run with id {run_id} in ledger {display_url(url)}")
     return row
+
+
+def _round_summary(conn: Connection, run_id: int, t: int, diagnostics: bool) -> RoundSummary:
+    record = conn.execute(select(Round.__table__).where(Round.run_id == run_id, Round.round_index == t)).first()
+    if record is not None:
+        norms = None
+        if diagnostics:
+            norms = conn.execute(select(UpdateNorm.update_norm, UpdateNorm.clipped).where(
+                UpdateNorm.run_id == run_id, UpdateNorm.round_index == t)).all()
+        return RoundSummary.committed(record, norms)
+    state = conn.execute(select(RoundState.status, RoundState.attempts).where(
+        RoundState.run_id == run_id, RoundState.round_index == t)).first()
+    return RoundSummary.uncommitted(t) if state is None else RoundSummary.uncommitted(t, *state)
 
 
 def _mechanism_document(mechanism: Any, schema: MinSep | FixedEpoch | None) -> tuple[str, str]:
@@ -458,17 +508,17 @@ class RunLedger:
     def next_round(self) -> int:
         """The round to open next: one past the last committed round."""
         with self.ledger._errors(), self.ledger.engine.connect() as conn:
-            last = conn.execute(
-                select(func.max(Round.round_index)).where(Round.run_id == self.id, Round.status == "committed")
-            ).scalar()
+            last = conn.execute(select(func.max(Round.round_index)).where(Round.run_id == self.id)).scalar()
         return 0 if last is None else int(last) + 1
 
     def round(self, t: int) -> RoundSummary:
-        with self.ledger._errors(), Session(self.ledger.engine) as session:
-            row = session.get(Round, (self.id, t))
-            if row is None:
-                raise LedgerError(f"run {self.id} has no round {t}")
-            return RoundSummary.from_row(row)
+        """Round t: its committed record, else its open or aborted state, else planned."""
+        if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < self.info.rounds:
+            raise LedgerError(f"run {self.id} has no round {t}")
+        with self.ledger._errors(), self.ledger.engine.connect() as conn:
+            summary = _round_summary(conn, self.id, int(t), self.info.diagnostics)
+            conn.rollback()
+        return summary
 
     # ---- rounds --------------------------------------------------------------------------------
     def open_round(self, t: int) -> None:
@@ -481,17 +531,20 @@ class RunLedger:
         expected = self.next_round
         if t != expected:
             raise LedgerError(f"run {self.id}: the next round to open is {expected}, not {t}")
-        where = (Round.run_id == self.id, Round.round_index == t)
+        where = (RoundState.run_id == self.id, RoundState.round_index == t)
         with self.ledger._errors("cannot write to ledger"), self.ledger.write_engine.begin() as conn:
+            if conn.execute(select(Round.round_index).where(Round.run_id == self.id, Round.round_index == t)).first():
+                raise LedgerError(f"run {self.id}: round {t} cannot be opened (it is committed)")
             done = conn.execute(
-                update(Round)
-                .where(*where, Round.status.in_(("planned", "aborted", "open")))
-                .values(status="open", attempts=Round.attempts + 1, opened_at=_now(), closed_at=None,
+                update(RoundState)
+                .where(*where, RoundState.status.in_(("aborted", "open")))
+                .values(status="open", attempts=RoundState.attempts + 1, opened_at=_now(), closed_at=None,
                         abort_reason=None)
             ).rowcount
-            attempt = conn.execute(select(Round.attempts).where(*where)).scalar()
-        if done != 1:
-            raise LedgerError(f"run {self.id}: round {t} cannot be opened (it is committed)")
+            if done == 0:  # the first attempt (a concurrent first attempt fails on the primary key)
+                conn.execute(insert(RoundState).values(run_id=self.id, round_index=t, status="open", attempts=1,
+                                                       opened_at=_now()))
+            attempt = conn.execute(select(RoundState.attempts).where(*where)).scalar()
         self._pending = _Pending(t, int(attempt))
 
     def record_selection(self, t: int, clients: Iterable[object], *, enforce: bool = True) -> list[object]:
@@ -523,7 +576,8 @@ class RunLedger:
     def record_contribution(self, t: int, client: object, update_norm: float | None = None,
                             clipped: bool | None = None) -> None:
         """A selected client's update was summed into round t (``update_norm``: before clipping;
-        ``clipped`` defaults to update_norm > clip_norm)."""
+        ``clipped`` defaults to update_norm > clip_norm). Both are kept only when the run records
+        diagnostics."""
         pending = self._open(t)
         key = self.key(client)
         norm = _finite_float("update_norm", update_norm, allow_none=True)
@@ -558,7 +612,8 @@ class RunLedger:
 
     def commit_round(self, t: int, *, noise_std: float | None = None, epsilon_worst_user: float | None = None,
                      epsilon_planned: float | None = None, checkpoint_sha256: str | None = None) -> RoundSummary:
-        """Write round t's rows, counts, update-norm summary and ε snapshot in one transaction.
+        """Insert round t's record (counts, noise, ε, chain hash) and participations in one
+        transaction (with diagnostics, also the update norms).
 
         ``noise_std`` is the absolute std σ = z·ζ·sens added to the round's sum;
         ``checkpoint_sha256`` the SHA-256 (64 lowercase hex digits) of the checkpoint written
@@ -571,52 +626,53 @@ class RunLedger:
         eps_w = _finite_float("epsilon_worst_user", epsilon_worst_user, allow_none=True)
         eps_p = _finite_float("epsilon_planned", epsilon_planned, allow_none=True)
         rows: list[dict[str, Any]] = []
-        for key, (norm, clipped) in pending.contributed.items():
-            rows.append({"run_id": self.id, "round_index": t, "client_key": key, "status": "contributed",
-                         "reason": None, "update_norm": norm, "clipped": clipped})
+        for key in pending.contributed:
+            rows.append({"client_key": key, "status": "contributed", "reason": None})
         dropped = [k for k in pending.selected if k not in pending.contributed]
         for key in dropped:
-            rows.append({"run_id": self.id, "round_index": t, "client_key": key, "status": "dropped",
-                         "reason": "no update received", "update_norm": None, "clipped": None})
+            rows.append({"client_key": key, "status": "dropped", "reason": "no update received"})
         for key, reason in pending.rejected.items():
-            rows.append({"run_id": self.id, "round_index": t, "client_key": key, "status": "rejected",
-                         "reason": reason, "update_norm": None, "clipped": None})
-        norms = np.array([n for n, _ in pending.contributed.values() if n is not None], dtype=np.float64)
-        counts = {
-            "selected": pending.n_selected,
-            "contributed": len(pending.contributed),
-            "dropped": len(dropped),
-            "rejected": len(pending.rejected),
-            "clipped": sum(1 for _, c in pending.contributed.values() if c),
+            rows.append({"client_key": key, "status": "rejected", "reason": reason})
+        for row in rows:
+            row.update(run_id=self.id, round_index=t)
+        record = {
+            "run_id": self.id, "round_index": t, "status": "committed", "attempts": pending.attempt,
+            "selected": pending.n_selected, "contributed": len(pending.contributed), "dropped": len(dropped),
+            "rejected": len(pending.rejected), "noise_std": noise, "checkpoint_sha256": checkpoint_sha256,
+            "epsilon_worst_user": eps_w, "epsilon_planned": eps_p,
         }
-        values = {
-            "status": "committed", "closed_at": _now(), "noise_std": noise, "checkpoint_sha256": checkpoint_sha256,
-            **counts,
-            "norm_min": float(norms.min()) if norms.size else None,
-            "norm_median": float(np.median(norms)) if norms.size else None,
-            "norm_mean": float(norms.mean()) if norms.size else None,
-            "norm_max": float(norms.max()) if norms.size else None,
-        }
+        norms = None
+        if self.info.diagnostics:
+            norms = [{"run_id": self.id, "round_index": t, "client_key": key, "update_norm": norm, "clipped": clipped}
+                     for key, (norm, clipped) in pending.contributed.items()]
         with self.ledger._errors("cannot write to ledger"), self.ledger.write_engine.begin() as conn:
-            status, attempts = conn.execute(
-                select(Round.status, Round.attempts)
-                .where(Round.run_id == self.id, Round.round_index == t)
+            status, attempts, opened = conn.execute(
+                select(RoundState.status, RoundState.attempts, RoundState.opened_at)
+                .where(RoundState.run_id == self.id, RoundState.round_index == t)
                 .with_for_update()
-            ).one()
+            ).one_or_none() or ("planned", 0, None)
             self._check_still_ours(t, status, attempts, "committed")
+            if t == 0:
+                previous = conn.execute(select(Run.genesis_sha256).where(Run.id == self.id)).scalar_one()
+            else:
+                previous = conn.execute(select(Round.chain_sha256).where(
+                    Round.run_id == self.id, Round.round_index == t - 1)).scalar_one()
+            record["chain_sha256"] = round_sha256(
+                previous, record, [(r["client_key"], r["status"], r["reason"]) for r in rows])
+            now = _now()
+            conn.execute(insert(Round).values(**record, opened_at=opened, closed_at=now))
             if rows:
                 conn.execute(insert(Participation), rows)
+            if norms:
+                conn.execute(insert(UpdateNorm), norms)
             if pending.contributed:
                 conn.execute(_upsert_client_state(conn.dialect.name),
                              [{"run_id": self.id, "client_key": key, "contributions": 1, "last_round": t}
                               for key in pending.contributed])
-            conn.execute(update(Round).where(Round.run_id == self.id, Round.round_index == t).values(**values))
-            if eps_w is not None or eps_p is not None:
-                conn.execute(insert(PrivacySnapshot).values(
-                    run_id=self.id, round_index=t, epsilon_worst_user=eps_w, epsilon_planned=eps_p, created_at=_now()))
+            conn.execute(update(RoundState).where(RoundState.run_id == self.id, RoundState.round_index == t)
+                         .values(status="committed", closed_at=now))
             # read back inside the transaction: once COMMIT returns there is nothing left that can fail
-            summary = RoundSummary.from_row(conn.execute(
-                select(Round.__table__).where(Round.run_id == self.id, Round.round_index == t)).one())
+            summary = _round_summary(conn, self.id, t, self.info.diagnostics)
         self._pending = None
         return summary
 
@@ -638,9 +694,9 @@ class RunLedger:
         self._pending = None  # forgotten even if the database is down: the round stays open, taken over later
         with self.ledger._errors("cannot write to ledger"), self.ledger.write_engine.begin() as conn:
             done = conn.execute(
-                update(Round)
-                .where(Round.run_id == self.id, Round.round_index == t, Round.status == "open",
-                       Round.attempts == pending.attempt)
+                update(RoundState)
+                .where(RoundState.run_id == self.id, RoundState.round_index == t, RoundState.status == "open",
+                       RoundState.attempts == pending.attempt)
                 .values(status="aborted", closed_at=_now(), abort_reason=str(reason)[:_REASON_MAX])
             ).rowcount
         if done != 1:

@@ -1,0 +1,164 @@
+"""The ledger's hash chain: what lets an auditor detect a rewritten history.
+
+The run row is the genesis; each committed round's record commits to the previous round's
+hash and to all of its participations, so an edited, deleted, moved or forged row changes
+the hash of its round and of every later round. The encoding (version 1) is fixed here and
+in deploy/README.md ("The hash chain"):
+
+    field   := 'N'                                   None
+             | 'I' int64 big-endian                  integer (a boolean as 0 / 1)
+             | 'F' IEEE-754 binary64 big-endian      float (exact: the database stores binary64)
+             | 'S' uint32 big-endian length, UTF-8   text; JSON as canonical JSON (sorted keys, no spaces, ASCII)
+             | 'B' uint32 big-endian length, bytes   bytes
+    genesis  = SHA-256("fedmf-ledger/v1/run\\0"   ‖ the run's GENESIS_FIELDS, in order)
+    round_t  = SHA-256("fedmf-ledger/v1/round\\0" ‖ B(previous hash) ‖ the round's ROUND_FIELDS, in order
+                       ‖ I(number of participations) ‖ for each, sorted by client key:
+                         B(client_key) S(status) S(reason) or N)
+
+The previous hash of round 0 is the genesis; hashes are stored as 64 lowercase hex digits
+(``runs.genesis_sha256``, ``rounds.chain_sha256``). Timestamps and diagnostics (update
+norms) are not covered: accounting reads neither. The mechanism document enters as its
+SHA-256 digest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Sequence
+
+__all__ = ["GENESIS_FIELDS", "ROUND_FIELDS", "genesis_sha256", "round_sha256", "ChainCheck", "check_chain"]
+
+_RUN_LABEL = b"fedmf-ledger/v1/run\x00"
+_ROUND_LABEL = b"fedmf-ledger/v1/round\x00"
+
+#: (column, kind) of the run row in the order the genesis hashes them
+GENESIS_FIELDS: tuple[tuple[str, str], ...] = (
+    ("uid", "str"), ("name", "str"), ("code_version", "str"), ("config", "json"), ("mechanism_kind", "str"),
+    ("mechanism_checksum", "str"), ("mechanism_document", "digest"), ("rounds", "int"),
+    ("noise_multiplier", "float"), ("clip_norm", "float"), ("delta", "float"), ("target_epsilon", "float"),
+    ("participation_schema", "json"), ("sampling", "str"), ("key_check", "str"), ("plan", "json"),
+    ("plan_fingerprint", "str"), ("diagnostics", "int"),
+)
+#: (column, kind) of a committed round's record in the order its hash takes them
+ROUND_FIELDS: tuple[tuple[str, str], ...] = (
+    ("round_index", "int"), ("status", "str"), ("attempts", "int"), ("selected", "int"), ("contributed", "int"),
+    ("dropped", "int"), ("rejected", "int"), ("noise_std", "float"), ("epsilon_worst_user", "float"),
+    ("epsilon_planned", "float"), ("checkpoint_sha256", "str"),
+)
+
+
+def _field(kind: str, value: Any) -> bytes:
+    if value is None:
+        return b"N"
+    if kind == "int":
+        return b"I" + struct.pack(">q", int(value))
+    if kind == "float":
+        return b"F" + struct.pack(">d", float(value))
+    if kind == "json":
+        kind, value = "str", json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
+                                        allow_nan=False)
+    if kind == "digest":
+        kind, value = "bytes", hashlib.sha256(str(value).encode("utf-8")).digest()
+    if kind == "str":
+        data = str(value).encode("utf-8")
+        return b"S" + struct.pack(">I", len(data)) + data
+    if kind == "bytes":
+        data = bytes(value)
+        return b"B" + struct.pack(">I", len(data)) + data
+    raise ValueError(f"unknown field kind {kind!r}")
+
+
+def genesis_sha256(run: Mapping[str, Any]) -> str:
+    """The genesis hash (hex) of a run row given as a mapping of its columns."""
+    h = hashlib.sha256(_RUN_LABEL)
+    for name, kind in GENESIS_FIELDS:
+        h.update(_field(kind, run[name]))
+    return h.hexdigest()
+
+
+def round_sha256(previous: str, record: Mapping[str, Any],
+                 participations: Iterable[tuple[bytes, str, str | None]]) -> str:
+    """Round t's hash (hex): ``previous`` (hex) is round t-1's hash, or the genesis for round 0;
+    ``participations`` are (client_key, status, reason) in any order (sorted here)."""
+    rows = sorted((bytes(k), s, r) for k, s, r in participations)
+    h = hashlib.sha256(_ROUND_LABEL)
+    h.update(_field("bytes", bytes.fromhex(previous)))
+    for name, kind in ROUND_FIELDS:
+        h.update(_field(kind, record[name]))
+    h.update(_field("int", len(rows)))
+    for key, status, reason in rows:
+        h.update(_field("bytes", key) + _field("str", status) + _field("str", reason))
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class ChainCheck:
+    """The outcome of ``check_chain``: ``first_bad_round`` is None with ``ok``; -1 means the run
+    row (the genesis) itself."""
+
+    ok: bool
+    rounds_verified: int
+    head_round: int | None
+    head_sha256: str | None
+    genesis_sha256: str
+    first_bad_round: int | None = None
+    reason: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ok": self.ok, "rounds_verified": self.rounds_verified, "head_round": self.head_round,
+                "head_sha256": self.head_sha256, "genesis_sha256": self.genesis_sha256,
+                "first_bad_round": self.first_bad_round, "reason": self.reason}
+
+
+def check_chain(run: Mapping[str, Any], rounds: Sequence[Mapping[str, Any]],
+                participations: Iterable[tuple[int, bytes, str, str | None]],
+                marked_committed: Iterable[int] = ()) -> ChainCheck:
+    """Recompute a run's chain from its rows and name the first round that does not match.
+
+    ``rounds``: the committed round records sorted by round; ``participations``: every
+    participation row as (round, client_key, status, reason), sorted by round (streamed: one
+    round in memory at a time); ``marked_committed``: rounds the mutable round state says were
+    committed (a record missing at the end of the history shows only there)."""
+    genesis = genesis_sha256(run)
+    problems: list[tuple[int, str]] = []
+    if run.get("genesis_sha256") != genesis:
+        problems.append((-1, "the run row does not match its genesis hash (the run's plan or mechanism was changed)"))
+    recorded = {int(r["round_index"]) for r in rounds}
+    rows = iter(participations)
+    pending = next(rows, None)
+    previous, expected, verified, head, broken = genesis, 0, 0, (None, None), False
+    for record in rounds:
+        t = int(record["round_index"])
+        mine = []
+        while pending is not None and int(pending[0]) <= t:
+            if int(pending[0]) == t:
+                mine.append(tuple(pending[1:]))
+            elif int(pending[0]) not in recorded:
+                problems.append((int(pending[0]), f"round {pending[0]} has participations but no committed record"))
+            pending = next(rows, None)
+        if broken:
+            continue
+        if t != expected:
+            problems.append((expected, f"round {expected} has no committed record but round {t} has"))
+            broken = True
+            continue
+        computed = round_sha256(previous, record, mine)
+        if record.get("chain_sha256") != computed:
+            problems.append((t, f"round {t} does not match its hash (its record or participations were changed, "
+                                "or it was not written by the server)"))
+            broken = True
+            continue
+        previous, expected, verified, head = computed, t + 1, verified + 1, (t, computed)
+    while pending is not None:
+        if int(pending[0]) not in recorded:
+            problems.append((int(pending[0]), f"round {pending[0]} has participations but no committed record"))
+        pending = next(rows, None)
+    for t in sorted(set(marked_committed) - recorded):
+        problems.append((t, f"round {t} was committed but its record is missing"))
+    if not problems:
+        return ChainCheck(True, verified, head[0], head[1], genesis)
+    first, reason = min(problems, key=lambda p: p[0])
+    return ChainCheck(False, verified, head[0], head[1], genesis, first, reason)
