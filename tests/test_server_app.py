@@ -45,6 +45,8 @@ def test_server_app_with_the_client_app_matches_the_in_process_loop(tmp_path, mo
     train(model, tiny.users(), config.build_plan(), tiny.as_local_update(hyper), server_lr=config.server_lr,
           checkpoint_dir=config.run_dir, repeatable_noise=True)
     task.share_secrets(tmp_path / "loop", tmp_path / "flower")
+    # server.app.main (run by other tests) stops "fedmf.server" propagating: caplog needs it
+    monkeypatch.setattr(logging.getLogger("fedmf.server"), "propagate", True)
     with caplog.at_level(logging.WARNING, logger="fedmf.server"):
         strategy = run_server(LocalGrid(_nodes()), _config(tmp_path, "flower"))
     assert "UNSAFE, for tests only" in caplog.text
@@ -58,6 +60,8 @@ def test_server_app_with_the_client_app_matches_the_in_process_loop(tmp_path, mo
 
 def test_the_server_app_salts_every_round_by_default(tmp_path, monkeypatch, caplog):
     monkeypatch.delenv(REPEATABLE_NOISE_ENV, raising=False)
+    # server.app.main (run by other tests) stops "fedmf.server" propagating: caplog needs it
+    monkeypatch.setattr(logging.getLogger("fedmf.server"), "propagate", True)
     with caplog.at_level(logging.WARNING, logger="fedmf.server"):
         run_server(LocalGrid(_nodes()), _config(tmp_path, "run", rounds=3))
     assert "UNSAFE" not in caplog.text
