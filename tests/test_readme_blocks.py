@@ -78,7 +78,7 @@ def test_the_deployment_quick_start_runs_as_written_and_its_stop_line_stops_ever
     script = "\n".join(["set -e", _block("export FLWR_HOME"), _block("flower-superlink"), _block("kill $pids")])
     output, left = _run_blocks(tmp_path, script, timeout=300)
     assert "finished:completed" in output or "rounds committed" in output, output[-4000:]
-    assert _committed(tmp_path / "app" / "fedmf-run") == [0, 1, 2, 3, 4]
+    assert _committed(tmp_path / "app" / "fedmf-run") == [0, 1]
     assert left == [], "the README's stop line left processes running"
 
 
