@@ -19,9 +19,12 @@ import json
 import os
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from .errors import CheckpointError
+
+if TYPE_CHECKING:
+    from .run import RoundRecord
 
 __all__ = ["ROUND_LOG", "append_round", "read_rounds"]
 
@@ -46,9 +49,9 @@ def _cut_torn_tail(fd: int) -> None:
     os.ftruncate(fd, keep)
 
 
-def append_round(directory: str | os.PathLike, run_id: int, checkpoint_sha256: str, record: Any) -> None:
-    """Append committed round ``record`` (a ``fedmf.run.RoundRecord``) of run ``run_id``, whose
-    ledger commit names ``checkpoint_sha256``, to ``directory``'s round log (created 0600)."""
+def append_round(directory: str | os.PathLike, run_id: int, checkpoint_sha256: str, record: "RoundRecord") -> None:
+    """Append committed round ``record`` of run ``run_id``, whose ledger commit names
+    ``checkpoint_sha256``, to ``directory``'s round log (created 0600)."""
     line = json.dumps({"run_id": int(run_id), "round": int(record.round), "checkpoint_sha256": checkpoint_sha256,
                        "record": asdict(record)}, sort_keys=True, allow_nan=True) + "\n"
     path = Path(directory) / ROUND_LOG
