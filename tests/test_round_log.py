@@ -70,6 +70,8 @@ def test_results_cover_the_whole_run_across_a_stop_a_resume_and_a_rerun(tmp_path
         assert _without_timing(result["history"]) == _without_timing(reference), attempt
         assert written["history"] == result["history"] and written["accuracy"] == reference[-1]["metrics"]["accuracy"]
         assert plotted[-1] == list(range(6)), attempt
+        # rounds 0-2 are what the interrupted run released, to the bit (its time and bytes included)
+        assert result["history"][:3] == [json.loads(line)["record"] for line in logged.splitlines()], attempt
     assert (out / "progress.png").stat().st_size > 0
     assert (out / ROUND_LOG).read_bytes().startswith(logged) and (out / ROUND_LOG).read_bytes().count(b"\n") == 6
 
