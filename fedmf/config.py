@@ -16,7 +16,7 @@ value is checked here and a bad one is a one-line ``ConfigError`` before round 1
     clients-per-round 10                          users per round (planned expected users)
     clip-norm         1.0                         ζ
     noise-multiplier  0.0                         z (0: calibrate for target-epsilon)
-    target-epsilon    0.0                         ε target (0: none)
+    target-epsilon    0.0                         ε target (0: none; exactly one of the two is set)
     delta             1e-5
     zero-threshold    "default" | "none" | 100.0  ℓ∞ zeroing (default 100·ζ)
     accountant        "pld" | "rdp"
@@ -158,6 +158,9 @@ class RunConfig:
         target = _float("target-epsilon", v["target-epsilon"])
         if noise == 0 and target == 0:
             raise ConfigError("set noise-multiplier or target-epsilon (both are 0)")
+        if noise and target:  # z fixes epsilon: a target that disagrees would stop the run before or during it
+            raise ConfigError(f"set noise-multiplier or target-epsilon, not both (got {noise:g} and {target:g}): "
+                              "set the other to 0")
         base = Path(base_dir) if base_dir is not None else Path.cwd()
         run_dir = _text("run-dir", v["run-dir"])
         if not run_dir:

@@ -24,6 +24,7 @@ from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
 
 import torch
 
+from .auditor import audit_command
 from .errors import ConfigError, HorizonReached, PrivacyBudgetExceeded
 from .ledger.db import public_url
 from .plan import RunPlan
@@ -51,7 +52,8 @@ class TrainResult:
     plan: dict[str, Any]
 
     def audit_command(self) -> str:
-        return f"fedmf audit --ledger {self.ledger} --run {self.run_id}"
+        """``fedmf audit`` as the auditor runs it (``fedmf.auditor``: never the server's role or password)."""
+        return audit_command(self.ledger, self.run_id)
 
 
 class _Progress:

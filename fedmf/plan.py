@@ -186,6 +186,13 @@ class RunPlan:
             raise PrivacyBudgetExceeded(f"a user has already spent epsilon {observed_epsilon:.6g}, "
                                         f"above the target {self.target_epsilon:g}; round {t} is not opened")
 
+    def check_population(self, users: int) -> None:
+        """Refuse (one-line ``ConfigError``) a population of ``users`` smaller than the expected users
+        per round: every update is divided by that m, which no round could reach."""
+        if self.expected_users > users:
+            raise ConfigError(f"clients-per-round (expected users per round) {self.expected_users:g} exceeds the "
+                              f"population of {users} users: no round can reach it")
+
     # ---- serialization ---------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready description; the mechanism appears as its kind and fingerprint."""

@@ -39,6 +39,7 @@ from .files import atomic_write
 from .participation import MinSep
 from .plan import RunPlan
 from .privatize import RoundPrivatizer, RoundReport, layout_of
+from .round_log import append_round
 
 __all__ = ["PrivateRun", "RoundRecord", "EVENTS", "REPEATABLE_NOISE_ENV", "repeatable_noise_from_env"]
 
@@ -99,6 +100,7 @@ class PrivateRun:
         self._report: RoundReport | None = None
         self._started = 0.0
         self._broken: str | None = None  # set when an aborted round's state could not be restored
+        self._committed_record: RoundRecord | None = None  # the round committed and not yet released
         # the last committed checkpoint's hash, kept in memory so that an abort needs no database
         last = run.next_round - 1
         self._last_digest = (run.round(last).checkpoint_sha256 if last >= 0
@@ -117,7 +119,9 @@ class PrivateRun:
         sample the whole population (required by the fixed-epoch order). ``repeatable_noise``:
         tests only (unsafe): no noise salts, so a redone round repeats its noise.
         ``ledger_diagnostics``: a new run also records each contribution's update norm and whether
-        it was clipped (data-dependent, outside the DP guarantee; a resumed run keeps its own setting)."""
+        it was clipped (data-dependent, outside the DP guarantee; a resumed run keeps its own setting).
+        A population smaller than the plan's expected users per round is refused
+        (``RunPlan.check_population``)."""
         from .ledger import Ledger
         from .schedule import make_scheduler
         from .server_optimizer import server_optimizer
@@ -126,6 +130,9 @@ class PrivateRun:
             raise ConfigError(f"plan must be a RunPlan, got {type(plan).__name__}")
         if not isinstance(model, torch.nn.Module):
             raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if population is not None:
+            population = list(population)
+            plan.check_population(len(population))  # before anything is written
         directory = Path(directory)
         store = CheckpointStore(directory)
         secrets = RunSecrets(directory / "secrets")
@@ -145,7 +152,7 @@ class PrivateRun:
                 users_per_round = int(plan.expected_users)
             scheduler = make_scheduler(plan.schema, plan.sampling, key=secrets.schedule_key, rounds=plan.rounds,
                                        users_per_round=users_per_round,
-                                       population=None if population is None else list(population))
+                                       population=population)
             run = cls._attach(book, directory, store, secrets, plan, model, privatizer, opt, scheduler, name,
                               ledger_diagnostics)
         except BaseException:
@@ -346,9 +353,11 @@ class PrivateRun:
         self._event("committed", t)
         self.store.prune(keep=t)
         counts = report.counts()  # clipped: from the round's own report (the ledger keeps it only as a diagnostic)
-        return RoundRecord(t, self.plan.epsilon_after(t), summary.selected, summary.contributed, summary.dropped,
-                           summary.rejected, counts["clipped"], counts["zeroed"],
-                           time.perf_counter() - self._started, self.store.last_bytes)
+        record = RoundRecord(t, self.plan.epsilon_after(t), summary.selected, summary.contributed, summary.dropped,
+                             summary.rejected, counts["clipped"], counts["zeroed"],
+                             time.perf_counter() - self._started, self.store.last_bytes)
+        self._committed_record = record
+        return record
 
     def _committed_anyway(self, t: int, digest: str | None):
         if digest is None:
@@ -359,7 +368,14 @@ class PrivateRun:
             return None  # the ledger cannot say (still down): abort; a restart resolves it from the ledger
 
     def released(self, t: int) -> None:
-        """Mark round t's release (fault-injection hook point)."""
+        """Mark round t's release: append the record ``commit`` returned for it — with the metrics the
+        driver has added to it since (evaluation) — to the run's round log (``fedmf.round_log``), the
+        durable source of ``results.json`` and ``progress.png``. Only the round just committed can be
+        released (``RoundOrderError`` otherwise)."""
+        record, self._committed_record = self._committed_record, None
+        if record is None or record.round != t or self._selection is not None:
+            raise RoundOrderError(f"round {t} is not the round just committed: it cannot be released")
+        append_round(self.directory, self.run_id, self._last_digest, record)
         self._event("released", t)
 
     def abort(self, reason: str) -> None:

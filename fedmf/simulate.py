@@ -5,14 +5,15 @@ overrides, takes the preset's task from ``client.tasks`` (at the edge: the engin
 no task), and calls ``simulate``, which runs
 ``fedmf.federated.train`` (the same private round the Flower server runs) and writes, next to
 the ledger and checkpoints in the output directory, ``final-model.pt``, ``results.json`` and
-``progress.png``.
+``progress.png``. Both always cover the whole run (``run_history``: the ledger's committed rounds
+with the round log's records), however many processes, re-runs and resumes it took.
 
 ``--backend flower`` runs the same configuration as the Flower app on the Flower simulation engine
 (``server/launcher.py``, which runs Flower's executables: nothing here imports Flower). This module
 gives it the complete run configuration (``flower_run_config``), the population check
 (``flower_population``: one SuperNode per user; partition i is the task's i-th user) and reads the finished run back
-into the same ``SimulationResult`` (``flower_result``: the ledger, ``final-model.pt``, the ServerApp's
-progress lines).
+into the same ``SimulationResult`` (``flower_result``: the ledger and the round log the ServerApp
+appended, ``final-model.pt``, the ServerApp's last lines for how it stopped).
 """
 
 from __future__ import annotations
@@ -25,13 +26,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from .auditor import audit_command
 from .config import DEFAULTS, RunConfig
 from .errors import ConfigError
 from .ledger.db import public_url
 from .files import atomic_write
 
-__all__ = ["PRESETS", "preset_values", "simulate", "SimulationResult", "flower_run_config", "flower_population",
-           "flower_result"]
+__all__ = ["PRESETS", "preset_values", "simulate", "SimulationResult", "run_history", "flower_run_config",
+           "flower_population", "flower_result"]
 
 #: preset → run configuration (kebab-case RunConfig keys; the task and its options included)
 PRESETS: dict[str, dict[str, Any]] = {
@@ -79,10 +81,23 @@ def preset_values(name: str, overrides: Mapping[str, Any] | None = None) -> dict
             values[key] = value
     if overrides.get("noise-multiplier"):  # an explicit z replaces the preset's target ε
         values.pop("target-epsilon", None)
+    if "min-sep" not in overrides:
+        values["min-sep"] = _preset_min_sep(values)
     if "num-bands" not in overrides and not _preset_bands_apply(values):
         values.pop("num-bands", None)  # the preset's bands were for its own mechanism and geometry: the default
     values["task-options"] = json.dumps(values.get("task-options", {}), sort_keys=True)
     return values
+
+
+def _preset_min_sep(values: Mapping[str, Any]) -> Any:
+    """A preset's min-sep, capped at the rounds: a default that follows a smaller ``--rounds`` (b = n:
+    each user at most once), as its band count does; a min-sep the user gives is kept and checked."""
+    min_sep = values.get("min-sep", DEFAULTS["min-sep"])
+    try:
+        rounds = int(values.get("rounds", DEFAULTS["rounds"]))
+        return min(int(min_sep), rounds) if rounds >= 1 else min_sep
+    except (TypeError, ValueError):
+        return min_sep  # a bad value is RunConfig's to report, in one line
 
 
 def _preset_bands_apply(values: Mapping[str, Any]) -> bool:
@@ -116,7 +131,8 @@ class SimulationResult:
     plot: str | None = None
 
     def audit_command(self) -> str:
-        return f"fedmf audit --ledger {self.ledger} --run {self.run_id}"
+        """``fedmf audit`` as the auditor runs it (``fedmf.auditor``: never the server's role or password)."""
+        return audit_command(self.ledger, self.run_id)
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "audit": self.audit_command()}
@@ -142,12 +158,45 @@ def simulate(config: RunConfig, *, model, users, local_update=None, local_update
     # the final model, as the Flower ServerApp writes it (both backends leave the same files)
     atomic_write(Path(config.run_dir) / "final-model.pt", lambda f: torch.save(model.state_dict(), f), text=False,
                  mode=0o600)
-    history = [asdict(r) for r in result.history]
+    history = run_history(config, plan, result.run_id)  # the whole run, not only the rounds of this process
+    if history and not history[-1]["metrics"] and evaluate is not None:
+        with torch.no_grad():  # the last round's log line is missing (a stop between its commit and release)
+            history[-1]["metrics"] = {k: float(v) for k, v in evaluate(model).items()}
     accuracy = next((h["metrics"].get("accuracy") for h in reversed(history) if "accuracy" in h["metrics"]), None)
     out = SimulationResult(config.run_dir, result.ledger, result.run_id, result.rounds_done, result.stopped,
                            plan.epsilon_after(result.rounds_done - 1) if result.rounds_done else 0.0, plan.delta,
                            plan.noise_multiplier, accuracy, time.perf_counter() - started, history)
     return _write_outputs(out, config.run_dir, plot)
+
+
+def run_history(config: RunConfig, plan, run_id: int) -> list[dict[str, Any]]:
+    """Every committed round of run ``run_id`` of ``config.run_dir``, in order, rebuilt from what is
+    durable across re-runs and resumes: the ledger's committed rounds, each with the record its round
+    log line holds (``fedmf.round_log``: ``RoundRecord`` fields with the released metrics). A committed
+    round without a log line (the process died between the commit and the release) keeps the ledger's
+    counts, no metrics, and ``None`` for what only the log knew."""
+    from .ledger import Ledger
+    from .round_log import read_rounds
+
+    directory = Path(config.run_dir)
+    try:
+        secret = (directory / "secrets" / "ledger_secret").read_bytes()
+    except OSError as e:
+        raise ConfigError(f"cannot read the run's ledger secret in {str(directory)!r}: {e.strerror or e}") from None
+    with Ledger.open(config.ledger_url or str(directory / "ledger.db"), secret=secret) as book:
+        run = book.run(run_id)
+        plan.check_fingerprint(run.info.plan_fingerprint, f"ledger run {run_id}")
+        rounds = [run.round(t) for t in range(run.next_round)]
+    logged = read_rounds(directory, run_id, {r.round_index: r.checkpoint_sha256 for r in rounds})
+    history = []
+    for r in rounds:
+        entry = logged.get(r.round_index)
+        if entry is None:
+            entry = {"round": r.round_index, "epsilon": plan.epsilon_after(r.round_index), "selected": r.selected,
+                     "contributed": r.contributed, "dropped": r.dropped, "rejected": r.rejected, "clipped": r.clipped,
+                     "zeroed": None, "seconds": None, "checkpoint_bytes": None, "metrics": {}}
+        history.append(entry)
+    return history
 
 
 def _write_outputs(out: SimulationResult, run_dir: str, plot: bool) -> SimulationResult:
@@ -189,65 +238,36 @@ def flower_population(task_name: str, users: list[str]) -> int:
     return n
 
 
-_PROGRESS = re.compile(r"fedmf round (\d+)/\d+\s+eps \S+\s+users \d+/\d+\s+rejected \d+\s+dropped \d+\s+"
-                       r"clipped \d+\s+zeroed (\d+)[ \t]*(.*)$", re.M)
 _STOPPING = re.compile(r"fedmf: stopping: (.*)$", re.M)
 _ENDED = re.compile(r"fedmf: \d+ rounds committed in \S+ \(([^)]*)\)", re.M)
-
-
-def _progress_lines(output: str) -> dict[int, dict[str, Any]]:
-    """Round index -> {"zeroed", "metrics"} from the ServerApp's progress lines (4 significant digits)."""
-    found: dict[int, dict[str, Any]] = {}
-    for m in _PROGRESS.finditer(output):
-        metrics: dict[str, float] = {}
-        parts = m.group(3).split()
-        for key, value in zip(parts[::2], parts[1::2]):
-            try:
-                metrics[key] = float(value)
-            except ValueError:
-                pass
-        found[int(m.group(1)) - 1] = {"zeroed": int(m.group(2)), "metrics": metrics}
-    return found
 
 
 def flower_result(config: RunConfig, *, model, evaluate, output: str = "", seconds: float = 0.0,
                   plot: bool = True) -> SimulationResult:
     """Read a finished Flower run of ``config`` back from its run directory into a SimulationResult
-    and write ``results.json`` (and ``progress.png``), as ``simulate`` does: the run and rounds
-    committed from ``run.json`` and the ledger, epsilon from the plan, accuracy from ``evaluate`` of
-    ``final-model.pt`` loaded into ``model``; per-round metrics from the ServerApp's progress lines in
-    ``output`` where present."""
+    and write ``results.json`` (and ``progress.png``), as ``simulate`` does: the run from ``run.json``,
+    the whole run's rounds from the ledger and the round log the ServerApp appended (``run_history``),
+    epsilon from the plan, accuracy from ``evaluate`` of ``final-model.pt`` loaded into ``model``;
+    how the run stopped from the ServerApp's lines in ``output``."""
     import torch
-
-    from .ledger import Ledger
 
     directory = Path(config.run_dir)
     try:
         recorded = json.loads((directory / "run.json").read_text(encoding="utf-8"))
         run_id = int(recorded["run_id"])
-        secret = (directory / "secrets" / "ledger_secret").read_bytes()
         state = torch.load(directory / "final-model.pt", weights_only=True)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"the Flower run left no complete result in {str(directory)!r}: {e}") from None
     plan = config.build_plan()
     ledger = config.ledger_url or str(directory / "ledger.db")
-    with Ledger.open(ledger, secret=secret) as book:
-        run = book.run(run_id)
-        plan.check_fingerprint(run.info.plan_fingerprint, f"ledger run {run_id}")
-        done = run.next_round
-        rounds = [run.round(t) for t in range(done)]
-    printed = _progress_lines(output)
-    history = []
-    for r in rounds:
-        entry = {"round": r.round_index, "epsilon": plan.epsilon_after(r.round_index), "selected": r.selected,
-                 "contributed": r.contributed, "dropped": r.dropped, "rejected": r.rejected, "clipped": r.clipped}
-        entry.update(printed.get(r.round_index, {"metrics": {}}))
-        history.append(entry)
+    history = run_history(config, plan, run_id)
+    done = len(history)
     model.load_state_dict(state)
     with torch.no_grad():
         scores = {k: float(v) for k, v in evaluate(model).items()}
     if history:
-        history[-1]["metrics"] = {**history[-1]["metrics"], **scores}  # exact, not the 4-digit progress line
+        # the final model is the last round's: its evaluation, also where that round's log line is missing
+        history[-1]["metrics"] = {**history[-1]["metrics"], **scores}
     stopping = _STOPPING.findall(output)
     ended = _ENDED.findall(output)
     if stopping:

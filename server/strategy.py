@@ -20,6 +20,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
+from fedmf.auditor import audit_command
 from fedmf.config import RunConfig
 from fedmf.errors import HorizonReached, PrivacyBudgetExceeded
 from fedmf.ledger.db import LedgerError, public_url
@@ -194,9 +195,10 @@ class DPMFStrategy(Strategy):
             self.run.released(t)
         else:
             self.stopped = "horizon" if end == self.run.plan.rounds else "rounds"
-        ledger = public_url(self.run.ledger_url)  # a password in the URL is never logged
-        log.info("fedmf: %d rounds committed in %.1fs (%s); ledger %s; audit with: fedmf audit --ledger %s --run %d",
-                 self.run.next_round, time.time() - started, self.stopped or "done", ledger, ledger, self.run.run_id)
+        # a password in the URL is never logged; the audit command is the auditor's (fedmf.auditor)
+        log.info("fedmf: %d rounds committed in %.1fs (%s); ledger %s; audit with: %s", self.run.next_round,
+                 time.time() - started, self.stopped or "done", public_url(self.run.ledger_url),
+                 audit_command(self.run.ledger_url, self.run.run_id))
         if not result.arrays:
             result.arrays = ArrayRecord(self.run.model.state_dict())
         return result

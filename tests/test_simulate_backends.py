@@ -91,6 +91,8 @@ def test_both_backends_with_the_same_secrets_give_the_same_model(tmp_path, capsy
     assert json.loads((flower_dir / "results.json").read_text())["accuracy"] == flower["accuracy"]
     assert [h["round"] for h in flower["history"]] == [0, 1]
     assert [h["contributed"] for h in flower["history"]] == [h["contributed"] for h in local["history"]]
+    # every round's metrics, exact (the ServerApp's round log), as the in-process run reports them
+    assert [h["metrics"]["accuracy"] for h in flower["history"]] == [h["metrics"]["accuracy"] for h in local["history"]]
     assert (flower_dir / "flower.log").stat().st_mode & 0o077 == 0
 
 
@@ -108,6 +110,30 @@ def test_a_failed_flower_run_is_one_line_and_exit_2(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("fedmf: error: Flower run "), done.stderr[-3000:]
     assert "run.json" in lines[0] and "damaged" in lines[0] and str(out / "flower.log") in lines[0]
     assert done.stdout == ""
+
+
+@pytest.mark.heavy  # two Flower runs, about 50 s
+def test_a_killed_flower_run_resumed_reports_the_whole_run(tmp_path, capsys, launches, monkeypatch):
+    """The ServerApp is SIGKILLed after round 1's release: the CLI fails in one line; the same command
+    again resumes, and results.json lists every round with the values of an uninterrupted run."""
+    argv = ["simulate", "--preset", "tiny", "--rounds", "4", "--min-sep", "1", "--json", "--backend", "flower"]
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    fixed.write_secrets(ref)
+    fixed.write_secrets(out)
+    assert main([*argv, "--no-plot", "--out", str(ref)]) == 0, capsys.readouterr().err[-3000:]
+    reference = json.loads(capsys.readouterr().out)["history"]
+    monkeypatch.setenv("FEDMF_KILL_AT", "released:1")
+    assert main([*argv, "--out", str(out)]) == 2
+    capsys.readouterr()
+    monkeypatch.delenv("FEDMF_KILL_AT")
+    assert main([*argv, "--out", str(out)]) == 0, capsys.readouterr().err[-3000:]
+    resumed = json.loads(capsys.readouterr().out)["history"]
+    _assert_nothing_left(launches)
+    costs = ("seconds", "checkpoint_bytes")
+    assert [h["round"] for h in resumed] == [0, 1, 2, 3]
+    assert [{k: v for k, v in h.items() if k not in costs} for h in resumed] == \
+        [{k: v for k, v in h.items() if k not in costs} for h in reference]
+    assert json.loads((out / "results.json").read_text())["history"] == resumed
 
 
 # ---- no Flower process needed ------------------------------------------------------------------

@@ -65,7 +65,8 @@ def test_a_presets_bands_give_way_to_another_mechanism_or_geometry():
     ["--preset", "nope"], ["--rounds", "0"], ["--epsilon", "1", "--noise-multiplier", "1"],
     ["--clients-per-round", "-1"], ["--sampling", "bminsep:7"],
     # the flower backend refuses before any Flower process starts (tests/test_simulate_backends.py runs it)
-    ["--backend", "flower", "--rounds", "2"],  # the preset's min-sep 4 > 2 rounds: no plan
+    ["--backend", "flower", "--rounds", "2", "--min-sep", "4"],  # a min-sep the user gives is checked: 4 > 2 rounds
+    ["--clients-per-round", "41"], ["--backend", "flower", "--clients-per-round", "41"],  # tiny has 40 users
     ["--backend", "flower", "--timeout", "0"], ["--backend", "flower", "--delta", "0.9"],
     ["--device", "cpu"], ["--vectorized", "--backend", "flower"], ["--vectorized", "--device", "tpu"],
     ["--workers", "0"], ["--workers", "2", "--vectorized"], ["--workers", "2", "--backend", "flower"],

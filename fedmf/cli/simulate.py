@@ -53,7 +53,8 @@ def _simulate_flower(args: argparse.Namespace, values: dict, config, task):
     from ..simulate import flower_population, flower_result, flower_run_config
 
     num_supernodes = flower_population(config.task, list(task.users()))
-    config.build_plan()  # a plan that cannot be built fails here, in one line, before any Flower process starts
+    # a plan that cannot be built, or that no round can reach, fails here in one line before any Flower process
+    config.build_plan().check_population(num_supernodes)
     try:
         from server.launcher import AppDirError, LeftoverProcessesError, app_dir, run_simulation
     except ImportError as e:
