@@ -16,7 +16,7 @@ from fedmf.config import RunConfig
 from fedmf.errors import RoundOrderError
 from fedmf.federated import train
 from fedmf.round_log import ROUND_LOG, append_round, read_rounds
-from fedmf.run import PrivateRun, RoundRecord
+from fedmf.run import REPEATABLE_NOISE_ENV, PrivateRun, RoundRecord
 
 from . import _federated_task as task
 
@@ -44,6 +44,7 @@ def _stop_at(monkeypatch, t_stop: int, *, before_release: bool = False) -> None:
 
 
 def test_results_cover_the_whole_run_across_a_stop_a_resume_and_a_rerun(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv(REPEATABLE_NOISE_ENV, "1")  # tests only: both runs draw the same (unsalted) noise
     ref, out = tmp_path / "ref", tmp_path / "out"
     assert main([*SIMULATE, "--no-plot", "--out", str(ref)]) == 0
     reference = json.loads(capsys.readouterr().out)["history"]
@@ -94,6 +95,7 @@ def test_the_server_apps_rounds_survive_its_restart(tmp_path, monkeypatch):
     """The ServerApp's code path (LocalGrid, the real ClientApp) appends the same round log: a run
     interrupted after round 1 and resumed gives flower_result the whole run, equal to an
     uninterrupted ServerApp run with the same secrets (the clients' train-loss included)."""
+    monkeypatch.setenv(REPEATABLE_NOISE_ENV, "1")  # tests only: both runs draw the same (unsalted) noise
     from client.app import app as client_app
     from client.tasks import get_task
     from server.app import run_server
