@@ -116,6 +116,7 @@ def test_a_failed_flower_run_is_one_line_and_exit_2(tmp_path):
 def test_a_killed_flower_run_resumed_reports_the_whole_run(tmp_path, capsys, launches, monkeypatch):
     """The ServerApp is SIGKILLed after round 1's release: the CLI fails in one line; the same command
     again resumes, and results.json lists every round with the values of an uninterrupted run."""
+    monkeypatch.setenv(REPEATABLE_NOISE_ENV, "1")  # tests only: both runs draw the same (unsalted) noise
     argv = ["simulate", "--preset", "tiny", "--rounds", "4", "--min-sep", "1", "--json", "--backend", "flower"]
     ref, out = tmp_path / "ref", tmp_path / "out"
     fixed.write_secrets(ref)
