@@ -29,6 +29,11 @@ value is checked here and a bad one is a one-line ``ConfigError`` before round 1
     run-dir           "fedmf-run"                 checkpoints, secrets, and the default SQLite ledger
     ledger-url        ""                          ledger URL (default: <run-dir>/ledger.db)
     reply-timeout     600.0                       seconds to wait for a round's replies
+    identity          "enrolled" | "declared-insecure"   deployment: users prove an enrolled key, or (insecure,
+                                                  logged) the user-id a SuperNode declares is trusted
+    user-enrollment   ""                          the enrollment file (``fedmf user enroll``); a deployment
+                                                  with identity "enrolled" needs it
+    identity-timeout  10.0                        seconds to wait for identity replies (then backoff per node)
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ DEFAULTS: dict[str, Any] = {
     "noise-multiplier": 0.0, "target-epsilon": 0.0, "delta": 1e-5, "zero-threshold": "default", "accountant": "pld",
     "server-lr": 1.0, "server-momentum": 0.0, "server-cooldown": 0.0, "client-lr": 0.1, "local-epochs": 1,
     "batch-size": 16, "run-dir": "fedmf-run", "ledger-url": "", "reply-timeout": 600.0,
+    "identity": "enrolled", "user-enrollment": "", "identity-timeout": 10.0,
 }
 
 
@@ -115,6 +121,9 @@ class RunConfig:
     run_dir: str
     ledger_url: str | None
     reply_timeout: float
+    identity: str = "enrolled"
+    user_enrollment: str | None = None
+    identity_timeout: float = 10.0
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -158,6 +167,12 @@ class RunConfig:
         ledger = _text("ledger-url", v["ledger-url"]) or None
         bands = _int("num-bands", v["num-bands"], 0)
         k = _int("max-participations", v["max-participations"], 0)
+        identity = _text("identity", v["identity"])
+        if identity not in ("enrolled", "declared-insecure"):
+            raise ConfigError(f"identity must be enrolled or declared-insecure, got {identity!r}")
+        enrollment = _text("user-enrollment", v["user-enrollment"])
+        if enrollment and identity != "enrolled":
+            raise ConfigError("user-enrollment is set but identity is declared-insecure: choose one")
         return cls(
             task=_text("task", v["task"]), task_options=options, mechanism=mechanism, num_bands=bands or None,
             rounds=_int("rounds", v["rounds"], 1), schema=schema, min_sep=_int("min-sep", v["min-sep"], 1),
@@ -173,6 +188,8 @@ class RunConfig:
             local_epochs=_int("local-epochs", v["local-epochs"], 1), batch_size=_int("batch-size", v["batch-size"], 1),
             run_dir=str(base / run_dir), ledger_url=ledger,
             reply_timeout=_float("reply-timeout", v["reply-timeout"], strict=True),
+            identity=identity, user_enrollment=str(base / enrollment) if enrollment else None,
+            identity_timeout=_float("identity-timeout", v["identity-timeout"], strict=True),
         )
 
     def to_dict(self) -> dict[str, Any]:
