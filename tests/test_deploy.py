@@ -307,7 +307,8 @@ def test_tls_node_auth_federation_with_postgres_ledger(roles_db, test_ca, tmp_pa
     """The deploy/README.md walk-through on loopback: SuperLink with TLS + --enable-supernode-auth, two
     SuperNodes whose public keys were registered, an impostor without a key claiming user 1 and an intruder
     with an unregistered key claiming user 0 (both refused, never given a node id, so never selected), a
-    2-round run of the tiny task writing its ledger as the server role, `fedmf audit` as the auditor."""
+    2-round run of the tiny task (users proving keys enrolled with `fedmf user`) writing its ledger as the
+    server role, `fedmf audit` as the auditor."""
     from server.launcher import ProcessTracker, _exe, flower_env, free_port
 
     env = flower_env(tmp_path)
@@ -332,9 +333,17 @@ def test_tls_node_auth_federation_with_postgres_ledger(roles_db, test_ca, tmp_pa
             assert rc == 0, out + err
             registered.add(str(json.loads(out[out.index("{"):])["node-id"]))
 
+        # each data owner makes a user key pair (fedmf user keygen); the operator enrolls the public keys
+        enrollment = tmp_path / "enrollment.json"
+        for user in (0, 1):
+            assert fedmf_main(["user", "keygen", "--out", str(tmp_path / f"user-{user}.key")]) == 0
+            assert fedmf_main(["user", "enroll", "--enrollment", str(enrollment), "--user", str(user),
+                               "--public-key", str(tmp_path / f"user-{user}.key.pub")]) == 0
+
         def supernode(name, user, key=None, retries=()):
             argv = [_exe("flower-supernode"), "--root-certificates", str(ca), "--superlink", f"127.0.0.1:{port}",
-                    "--port", str(free_port()), "--node-config", f"user-id='{user}'", *retries]
+                    "--port", str(free_port()), "--node-config",
+                    f"user-id='{user}' user-key='{tmp_path / f'user-{user}.key'}'", *retries]
             if key is not None:
                 argv += ["--auth-supernode-private-key", str(test_ca / key)]
             return tracker.spawn(name, argv)
@@ -360,7 +369,8 @@ def test_tls_node_auth_federation_with_postgres_ledger(roles_db, test_ca, tmp_pa
         run_toml = tmp_path / "run.toml"
         run_toml.write_text(tomli_w.dumps({
             "run-dir": str(tmp_path / "run"), "task-options": '{"num_users": 2}', "clients-per-round": 1,
-            "min-sep": 1, "rounds": 2, "ledger-url": ledger_url}))
+            "min-sep": 1, "rounds": 2, "ledger-url": ledger_url, "user-enrollment": str(enrollment),
+            "identity-timeout": 60.0}))
         # deploy/fedmf-run.sh (what systemd/fedmf-run.service runs): flwr run + the run's real status
         rc, out, err, timed_out = tracker.run(["bash", str(DEPLOY / "fedmf-run.sh"), str(REPO), "deploy",
                                                str(run_toml)], timeout=400)
