@@ -110,13 +110,13 @@ class NodeDirectory:
         """The users reachable now: user id → its node (the most recently proven one when a user is
         proven on several live nodes). Asks the live nodes that are unidentified and due."""
         live = {int(n) for n in grid.get_node_ids()}
+        now = self.clock()
         for gone in [n for n in self._user_of if n not in live]:
             self._forget(gone)
-        for gone in [n for n in self._retry if n not in live]:
-            del self._retry[gone]
+        for gone in [n for n, (at, _) in self._retry.items() if n not in live and at <= now]:
+            del self._retry[gone]  # (a node that reconnects before its backoff ends stays backed off)
         self._reported &= live
         self._reload_enrollment()
-        now = self.clock()
         due = sorted(n for n in live if n not in self._user_of and self._retry.get(n, (now, 0.0))[0] <= now)
         if due:
             self._identify(grid, due, round_)

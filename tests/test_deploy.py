@@ -302,6 +302,32 @@ def _nodes(tracker, exe) -> list[dict]:
     return []
 
 
+def start_tls_superlink(tracker, pki: Path, tmp_path: Path, env: dict, registered: int) -> tuple[int, list[str]]:
+    """A SuperLink with TLS and SuperNode authentication on a free loopback port (the ``deploy``
+    connection of ``env``'s FLWR_HOME), with the keys ``pki/supernode-0 … registered-1`` registered;
+    returns the port and the registered node ids."""
+    from server.launcher import _exe, free_port
+
+    ca = pki / "ca.crt"
+    port = free_port()
+    (Path(env["FLWR_HOME"]) / "config.toml").write_text(
+        '[superlink]\ndefault = "deploy"\n\n[superlink.local]\naddress = ":local:"\n\n'
+        f'[superlink.deploy]\naddress = "127.0.0.1:{port}"\nroot-certificates = "{ca}"\n')
+    superlink = tracker.spawn("superlink", [
+        _exe("flower-superlink"), "--ssl-ca-certfile", str(ca), "--ssl-certfile", str(pki / "server.crt"),
+        "--ssl-keyfile", str(pki / "server.key"), "--enable-supernode-auth",
+        "--disable-runtime-dependency-installation", "--database", str(tmp_path / "superlink-state.db"),
+        "--host", "127.0.0.1", "--port", str(port)])
+    _wait_https_health(port, ca, superlink, 90, tracker.log_text("superlink"))
+    node_ids = []
+    for i in range(registered):
+        rc, out, err, _ = tracker.run([_exe("flwr"), "supernode", "register", str(pki / f"supernode-{i}.pub"),
+                                       "deploy", "--format", "json"], timeout=60)
+        assert rc == 0, out + err
+        node_ids.append(str(json.loads(out[out.index("{"):])["node-id"]))
+    return port, node_ids
+
+
 @pytest.mark.heavy
 def test_tls_node_auth_federation_with_postgres_ledger(roles_db, test_ca, tmp_path, capsys):
     """The deploy/README.md walk-through on loopback: SuperLink with TLS + --enable-supernode-auth, two
@@ -312,26 +338,11 @@ def test_tls_node_auth_federation_with_postgres_ledger(roles_db, test_ca, tmp_pa
     from server.launcher import ProcessTracker, _exe, flower_env, free_port
 
     env = flower_env(tmp_path)
-    home = Path(env["FLWR_HOME"])
     tracker = ProcessTracker(env, tmp_path / "flwr-logs")
     ca = test_ca / "ca.crt"
     try:
-        port = free_port()
-        (home / "config.toml").write_text(
-            '[superlink]\ndefault = "deploy"\n\n[superlink.local]\naddress = ":local:"\n\n'
-            f'[superlink.deploy]\naddress = "127.0.0.1:{port}"\nroot-certificates = "{ca}"\n')
-        superlink = tracker.spawn("superlink", [
-            _exe("flower-superlink"), "--ssl-ca-certfile", str(ca), "--ssl-certfile", str(test_ca / "server.crt"),
-            "--ssl-keyfile", str(test_ca / "server.key"), "--enable-supernode-auth",
-            "--disable-runtime-dependency-installation", "--database", str(tmp_path / "superlink-state.db"),
-            "--host", "127.0.0.1", "--port", str(port)])
-        _wait_https_health(port, ca, superlink, 90, tracker.log_text("superlink"))
-        registered = set()
-        for i in (0, 1):
-            rc, out, err, _ = tracker.run([_exe("flwr"), "supernode", "register", str(test_ca / f"supernode-{i}.pub"),
-                                           "deploy", "--format", "json"], timeout=60)
-            assert rc == 0, out + err
-            registered.add(str(json.loads(out[out.index("{"):])["node-id"]))
+        port, registered = start_tls_superlink(tracker, test_ca, tmp_path, env, registered=2)
+        registered = set(registered)
 
         # each data owner makes a user key pair (fedmf user keygen); the operator enrolls the public keys
         enrollment = tmp_path / "enrollment.json"

@@ -373,6 +373,24 @@ def _broken_content(message: Message) -> Message:
     return reply
 
 
+def test_a_silent_node_that_reconnects_stays_backed_off(enrolled):
+    keys, path = enrolled
+    grid = CountingGrid({1: lambda m: None, 3: _node(3, "alice", keys["alice"])})
+    clock = Clock()
+    directory = _directory(path, clock)
+    assert directory.refresh(grid, 0) == {"alice": 3}
+    silent = grid.nodes.pop(1)
+    clock.now += 10.0
+    directory.refresh(grid, 0)
+    grid.nodes[1] = silent  # back before its 30 s are up: not asked
+    clock.now += 10.0
+    directory.refresh(grid, 0)
+    assert [nodes for nodes, _ in grid.exchanges] == [[1, 3]]
+    clock.now += 10.0
+    directory.refresh(grid, 0)
+    assert [nodes for nodes, _ in grid.exchanges] == [[1, 3], [1]]
+
+
 @pytest.mark.parametrize("reply", [
     lambda m: Message(RecordDict({"identity": ConfigRecord({"user-id": "bob", "signature": b"\0" * 64})}), reply_to=m),
     lambda m: Message(RecordDict({"identity": ConfigRecord({"user-id": ["bob"]})}), reply_to=m),

@@ -11,7 +11,6 @@ the run never waited for a reply timeout.
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 import time
@@ -33,7 +32,7 @@ def test_an_impostor_is_refused_and_a_silent_node_costs_one_identity_timeout_per
     from server.identity import BACKOFF_S
     from server.launcher import ProcessTracker, _exe, flower_env, flwr_run, free_port
 
-    from .test_deploy import _nodes, _wait_https_health
+    from .test_deploy import _nodes, start_tls_superlink
 
     pki = tmp_path / "pki"
     r = subprocess.run(["bash", str(REPO / "deploy" / "make-test-ca.sh"), str(pki), "4"], capture_output=True,
@@ -47,24 +46,10 @@ def test_an_impostor_is_refused_and_a_silent_node_costs_one_identity_timeout_per
     capsys.readouterr()
 
     env = flower_env(tmp_path)
-    home = Path(env["FLWR_HOME"])
     tracker = ProcessTracker(env, tmp_path / "flwr-logs")
     ca = pki / "ca.crt"
     try:
-        port = free_port()
-        (home / "config.toml").write_text(
-            '[superlink]\ndefault = "deploy"\n\n[superlink.local]\naddress = ":local:"\n\n'
-            f'[superlink.deploy]\naddress = "127.0.0.1:{port}"\nroot-certificates = "{ca}"\n')
-        superlink = tracker.spawn("superlink", [
-            _exe("flower-superlink"), "--ssl-ca-certfile", str(ca), "--ssl-certfile", str(pki / "server.crt"),
-            "--ssl-keyfile", str(pki / "server.key"), "--enable-supernode-auth",
-            "--disable-runtime-dependency-installation", "--database", str(tmp_path / "superlink-state.db"),
-            "--host", "127.0.0.1", "--port", str(port)])
-        _wait_https_health(port, ca, superlink, 90, tracker.log_text("superlink"))
-        for i in range(4):  # every SuperNode below holds a registered Flower key
-            rc, out, err, _ = tracker.run([_exe("flwr"), "supernode", "register", str(pki / f"supernode-{i}.pub"),
-                                           "deploy", "--format", "json"], timeout=60)
-            assert rc == 0, out + err
+        port, _ = start_tls_superlink(tracker, pki, tmp_path, env, registered=4)  # every SuperNode below is registered
 
         def supernode(name: str, i: int, node_config: str, *extra: str):
             return tracker.spawn(name, [
