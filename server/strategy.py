@@ -49,7 +49,7 @@ class DPMFStrategy(Strategy):
         self.config = config
         self.evaluate_fn = evaluate_fn
         self.nonce = secrets.token_hex(16)  # replies to another server process are refused
-        self.identity = identity  # None: chosen from the grid when the first round needs it
+        self.identity = identity  # None: identity_policy(grid, config) at the first round (no population check)
         self.nodes: NodeDirectory | None = None
         self.history: list[RoundRecord] = []
         self.stopped = ""
