@@ -14,7 +14,8 @@ challenge; the ClientApp answers with its user id and, in a deployment, an Ed255
 
 In every mode only users of the task's population are accepted. A node that does not answer in
 ``identity-timeout`` seconds, or answers with anything but a valid proof, is asked again after a
-backoff (30 s, doubling up to 16 min) and logged once; a user proven on two live nodes is selected
+backoff (30 s, doubling up to 16 min; retries of all nodes fall on one 30 s grid, so the rounds wait
+for at most one identity timeout per 30 s however many nodes fail) and logged once; a user proven on two live nodes is selected
 on the most recently proven one only (one log line naming the pseudonymous user and the nodes).
 """
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -94,6 +96,7 @@ class NodeDirectory:
         self.policy, self.run, self.timeout = policy, run, timeout
         self.label = label or _random_label()  # pseudonymous user labels for log lines (never the raw id)
         self.clock, self.backoff_s, self.backoff_max_s = clock, backoff_s, backoff_max_s
+        self._epoch = clock()
         self._user_of: dict[int, str] = {}
         self._proven_at: dict[int, int] = {}  # node → sequence number of its proof (higher: more recent)
         self._proven_key: dict[int, bytes | None] = {}  # node → the enrolled key it proved (None: not enrolled mode)
@@ -192,7 +195,10 @@ class NodeDirectory:
     def _failed(self, node: int, reason: str) -> None:
         _, previous = self._retry.get(node, (0.0, 0.0))
         backoff = min(self.backoff_max_s, previous * 2) if previous else self.backoff_s
-        self._retry[node] = (self.clock() + backoff, backoff)
+        # retries fall on a grid of backoff_s steps, so that failed nodes are asked again together:
+        # however many there are, a round waits for at most one identity timeout per step
+        steps = math.ceil((self.clock() + backoff - self._epoch) / self.backoff_s)
+        self._retry[node] = (self._epoch + steps * self.backoff_s, backoff)
         if node not in self._reported:  # once per node, not per round
             self._reported.add(node)
             log.warning("fedmf: node %d not identified (%s); not selectable, asked again after a backoff", node,

@@ -391,6 +391,28 @@ def test_a_silent_node_that_reconnects_stays_backed_off(enrolled):
     assert [nodes for nodes, _ in grid.exchanges] == [[1, 3], [1]]
 
 
+def test_many_silent_nodes_cost_one_identity_timeout_per_backoff_step(enrolled):
+    """Silent nodes joining at different times are retried together: at most one exchange (one
+    identity timeout) per 30 s step, however many there are."""
+    keys, path = enrolled
+    grid = CountingGrid({3: _node(3, "alice", keys["alice"])})
+    clock = Clock()
+    directory = _directory(path, clock)
+    start = clock.now
+    when: list[float] = []
+    for step in range(1200):  # 1 s per refresh (what the strategy's wait does); a new silent node every 7 s
+        if step % 7 == 0 and step < 300:
+            grid.nodes[100 + step] = lambda m: None
+        before = len(grid.exchanges)
+        directory.refresh(grid, 0)
+        if len(grid.exchanges) > before:
+            when.append(clock.now - start)
+        clock.now += 1.0
+    retries = [t for t in when if t >= 300]  # no new node after 300 s: only retries
+    assert retries and all(t % 30 == 0 for t in retries), retries
+    assert len(set(retries)) == len(retries) <= (1200 - 300) / 30
+
+
 @pytest.mark.parametrize("reply", [
     lambda m: Message(RecordDict({"identity": ConfigRecord({"user-id": "bob", "signature": b"\0" * 64})}), reply_to=m),
     lambda m: Message(RecordDict({"identity": ConfigRecord({"user-id": ["bob"]})}), reply_to=m),
