@@ -188,6 +188,8 @@ class Enrollment:
 
     def __post_init__(self) -> None:
         users = {check_user_id(u, "enrolled user id"): bytes(k) for u, k in dict(self.users).items()}
+        if any(len(k) != PUBLIC_KEY_BYTES for k in users.values()):
+            raise ConfigError("enrollment: a public key is not 32 bytes")
         if len(set(users.values())) != len(users):
             raise ConfigError("enrollment: one public key is enrolled for two users")
         object.__setattr__(self, "users", users)
