@@ -2,7 +2,11 @@
 
 Messages (all config keys are ConfigRecord entries under "config"):
 
-* QUERY (any content) → ``{"identity": ConfigRecord({"user-id": str})}``.
+* QUERY ``{"config": {"request": "identity", "run": str, "round": int, "challenge": bytes}}`` →
+  ``{"identity": ConfigRecord({"user-id": str, "signature": bytes})}``: the signature (with the
+  private key at ``node_config["user-key"]``, only when that is set) is the user's proof of identity
+  over (run, round, this node's id, challenge, user id) — ``fedmf.enrollment.proof_message``. A
+  QUERY without a challenge is answered with the user id alone.
 * TRAIN ``{"arrays": ArrayRecord(global state dict), "config": {"round": int, "run-nonce": str,
   "user-id": str, "task": str, "task-options": JSON object string, "client-lr": float,
   "local-epochs": int, "batch-size": int}}`` → ``{"arrays": ArrayRecord(delta = new − old),
@@ -27,6 +31,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MetricR
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 
+from fedmf.enrollment import CHALLENGE_BYTES, check_user_id, load_private_key, sign_proof
 from fedmf.errors import ConfigError, FedmfError
 
 from .tasks import ClientHyper, Task, get_task
@@ -37,7 +42,6 @@ __all__ = ["app", "user_id", "load_task", "TrainRequest", "parse_request", "ERRO
 ERROR_CODE = ErrorCode.CLIENT_APP_RAISED_EXCEPTION
 #: the QUERY reply's ConfigRecord key (server/identity.py reads it)
 IDENTITY_RECORD = "identity"
-_MAX_USER_ID = 200
 
 app = ClientApp()
 
@@ -49,10 +53,7 @@ def user_id(node_config: Mapping[str, Any], run_config: Mapping[str, Any] | None
         user = node_config["user-id"]
         if isinstance(user, int) and not isinstance(user, bool):
             user = str(user)
-        if not isinstance(user, str) or not user or len(user) > _MAX_USER_ID or not user.isprintable():
-            raise ConfigError(f"node config user-id must be a printable non-empty string of at most "
-                              f"{_MAX_USER_ID} characters, got {user!r}")
-        return user
+        return check_user_id(user, "node config user-id")
     if "partition-id" in node_config:
         part = node_config["partition-id"]
         if isinstance(part, bool) or not isinstance(part, int) or part < 0:
@@ -148,14 +149,32 @@ def _error(msg: Message, e: FedmfError) -> Message:
     return Message(Error(ERROR_CODE, f"fedmf: {e}"), reply_to=msg)
 
 
+def _identity(msg: Message, context: Context) -> ConfigRecord:
+    """This node's user id, signed over the server's challenge when the node has a ``user-key``."""
+    user = user_id(context.node_config, context.run_config)
+    record = ConfigRecord({"user-id": user})
+    config = msg.content.config_records.get("config") if msg.has_content() else None
+    key_path = context.node_config.get("user-key")
+    if config is None or "challenge" not in config or key_path is None:
+        return record
+    run, round_, challenge = config.get("run"), config.get("round"), config.get("challenge")
+    if not isinstance(run, str) or isinstance(round_, bool) or not isinstance(round_, int) or round_ < 0 \
+            or not isinstance(challenge, bytes) or len(challenge) != CHALLENGE_BYTES:
+        raise ConfigError("identity query: run, round or challenge missing or malformed")
+    if not isinstance(key_path, str) or not key_path:
+        raise ConfigError("node config user-key must be the path of the user's private key file")
+    record["signature"] = sign_proof(load_private_key(key_path), run, round_, int(context.node_id), challenge, user)
+    return record
+
+
 @app.query()
 def query(msg: Message, context: Context) -> Message:
-    """Reply with this node's user identity."""
+    """Reply with this node's user identity (and its proof: ``_identity``)."""
     try:
-        user = user_id(context.node_config, context.run_config)
+        record = _identity(msg, context)
     except FedmfError as e:
         return _error(msg, e)
-    return Message(RecordDict({IDENTITY_RECORD: ConfigRecord({"user-id": user})}), reply_to=msg)
+    return Message(RecordDict({IDENTITY_RECORD: record}), reply_to=msg)
 
 
 @app.train()

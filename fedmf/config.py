@@ -31,6 +31,11 @@ value is checked here and a bad one is a one-line ``ConfigError`` before round 1
     reply-timeout     600.0                       seconds to wait for a round's replies
     ledger-diagnostics false                      also record update norms and clipping in the ledger
                                                   (data-dependent: outside the DP guarantee)
+    identity          "enrolled" | "declared-insecure"   deployment: users prove an enrolled key, or (insecure,
+                                                  logged) the user-id a SuperNode declares is trusted
+    user-enrollment   ""                          the enrollment file (``fedmf user enroll``); a deployment
+                                                  with identity "enrolled" needs it
+    identity-timeout  30.0                        seconds to wait for identity replies (then backoff per node)
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ DEFAULTS: dict[str, Any] = {
     "server-lr": 1.0, "server-momentum": 0.0, "server-cooldown": 0.0, "client-lr": 0.1, "local-epochs": 1,
     "batch-size": 16, "run-dir": "fedmf-run", "ledger-url": "", "reply-timeout": 600.0,
     "ledger-diagnostics": False,
+    "identity": "enrolled", "user-enrollment": "", "identity-timeout": 30.0,
 }
 
 
@@ -127,6 +133,9 @@ class RunConfig:
     ledger_url: str | None
     reply_timeout: float
     ledger_diagnostics: bool = False
+    identity: str = "enrolled"
+    user_enrollment: str | None = None
+    identity_timeout: float = 30.0
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -173,6 +182,12 @@ class RunConfig:
         ledger = _text("ledger-url", v["ledger-url"]) or None
         bands = _int("num-bands", v["num-bands"], 0)
         k = _int("max-participations", v["max-participations"], 0)
+        identity = _text("identity", v["identity"])
+        if identity not in ("enrolled", "declared-insecure"):
+            raise ConfigError(f"identity must be enrolled or declared-insecure, got {identity!r}")
+        enrollment = _text("user-enrollment", v["user-enrollment"])
+        if enrollment and identity != "enrolled":
+            raise ConfigError("user-enrollment is set but identity is declared-insecure: choose one")
         return cls(
             task=_text("task", v["task"]), task_options=options, mechanism=mechanism, num_bands=bands or None,
             rounds=_int("rounds", v["rounds"], 1), schema=schema, min_sep=_int("min-sep", v["min-sep"], 1),
@@ -189,6 +204,8 @@ class RunConfig:
             run_dir=str(base / run_dir), ledger_url=ledger,
             reply_timeout=_float("reply-timeout", v["reply-timeout"], strict=True),
             ledger_diagnostics=_bool("ledger-diagnostics", v["ledger-diagnostics"]),
+            identity=identity, user_enrollment=str(base / enrollment) if enrollment else None,
+            identity_timeout=_float("identity-timeout", v["identity-timeout"], strict=True),
         )
 
     def to_dict(self) -> dict[str, Any]:

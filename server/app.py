@@ -19,6 +19,7 @@ from fedmf.errors import CheckpointError, FedmfError
 from fedmf.files import atomic_write
 from fedmf.run import REPEATABLE_NOISE_WARNING, PrivateRun, repeatable_noise_from_env
 
+from .identity import identity_policy
 from .strategy import DPMFStrategy
 
 __all__ = ["app", "run_server", "ServerAppError"]
@@ -54,6 +55,7 @@ def run_server(grid: Grid, run_config: dict) -> DPMFStrategy:
 
     config = RunConfig.from_mapping(run_config)
     task = get_task(config.task, **config.task_options)
+    identity = identity_policy(grid, config, task.users())  # before the run opens: a deployment needs enrollment
     plan = config.build_plan()
     model = task.model()
 
@@ -72,7 +74,7 @@ def run_server(grid: Grid, run_config: dict) -> DPMFStrategy:
                          ledger_diagnostics=config.ledger_diagnostics) as run:
         users = task.users()
         wanted = min(len(users), max(1, math.ceil(plan.expected_users)))
-        strategy = DPMFStrategy(run, config, evaluate_fn=evaluate, min_available=wanted)
+        strategy = DPMFStrategy(run, config, evaluate_fn=evaluate, identity=identity, min_available=wanted)
         strategy.start(grid)
         final = Path(config.run_dir) / "final-model.pt"
         try:

@@ -1,88 +1,237 @@
-"""Which user is behind which Flower node.
+"""Which user is behind which Flower node: proven, not declared.
 
-The ledger identifies users, not Flower node ids: a user who reconnects under a new node id is
-the same user. The server asks every node it has not identified yet, with one QUERY message,
-for its user id; the ClientApp answers from its ``node_config`` (``user-id`` in deployment —
-trusted, as documented — or the simulation's ``partition-id``). Nodes that do not answer, or
-answer badly, are not available this round.
+The ledger identifies users, not Flower node ids (a user who reconnects under a new node id is
+the same user). The server sends every live node it has not identified a QUERY with a fresh
+challenge; the ClientApp answers with its user id and, in a deployment, an Ed25519 signature of
+(run, round, its node id, the challenge, the user id) made with the user's private key
+(``fedmf.enrollment``). How a claim is checked depends on the :class:`IdentityPolicy`:
+
+* ``enrolled`` (a deployment; the default): the signature must verify under the key enrolled for
+  that user in the operator's enrollment file, re-read when it changes;
+* ``in-process`` (Flower's simulation engine, ``server.local_grid``): the ClientApp runs inside the
+  server's federation and its partition id is trusted;
+* ``declared-insecure`` (explicit, logged as insecure): the declared user id is trusted.
+
+In every mode only users of the task's population are accepted. A node that does not answer in
+``identity-timeout`` seconds, or answers with anything but a valid proof, is asked again after a
+backoff (30 s, doubling up to 16 min; retries of all nodes fall on one 30 s grid, so the rounds wait
+for at most one identity timeout per 30 s however many nodes fail) and logged once; a user proven on two live nodes is selected
+on the most recently proven one only (one log line naming the pseudonymous user and the nodes).
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
-from typing import Iterable
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable
 
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
-__all__ = ["NodeDirectory", "IDENTITY_RECORD"]
+from fedmf.config import RunConfig
+from fedmf.enrollment import EnrollmentFile, check_user_id, new_challenge, verify_proof
+from fedmf.errors import ConfigError, FedmfError
+
+__all__ = ["NodeDirectory", "IdentityPolicy", "identity_policy", "IDENTITY_RECORD", "BACKOFF_S", "BACKOFF_MAX_S"]
 
 IDENTITY_RECORD = "identity"
-_MAX_USER_ID = 200
+#: a node that failed an identity exchange is asked again after BACKOFF_S, doubling up to BACKOFF_MAX_S
+BACKOFF_S, BACKOFF_MAX_S = 30.0, 960.0
 log = logging.getLogger("fedmf.server")
 
 
-def _parse_identity(reply: Message) -> str | None:
-    if reply.has_error() or not reply.has_content():
-        return None
-    record = reply.content.config_records.get(IDENTITY_RECORD)
-    if record is None:
-        return None
-    user = record.get("user-id")
-    if not isinstance(user, str) or not user or len(user) > _MAX_USER_ID or not user.isprintable():
-        return None
-    return user
+@dataclass(frozen=True)
+class IdentityPolicy:
+    """How claims are checked: ``mode`` (module docstring), the enrollment (``enrolled`` only) and the
+    task's population (None: any user id)."""
+
+    mode: str
+    enrollment: EnrollmentFile | None = None
+    population: frozenset[str] | None = None
+
+
+def _in_process(grid: Grid) -> bool:
+    from flwr.superlink.grid import InMemoryGrid  # the grid of Flower's simulation engine (flwr run, sim)
+
+    from .local_grid import LocalGrid
+
+    return isinstance(grid, (InMemoryGrid, LocalGrid))
+
+
+def identity_policy(grid: Grid, config: RunConfig, population: Iterable[object] | None) -> IdentityPolicy:
+    """The policy for this grid and configuration (a one-line ``ConfigError`` before round 1 for a
+    deployment with neither an enrollment file nor the explicit insecure mode)."""
+    users = None if population is None else frozenset(str(u) for u in population)
+    if _in_process(grid):
+        return IdentityPolicy("in-process", population=users)
+    if config.identity == "declared-insecure":
+        log.warning("fedmf: INSECURE: identity = declared-insecure: the user-id each SuperNode declares is trusted "
+                    "without proof; any node can claim any user")
+        return IdentityPolicy("declared-insecure", population=users)
+    if not config.user_enrollment:
+        raise ConfigError("a deployment needs user-enrollment (an enrollment file made with `fedmf user enroll`), "
+                          "or identity = 'declared-insecure' for an insecure trial")
+    enrollment = EnrollmentFile(config.user_enrollment)
+    log.info("fedmf: identity: users prove keys enrolled in %s (%d users)", config.user_enrollment,
+             len(enrollment.enrollment.users))
+    return IdentityPolicy("enrolled", enrollment=enrollment, population=users)
+
+
+def _random_label() -> Callable[[str], str]:
+    key = os.urandom(32)
+    return lambda user: hmac.new(key, user.encode("utf-8"), hashlib.sha256).hexdigest()[:12]
 
 
 class NodeDirectory:
-    """node id → user id, learned by QUERY messages and kept for the server's lifetime."""
+    """node id → proven user id, kept while the node is live."""
 
-    def __init__(self, timeout: float = 60.0) -> None:
-        self.timeout = timeout
+    def __init__(self, policy: IdentityPolicy, *, run: str, timeout: float = 10.0,
+                 label: Callable[[str], str] | None = None, clock: Callable[[], float] = time.monotonic,
+                 backoff_s: float = BACKOFF_S, backoff_max_s: float = BACKOFF_MAX_S) -> None:
+        self.policy, self.run, self.timeout = policy, run, timeout
+        self.label = label or _random_label()  # pseudonymous user labels for log lines (never the raw id)
+        self.clock, self.backoff_s, self.backoff_max_s = clock, backoff_s, backoff_max_s
+        self._epoch = clock()
         self._user_of: dict[int, str] = {}
-        self._failed: set[int] = set()
+        self._proven_at: dict[int, int] = {}  # node → sequence number of its proof (higher: more recent)
+        self._proven_key: dict[int, bytes | None] = {}  # node → the enrolled key it proved (None: not enrolled mode)
+        self._sequence = 0
+        self._retry: dict[int, tuple[float, float]] = {}  # node → (ask again at, current backoff)
+        self._reported: set[int] = set()  # nodes whose failure was logged
+        self._duplicates_logged: set[tuple[str, tuple[int, ...]]] = set()
+        self.queries = 0  # identity messages sent (tests, metrics)
 
     def user_of(self, node_id: int) -> str | None:
         return self._user_of.get(node_id)
 
-    def refresh(self, grid: Grid) -> dict[str, int]:
-        """The users reachable now: user id → its current node id (the newest node when a user
-        reconnected; a user claimed by two live nodes at once is left out)."""
-        live = [int(n) for n in grid.get_node_ids()]
-        unknown = [n for n in live if n not in self._user_of and n not in self._failed]
-        if unknown:
-            self._identify(grid, unknown)
-        claims: dict[str, list[int]] = {}
-        for node in live:
-            user = self._user_of.get(node)
-            if user is not None:
-                claims.setdefault(user, []).append(node)
-        reachable = {}
-        for user, nodes in claims.items():
-            if len(nodes) == 1:
-                reachable[user] = nodes[0]
-            else:
-                log.warning("fedmf: %d live nodes claim the same user; none of them is selected this round",
-                            len(nodes))
-        return reachable
+    def refresh(self, grid: Grid, round_: int = 0) -> dict[str, int]:
+        """The users reachable now: user id → its node (the most recently proven one when a user is
+        proven on several live nodes). Asks the live nodes that are unidentified and due."""
+        live = {int(n) for n in grid.get_node_ids()}
+        now = self.clock()
+        for gone in [n for n in self._user_of if n not in live]:
+            self._forget(gone)
+        for gone in [n for n, (at, _) in self._retry.items() if n not in live and at <= now]:
+            del self._retry[gone]  # (a node that reconnects before its backoff ends stays backed off)
+        self._reported &= live
+        self._reload_enrollment()
+        due = sorted(n for n in live if n not in self._user_of and self._retry.get(n, (now, 0.0))[0] <= now)
+        if due:
+            self._identify(grid, due, round_)
+        return self._reachable(live)
 
-    def _identify(self, grid: Grid, nodes: Iterable[int]) -> None:
-        messages = [Message(RecordDict({"config": ConfigRecord({"request": "identity"})}), dst_node_id=node,
-                            message_type=MessageType.QUERY) for node in nodes]
-        asked = set(nodes)
-        for reply in grid.send_and_receive(messages, timeout=self.timeout):
+    # ---- the exchange --------------------------------------------------------------------
+    def _identify(self, grid: Grid, nodes: list[int], round_: int) -> None:
+        challenges = {node: new_challenge() for node in nodes}
+        messages = [Message(RecordDict({"config": ConfigRecord({"request": "identity", "run": self.run,
+                                                                "round": round_, "challenge": challenges[node]})}),
+                            dst_node_id=node, message_type=MessageType.QUERY) for node in nodes]
+        self.queries += len(messages)
+        answered: set[int] = set()
+        try:
+            replies = list(grid.send_and_receive(messages, timeout=self.timeout))
+        except Exception as e:  # the SuperLink failed: every asked node is retried later
+            log.warning("fedmf: identity queries failed (%s); asked again later", type(e).__name__)
+            replies = []
+        for reply in replies:
             try:  # nothing a node sends may stop the server
                 node = int(reply.metadata.src_node_id)
             except Exception:
-                log.warning("fedmf: an identity reply without a valid sender was ignored")
                 continue
-            if node not in asked:
+            if node not in challenges or node in answered:
                 continue
+            answered.add(node)
             try:
-                user = _parse_identity(reply)
-            except Exception:
-                user = None
+                user, reason = self._check(reply, node, round_, challenges[node])
+            except Exception as e:
+                user, reason = None, f"malformed identity reply ({type(e).__name__})"
             if user is None:
-                self._failed.add(node)  # answered badly: never selected (a silent node is asked again)
+                self._failed(node, reason)
             else:
-                self._user_of[node] = user
+                self._sequence += 1
+                self._user_of[node], self._proven_at[node] = user, self._sequence
+                self._proven_key[node] = self._enrolled_key(user)
+                self._retry.pop(node, None)
+                self._reported.discard(node)
+        for node in nodes:
+            if node not in answered:
+                self._failed(node, f"no identity reply within {self.timeout:g} s")
+
+    def _check(self, reply: Message, node: int, round_: int, challenge: bytes) -> tuple[str | None, str]:
+        """(the proven user, "") or (None, why not)."""
+        if reply.has_error() or not reply.has_content():
+            return None, "the ClientApp answered with an error"
+        record = reply.content.config_records.get(IDENTITY_RECORD)
+        if record is None:
+            return None, "no identity record"
+        try:
+            user = check_user_id(record.get("user-id"))
+        except FedmfError:
+            return None, "an invalid user id"
+        population = self.policy.population
+        if population is not None and user not in population:
+            return None, "a user id outside the task's population"
+        if self.policy.mode != "enrolled":
+            return user, ""
+        key = self._enrolled_key(user)
+        if key is None:
+            return None, "a user id that is not enrolled"
+        if not verify_proof(key, record.get("signature"), self.run, round_, node, challenge, user):
+            return None, "no valid proof of the enrolled user's key"
+        return user, ""
+
+    def _enrolled_key(self, user: str) -> bytes | None:
+        source = self.policy.enrollment
+        return None if source is None else source.enrollment.key(user)
+
+    def _forget(self, node: int) -> None:
+        del self._user_of[node], self._proven_at[node], self._proven_key[node]
+
+    def _failed(self, node: int, reason: str) -> None:
+        _, previous = self._retry.get(node, (0.0, 0.0))
+        backoff = min(self.backoff_max_s, previous * 2) if previous else self.backoff_s
+        # retries fall on a grid of backoff_s steps, so that failed nodes are asked again together:
+        # however many there are, a round waits for at most one identity timeout per step
+        steps = math.ceil((self.clock() + backoff - self._epoch) / self.backoff_s)
+        self._retry[node] = (self._epoch + steps * self.backoff_s, backoff)
+        if node not in self._reported:  # once per node, not per round
+            self._reported.add(node)
+            log.warning("fedmf: node %d not identified (%s); not selectable, asked again after a backoff", node,
+                        reason)
+
+    def _reload_enrollment(self) -> None:
+        source = self.policy.enrollment
+        if source is None:
+            return
+        try:
+            changed = source.reload()
+        except FedmfError as e:
+            log.error("fedmf: the changed enrollment file does not load; the previous enrollment stays: %s", e)
+            return
+        if changed:  # a revoked or rotated key's proofs end now; newly enrolled users are asked again now
+            for node in [n for n, u in self._user_of.items() if self._enrolled_key(u) != self._proven_key[n]]:
+                self._forget(node)
+            self._retry.clear()
+            log.info("fedmf: enrollment reloaded (%d users)", len(source.enrollment.users))
+
+    # ---- who is reachable ----------------------------------------------------------------
+    def _reachable(self, live: set[int]) -> dict[str, int]:
+        nodes_of: dict[str, list[int]] = {}
+        for node in sorted(live):
+            user = self._user_of.get(node)
+            if user is not None:
+                nodes_of.setdefault(user, []).append(node)
+        reachable = {}
+        for user, nodes in nodes_of.items():
+            chosen = max(nodes, key=lambda n: self._proven_at[n])
+            reachable[user] = chosen
+            if len(nodes) > 1 and (user, tuple(nodes)) not in self._duplicates_logged:
+                self._duplicates_logged.add((user, tuple(nodes)))
+                log.warning("fedmf: user %s is proven on live nodes %s; only node %d (the most recent proof) is "
+                            "selectable", self.label(user), ", ".join(str(n) for n in nodes), chosen)
+        return reachable

@@ -26,7 +26,7 @@ from fedmf.errors import HorizonReached, PrivacyBudgetExceeded
 from fedmf.ledger.db import LedgerError, public_url
 from fedmf.run import PrivateRun, RoundRecord
 
-from .identity import NodeDirectory
+from .identity import IdentityPolicy, NodeDirectory, identity_policy
 from .replies import RoundReplies, max_update_bytes
 
 __all__ = ["DPMFStrategy"]
@@ -42,27 +42,37 @@ class DPMFStrategy(Strategy):
 
     def __init__(self, run: PrivateRun, config: RunConfig, *,
                  evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
-                 directory: NodeDirectory | None = None, min_available: int = 1) -> None:
+                 identity: IdentityPolicy | None = None, min_available: int = 1) -> None:
         self.run = run
         self.min_available = min_available
         # the worst user's observed ε (accounted from the ledger) as a metric: unamplified runs only
         self.observed_metric = run.plan.sampling.kind == "none"
         self.config = config
         self.evaluate_fn = evaluate_fn
-        self.nodes = directory or NodeDirectory(timeout=config.reply_timeout)
         self.nonce = secrets.token_hex(16)  # replies to another server process are refused
+        self.identity = identity  # None: identity_policy(grid, config) at the first round (no population check)
+        self.nodes: NodeDirectory | None = None
         self.history: list[RoundRecord] = []
         self.stopped = ""
         self._replies: RoundReplies | None = None
 
     # ---- the round -----------------------------------------------------------------------
+    def _directory(self, grid: Grid) -> NodeDirectory:
+        """Who is behind which node (``server.identity``), bound to this run and server process."""
+        if self.nodes is None:
+            policy = self.identity or identity_policy(grid, self.config, None)
+            self.nodes = NodeDirectory(policy, run=f"{self.run.run_id}:{self.nonce}",
+                                        timeout=self.config.identity_timeout,
+                                        label=lambda user: self.run.user_key(user).hex()[:12])
+        return self.nodes
+
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
         t = self.run.next_round
-        reachable = self.nodes.refresh(grid)
+        nodes = self._directory(grid)
+        reachable = nodes.refresh(grid, t)
         selection = self.run.select(reachable)
-        self._replies = RoundReplies(t, self.nonce, {user: reachable[user] for user in selection.reachable},
-                                     self.nodes)
+        self._replies = RoundReplies(t, self.nonce, {user: reachable[user] for user in selection.reachable}, nodes)
         content = {"round": t, "run-nonce": self.nonce, "task": self.config.task,
                    "task-options": json.dumps(self.config.task_options, sort_keys=True),
                    "client-lr": self.config.client_lr, "local-epochs": self.config.local_epochs,
@@ -157,7 +167,8 @@ class DPMFStrategy(Strategy):
         """Before the first round, wait (up to the reply timeout) until ``min_available`` users
         are connected and identified, as Flower's FedAvg waits for its minimum of nodes."""
         deadline = time.time() + self.config.reply_timeout
-        while len(self.nodes.refresh(grid)) < self.min_available and time.time() < deadline:
+        while len(self._directory(grid).refresh(grid, self.run.next_round)) < self.min_available \
+                and time.time() < deadline:
             time.sleep(1.0)
 
     def start(self, grid: Grid, initial_arrays: ArrayRecord | None = None, num_rounds: int | None = None,

@@ -65,6 +65,7 @@ from server.launcher import (
 __all__ = [
     "TAG_VAR",
     "Deployment",
+    "enrolled_users",
     "FlowerResult",
     "LeftoverProcessesError",
     "ProcessTracker",
@@ -84,6 +85,20 @@ _wait_http_health = wait_http_health
 # ----------------------------------------------------------------------------------------------
 # deployment
 # ----------------------------------------------------------------------------------------------
+
+
+def enrolled_users(directory: Path | str, users: Iterable[str]) -> tuple[Path, list[dict]]:
+    """A key pair per user in ``directory`` and the enrollment file of their public keys (what
+    ``fedmf user keygen`` / ``enroll`` make); returns the enrollment file and one SuperNode
+    ``node_config`` per user (``user-id`` and ``user-key``)."""
+    from fedmf.enrollment import Enrollment, generate_key_pair
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    users = [str(u) for u in users]
+    keys = {u: directory / f"user-{u}.key" for u in users}
+    Enrollment({u: generate_key_pair(keys[u]) for u in users}).save(directory / "enrollment.json")
+    return directory / "enrollment.json", [{"user-id": u, "user-key": str(keys[u])} for u in users]
 
 
 def _node_config_arg(cfg: Mapping) -> str:

@@ -383,39 +383,59 @@ def _nodes(tracker, exe) -> list[dict]:
     return []
 
 
+def start_tls_superlink(tracker, pki: Path, tmp_path: Path, env: dict, registered: int) -> tuple[int, list[str]]:
+    """A SuperLink with TLS and SuperNode authentication on a free loopback port (the ``deploy``
+    connection of ``env``'s FLWR_HOME), with the keys ``pki/supernode-0 … registered-1`` registered;
+    returns the port and the registered node ids."""
+    from server.launcher import _exe, free_port
+
+    ca = pki / "ca.crt"
+    port = free_port()
+    (Path(env["FLWR_HOME"]) / "config.toml").write_text(
+        '[superlink]\ndefault = "deploy"\n\n[superlink.local]\naddress = ":local:"\n\n'
+        f'[superlink.deploy]\naddress = "127.0.0.1:{port}"\nroot-certificates = "{ca}"\n')
+    superlink = tracker.spawn("superlink", [
+        _exe("flower-superlink"), "--ssl-ca-certfile", str(ca), "--ssl-certfile", str(pki / "server.crt"),
+        "--ssl-keyfile", str(pki / "server.key"), "--enable-supernode-auth",
+        "--disable-runtime-dependency-installation", "--database", str(tmp_path / "superlink-state.db"),
+        "--host", "127.0.0.1", "--port", str(port)])
+    _wait_https_health(port, ca, superlink, 90, tracker.log_text("superlink"))
+    node_ids = []
+    for i in range(registered):
+        rc, out, err, _ = tracker.run([_exe("flwr"), "supernode", "register", str(pki / f"supernode-{i}.pub"),
+                                       "deploy", "--format", "json"], timeout=60)
+        assert rc == 0, out + err
+        node_ids.append(str(json.loads(out[out.index("{"):])["node-id"]))
+    return port, node_ids
+
+
 @pytest.mark.heavy
 def test_tls_node_auth_federation_with_postgres_ledger(roles_db, test_ca, tmp_path, capsys):
     """The deploy/README.md walk-through on loopback: SuperLink with TLS + --enable-supernode-auth, two
     SuperNodes whose public keys were registered, an impostor without a key claiming user 1 and an intruder
     with an unregistered key claiming user 0 (both refused, never given a node id, so never selected), a
-    2-round run of the tiny task writing its ledger as the server role, `fedmf audit` as the auditor."""
+    2-round run of the tiny task (users proving keys enrolled with `fedmf user`) writing its ledger as the
+    server role, `fedmf audit` as the auditor."""
     from server.launcher import ProcessTracker, _exe, flower_env, free_port
 
     env = flower_env(tmp_path)
-    home = Path(env["FLWR_HOME"])
     tracker = ProcessTracker(env, tmp_path / "flwr-logs")
     ca = test_ca / "ca.crt"
     try:
-        port = free_port()
-        (home / "config.toml").write_text(
-            '[superlink]\ndefault = "deploy"\n\n[superlink.local]\naddress = ":local:"\n\n'
-            f'[superlink.deploy]\naddress = "127.0.0.1:{port}"\nroot-certificates = "{ca}"\n')
-        superlink = tracker.spawn("superlink", [
-            _exe("flower-superlink"), "--ssl-ca-certfile", str(ca), "--ssl-certfile", str(test_ca / "server.crt"),
-            "--ssl-keyfile", str(test_ca / "server.key"), "--enable-supernode-auth",
-            "--disable-runtime-dependency-installation", "--database", str(tmp_path / "superlink-state.db"),
-            "--host", "127.0.0.1", "--port", str(port)])
-        _wait_https_health(port, ca, superlink, 90, tracker.log_text("superlink"))
-        registered = set()
-        for i in (0, 1):
-            rc, out, err, _ = tracker.run([_exe("flwr"), "supernode", "register", str(test_ca / f"supernode-{i}.pub"),
-                                           "deploy", "--format", "json"], timeout=60)
-            assert rc == 0, out + err
-            registered.add(str(json.loads(out[out.index("{"):])["node-id"]))
+        port, registered = start_tls_superlink(tracker, test_ca, tmp_path, env, registered=2)
+        registered = set(registered)
+
+        # each data owner makes a user key pair (fedmf user keygen); the operator enrolls the public keys
+        enrollment = tmp_path / "enrollment.json"
+        for user in (0, 1):
+            assert fedmf_main(["user", "keygen", "--out", str(tmp_path / f"user-{user}.key")]) == 0
+            assert fedmf_main(["user", "enroll", "--enrollment", str(enrollment), "--user", str(user),
+                               "--public-key", str(tmp_path / f"user-{user}.key.pub")]) == 0
 
         def supernode(name, user, key=None, retries=()):
             argv = [_exe("flower-supernode"), "--root-certificates", str(ca), "--superlink", f"127.0.0.1:{port}",
-                    "--port", str(free_port()), "--node-config", f"user-id='{user}'", *retries]
+                    "--port", str(free_port()), "--node-config",
+                    f"user-id='{user}' user-key='{tmp_path / f'user-{user}.key'}'", *retries]
             if key is not None:
                 argv += ["--auth-supernode-private-key", str(test_ca / key)]
             return tracker.spawn(name, argv)
@@ -441,7 +461,8 @@ def test_tls_node_auth_federation_with_postgres_ledger(roles_db, test_ca, tmp_pa
         run_toml = tmp_path / "run.toml"
         run_toml.write_text(tomli_w.dumps({
             "run-dir": str(tmp_path / "run"), "task-options": '{"num_users": 2}', "clients-per-round": 1,
-            "min-sep": 1, "rounds": 2, "ledger-url": ledger_url}))
+            "min-sep": 1, "rounds": 2, "ledger-url": ledger_url, "user-enrollment": str(enrollment),
+            "identity-timeout": 60.0}))
         # deploy/fedmf-run.sh (what systemd/fedmf-run.service runs): flwr run + the run's real status
         rc, out, err, timed_out = tracker.run(["bash", str(DEPLOY / "fedmf-run.sh"), str(REPO), "deploy",
                                                str(run_toml)], timeout=400)

@@ -339,22 +339,26 @@ def test_a_user_reconnecting_under_a_new_node_id_is_the_same_user(tmp_path, refe
     assert later and all(new in r["nodes"] and old not in r["nodes"] for r in later)
 
 
-def test_a_user_claimed_by_two_live_nodes_is_left_out_of_that_round(tmp_path, reference):
-    """The new node connects while the old one is still live (round 2): neither is selected that
-    round (the loop with that user unavailable in round 2 gives the same model)."""
+def test_a_user_claimed_by_two_live_nodes_is_selected_on_the_newest_one(tmp_path, reference, caplog):
+    """The new node connects while the old one is still live (round 2): the user is selected on
+    the most recently identified node only, the model is the uninterrupted one, and one log line
+    names the pseudonymous user and both nodes."""
     from client.app import app as client_app
     from server.local_grid import client_node
 
     user = reference.users(2)[0]
     old, new = 100 + int(user), 200 + int(user)
     run_dir, values, recorder = _in_process(tmp_path)
-    _serve(values, recorder, after_round={
-        1: lambda grid: grid.nodes.__setitem__(new, client_node(client_app, {"partition-id": int(user)}, new)),
-        2: lambda grid: grid.nodes.__delitem__(old)})
-    users = [str(i) for i in range(USERS)]
-    expected = _loop(values, tmp_path / "loop", available=lambda t: [u for u in users if not (t == 2 and u == user)])
-    _assert_same(_final(run_dir), expected)
-    assert user not in next(r for r in recorder.records if r["kind"] == "train" and r["round"] == 2)["users"]
+    with caplog.at_level("WARNING", logger="fedmf.server"):
+        _serve(values, recorder, after_round={
+            1: lambda grid: grid.nodes.__setitem__(new, client_node(client_app, {"partition-id": int(user)}, new)),
+            2: lambda grid: grid.nodes.__delitem__(old)})
+    _assert_same(_final(run_dir), reference.final)
+    train = next(r for r in recorder.records if r["kind"] == "train" and r["round"] == 2)
+    assert user in train["users"] and new in train["nodes"] and old not in train["nodes"]
+    lines = [r.getMessage() for r in caplog.records if "proven on live nodes" in r.getMessage()]
+    assert len(lines) == 1 and f"{old}, {new}" in lines[0] and f"only node {new}" in lines[0], lines
+    assert f"user {user} " not in lines[0]  # the pseudonymous label, never the raw id
     _check_ledger(run_dir)
     _check_releases(recorder.records, None)
 

@@ -19,7 +19,7 @@ from fedmf.ledger import Ledger
 from fedmf.run import REPEATABLE_NOISE_ENV
 
 from . import _federated_task as task
-from .flower_harness import Deployment, run_simulation
+from .flower_harness import Deployment, enrolled_users, run_simulation
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -70,8 +70,12 @@ def test_flwr_run_simulation_matches_the_in_process_loop(tmp_path):
 
 
 def test_flwr_run_against_a_superlink_and_two_supernodes(tmp_path):
-    values = _values(tmp_path / "deploy", users=2, rounds=2, per_round=1, **{"min-sep": 1})
-    with Deployment(tmp_path / "flwr", [{"user-id": "0"}, {"user-id": "1"}]) as deployment:
+    """Two SuperNodes whose users prove enrolled keys (the README's deployment quick-start)."""
+    enrollment, node_configs = enrolled_users(tmp_path / "users", ["0", "1"])
+    values = _values(tmp_path / "deploy", users=2, rounds=2, per_round=1,
+                     **{"min-sep": 1, "user-enrollment": str(enrollment),
+                        "identity-timeout": 60.0})  # a ClientApp process per message, on 2 shared cores
+    with Deployment(tmp_path / "flwr", node_configs) as deployment:
         result = deployment.run(ROOT, values, timeout=400)
     assert result.rc == 0, result.output[-3000:]
     assert _committed(tmp_path / "deploy") == [0, 1]

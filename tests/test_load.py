@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from .flower_harness import Deployment, _cmdline, tagged_pids
+from .flower_harness import Deployment, _cmdline, enrolled_users, tagged_pids
 from .test_flower_app import ROOT, _values
 
 NODES = int(os.environ.get("FEDMF_LOAD_NODES", "20"))
@@ -95,8 +95,10 @@ def _ts(s: str) -> datetime:
 def test_many_supernodes_against_one_superlink(tmp_path):
     values = _values(tmp_path / "run", users=NODES, rounds=ROUNDS, per_round=PER_ROUND, **{"noise-multiplier": 0.3,
                                                                                            "reply-timeout": 300.0})
+    enrollment, node_configs = enrolled_users(tmp_path / "users", [str(i) for i in range(NODES)])
+    values.update({"user-enrollment": str(enrollment), "identity-timeout": 120.0})
     t0 = time.monotonic()
-    with Deployment(tmp_path / "flwr", [{"user-id": str(i)} for i in range(NODES)], ready_timeout=180) as d:
+    with Deployment(tmp_path / "flwr", node_configs, ready_timeout=180) as d:
         startup_s = time.monotonic() - t0
         sampler = _RssSampler(d.tracker.tag)
         sampler.start()
