@@ -283,7 +283,8 @@ def _one_run(directory, user: str, kind: Kind, rounds: int, alive: list[int], se
     nodes = {NODE[u]: make_node(u, {}, "dirty") for u in USERS}
     nodes[NODE[user]] = make_node(user, {(user, 0): "bad"}, "dirty", {"bad": kind})
     model = task.Tiny()
-    with PrivateRun.open(model, task.plan(rounds=10), directory, population=USERS) as run:
+    # repeatable noise (tests only): the clean and the dirty run are compared bit for bit
+    with PrivateRun.open(model, task.plan(rounds=10), directory, population=USERS, repeatable_noise=True) as run:
         aggregate = run.aggregate
 
         def spy(updates, rejected=None):
