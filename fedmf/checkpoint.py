@@ -52,7 +52,7 @@ _FORMAT = 1
 #: the noise seed file's binding to its run: this many random bytes after the seed
 BINDING_BYTES = 16
 _NAME = re.compile(r"^round-(\d{6,})\.pt$")
-_TENSOR_NAME = re.compile(r"^noise-([a-z_]+)-r(\d{6,})\.pt$")
+_TENSOR_NAME = re.compile(r"^noise-([a-z_]+)-r(\d{6,})(-[0-9a-f]{16})?\.pt$")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -234,6 +234,7 @@ class CheckpointStore:
         noise = dict(privatizer["noise"])
         labels = noise.get("structure_rounds", {})
         structure, written = {}, 0
+        known = self._known_noise()
         for name, tensors in noise.get("structure", {}).items():
             rounds = labels.get(name, [None] * len(tensors))
             kept = []
@@ -241,20 +242,33 @@ class CheckpointStore:
                 if label is None:
                     kept.append(tensor)
                     continue
-                file = f"noise-{name}-r{int(label):06d}.pt"
-                path = self.directory / file
-                if label >= t or not path.exists():  # produced this round (or a redo of it): write it
+                data = None
+                digest = known.get((name, int(label))) if label < t else None
+                if digest is None:  # produced this round (or a redo of it), or not known yet
                     data = _serialize(tensor.detach().cpu().contiguous())
+                    digest = _sha256(data)
+                # named by its content: a file another attempt at that round wrote is never picked up
+                file = f"noise-{name}-r{int(label):06d}-{digest[:16]}.pt"
+                path = self.directory / file
+                if not path.exists():
+                    if data is None:
+                        data = _serialize(tensor.detach().cpu().contiguous())
                     _atomic_bytes(path, data)
                     written += len(data)
-                    digest = _sha256(data)
-                else:
-                    digest = self._digest(path)
+                elif self._digest(path) != digest:
+                    raise CheckpointError(f"checkpoint noise file {file!r} does not hold this run's noise of round "
+                                          f"{int(label)} (changed on disk?): refusing to reference it")
+                known[(name, int(label))] = digest
                 kept.append({"file": file, "sha256": digest})
             structure[name] = kept
         noise["structure"] = structure
         privatizer["noise"] = noise
         return privatizer, written
+
+    def _known_noise(self) -> dict[tuple[str, int], str]:
+        """(tensor name, round) → SHA-256 of the bytes of the noise tensor in memory, for the
+        tensors this store wrote or read (verified) itself: written once, they never change."""
+        return self.__dict__.setdefault("_known", {})
 
     def _digest(self, path: Path) -> str:
         cache = self.__dict__.setdefault("_digests", {})
@@ -267,10 +281,11 @@ class CheckpointStore:
     def _internalize(self, privatizer: Mapping[str, Any]) -> dict[str, Any]:
         privatizer = dict(privatizer)
         noise = dict(privatizer["noise"])
-        structure = {}
+        structure, known = {}, self._known_noise()
+        labels = noise.get("structure_rounds", {})
         for name, items in noise.get("structure", {}).items():
             tensors = []
-            for item in items:
+            for item, label in zip(items, labels.get(name, [None] * len(items))):
                 if isinstance(item, torch.Tensor):
                     tensors.append(item)
                     continue
@@ -282,6 +297,8 @@ class CheckpointStore:
                 if _sha256(data) != item["sha256"]:
                     raise CheckpointError(f"checkpoint noise file {item['file']!r} does not match its hash")
                 tensors.append(_deserialize(data, repr(item["file"])))
+                if label is not None:
+                    known[(name, int(label))] = item["sha256"]
             structure[name] = tensors
         noise["structure"] = structure
         privatizer["noise"] = noise
