@@ -35,7 +35,7 @@ import torch
 
 from .checkpoint import CheckpointStore, RunSecrets
 from .errors import CheckpointError, ConfigError, FedmfError, RoundOrderError
-from .files import atomic_write
+from .files import atomic_write, lock_directory
 from .participation import MinSep
 from .plan import RunPlan
 from .privatize import RoundPrivatizer, RoundReport, layout_of
@@ -89,8 +89,8 @@ class PrivateRun:
     """One private run of ``plan`` on ``model`` with its durable state in ``directory``."""
 
     def __init__(self, model, plan, directory, secrets, store, book, ledger_url, run, privatizer, optimizer,
-                 scheduler, on_event) -> None:
-        self.model, self.plan, self.directory = model, plan, directory
+                 scheduler, on_event, lock: int) -> None:
+        self.model, self.plan, self.directory, self._lock = model, plan, directory, lock
         self._secrets, self.store, self._book, self.ledger_url = secrets, store, book, ledger_url
         self._run, self.privatizer, self.optimizer, self.scheduler = run, privatizer, optimizer, scheduler
         self._event = on_event or (lambda name, t: None)
@@ -125,9 +125,14 @@ class PrivateRun:
             raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         directory = Path(directory)
         store = CheckpointStore(directory)
-        secrets = RunSecrets(directory / "secrets")
-        ledger_url = str(ledger) if ledger is not None else str(directory / "ledger.db")
-        book = Ledger.open(ledger_url, secret=secrets.ledger_secret)
+        secrets = RunSecrets(directory / "secrets")  # (a new secret is created O_EXCL: no race)
+        lock = lock_directory(directory, CheckpointError)  # held until close (or the process dies)
+        try:
+            ledger_url = str(ledger) if ledger is not None else str(directory / "ledger.db")
+            book = Ledger.open(ledger_url, secret=secrets.ledger_secret)
+        except BaseException:
+            os.close(lock)
+            raise
         try:
             params = dict(model.named_parameters())
             dtype, device = _param_dtype(params)
@@ -146,8 +151,10 @@ class PrivateRun:
             run = cls._attach(book, directory, store, secrets, plan, model, privatizer, opt, scheduler, name)
         except BaseException:
             book.close()
+            os.close(lock)
             raise
-        return cls(model, plan, directory, secrets, store, book, ledger_url, run, privatizer, opt, scheduler, on_event)
+        return cls(model, plan, directory, secrets, store, book, ledger_url, run, privatizer, opt, scheduler, on_event,
+                   lock)
 
     @staticmethod
     def _attach(book, directory: Path, store: CheckpointStore, secrets: RunSecrets, plan: RunPlan, model, privatizer,
@@ -211,9 +218,18 @@ class PrivateRun:
         return run
 
     def close(self) -> None:
-        if self._selection is not None:
-            self.abort("the server stopped during the round")
-        self._book.close()
+        """Abort an open round, close the ledger and release the run directory's lock."""
+        if self._lock is None:
+            return
+        try:
+            if self._selection is not None:
+                self.abort("the server stopped during the round")
+        finally:
+            try:
+                self._book.close()
+            finally:
+                os.close(self._lock)
+                self._lock = None
 
     def __enter__(self) -> "PrivateRun":
         return self

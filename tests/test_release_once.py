@@ -284,3 +284,46 @@ def test_a_noise_seed_copied_from_a_used_run_is_refused_in_one_line(tmp_path):
     assert "\n" not in str(info.value)
     seed_file.write_bytes(seed_file.read_bytes()[:32] + bytes.fromhex(binding))
     assert _train(run, _zeros, rounds=2) is not None  # its own binding back: it resumes
+
+
+def _round(run, users):
+    selection = run.select(users)
+    run.aggregate({u: task.local_update(dict(run.model.named_parameters()), u, selection.round)
+                   for u in selection.selected})
+    return run.commit()
+
+
+def test_a_run_directory_is_used_by_one_server_at_a_time(tmp_path):
+    """A second server on a run directory could take an open round over while the first one
+    still writes that round's files (their noise never released): the second opener is refused
+    in one line while the first holds the directory, in this process or another; a SIGKILLed
+    holder frees it (the OS drops the lock), so a crashed server still resumes."""
+    import subprocess
+    import sys
+
+    from fedmf.run import PrivateRun
+
+    run_dir, users, plan = tmp_path / "run", task.users(), task.plan(rounds=ROUNDS)
+    first = PrivateRun.open(task.Tiny(), plan, run_dir, population=users)
+    _round(first, users)
+    first.select(users)  # round 1 open
+    with pytest.raises(CheckpointError) as info:
+        PrivateRun.open(task.Tiny(), plan, run_dir, population=users)
+    assert str(info.value) == f"run directory {str(run_dir)!r} is in use by another process (a server running on " \
+                              "it): stop that one first; one directory, one server"
+    first.close()  # aborts round 1 and frees the directory
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys\nfrom fedmf.run import PrivateRun\nfrom tests import _federated_task as t\n"
+         "r = PrivateRun.open(t.Tiny(), t.plan(rounds=int(sys.argv[2])), sys.argv[1], population=t.users())\n"
+         "print(r.next_round, flush=True)\nsys.stdin.read()", str(run_dir), str(ROUNDS)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parent.parent)
+    try:
+        assert child.stdout.readline().strip() == "1"
+        with pytest.raises(CheckpointError, match="is in use by another process"):
+            PrivateRun.open(task.Tiny(), plan, run_dir, population=users)
+    finally:
+        child.kill()
+        child.wait()
+    assert child.returncode == -9
+    with PrivateRun.open(task.Tiny(), plan, run_dir, population=users) as resumed:
+        assert resumed.next_round == 1 and _round(resumed, users).round == 1
