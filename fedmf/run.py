@@ -25,6 +25,7 @@ updates, and a redone round repeats its noise.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -40,16 +41,20 @@ from .participation import MinSep
 from .plan import RunPlan
 from .privatize import RoundPrivatizer, RoundReport, layout_of
 
-__all__ = ["PrivateRun", "RoundRecord", "EVENTS", "REPEATABLE_NOISE_ENV", "repeatable_noise_from_env"]
+__all__ = ["PrivateRun", "RoundRecord", "EVENTS", "REPEATABLE_NOISE_ENV", "repeatable_noise_from_env", "NOISE_SALTS"]
 
 #: the points of a round at which ``on_event(event, t)`` is called (fault-injection tests use them)
 EVENTS = ("guarded", "selected", "updates", "noised", "stepped", "checkpointed", "committed", "released")
 _RUN_FILE = "run.json"
 #: set to 1 (tests only) to run the ServerApp and ``fedmf simulate`` without noise salts
 REPEATABLE_NOISE_ENV = "FEDMF_UNSAFE_REPEATABLE_NOISE"
+_UNSALTED = ("UNSAFE, for tests only: noise is not salted, so a redone round or a restored run directory releases "
+             "a round again with the same noise")
 #: the warning printed when it is set
-REPEATABLE_NOISE_WARNING = (f"{REPEATABLE_NOISE_ENV}=1: UNSAFE, for tests only: noise is not salted, so a redone round "
-                            "or a restored run directory releases a round again with the same noise")
+REPEATABLE_NOISE_WARNING = f"{REPEATABLE_NOISE_ENV}=1: {_UNSALTED}"
+#: run.json's "noise_salts": how the run's noise is keyed (an auditor of the directory sees the unsafe mode)
+NOISE_SALTS = {False: "per-attempt", True: "repeatable-unsafe"}
+log = logging.getLogger("fedmf")
 
 
 def repeatable_noise_from_env() -> bool:
@@ -123,6 +128,8 @@ class PrivateRun:
             raise ConfigError(f"plan must be a RunPlan, got {type(plan).__name__}")
         if not isinstance(model, torch.nn.Module):
             raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if repeatable_noise is True:
+            log.warning("fedmf: warning: repeatable_noise=True for the run in %s: %s", directory, _UNSALTED)
         directory = Path(directory)
         store = CheckpointStore(directory)
         secrets = RunSecrets(directory / "secrets")  # (a new secret is created O_EXCL: no race)
@@ -148,7 +155,8 @@ class PrivateRun:
             scheduler = make_scheduler(plan.schema, plan.sampling, key=secrets.schedule_key, rounds=plan.rounds,
                                        users_per_round=users_per_round,
                                        population=None if population is None else list(population))
-            run = cls._attach(book, directory, store, secrets, plan, model, privatizer, opt, scheduler, name)
+            run = cls._attach(book, directory, store, secrets, plan, model, privatizer, opt, scheduler, name,
+                              NOISE_SALTS[repeatable_noise])
         except BaseException:
             book.close()
             os.close(lock)
@@ -158,7 +166,7 @@ class PrivateRun:
 
     @staticmethod
     def _attach(book, directory: Path, store: CheckpointStore, secrets: RunSecrets, plan: RunPlan, model, privatizer,
-                optimizer, scheduler, name):
+                optimizer, scheduler, name, noise_salts: str):
         run_file = directory / _RUN_FILE
         seed_file = str(directory / "secrets" / "noise_seed")
         if run_file.exists():
@@ -185,6 +193,10 @@ class PrivateRun:
             privatizer.load_state_dict(state["privatizer"])
             scheduler.load_state_dict(state["scheduler"])
             torch.set_rng_state(state["rng"]["torch"])
+            if noise_salts == NOISE_SALTS[True] and recorded.get("noise_salts") != noise_salts:
+                # once unsalted, always marked: the run's released rounds may repeat noise
+                atomic_write(run_file, lambda f: json.dump({**recorded, "noise_salts": noise_salts}, f), text=True,
+                             mode=0o600)
             return run
         # one noise seed, one run: a second run with this seed would repeat released noise
         if secrets.noise_seed_binding is not None:
@@ -213,7 +225,7 @@ class PrivateRun:
                               sampling=str(plan.sampling), name=name, plan=plan.to_dict(),
                               plan_fingerprint=plan.fingerprint, config={"noise_key_check": noise_check})
         record = {"run_id": run.id, "plan_fingerprint": plan.fingerprint, "initial_sha256": initial_sha256,
-                  "noise_seed_binding": binding}
+                  "noise_seed_binding": binding, "noise_salts": noise_salts}
         atomic_write(directory / _RUN_FILE, lambda f: json.dump(record, f), text=True, mode=0o600)
         return run
 

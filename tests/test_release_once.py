@@ -327,3 +327,24 @@ def test_a_run_directory_is_used_by_one_server_at_a_time(tmp_path):
     assert child.returncode == -9
     with PrivateRun.open(task.Tiny(), plan, run_dir, population=users) as resumed:
         assert resumed.next_round == 1 and _round(resumed, users).round == 1
+
+
+def test_repeatable_noise_is_logged_and_recorded_in_run_json(tmp_path, caplog):
+    """repeatable_noise=True warns on the "fedmf" logger however it is turned on, and run.json
+    says how the run's noise is keyed; a run ever resumed unsalted stays marked unsafe."""
+    from fedmf.run import PrivateRun
+
+    def open_and_close(directory, repeatable):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="fedmf"):
+            PrivateRun.open(task.Tiny(), task.plan(rounds=ROUNDS), directory, population=task.users(),
+                            repeatable_noise=repeatable).close()
+        warnings = [r for r in caplog.records if r.name == "fedmf" and r.levelno == logging.WARNING]
+        assert len(warnings) == repeatable and all("UNSAFE" in r.getMessage() for r in warnings)
+        return json.loads((directory / "run.json").read_text())["noise_salts"]
+
+    assert open_and_close(tmp_path / "unsafe", True) == "repeatable-unsafe"
+    assert open_and_close(tmp_path / "safe", False) == "per-attempt"
+    assert open_and_close(tmp_path / "safe", False) == "per-attempt"
+    assert open_and_close(tmp_path / "safe", True) == "repeatable-unsafe"
+    assert open_and_close(tmp_path / "safe", False) == "repeatable-unsafe"
