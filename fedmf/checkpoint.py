@@ -18,7 +18,9 @@ A checkpoint does not copy what can be regenerated from the seed (past Gaussian 
 counter-based) and writes each noise tensor that no longer changes once: the noise state's
 tensors labeled with the round that produced them (``structure_rounds``) live in files of
 their own, written in the round that produced them and referenced, with their hash, by later
-checkpoints. A round therefore writes the model, the optimizer state, one new noise tensor
+checkpoints. A noise file is named by its content (``noise-NAME-rROUND-HASH16.pt``) and only
+referenced with the hash of the tensor in memory, so a file another attempt at that round wrote
+(its noise never released) is never picked up, and one changed on disk is refused. A round therefore writes the model, the optimizer state, one new noise tensor
 (banded C) or the few that change every round (BLT buffers), not the whole noise history.
 
 Secrets (noise seed, scheduler key, ledger HMAC secret) live in files of mode 0600 under

@@ -15,9 +15,10 @@ checkpoint store, and exposes the round as the steps of ARCHITECTURE.md's data f
 thin drivers of these calls. A round that was not committed is redone with fresh noise (a new
 noise salt per attempt, fedmf.noise) and the same selection when the same users are available
 (the scheduler's decisions are a deterministic function of its state and the available set);
-the committed rounds' noise is reproduced exactly from the checkpoint's salts. So a run
-directory restored from a backup never releases a round again with the noise it was released
-with. ``repeatable_noise=True`` (tests only, unsafe) leaves the salts out: then the two drivers
+the committed rounds resume bit-exactly (their noise is reproduced from the checkpoint's salts).
+So a run directory restored from a backup never releases a round again with the noise it was
+released with. One server at a time: a PrivateRun locks its directory (``run.lock``, flock)
+until it is closed or its process dies. ``repeatable_noise=True`` (tests only, unsafe) leaves the salts out: then the two drivers
 produce bit-identical models for the same plan, secrets, users and (deterministic) local
 updates, and a redone round repeats its noise.
 """
@@ -386,7 +387,8 @@ class PrivateRun:
 
     def abort(self, reason: str) -> None:
         """Give up the open round: nothing of it was released, and the in-memory state is
-        restored from the last committed checkpoint, so the round can be redone exactly."""
+        restored from the last committed checkpoint (bit-exactly), so the round can be redone —
+        with the same selection when the same users are available, and fresh noise."""
         selection, self._selection, self._report = self._selection, None, None
         if selection is None:
             return
