@@ -24,7 +24,11 @@ def check_private(path: str | os.PathLike, what: str, error: Callable[[str], Exc
     a run directory, its ``secrets/`` or the ledger can replace the secrets, checkpoints or
     history under the server."""
     path = Path(path)
-    info = path.stat()
+    try:
+        info = path.stat()
+    except OSError as e:
+        dangling = " (a symbolic link to nothing)" if path.is_symlink() and not path.exists() else ""
+        raise error(f"{what} {str(path)!r} cannot be used: {e.strerror or e}{dangling}") from None
     mode = stat.S_IMODE(info.st_mode)
     if info.st_uid != os.geteuid():
         raise error(f"{what} {str(path)!r} is owned by uid {info.st_uid}, not by the user running fedmf (uid "
