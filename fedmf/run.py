@@ -202,8 +202,9 @@ class PrivateRun:
         # one noise seed, one run: a second run with this seed would repeat released noise
         if secrets.noise_seed_binding is not None:
             raise CheckpointError(f"the noise seed in {seed_file!r} is bound to another run (copied from its run "
-                                  "directory?): a new run needs new secrets (a new directory, or remove secrets/); "
-                                  "noise is never reused")
+                                  f"directory?), or a start of a run here stopped before writing {_RUN_FILE}: a new "
+                                  "run needs new secrets (a new directory; or, if no round was ever committed from "
+                                  "this directory, remove its secrets/ and initial.pt); noise is never reused")
         leftovers = sorted(p.name for p in directory.iterdir()
                            if p.name == "initial.pt" or p.name.startswith(("round-", "noise-")))
         used = directory / "secrets" / "noise_seed.used"

@@ -348,3 +348,30 @@ def test_repeatable_noise_is_logged_and_recorded_in_run_json(tmp_path, caplog):
     assert open_and_close(tmp_path / "safe", False) == "per-attempt"
     assert open_and_close(tmp_path / "safe", True) == "repeatable-unsafe"
     assert open_and_close(tmp_path / "safe", False) == "repeatable-unsafe"
+
+
+def test_a_start_interrupted_after_binding_the_seed_says_what_to_do(tmp_path, monkeypatch):
+    """A crash between binding the noise seed and writing run.json leaves a bound seed and no
+    run.json: the next start names that case (not only a copied seed) and what to remove; done
+    so, the run starts."""
+    from fedmf.ledger import Ledger
+    from fedmf.run import PrivateRun
+
+    def crash(*args, **kwargs):
+        raise Stop("killed")
+
+    run_dir, plan = tmp_path / "run", task.plan(rounds=ROUNDS)
+    with monkeypatch.context() as patch:
+        patch.setattr(Ledger, "create_run", crash)
+        with pytest.raises(Stop):
+            PrivateRun.open(task.Tiny(), plan, run_dir, population=task.users())
+    assert not (run_dir / "run.json").exists() and (run_dir / "initial.pt").exists()
+    with pytest.raises(CheckpointError) as info:
+        PrivateRun.open(task.Tiny(), plan, run_dir, population=task.users())
+    message = str(info.value)
+    assert "\n" not in message and "stopped before writing run.json" in message
+    assert "remove its secrets/ and initial.pt" in message and "noise is never reused" in message
+    shutil.rmtree(run_dir / "secrets")
+    (run_dir / "initial.pt").unlink()
+    with PrivateRun.open(task.Tiny(), plan, run_dir, population=task.users()) as run:
+        assert run.next_round == 0 and _round(run, task.users()).round == 0
