@@ -164,7 +164,9 @@ class RunSecrets:
 class CheckpointStore:
     """Round checkpoints in ``directory`` (``round-NNNNNN.pt`` plus shared noise tensor files)."""
 
-    def __init__(self, directory: str | os.PathLike) -> None:
+    def __init__(self, directory: str | os.PathLike, *, clean: bool = True) -> None:
+        """``clean``: remove the temporary files a killed process left (False: call
+        ``clean()`` once the directory is locked, ``fedmf.files.lock_directory``)."""
         self.directory = Path(directory)
         try:
             self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -172,9 +174,14 @@ class CheckpointStore:
             check_private(self.directory, "run directory", CheckpointError)
         except OSError as e:
             raise CheckpointError(f"cannot create checkpoint directory {str(directory)!r}: {e.strerror or e}") from None
-        for stale in self.directory.glob(".*.tmp"):  # half-written files of a process that was killed
-            stale.unlink(missing_ok=True)
+        if clean:
+            self.clean()
         self.last_bytes = 0
+
+    def clean(self) -> None:
+        """Remove half-written files of a process that was killed (never while another one runs)."""
+        for stale in self.directory.glob(".*.tmp"):
+            stale.unlink(missing_ok=True)
 
     def path(self, t: int) -> Path:
         """Round t's checkpoint file; t = -1 is the initial state (before round 0)."""

@@ -132,10 +132,11 @@ class PrivateRun:
         if repeatable_noise is True:
             log.warning("fedmf: warning: repeatable_noise=True for the run in %s: %s", directory, _UNSALTED)
         directory = Path(directory)
-        store = CheckpointStore(directory)
+        store = CheckpointStore(directory, clean=False)  # another server's temporary files stay
         secrets = RunSecrets(directory / "secrets")  # (a new secret is created O_EXCL: no race)
         lock = lock_directory(directory, CheckpointError)  # held until close (or the process dies)
         try:
+            store.clean()
             ledger_url = str(ledger) if ledger is not None else str(directory / "ledger.db")
             book = Ledger.open(ledger_url, secret=secrets.ledger_secret)
         except BaseException:

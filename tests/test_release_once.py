@@ -307,8 +307,11 @@ def test_a_run_directory_is_used_by_one_server_at_a_time(tmp_path):
     first = PrivateRun.open(task.Tiny(), plan, run_dir, population=users)
     _round(first, users)
     first.select(users)  # round 1 open
+    writing = run_dir / ".round-000001.pt.999.tmp"  # the holder's checkpoint being written
+    writing.write_bytes(b"half")
     with pytest.raises(CheckpointError) as info:
         PrivateRun.open(task.Tiny(), plan, run_dir, population=users)
+    assert writing.exists()  # the refused opener touched nothing of the holder's
     assert str(info.value) == f"run directory {str(run_dir)!r} is in use by another process (a server running on " \
                               "it): stop that one first; one directory, one server"
     first.close()  # aborts round 1 and frees the directory
@@ -327,6 +330,7 @@ def test_a_run_directory_is_used_by_one_server_at_a_time(tmp_path):
     assert child.returncode == -9
     with PrivateRun.open(task.Tiny(), plan, run_dir, population=users) as resumed:
         assert resumed.next_round == 1 and _round(resumed, users).round == 1
+    assert not writing.exists()  # the holders that got the lock removed what a killed process left
 
 
 def test_repeatable_noise_is_logged_and_recorded_in_run_json(tmp_path, caplog):
