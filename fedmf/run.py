@@ -227,8 +227,8 @@ class PrivateRun:
                               delta=plan.delta, target_epsilon=plan.target_epsilon, schema=plan.schema,
                               sampling=str(plan.sampling), name=name, plan=plan.to_dict(),
                               plan_fingerprint=plan.fingerprint, config={"noise_key_check": noise_check})
-        record = {"run_id": run.id, "plan_fingerprint": plan.fingerprint, "initial_sha256": initial_sha256,
-                  "noise_seed_binding": binding, "noise_salts": noise_salts}
+        record = {"run_id": run.id, "noise_salts": noise_salts, "plan_fingerprint": plan.fingerprint,
+                  "initial_sha256": initial_sha256, "noise_seed_binding": binding}
         atomic_write(directory / _RUN_FILE, lambda f: json.dump(record, f), text=True, mode=0o600)
         return run
 
