@@ -21,7 +21,8 @@ their own, written in the round that produced them and referenced, with their ha
 checkpoints. A noise file is named by its content (``noise-NAME-rROUND-HASH16.pt``) and only
 referenced with the hash of the tensor in memory, so a file another attempt at that round wrote
 (its noise never released) is never picked up, and one changed on disk is refused. A round
-therefore writes the model, the optimizer state, one new noise tensor (banded C) or the few that change every round (BLT buffers), not the whole noise history.
+therefore writes the model, the optimizer state, one new noise tensor (banded C) or the few
+that change every round (BLT buffers), not the whole noise history.
 
 Secrets (noise seed, scheduler key, ledger HMAC secret) live in files of mode 0600 under
 ``<directory>/secrets``; they are never in a checkpoint, the ledger or a log. A run binds its

@@ -19,8 +19,8 @@ the committed rounds resume bit-exactly (their noise is reproduced from the chec
 So a run directory restored from a backup never releases a round again with the noise it was
 released with. One server at a time: a PrivateRun locks its directory (``run.lock``, flock)
 until it is closed or its process dies. ``repeatable_noise=True`` (tests only, unsafe) leaves
-the salts out: then the two drivers produce bit-identical models for the same plan, secrets, users and (deterministic) local
-updates, and a redone round repeats its noise.
+the salts out: then the two drivers produce bit-identical models for the same plan, secrets,
+users and (deterministic) local updates, and a redone round repeats its noise.
 """
 
 from __future__ import annotations
