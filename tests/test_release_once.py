@@ -225,8 +225,13 @@ def test_the_server_app_reports_a_rolled_back_run_directory_in_one_line(tmp_path
     shutil.rmtree(tmp_path / "run")
     shutil.copytree(tmp_path / "backup", tmp_path / "run", symlinks=True)
     context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=values)
-    with caplog.at_level(logging.ERROR, logger="fedmf.server"), pytest.raises(ServerAppError) as info:
-        main(LocalGrid({}), context)
+    logger = logging.getLogger("fedmf.server")
+    saved = (logger.handlers[:], logger.level, logger.propagate)  # main() installs its stderr handler
+    try:
+        with caplog.at_level(logging.ERROR, logger="fedmf.server"), pytest.raises(ServerAppError) as info:
+            main(LocalGrid({}), context)
+    finally:
+        logger.handlers[:], logger.level, logger.propagate = saved
     line = str(info.value)
     assert line.startswith("fedmf: error: the ledger says round 2 was committed") and "up to round 0" in line
     assert "\n" not in line
