@@ -18,8 +18,11 @@ A checkpoint does not copy what can be regenerated from the seed (past Gaussian 
 counter-based) and writes each noise tensor that no longer changes once: the noise state's
 tensors labeled with the round that produced them (``structure_rounds``) live in files of
 their own, written in the round that produced them and referenced, with their hash, by later
-checkpoints. A round therefore writes the model, the optimizer state, one new noise tensor
-(banded C) or the few that change every round (BLT buffers), not the whole noise history.
+checkpoints. A noise file is named by its content (``noise-NAME-rROUND-HASH16.pt``) and only
+referenced with the hash of the tensor in memory, so a file another attempt at that round wrote
+(its noise never released) is never picked up, and one changed on disk is refused. A round
+therefore writes the model, the optimizer state, one new noise tensor (banded C) or the few
+that change every round (BLT buffers), not the whole noise history.
 
 Secrets (noise seed, scheduler key, ledger HMAC secret) live in files of mode 0600 under
 ``<directory>/secrets``; they are never in a checkpoint, the ledger or a log. A run binds its
@@ -52,7 +55,7 @@ _FORMAT = 1
 #: the noise seed file's binding to its run: this many random bytes after the seed
 BINDING_BYTES = 16
 _NAME = re.compile(r"^round-(\d{6,})\.pt$")
-_TENSOR_NAME = re.compile(r"^noise-([a-z_]+)-r(\d{6,})\.pt$")
+_TENSOR_NAME = re.compile(r"^noise-([a-z_]+)-r(\d{6,})(-[0-9a-f]{16})?\.pt$")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -162,7 +165,9 @@ class RunSecrets:
 class CheckpointStore:
     """Round checkpoints in ``directory`` (``round-NNNNNN.pt`` plus shared noise tensor files)."""
 
-    def __init__(self, directory: str | os.PathLike) -> None:
+    def __init__(self, directory: str | os.PathLike, *, clean: bool = True) -> None:
+        """``clean``: remove the temporary files a killed process left (False: call
+        ``clean()`` once the directory is locked, ``fedmf.files.lock_directory``)."""
         self.directory = Path(directory)
         try:
             self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -170,9 +175,14 @@ class CheckpointStore:
             check_private(self.directory, "run directory", CheckpointError)
         except OSError as e:
             raise CheckpointError(f"cannot create checkpoint directory {str(directory)!r}: {e.strerror or e}") from None
-        for stale in self.directory.glob(".*.tmp"):  # half-written files of a process that was killed
-            stale.unlink(missing_ok=True)
+        if clean:
+            self.clean()
         self.last_bytes = 0
+
+    def clean(self) -> None:
+        """Remove half-written files of a process that was killed (never while another one runs)."""
+        for stale in self.directory.glob(".*.tmp"):
+            stale.unlink(missing_ok=True)
 
     def path(self, t: int) -> Path:
         """Round t's checkpoint file; t = -1 is the initial state (before round 0)."""
@@ -234,6 +244,7 @@ class CheckpointStore:
         noise = dict(privatizer["noise"])
         labels = noise.get("structure_rounds", {})
         structure, written = {}, 0
+        known = self._known_noise()
         for name, tensors in noise.get("structure", {}).items():
             rounds = labels.get(name, [None] * len(tensors))
             kept = []
@@ -241,20 +252,33 @@ class CheckpointStore:
                 if label is None:
                     kept.append(tensor)
                     continue
-                file = f"noise-{name}-r{int(label):06d}.pt"
-                path = self.directory / file
-                if label >= t or not path.exists():  # produced this round (or a redo of it): write it
+                data = None
+                digest = known.get((name, int(label))) if label < t else None
+                if digest is None:  # produced this round (or a redo of it), or not known yet
                     data = _serialize(tensor.detach().cpu().contiguous())
+                    digest = _sha256(data)
+                # named by its content: a file another attempt at that round wrote is never picked up
+                file = f"noise-{name}-r{int(label):06d}-{digest[:16]}.pt"
+                path = self.directory / file
+                if not path.exists():
+                    if data is None:
+                        data = _serialize(tensor.detach().cpu().contiguous())
                     _atomic_bytes(path, data)
                     written += len(data)
-                    digest = _sha256(data)
-                else:
-                    digest = self._digest(path)
+                elif self._digest(path) != digest:
+                    raise CheckpointError(f"checkpoint noise file {file!r} does not hold this run's noise of round "
+                                          f"{int(label)} (changed on disk?): refusing to reference it")
+                known[(name, int(label))] = digest
                 kept.append({"file": file, "sha256": digest})
             structure[name] = kept
         noise["structure"] = structure
         privatizer["noise"] = noise
         return privatizer, written
+
+    def _known_noise(self) -> dict[tuple[str, int], str]:
+        """(tensor name, round) → SHA-256 of the bytes of the noise tensor in memory, for the
+        tensors this store wrote or read (verified) itself: written once, they never change."""
+        return self.__dict__.setdefault("_known", {})
 
     def _digest(self, path: Path) -> str:
         cache = self.__dict__.setdefault("_digests", {})
@@ -267,10 +291,11 @@ class CheckpointStore:
     def _internalize(self, privatizer: Mapping[str, Any]) -> dict[str, Any]:
         privatizer = dict(privatizer)
         noise = dict(privatizer["noise"])
-        structure = {}
+        structure, known = {}, self._known_noise()
+        labels = noise.get("structure_rounds", {})
         for name, items in noise.get("structure", {}).items():
             tensors = []
-            for item in items:
+            for item, label in zip(items, labels.get(name, [None] * len(items))):
                 if isinstance(item, torch.Tensor):
                     tensors.append(item)
                     continue
@@ -282,6 +307,8 @@ class CheckpointStore:
                 if _sha256(data) != item["sha256"]:
                     raise CheckpointError(f"checkpoint noise file {item['file']!r} does not match its hash")
                 tensors.append(_deserialize(data, repr(item["file"])))
+                if label is not None:
+                    known[(name, int(label))] = item["sha256"]
             structure[name] = tensors
         noise["structure"] = structure
         privatizer["noise"] = noise

@@ -1,15 +1,20 @@
-"""Atomic file writes (a reader sees the old file or the whole new one, never a part) and the
-check that a run's directories and files are private to the user running the server."""
+"""Atomic file writes (a reader sees the old file or the whole new one, never a part), the
+check that a run's directories and files are private to the user running the server, and the
+lock that keeps a run directory to one server."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import stat
 import tempfile
 from pathlib import Path
 from typing import IO, Any, Callable
 
-__all__ = ["atomic_write", "check_private"]
+__all__ = ["atomic_write", "check_private", "lock_directory", "LOCK_FILE"]
+
+#: the lock file in a run directory, held (flock) by the server using it
+LOCK_FILE = "run.lock"
 
 
 def check_private(path: str | os.PathLike, what: str, error: Callable[[str], Exception], *,
@@ -19,7 +24,11 @@ def check_private(path: str | os.PathLike, what: str, error: Callable[[str], Exc
     a run directory, its ``secrets/`` or the ledger can replace the secrets, checkpoints or
     history under the server."""
     path = Path(path)
-    info = path.stat()
+    try:
+        info = path.stat()
+    except OSError as e:
+        dangling = " (a symbolic link to nothing)" if path.is_symlink() and not path.exists() else ""
+        raise error(f"{what} {str(path)!r} cannot be used: {e.strerror or e}{dangling}") from None
     mode = stat.S_IMODE(info.st_mode)
     if info.st_uid != os.geteuid():
         raise error(f"{what} {str(path)!r} is owned by uid {info.st_uid}, not by the user running fedmf (uid "
@@ -28,6 +37,26 @@ def check_private(path: str | os.PathLike, what: str, error: Callable[[str], Exc
         fix = "chmod go-w" if others_may_read else "chmod 700" if path.is_dir() else "chmod 600"
         whom = "writable" if others_may_read else "readable or writable"
         raise error(f"{what} {str(path)!r} has mode {mode:o}; it must not be {whom} by group or others ({fix} it)")
+
+
+def lock_directory(directory: str | os.PathLike, error: Callable[[str], Exception]) -> int:
+    """Hold an exclusive lock on the run ``directory`` (``flock`` on its ``run.lock``) and return
+    the lock's file descriptor (``os.close`` it to release it; the OS releases it when the process
+    dies, so a crashed server's directory can be resumed). A directory another server holds:
+    ``error(one line)``. Two servers on one directory would both write round files and noise
+    files of attempts the ledger refuses."""
+    path = Path(directory) / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        raise error(f"cannot open the lock file {str(path)!r}: {e.strerror or e}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise error(f"run directory {str(Path(directory))!r} is in use by another process (a server running on "
+                    "it): stop that one first; one directory, one server") from None
+    return fd
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[IO[Any]], object], *, text: bool,

@@ -15,16 +15,18 @@ checkpoint store, and exposes the round as the steps of ARCHITECTURE.md's data f
 thin drivers of these calls. A round that was not committed is redone with fresh noise (a new
 noise salt per attempt, fedmf.noise) and the same selection when the same users are available
 (the scheduler's decisions are a deterministic function of its state and the available set);
-the committed rounds' noise is reproduced exactly from the checkpoint's salts. So a run
-directory restored from a backup never releases a round again with the noise it was released
-with. ``repeatable_noise=True`` (tests only, unsafe) leaves the salts out: then the two drivers
-produce bit-identical models for the same plan, secrets, users and (deterministic) local
-updates, and a redone round repeats its noise.
+the committed rounds resume bit-exactly (their noise is reproduced from the checkpoint's salts).
+So a run directory restored from a backup never releases a round again with the noise it was
+released with. One server at a time: a PrivateRun locks its directory (``run.lock``, flock)
+until it is closed or its process dies. ``repeatable_noise=True`` (tests only, unsafe) leaves
+the salts out: then the two drivers produce bit-identical models for the same plan, secrets,
+users and (deterministic) local updates, and a redone round repeats its noise.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -35,22 +37,26 @@ import torch
 
 from .checkpoint import CheckpointStore, RunSecrets
 from .errors import CheckpointError, ConfigError, FedmfError, RoundOrderError
-from .files import atomic_write
+from .files import atomic_write, lock_directory
 from .participation import MinSep
 from .plan import RunPlan
 from .privatize import RoundPrivatizer, RoundReport, layout_of
 from .round_log import append_round
 
-__all__ = ["PrivateRun", "RoundRecord", "EVENTS", "REPEATABLE_NOISE_ENV", "repeatable_noise_from_env"]
+__all__ = ["PrivateRun", "RoundRecord", "EVENTS", "REPEATABLE_NOISE_ENV", "repeatable_noise_from_env", "NOISE_SALTS"]
 
 #: the points of a round at which ``on_event(event, t)`` is called (fault-injection tests use them)
 EVENTS = ("guarded", "selected", "updates", "noised", "stepped", "checkpointed", "committed", "released")
 _RUN_FILE = "run.json"
 #: set to 1 (tests only) to run the ServerApp and ``fedmf simulate`` without noise salts
 REPEATABLE_NOISE_ENV = "FEDMF_UNSAFE_REPEATABLE_NOISE"
+_UNSALTED = ("UNSAFE, for tests only: noise is not salted, so a redone round or a restored run directory releases "
+             "a round again with the same noise")
 #: the warning printed when it is set
-REPEATABLE_NOISE_WARNING = (f"{REPEATABLE_NOISE_ENV}=1: UNSAFE, for tests only: noise is not salted, so a redone round "
-                            "or a restored run directory releases a round again with the same noise")
+REPEATABLE_NOISE_WARNING = f"{REPEATABLE_NOISE_ENV}=1: {_UNSALTED}"
+#: run.json's "noise_salts": how the run's noise is keyed (an auditor of the directory sees the unsafe mode)
+NOISE_SALTS = {False: "per-attempt", True: "repeatable-unsafe"}
+log = logging.getLogger("fedmf")
 
 
 def repeatable_noise_from_env() -> bool:
@@ -90,8 +96,8 @@ class PrivateRun:
     """One private run of ``plan`` on ``model`` with its durable state in ``directory``."""
 
     def __init__(self, model, plan, directory, secrets, store, book, ledger_url, run, privatizer, optimizer,
-                 scheduler, on_event) -> None:
-        self.model, self.plan, self.directory = model, plan, directory
+                 scheduler, on_event, lock: int) -> None:
+        self.model, self.plan, self.directory, self._lock = model, plan, directory, lock
         self._secrets, self.store, self._book, self.ledger_url = secrets, store, book, ledger_url
         self._run, self.privatizer, self.optimizer, self.scheduler = run, privatizer, optimizer, scheduler
         self._event = on_event or (lambda name, t: None)
@@ -130,14 +136,22 @@ class PrivateRun:
             raise ConfigError(f"plan must be a RunPlan, got {type(plan).__name__}")
         if not isinstance(model, torch.nn.Module):
             raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if repeatable_noise is True:
+            log.warning("fedmf: warning: repeatable_noise=True for the run in %s: %s", directory, _UNSALTED)
         if population is not None:
             population = list(population)
             plan.check_population(len(population))  # before anything is written
         directory = Path(directory)
-        store = CheckpointStore(directory)
-        secrets = RunSecrets(directory / "secrets")
-        ledger_url = str(ledger) if ledger is not None else str(directory / "ledger.db")
-        book = Ledger.open(ledger_url, secret=secrets.ledger_secret)
+        store = CheckpointStore(directory, clean=False)  # another server's temporary files stay
+        secrets = RunSecrets(directory / "secrets")  # (a new secret is created O_EXCL: no race)
+        lock = lock_directory(directory, CheckpointError)  # held until close (or the process dies)
+        try:
+            store.clean()
+            ledger_url = str(ledger) if ledger is not None else str(directory / "ledger.db")
+            book = Ledger.open(ledger_url, secret=secrets.ledger_secret)
+        except BaseException:
+            os.close(lock)
+            raise
         try:
             params = dict(model.named_parameters())
             dtype, device = _param_dtype(params)
@@ -154,15 +168,17 @@ class PrivateRun:
                                        users_per_round=users_per_round,
                                        population=population)
             run = cls._attach(book, directory, store, secrets, plan, model, privatizer, opt, scheduler, name,
-                              ledger_diagnostics)
+                              NOISE_SALTS[repeatable_noise], ledger_diagnostics)
         except BaseException:
             book.close()
+            os.close(lock)
             raise
-        return cls(model, plan, directory, secrets, store, book, ledger_url, run, privatizer, opt, scheduler, on_event)
+        return cls(model, plan, directory, secrets, store, book, ledger_url, run, privatizer, opt, scheduler, on_event,
+                   lock)
 
     @staticmethod
     def _attach(book, directory: Path, store: CheckpointStore, secrets: RunSecrets, plan: RunPlan, model, privatizer,
-                optimizer, scheduler, name, diagnostics: bool):
+                optimizer, scheduler, name, noise_salts: str, diagnostics: bool):
         run_file = directory / _RUN_FILE
         seed_file = str(directory / "secrets" / "noise_seed")
         if run_file.exists():
@@ -189,12 +205,17 @@ class PrivateRun:
             privatizer.load_state_dict(state["privatizer"])
             scheduler.load_state_dict(state["scheduler"])
             torch.set_rng_state(state["rng"]["torch"])
+            if noise_salts == NOISE_SALTS[True] and recorded.get("noise_salts") != noise_salts:
+                # once unsalted, always marked: the run's released rounds may repeat noise
+                atomic_write(run_file, lambda f: json.dump({**recorded, "noise_salts": noise_salts}, f), text=True,
+                             mode=0o600)
             return run
         # one noise seed, one run: a second run with this seed would repeat released noise
         if secrets.noise_seed_binding is not None:
             raise CheckpointError(f"the noise seed in {seed_file!r} is bound to another run (copied from its run "
-                                  "directory?): a new run needs new secrets (a new directory, or remove secrets/); "
-                                  "noise is never reused")
+                                  f"directory?), or a start of a run here stopped before writing {_RUN_FILE}: a new "
+                                  "run needs new secrets (a new directory; or, if no round was ever committed from "
+                                  "this directory, remove its secrets/ and initial.pt); noise is never reused")
         leftovers = sorted(p.name for p in directory.iterdir()
                            if p.name == "initial.pt" or p.name.startswith(("round-", "noise-")))
         used = directory / "secrets" / "noise_seed.used"
@@ -217,15 +238,24 @@ class PrivateRun:
                               sampling=str(plan.sampling), name=name, plan=plan.to_dict(),
                               plan_fingerprint=plan.fingerprint, config={"noise_key_check": noise_check},
                               diagnostics=diagnostics)
-        record = {"run_id": run.id, "plan_fingerprint": plan.fingerprint, "initial_sha256": initial_sha256,
-                  "noise_seed_binding": binding}
+        record = {"run_id": run.id, "noise_salts": noise_salts, "plan_fingerprint": plan.fingerprint,
+                  "initial_sha256": initial_sha256, "noise_seed_binding": binding}
         atomic_write(directory / _RUN_FILE, lambda f: json.dump(record, f), text=True, mode=0o600)
         return run
 
     def close(self) -> None:
-        if self._selection is not None:
-            self.abort("the server stopped during the round")
-        self._book.close()
+        """Abort an open round, close the ledger and release the run directory's lock."""
+        if self._lock is None:
+            return
+        try:
+            if self._selection is not None:
+                self.abort("the server stopped during the round")
+        finally:
+            try:
+                self._book.close()
+            finally:
+                os.close(self._lock)
+                self._lock = None
 
     def __enter__(self) -> "PrivateRun":
         return self
@@ -380,7 +410,8 @@ class PrivateRun:
 
     def abort(self, reason: str) -> None:
         """Give up the open round: nothing of it was released, and the in-memory state is
-        restored from the last committed checkpoint, so the round can be redone exactly."""
+        restored from the last committed checkpoint (bit-exactly), so the round can be redone —
+        with the same selection when the same users are available, and fresh noise."""
         selection, self._selection, self._report = self._selection, None, None
         if selection is None:
             return

@@ -146,7 +146,8 @@ class DPMFStrategy(Strategy):
     def _round_with_retries(self, t: int, grid: Grid, train_config: ConfigRecord,
                             timeout: float) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Round t; when the ledger fails, the round is aborted (nothing of it was released) and
-        redone after an exponential backoff — the same selection and noise, so the same result."""
+        redone after an exponential backoff — the same selection, fresh noise (a new salt per
+        attempt); the committed rounds before it stay exactly as they were."""
         def attempt() -> tuple[ArrayRecord | None, MetricRecord | None]:
             self.run.global_params()  # raises if the state in memory is not the committed one (nothing is sent)
             arrays = ArrayRecord(self.run.model.state_dict())

@@ -286,7 +286,7 @@ def install_kill(spec: str, recorder: Recorder) -> dict[str, Any]:
 
         checkpoint.os = Proxy()
     elif kind == "noise-write":  # round t's new noise tensor file, half written
-        pattern = re.compile(rf"^\.noise-[a-z_]+-r{t:06d}\.pt\.\d+\.tmp$")
+        pattern = re.compile(rf"^\.noise-[a-z_]+-r{t:06d}-[0-9a-f]{{16}}\.pt\.\d+\.tmp$")
         opened: dict[int, Path] = {}
         checkpoint.os = _OsProxy(on_open=lambda path, fd: opened.__setitem__(fd, path),
                                  on_fdopen=lambda fd, f: _HalfWriter(f) if pattern.match(opened.get(fd, Path()).name)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import stat
 
 import pytest
@@ -55,7 +56,7 @@ def test_banded_noise_state_is_written_once_per_round_and_restores_exactly(tmp_p
             # one new noise tensor per round, not the p - 1 the state holds
             assert TENSOR_BYTES <= store.last_bytes < 2 * TENSOR_BYTES
         store.prune(keep=t)
-    files = sorted(p.name for p in tmp_path.iterdir())
+    files = sorted(re.sub(r"-[0-9a-f]{16}\.pt$", ".pt", p.name) for p in tmp_path.iterdir())
     assert files == ["noise-outputs-r000003.pt", "noise-outputs-r000004.pt", "noise-outputs-r000005.pt",
                      "round-000005.pt"]
     restored = _privatizer("bsr", 4)
@@ -64,6 +65,38 @@ def test_banded_noise_state_is_written_once_per_round_and_restores_exactly(tmp_p
         expected, got = _run(privatizer, t), _run(restored, t)
         for k in LAYOUT:
             assert torch.equal(expected[k], got[k])
+
+
+def test_a_noise_file_of_another_attempt_is_never_referenced(tmp_path):
+    # two attempts at round 2 (two server processes on one directory, or a refused commit): the
+    # refused one writes its round-2 noise file after the committed one; the committed attempt's
+    # round-3 checkpoint must restore its own round-2 noise, not the other's
+    committed, refused = CheckpointStore(tmp_path), CheckpointStore(tmp_path)
+    run, digest = RoundPrivatizer(_privatizer().plan, LAYOUT, device="cpu", seed=SEED), None
+    for t in range(2):
+        _run(run, t)
+        digest = committed.save(t, {"privatizer": run.state_dict()})
+    other = RoundPrivatizer(run.plan, LAYOUT, device="cpu", seed=SEED)
+    other.load_state_dict(committed.load(1, digest)["privatizer"])
+    _run(run, 2)
+    committed.save(2, {"privatizer": run.state_dict()})
+    (path,) = tmp_path.glob("noise-outputs-r000002*.pt")
+    _run(other, 2)  # a fresh salt: other noise
+    refused.save(2, {"privatizer": other.state_dict()})
+    _run(run, 3)
+    digest = committed.save(3, {"privatizer": run.state_dict()})
+    mine = run.state_dict()["noise"]["structure"]["outputs"]
+    theirs = other.state_dict()["noise"]["structure"]["outputs"]
+    assert not torch.equal(mine[-1], theirs[0])  # the two attempts' round-2 noise differ
+    restored = committed.load(3, digest)["privatizer"]["noise"]["structure"]["outputs"]
+    assert len(restored) == len(mine) == 3
+    assert all(torch.equal(a, b) for a, b in zip(restored, mine))
+    # a referenced file that no longer holds the tensor in memory is refused, not referenced
+    (elsewhere,) = set(tmp_path.glob("noise-outputs-r000002*.pt")) - {path}
+    path.write_bytes(elsewhere.read_bytes())
+    _run(run, 4)
+    with pytest.raises(CheckpointError, match="r000002.*refusing"):
+        committed.save(4, {"privatizer": run.state_dict()})
 
 
 def test_fir_noise_state_writes_no_noise_tensor(tmp_path):
@@ -82,7 +115,7 @@ def test_tampering_and_wrong_hash_are_refused(tmp_path):
         digest = store.save(t, {"privatizer": privatizer.state_dict()})
     with pytest.raises(CheckpointError, match="does not match"):
         store.load(2, "0" * 64)
-    noise_file = tmp_path / "noise-outputs-r000001.pt"
+    (noise_file,) = tmp_path.glob("noise-outputs-r000001-*.pt")
     data = bytearray(noise_file.read_bytes())
     data[-10] ^= 1
     noise_file.write_bytes(bytes(data))

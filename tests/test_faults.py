@@ -261,7 +261,7 @@ POINTS = [
 
 
 #: what each kill inside an operation leaves behind (proof that it struck there)
-TRACES = {"checkpoint-temp:2": [".round-000002.pt.*.tmp"], "noise-write:0": [".noise-*-r000000.pt.*.tmp"],
+TRACES = {"checkpoint-temp:2": [".round-000002.pt.*.tmp"], "noise-write:0": [".noise-*-r000000-*.pt.*.tmp"],
           "checkpoint-dirsync:3": ["round-000003.pt"], "final-write": [".final-model.pt.*.tmp"]}
 
 

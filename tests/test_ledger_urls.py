@@ -90,3 +90,33 @@ def test_a_driver_message_quoting_the_password_is_scrubbed():
         with database_errors(url, "cannot open ledger"):
             raise OperationalError("connect", {}, Exception(f'bad value "{SECRET}x" and "{SECRET}"'))
     assert SECRET not in str(caught.value) and 'bad value "***" and "***"' in str(caught.value)
+
+
+def test_a_password_with_an_unescaped_at_sign_is_masked_up_to_the_last_at():
+    """``u:S3c@ret@h``: a first-'@' parser takes host ``ret@h`` and password ``S3c``; a host never
+    holds an '@', so the password runs to the last '@' — resolved so, and masked whole."""
+    from sqlalchemy.exc import OperationalError
+
+    from fedmf.ledger.db import LedgerError, _safe_text, database_errors
+
+    url = "postgresql://alice:S3c@ret@db:5433/fedmf?sslmode=require"
+    resolved = resolve_url(url)
+    assert (resolved.username, resolved.password, resolved.host, resolved.port) == ("alice", "S3c@ret", "db", 5433)
+    assert display_url(resolved) == "postgresql+psycopg://alice:***@db:5433/fedmf?sslmode=require"
+    assert display_url(make_url(url)) == "postgresql://alice:***@db:5433/fedmf?sslmode=require"  # parsed elsewhere
+    assert public_url(url) == "postgresql://alice@db:5433/fedmf?sslmode=require"
+    assert _safe_text(url) == "postgresql://alice:***@db:5433/fedmf?sslmode=require"
+    with pytest.raises(LedgerError) as caught:  # a driver quoting the password or the host it was given
+        with database_errors(resolved, "cannot open ledger"):
+            raise OperationalError("connect", {}, Exception('password "S3c@ret" refused'))
+    assert "S3c" not in str(caught.value) and "@ret" not in str(caught.value) and '"***"' in str(caught.value)
+
+
+@pytest.mark.parametrize("key", ["p%61ssword", "PASS%57ORD", "pw", "PW", "apikey", "x_ApiKey", "api_key"])
+def test_percent_encoded_pw_and_apikey_query_keys_are_masked(key):
+    from fedmf.ledger.db import _safe_text
+
+    url = f"postgresql://alice@db/fedmf?{key}={SECRET}&sslmode=require"
+    for shown in (display_url(resolve_url(url)), public_url(url), _safe_text(url),
+                  public_url(url.replace("@db/", "@db:port/"))):  # the last one does not parse
+        assert SECRET not in shown and "sslmode=require" in shown, shown

@@ -88,3 +88,22 @@ def test_fedmf_simulate_refuses_a_world_writable_output_directory(tmp_path, caps
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and err[0].startswith(f"fedmf: error: run directory {str(out)!r} has mode 777"), err
     assert list(out.iterdir()) == []
+
+
+def test_a_sqlite_ledger_that_is_a_dangling_symlink_is_refused_in_one_line(tmp_path, capsys):
+    from fedmf.ledger import Ledger
+    from fedmf.ledger.db import LedgerError
+
+    link = tmp_path / "ledger.db"
+    link.symlink_to(tmp_path / "gone" / "ledger.db")
+    expected = f"SQLite ledger {str(link)!r} cannot be used: No such file or directory (a symbolic link to nothing)"
+    with pytest.raises(LedgerError) as caught:
+        Ledger.open(str(link), secret=b"k" * 32)
+    assert str(caught.value) == expected
+    run_dir = tmp_path / "run"
+    with pytest.raises(LedgerError, match="a symbolic link to nothing"):
+        train(task.Tiny(), task.users(), task.plan(rounds=6), task.local_update, checkpoint_dir=run_dir, ledger=link)
+    assert main(["audit", "--ledger", str(link)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("fedmf: error:"), err
+    assert link.is_symlink() and not (tmp_path / "gone").exists()  # nothing created behind the link

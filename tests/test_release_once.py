@@ -225,8 +225,13 @@ def test_the_server_app_reports_a_rolled_back_run_directory_in_one_line(tmp_path
     shutil.rmtree(tmp_path / "run")
     shutil.copytree(tmp_path / "backup", tmp_path / "run", symlinks=True)
     context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=values)
-    with caplog.at_level(logging.ERROR, logger="fedmf.server"), pytest.raises(ServerAppError) as info:
-        main(LocalGrid({}), context)
+    logger = logging.getLogger("fedmf.server")
+    saved = (logger.handlers[:], logger.level, logger.propagate)  # main() installs its stderr handler
+    try:
+        with caplog.at_level(logging.ERROR, logger="fedmf.server"), pytest.raises(ServerAppError) as info:
+            main(LocalGrid({}), context)
+    finally:
+        logger.handlers[:], logger.level, logger.propagate = saved
     line = str(info.value)
     assert line.startswith("fedmf: error: the ledger says round 2 was committed") and "up to round 0" in line
     assert "\n" not in line
@@ -284,3 +289,98 @@ def test_a_noise_seed_copied_from_a_used_run_is_refused_in_one_line(tmp_path):
     assert "\n" not in str(info.value)
     seed_file.write_bytes(seed_file.read_bytes()[:32] + bytes.fromhex(binding))
     assert _train(run, _zeros, rounds=2) is not None  # its own binding back: it resumes
+
+
+def _round(run, users):
+    selection = run.select(users)
+    run.aggregate({u: task.local_update(dict(run.model.named_parameters()), u, selection.round)
+                   for u in selection.selected})
+    return run.commit()
+
+
+def test_a_run_directory_is_used_by_one_server_at_a_time(tmp_path):
+    """A second server on a run directory could take an open round over while the first one
+    still writes that round's files (their noise never released): the second opener is refused
+    in one line while the first holds the directory, in this process or another; a SIGKILLed
+    holder frees it (the OS drops the lock), so a crashed server still resumes."""
+    import subprocess
+    import sys
+
+    from fedmf.run import PrivateRun
+
+    run_dir, users, plan = tmp_path / "run", task.users(), task.plan(rounds=ROUNDS)
+    first = PrivateRun.open(task.Tiny(), plan, run_dir, population=users)
+    _round(first, users)
+    first.select(users)  # round 1 open
+    writing = run_dir / ".round-000001.pt.999.tmp"  # the holder's checkpoint being written
+    writing.write_bytes(b"half")
+    with pytest.raises(CheckpointError) as info:
+        PrivateRun.open(task.Tiny(), plan, run_dir, population=users)
+    assert writing.exists()  # the refused opener touched nothing of the holder's
+    assert str(info.value) == f"run directory {str(run_dir)!r} is in use by another process (a server running on " \
+                              "it): stop that one first; one directory, one server"
+    first.close()  # aborts round 1 and frees the directory
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys\nfrom fedmf.run import PrivateRun\nfrom tests import _federated_task as t\n"
+         "r = PrivateRun.open(t.Tiny(), t.plan(rounds=int(sys.argv[2])), sys.argv[1], population=t.users())\n"
+         "print(r.next_round, flush=True)\nsys.stdin.read()", str(run_dir), str(ROUNDS)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parent.parent)
+    try:
+        assert child.stdout.readline().strip() == "1"
+        with pytest.raises(CheckpointError, match="is in use by another process"):
+            PrivateRun.open(task.Tiny(), plan, run_dir, population=users)
+    finally:
+        child.kill()
+        child.wait()
+    assert child.returncode == -9
+    with PrivateRun.open(task.Tiny(), plan, run_dir, population=users) as resumed:
+        assert resumed.next_round == 1 and _round(resumed, users).round == 1
+    assert not writing.exists()  # the holders that got the lock removed what a killed process left
+
+
+def test_repeatable_noise_is_logged_and_recorded_in_run_json(tmp_path, caplog):
+    """repeatable_noise=True warns on the "fedmf" logger however it is turned on, and run.json
+    says how the run's noise is keyed; a run ever resumed unsalted stays marked unsafe."""
+    from fedmf.run import PrivateRun
+
+    def open_and_close(directory, repeatable):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="fedmf"):
+            PrivateRun.open(task.Tiny(), task.plan(rounds=ROUNDS), directory, population=task.users(),
+                            repeatable_noise=repeatable).close()
+        warnings = [r for r in caplog.records if r.name == "fedmf" and r.levelno == logging.WARNING]
+        assert len(warnings) == repeatable and all("UNSAFE" in r.getMessage() for r in warnings)
+        return json.loads((directory / "run.json").read_text())["noise_salts"]
+
+    assert open_and_close(tmp_path / "unsafe", True) == "repeatable-unsafe"
+    assert open_and_close(tmp_path / "safe", False) == "per-attempt"
+    assert open_and_close(tmp_path / "safe", False) == "per-attempt"
+    assert open_and_close(tmp_path / "safe", True) == "repeatable-unsafe"
+    assert open_and_close(tmp_path / "safe", False) == "repeatable-unsafe"
+
+
+def test_a_start_interrupted_after_binding_the_seed_says_what_to_do(tmp_path, monkeypatch):
+    """A crash between binding the noise seed and writing run.json leaves a bound seed and no
+    run.json: the next start names that case (not only a copied seed) and what to remove; done
+    so, the run starts."""
+    from fedmf.ledger import Ledger
+    from fedmf.run import PrivateRun
+
+    def crash(*args, **kwargs):
+        raise Stop("killed")
+
+    run_dir, plan = tmp_path / "run", task.plan(rounds=ROUNDS)
+    with monkeypatch.context() as patch:
+        patch.setattr(Ledger, "create_run", crash)
+        with pytest.raises(Stop):
+            PrivateRun.open(task.Tiny(), plan, run_dir, population=task.users())
+    assert not (run_dir / "run.json").exists() and (run_dir / "initial.pt").exists()
+    with pytest.raises(CheckpointError) as info:
+        PrivateRun.open(task.Tiny(), plan, run_dir, population=task.users())
+    message = str(info.value)
+    assert "\n" not in message and "stopped before writing run.json" in message
+    assert "remove its secrets/ and initial.pt" in message and "noise is never reused" in message
+    shutil.rmtree(run_dir / "secrets")
+    (run_dir / "initial.pt").unlink()
+    with PrivateRun.open(task.Tiny(), plan, run_dir, population=task.users()) as run:
+        assert run.next_round == 0 and _round(run, task.users()).round == 0

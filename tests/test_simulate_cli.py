@@ -164,3 +164,22 @@ def test_a_batch_hook_answering_for_users_not_asked_is_refused(tmp_path):
 
     with pytest.raises(ConfigError, match="not asked for in round 0"):
         train(task.Tiny(), users, task.plan(rounds=6), None, local_updates=by_string, checkpoint_dir=tmp_path)
+
+
+@pytest.mark.parametrize("backend", ["inprocess", "flower"])
+def test_repeatable_noise_is_announced_on_stderr_for_both_backends_even_quiet(tmp_path, backend):
+    """FEDMF_UNSAFE_REPEATABLE_NOISE=1 is never silent: the warning is the first stderr line with
+    --quiet --json, on either backend (here the run then stops at its plan: 2 rounds < min-sep 4)."""
+    import os
+
+    from fedmf.run import REPEATABLE_NOISE_ENV, REPEATABLE_NOISE_WARNING
+
+    argv = [sys.executable, "-m", "fedmf.cli", "simulate", "--preset", "tiny", "--out", str(tmp_path / "o"),
+            "--backend", backend, "--rounds", "2", "--quiet", "--json"]
+    for value, warned in (("1", True), ("0", False)):
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=120,
+                              env={**os.environ, REPEATABLE_NOISE_ENV: value})
+        lines = done.stderr.splitlines()
+        assert done.returncode == 2 and lines[-1].startswith("fedmf: error:"), done.stderr
+        assert (lines[0] == f"fedmf: warning: {REPEATABLE_NOISE_WARNING}") is warned, done.stderr
+        assert len(lines) == 1 + warned

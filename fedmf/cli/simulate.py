@@ -134,6 +134,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                                              if k in ("path", "vocab_path", "max_sentences", "model_size", "seed")})
     config = RunConfig.from_mapping(values)
     task = get_task(config.task, **config.task_options)
+    repeatable = repeatable_noise_from_env()  # the Flower app reads it too (inherited)
+    if repeatable:  # even with --quiet / --json: never silent
+        print(f"fedmf: warning: {REPEATABLE_NOISE_WARNING}", file=sys.stderr)
     if args.backend == "flower":
         result = _simulate_flower(args, values, config, task)
     else:
@@ -145,9 +148,6 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             clients = {"local_updates": task.as_local_updates(hyper, vectorized=False, workers=workers)}
         else:
             clients = {"local_update": task.as_local_update(hyper)}
-        repeatable = repeatable_noise_from_env()
-        if repeatable:
-            print(f"fedmf: warning: {REPEATABLE_NOISE_WARNING}", file=sys.stderr)
         result = simulate(config, model=task.model(), users=task.users(), **clients, evaluate=task.evaluate,
                           progress=not (args.quiet or args.json), plot=not args.no_plot, repeatable_noise=repeatable)
     if args.json:

@@ -15,7 +15,7 @@ import sqlite3
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, TypeVar
-from urllib.parse import quote
+from urllib.parse import quote, unquote
 
 from sqlalchemy import create_engine, event, inspect, pool, text
 from sqlalchemy.engine import URL, Connection, Engine, make_url
@@ -61,7 +61,7 @@ def resolve_url(url: str | os.PathLike) -> URL:
     if not isinstance(url, str):
         raise LedgerError(f"a ledger URL must be a string, not {type(url).__name__}")
     try:
-        parsed = make_url(url)
+        parsed = make_url(_userinfo_to_last_at(url))
     except (ArgumentError, ValueError):
         raise LedgerError(f"not a database URL: {_safe_text(url)!r}") from None
     backend = parsed.get_backend_name()
@@ -82,35 +82,64 @@ def resolve_url(url: str | os.PathLike) -> URL:
 
 #: parts of a query-string key that make its value password-like, in any case (libpq takes
 #: password= and sslpassword= in the query string; drivers and proxies add their own)
-_SECRET_KEY_PARTS = ("pass", "pwd", "secret", "token", "credential", "auth")
-_SECRET_QUERY = re.compile(r"([?&;][^=&;#]*(?:" + "|".join(_SECRET_KEY_PARTS) + r")[^=&;#]*=)[^&;#]*", re.IGNORECASE)
+_SECRET_KEY_PARTS = ("pass", "pwd", "pw", "secret", "token", "credential", "auth", "apikey", "api_key")
+_AUTHORITY = re.compile(r"^([^:/?#]+://)([^/?#]*)(.*)$", re.DOTALL)
+_QUERY_ITEM = re.compile(r"([?&;])([^=&;#]*)(=?)([^&;#]*)")
 
 
 def _is_secret_key(key: str) -> bool:
     """Whether a URL query key names a password-like value (password, PASSWORD, sslPassword,
-    passwd, secret, token, …)."""
+    passwd, pw, secret, token, apikey, …)."""
     lowered = key.lower()
     return any(part in lowered for part in _SECRET_KEY_PARTS)
 
 
+def _userinfo_to_last_at(url: str) -> str:
+    """``url`` with every '@' of its authority but the last percent-encoded: a host never holds
+    an '@' (RFC 3986, 3.2), so ``u:S3c@ret@h`` is user u, password ``S3c@ret``, host h (a URL
+    parser that stops at the first '@' would take ``ret@h`` for the host and show ``ret``)."""
+    match = _AUTHORITY.match(url)
+    if match is None or match.group(2).count("@") < 2:
+        return url
+    userinfo, host = match.group(2).rsplit("@", 1)
+    return f"{match.group(1)}{userinfo.replace('@', '%40')}@{host}{match.group(3)}"
+
+
 def _safe_text(url: str) -> str:
     """``url`` with any password replaced (for messages about unparsable URLs): the userinfo's
-    and every password-like query value."""
-    url = _SECRET_QUERY.sub(r"\1***", url)
-    if "@" in url and "://" in url:
-        scheme, rest = url.split("://", 1)
-        creds, host = rest.rsplit("@", 1)
+    (everything up to the authority's last '@') and every password-like query value (keys
+    percent-decoded before matching)."""
+    match = _AUTHORITY.match(url)
+    if match is None:
+        return url
+    scheme, authority, rest = match.groups()
+    if "@" in authority:
+        creds, host = authority.rsplit("@", 1)
         if ":" in creds:
             creds = creds.split(":", 1)[0] + ":***"
-        return f"{scheme}://{creds}@{host}"
-    return url
+        authority = f"{creds}@{host}"
+
+    def mask(item: re.Match) -> str:
+        sep, key, eq, value = item.groups()
+        return f"{sep}{key}{eq}***" if eq and _is_secret_key(unquote(key)) else item.group(0)
+
+    return f"{scheme}{authority}{_QUERY_ITEM.sub(mask, rest)}"
 
 
 def display_url(url: URL) -> str:
     """``url`` for logs and messages: the password masked (``***``), also every password-like
     value in the query string (any case)."""
     query = {k: ("***" if _is_secret_key(k) else v) for k, v in url.query.items()}
-    return url.set(query=query).render_as_string(hide_password=True)
+    return _userinfo_in_host(url).set(query=query).render_as_string(hide_password=True)
+
+
+def _userinfo_in_host(url: URL) -> URL:
+    """A URL parsed at the first '@' of ``u:S3c@ret@h`` (host ``ret@h``): what precedes the
+    host's last '@' is the rest of the password."""
+    if not url.host or "@" not in url.host:
+        return url
+    rest, host = url.host.rsplit("@", 1)
+    return url.set(host=host, password=f"{url.password or ''}@{rest}")
 
 
 def public_url(url: str | os.PathLike) -> str:
@@ -121,7 +150,7 @@ def public_url(url: str | os.PathLike) -> str:
     if "://" not in text:
         return text
     try:
-        parsed = make_url(text)
+        parsed = _userinfo_in_host(make_url(_userinfo_to_last_at(text)))
     except (ArgumentError, ValueError):
         return _safe_text(text)
     query = {k: v for k, v in parsed.query.items() if not _is_secret_key(k)}
