@@ -169,13 +169,13 @@ def test_a_batch_hook_answering_for_users_not_asked_is_refused(tmp_path):
 @pytest.mark.parametrize("backend", ["inprocess", "flower"])
 def test_repeatable_noise_is_announced_on_stderr_for_both_backends_even_quiet(tmp_path, backend):
     """FEDMF_UNSAFE_REPEATABLE_NOISE=1 is never silent: the warning is the first stderr line with
-    --quiet --json, on either backend (here the run then stops at its plan: 2 rounds < min-sep 4)."""
+    --quiet --json, on either backend (here the run then stops at its plan: a given min-sep 4 > 2 rounds)."""
     import os
 
     from fedmf.run import REPEATABLE_NOISE_ENV, REPEATABLE_NOISE_WARNING
 
     argv = [sys.executable, "-m", "fedmf.cli", "simulate", "--preset", "tiny", "--out", str(tmp_path / "o"),
-            "--backend", backend, "--rounds", "2", "--quiet", "--json"]
+            "--backend", backend, "--rounds", "2", "--min-sep", "4", "--quiet", "--json"]
     for value, warned in (("1", True), ("0", False)):
         done = subprocess.run(argv, capture_output=True, text=True, timeout=120,
                               env={**os.environ, REPEATABLE_NOISE_ENV: value})
