@@ -17,11 +17,12 @@ In every mode only users of the task's population are accepted. A node that does
 again after a backoff b (30 s, doubling up to 16 min): at the first multiple of b, on a clock common
 to all nodes (time since the directory started), that is at least b after the failure. So failing nodes are
 asked together: a node at backoff b is asked only at multiples of b, and at most one exchange that
-waits for a timeout starts in each 30 s step (a node seen for the first time, or asked again after an
-enrollment change, waits for the next step when an exchange in this step already timed out). However
+waits for a timeout starts in each 30 s step (once one has timed out, the nodes due, a node seen for
+the first time included, wait for the next step). However
 many nodes fail, the rounds pay at most one identity timeout per 30 s; when they have all reached the
-16 min backoff, one per 16 min. A node that disconnects keeps its backoff and its "logged" mark for
-16 min after it was due, so a node that keeps reconnecting costs no more. A user proven on two live
+16 min backoff, one per 16 min. A node that disconnects keeps its backoff and its "logged" mark
+until it has been gone for 16 min, and one away at its retry time is treated as having failed it, so
+a node that keeps reconnecting costs no more than one that stays. A user proven on two live
 nodes is selected on the most recently proven one only (one log line naming the pseudonymous user
 and the nodes).
 """
@@ -112,6 +113,7 @@ class NodeDirectory:
         self._sequence = 0
         self._retry: dict[int, tuple[float, float]] = {}  # node → (ask again at, current backoff)
         self._reported: set[int] = set()  # nodes whose failure was logged
+        self._gone_since: dict[int, float] = {}  # backed-off node → when it was first seen disconnected
         self._timeout_step: int | None = None  # the backoff_s step in which an exchange last timed out
         self._duplicates_logged: set[tuple[str, tuple[int, ...]]] = set()
         self.queries = 0  # identity messages sent (tests, metrics)
@@ -128,24 +130,30 @@ class NodeDirectory:
             self._forget(gone)
         self._forget_gone(live, now)
         self._reload_enrollment()
-        unknown = [n for n in live if n not in self._user_of]
-        if self._timeout_step == self._step(now):  # this step already paid a timeout: new nodes wait
-            for node in unknown:
-                self._retry.setdefault(node, (self._epoch + (self._step(now) + 1) * self.backoff_s, 0.0))
-        due = sorted(n for n in unknown if self._retry.get(n, (now, 0.0))[0] <= now)
-        if due:
+        due = sorted(n for n in live if n not in self._user_of and self._retry.get(n, (now, 0.0))[0] <= now)
+        if due and self._timeout_step != self._step(now):  # else this step already paid a timeout: wait
             self._identify(grid, due, round_)
         return self._reachable(live)
 
     def _forget_gone(self, live: set[int], now: float) -> None:
-        """A gone node keeps its backoff and "logged" mark for backoff_max_s after it was due (so
-        that reconnecting costs it nothing), MAX_GONE_REMEMBERED gone nodes at most."""
-        gone = sorted((at, n) for n, (at, _) in self._retry.items() if n not in live)
-        expired = {n for at, n in gone if at + self.backoff_max_s <= now}
-        remembered = [n for _, n in gone if n not in expired]
-        expired.update(remembered[:max(0, len(remembered) - MAX_GONE_REMEMBERED)])
+        """A node that disconnects keeps its backoff and "logged" mark until it has been gone for
+        backoff_max_s (MAX_GONE_REMEMBERED gone nodes at most, the longest gone forgotten first); one
+        gone at its retry time is treated as having failed it (its backoff doubles; no log line)."""
+        for node in [n for n in self._gone_since if n in live]:
+            del self._gone_since[node]
+        for node, (at, backoff) in self._retry.items():
+            if node not in live:
+                self._gone_since.setdefault(node, now)
+                if at <= now:  # a missed retry counts as a failed one
+                    backoff = min(self.backoff_max_s, backoff * 2)
+                    self._retry[node] = (self._epoch + (math.floor((now - self._epoch) / backoff) + 1) * backoff,
+                                         backoff)
+        by_age = sorted(self._gone_since, key=self._gone_since.__getitem__)
+        expired = [n for n in by_age if self._gone_since[n] + self.backoff_max_s <= now]
+        expired += by_age[len(expired):max(len(expired), len(by_age) - MAX_GONE_REMEMBERED)]
         for node in expired:
-            del self._retry[node]
+            self._retry.pop(node, None)
+            self._gone_since.pop(node, None)
         self._reported &= live | set(self._retry)
 
     def _step(self, now: float) -> int:
@@ -251,6 +259,7 @@ class NodeDirectory:
             for node in [n for n, u in self._user_of.items() if self._enrolled_key(u) != self._proven_key[n]]:
                 self._forget(node)
             self._retry.clear()
+            self._gone_since.clear()
             log.info("fedmf: enrollment reloaded (%d users)", len(source.enrollment.users))
 
     # ---- who is reachable ----------------------------------------------------------------

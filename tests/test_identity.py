@@ -617,11 +617,14 @@ def test_64_silent_nodes_cost_at_most_one_timeout_per_step_and_one_per_16_min_on
     asked only at multiples of b, so once all nodes are at the 960 s cap, at most one per 960 s."""
     joined_by = 63 * 37.0
 
-    def joining(_, t, grid):  # 64 silent nodes joining 37 s apart (different backoff phases), staying
-        for i in range(64):
-            if t >= i * 37.0 and 100 + i not in grid.nodes:
-                grid.nodes[100 + i] = lambda m: None
+    def joining(step, t, grid):  # 64 silent nodes joining 37 s apart (different backoff phases); every
+        for i in range(64):      # 8th one keeps disconnecting (online one round in 9, or 7 for i = 8)
+            if t >= i * 37.0:
                 grid.silent.add(100 + i)
+                if i % 8 and 100 + i not in grid.nodes or i % 8 == 0 and step % (7 if i == 8 else 9) == 0:
+                    grid.nodes[100 + i] = lambda m: None
+                elif i % 8 == 0:
+                    grid.nodes.pop(100 + i, None)
 
     grid, start, rounds = _run_rounds(enrolled, joining)
     paid = [t - start for t in grid.paid]
