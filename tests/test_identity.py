@@ -612,6 +612,23 @@ def test_a_node_that_keeps_disconnecting_keeps_its_backoff_and_is_logged_once(en
         "fedmf: node 9 not identified (no identity reply within 30 s); not selectable, asked again after a backoff"]
 
 
+def test_gone_nodes_are_remembered_for_16_min_away_and_at_most_max_gone_remembered(enrolled, monkeypatch):
+    keys, path = enrolled
+    monkeypatch.setattr(identity_module, "MAX_GONE_REMEMBERED", 2)
+    clock = Clock()
+    grid = CountingGrid({n: (lambda m: None) for n in (1, 2, 3, 4)} | {9: _node(9, "alice", keys["alice"])})
+    directory = _directory(path, clock)
+    directory.refresh(grid, 0)
+    for node in (1, 2, 3):  # leave 1, 2 and 3, one refresh apart: 1, the longest gone, is forgotten
+        del grid.nodes[node]
+        clock.now += 1.0
+        directory.refresh(grid, 0)
+    assert set(directory._retry) == {2, 3, 4}
+    clock.now += 960.0 - 1.0  # 2 has been gone for 16 min now, 3 not quite
+    directory.refresh(grid, 0)
+    assert set(directory._retry) == {3, 4} and directory._reported == {3, 4}
+
+
 def test_64_silent_nodes_cost_at_most_one_timeout_per_step_and_one_per_16_min_once_backed_off(enrolled):
     """The design's bound: every timed-out exchange starts in its own 30 s step; a node at backoff b is
     asked only at multiples of b, so once all nodes are at the 960 s cap, at most one per 960 s."""
