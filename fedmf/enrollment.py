@@ -39,8 +39,8 @@ from .errors import ConfigError
 from .files import atomic_write
 
 __all__ = ["Enrollment", "EnrollmentFile", "check_user_id", "new_challenge", "proof_message", "sign_proof",
-           "verify_proof", "check_public_key", "generate_key_pair", "load_private_key", "read_public_key", "fingerprint",
-           "CHALLENGE_BYTES", "SIGNATURE_BYTES", "MAX_USER_ID"]
+           "verify_proof", "check_public_key", "generate_key_pair", "load_private_key", "read_public_key",
+           "fingerprint", "CHALLENGE_BYTES", "SIGNATURE_BYTES", "MAX_USER_ID"]
 
 FORMAT, VERSION = "fedmf-user-enrollment", 1
 CHALLENGE_BYTES, SIGNATURE_BYTES, PUBLIC_KEY_BYTES = 32, 64, 32

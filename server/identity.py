@@ -177,8 +177,10 @@ class NodeDirectory:
             replies = list(grid.send_and_receive(messages, timeout=self.timeout))
         except Exception as e:  # the SuperLink failed: every asked node is retried later
             unanswered = f"the identity exchange with the SuperLink failed ({type(e).__name__})"
+            log.warning("fedmf: %s; the %d nodes asked are asked again after their backoff", unanswered, len(nodes))
             replies = []
-        sent = {int(m.metadata.dst_node_id): m.metadata.message_id for m in messages}  # ids set by the grid
+        # Flower's grids set each sent message's id (LocalGrid too); a reply must name its query's id
+        sent = {int(m.metadata.dst_node_id): m.metadata.message_id for m in messages}
         for reply in replies:
             try:  # nothing a node sends may stop the server
                 node = int(reply.metadata.src_node_id)

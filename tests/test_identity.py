@@ -681,8 +681,11 @@ def test_a_superlink_failure_is_reported_as_such(enrolled, caplog):
 
     with caplog.at_level(logging.WARNING, logger="fedmf.server"):
         assert _directory(path).refresh(FailingGrid({1: _node(1, "alice", keys["alice"])}), 0) == {}
-    assert _warnings(caplog) == ["fedmf: node 1 not identified (the identity exchange with the SuperLink failed "
-                                 "(ConnectionError)); not selectable, asked again after a backoff"]
+    assert _warnings(caplog) == [
+        "fedmf: the identity exchange with the SuperLink failed (ConnectionError); the 1 nodes asked are asked "
+        "again after their backoff",
+        "fedmf: node 1 not identified (the identity exchange with the SuperLink failed (ConnectionError)); not "
+        "selectable, asked again after a backoff"]
 
 
 def test_a_reply_to_another_query_is_not_an_answer(enrolled):
