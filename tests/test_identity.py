@@ -263,7 +263,8 @@ def test_small_order_and_non_canonical_public_keys_are_refused_everywhere(tmp_pa
     # a non-canonical encoding (y + p) of a point of large order: refused too, its canonical encoding accepted
     y = next(v for v in range(2, 19) if _on_curve_x(v) is not None and (_on_curve_x(v), v) not in points)
     x = _on_curve_x(y)
-    canonical, other = (y | ((x & 1) << 255)).to_bytes(32, "little"), ((y + _P) | ((x & 1) << 255)).to_bytes(32, "little")
+    canonical = (y | ((x & 1) << 255)).to_bytes(32, "little")
+    other = ((y + _P) | ((x & 1) << 255)).to_bytes(32, "little")
     assert check_public_key(canonical) is None and "canonical" in check_public_key(other)
     for _ in range(20):
         assert check_public_key(_raw(Ed25519PrivateKey.generate())) is None
@@ -277,7 +278,8 @@ def test_small_order_and_non_canonical_public_keys_are_refused_everywhere(tmp_pa
         (tmp_path / "bad.pub").write_text(text + "\n")
         for argv in (["enroll", "--user", "bob"], ["rotate", "--user", "alice"]):
             capsys.readouterr()
-            assert fedmf_main(["user", *argv, "--enrollment", str(path), "--public-key", str(tmp_path / "bad.pub")]) == 2
+            argv += ["--enrollment", str(path), "--public-key", str(tmp_path / "bad.pub")]
+            assert fedmf_main(["user", *argv]) == 2
             err = capsys.readouterr().err
             assert err.startswith("fedmf: error: ") and err.count("\n") == 1 and "Ed25519" in err, err
         assert path.read_bytes() == before
