@@ -179,7 +179,8 @@ class NodeDirectory:
             unanswered = f"the identity exchange with the SuperLink failed ({type(e).__name__})"
             log.warning("fedmf: %s; the %d nodes asked are asked again after their backoff", unanswered, len(nodes))
             replies = []
-        # Flower's grids set each sent message's id (LocalGrid too); a reply must name its query's id
+        # Flower's grids (and LocalGrid) give each sent message its id, and a reply must name its query's
+        # id; a test grid that pushes nothing assigns none, and there the source node alone decides
         sent = {int(m.metadata.dst_node_id): m.metadata.message_id for m in messages}
         for reply in replies:
             try:  # nothing a node sends may stop the server
@@ -187,7 +188,7 @@ class NodeDirectory:
                 answers = reply.metadata.reply_to_message_id
             except Exception:
                 continue
-            if node not in challenges or node in answered or not sent[node] or answers != sent[node]:
+            if node not in challenges or node in answered or (sent[node] and answers != sent[node]):
                 continue  # not a reply to this exchange's query to that node
             answered.add(node)
             try:
