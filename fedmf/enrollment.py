@@ -83,8 +83,8 @@ def sign_proof(key: Ed25519PrivateKey, run: str, round_: int, node_id: int, chal
 def verify_proof(public_key: bytes, signature: bytes, run: str, round_: int, node_id: int, challenge: bytes,
                  user: str) -> bool:
     """Whether ``signature`` is ``user``'s signature (under the raw 32-byte ``public_key``) of exactly these fields."""
-    if not isinstance(signature, bytes) or len(signature) != SIGNATURE_BYTES:
-        return False
+    if not isinstance(signature, bytes) or len(signature) != SIGNATURE_BYTES or check_public_key(public_key):
+        return False  # (a small-order key would accept signatures made without its private key)
     try:
         Ed25519PublicKey.from_public_bytes(public_key).verify(
             signature, proof_message(run, round_, node_id, challenge, user))

@@ -258,6 +258,7 @@ def test_small_order_and_non_canonical_public_keys_are_refused_everywhere(tmp_pa
     assert len(points) == 8 and len(bad) >= 14 and bytes([1]) + bytes(31) in bad  # the identity's encoding
     for raw in sorted(bad):
         assert check_public_key(raw) is not None, raw.hex()
+        assert not verify_proof(raw, bytes([1]) + bytes(63), RUN, 1, 2, new_challenge(), "bob")  # R = identity, S = 0
         with pytest.raises(ConfigError):
             Enrollment({"bob": raw})
     # a non-canonical encoding (y + p) of a point of large order: refused too, its canonical encoding accepted
