@@ -39,8 +39,8 @@ from .errors import ConfigError
 from .files import atomic_write
 
 __all__ = ["Enrollment", "EnrollmentFile", "check_user_id", "new_challenge", "proof_message", "sign_proof",
-           "verify_proof", "generate_key_pair", "load_private_key", "read_public_key", "fingerprint",
-           "CHALLENGE_BYTES", "SIGNATURE_BYTES", "MAX_USER_ID"]
+           "verify_proof", "check_public_key", "generate_key_pair", "load_private_key", "read_public_key",
+           "fingerprint", "CHALLENGE_BYTES", "SIGNATURE_BYTES", "MAX_USER_ID"]
 
 FORMAT, VERSION = "fedmf-user-enrollment", 1
 CHALLENGE_BYTES, SIGNATURE_BYTES, PUBLIC_KEY_BYTES = 32, 64, 32
@@ -83,8 +83,8 @@ def sign_proof(key: Ed25519PrivateKey, run: str, round_: int, node_id: int, chal
 def verify_proof(public_key: bytes, signature: bytes, run: str, round_: int, node_id: int, challenge: bytes,
                  user: str) -> bool:
     """Whether ``signature`` is ``user``'s signature (under the raw 32-byte ``public_key``) of exactly these fields."""
-    if not isinstance(signature, bytes) or len(signature) != SIGNATURE_BYTES:
-        return False
+    if not isinstance(signature, bytes) or len(signature) != SIGNATURE_BYTES or check_public_key(public_key):
+        return False  # (a small-order key would accept signatures made without its private key)
     try:
         Ed25519PublicKey.from_public_bytes(public_key).verify(
             signature, proof_message(run, round_, node_id, challenge, user))
@@ -103,6 +103,55 @@ def _public_text(public_key: bytes) -> str:
     return base64.b64encode(public_key).decode("ascii")
 
 
+# Edwards25519 (RFC 8032 section 5.1): -x^2 + y^2 = 1 + d x^2 y^2 over GF(p)
+_P = 2 ** 255 - 19
+_D = -121665 * pow(121666, _P - 2, _P) % _P
+_SQRT_M1 = pow(2, (_P - 1) // 4, _P)
+
+
+def _decode_point(raw: bytes) -> tuple[int, int] | None:
+    """The affine point ``raw`` encodes (RFC 8032 section 5.1.3, but lenient: y ≥ p is reduced and
+    the sign of x = 0 ignored, so that a non-canonical encoding decodes and fails to re-encode),
+    None when it is not a point."""
+    y = (int.from_bytes(raw, "little") & ((1 << 255) - 1)) % _P
+    sign = raw[31] >> 7
+    u, v = (y * y - 1) % _P, (_D * y * y + 1) % _P
+    x = u * pow(v, 3, _P) * pow(u * pow(v, 7, _P), (_P - 5) // 8, _P) % _P
+    if v * x * x % _P == (-u) % _P:
+        x = x * _SQRT_M1 % _P
+    elif v * x * x % _P != u:
+        return None
+    return ((_P - x) % _P if (x & 1) != sign else x), y
+
+
+def _double(point: tuple[int, int]) -> tuple[int, int]:
+    """[2]·point by the Edwards addition law (RFC 8032 section 5.1.4, affine form)."""
+    x, y = point
+    t = _D * x * x * y * y % _P
+    return 2 * x * y * pow(1 + t, _P - 2, _P) % _P, (y * y + x * x) * pow(1 - t, _P - 2, _P) % _P
+
+
+def _encode_point(point: tuple[int, int]) -> bytes:
+    x, y = point
+    return (y | ((x & 1) << 255)).to_bytes(32, "little")
+
+
+def check_public_key(raw: bytes) -> str | None:
+    """Why ``raw`` may not be enrolled (None: it may): not a point, not its point's canonical
+    encoding, or a point of small order ([8]·P is the identity; such a key accepts signatures
+    made without any private key, since OpenSSL's verification does not refuse them)."""
+    point = _decode_point(raw) if len(raw) == PUBLIC_KEY_BYTES else None
+    if point is None:
+        return "not a valid Ed25519 public key"
+    if _encode_point(point) != raw:
+        return "not the canonical encoding of an Ed25519 public key"
+    for _ in range(3):
+        point = _double(point)
+    if point == (0, 1):
+        return "a small-order Ed25519 point (it would accept any signature)"
+    return None
+
+
 def _parse_public(text: object, where: str) -> bytes:
     try:
         raw = base64.b64decode(str(text).strip(), validate=True) if isinstance(text, str) else b""
@@ -110,10 +159,9 @@ def _parse_public(text: object, where: str) -> bytes:
         raw = b""
     if len(raw) != PUBLIC_KEY_BYTES:
         raise ConfigError(f"{where}: not a base64 Ed25519 public key (32 bytes)")
-    try:
-        Ed25519PublicKey.from_public_bytes(raw)
-    except ValueError:
-        raise ConfigError(f"{where}: not a valid Ed25519 public key") from None
+    problem = check_public_key(raw)
+    if problem is not None:
+        raise ConfigError(f"{where}: {problem}")
     return raw
 
 
@@ -141,24 +189,48 @@ def generate_key_pair(private_path: str | os.PathLike) -> bytes:
     return public
 
 
-def load_private_key(path: str | os.PathLike) -> Ed25519PrivateKey:
-    """The user's private key from ``path``; refused (one line, never its contents) unless it is a
-    regular file owned by this user that group and others can neither read nor write."""
+def _open_own_file(path: str | os.PathLike, where: str) -> tuple[int, os.stat_result]:
+    """An open read-only descriptor of ``path`` and its fstat, refused (one line) unless ``path`` is
+    a regular file (not a symlink, not a FIFO: opened without following links and without
+    blocking) owned by this process's user. Check and read the same descriptor."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as e:
-        raise ConfigError(f"user key {str(path)!r}: {e.strerror or e}") from None
+        reason = "is a symbolic link" if os.path.islink(path) else e.strerror or str(e)
+        raise ConfigError(f"{where}: {reason}") from None
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
-            raise ConfigError(f"user key {str(path)!r} is not a regular file")
-        if stat.S_IMODE(info.st_mode) & 0o077:
-            raise ConfigError(f"user key {str(path)!r} is accessible by group or others "
-                              f"(mode {stat.S_IMODE(info.st_mode):04o}); chmod 600 it")
+            raise ConfigError(f"{where} is not a regular file")
         if info.st_uid != os.geteuid():
-            raise ConfigError(f"user key {str(path)!r} is owned by another user")
+            raise ConfigError(f"{where} is owned by uid {info.st_uid}, not by the user running fedmf")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, info
+
+
+def _read_fd(fd: int, where: str, limit: int = 64 * 1024 * 1024) -> bytes:
+    try:
         with os.fdopen(os.dup(fd), "rb") as f:
-            data = f.read(64 * 1024)
+            data = f.read(limit + 1)
+    except OSError as e:
+        raise ConfigError(f"{where}: {e.strerror or e}") from None
+    if len(data) > limit:
+        raise ConfigError(f"{where} is larger than {limit} bytes")
+    return data
+
+
+def load_private_key(path: str | os.PathLike) -> Ed25519PrivateKey:
+    """The user's private key from ``path``; refused (one line, never its contents) unless it is a
+    regular file owned by this user that group and others can neither read nor write."""
+    where = f"user key {str(path)!r}"
+    fd, info = _open_own_file(path, where)
+    try:
+        if stat.S_IMODE(info.st_mode) & 0o077:
+            raise ConfigError(f"{where} is accessible by group or others "
+                              f"(mode {stat.S_IMODE(info.st_mode):04o}); chmod 600 it")
+        data = _read_fd(fd, where, 64 * 1024)
     finally:
         os.close(fd)
     try:
@@ -180,6 +252,17 @@ def read_public_key(path: str | os.PathLike) -> bytes:
 
 
 # ---- the enrollment file ---------------------------------------------------------------------
+def _check_directory(directory: Path, where: str) -> None:
+    """Refuse a directory others may write without the sticky bit: they could replace the file in it."""
+    try:
+        info = os.stat(directory)
+    except OSError as e:
+        raise ConfigError(f"{where}: its directory: {e.strerror or e}") from None
+    if stat.S_IMODE(info.st_mode) & 0o022 and not info.st_mode & stat.S_ISVTX:
+        raise ConfigError(f"{where} is in a directory writable by group or others "
+                          f"(mode {stat.S_IMODE(info.st_mode):04o}); chmod go-w it")
+
+
 @dataclass(frozen=True)
 class Enrollment:
     """Enrolled users: user id → raw 32-byte Ed25519 public key (ids and keys each unique)."""
@@ -188,8 +271,10 @@ class Enrollment:
 
     def __post_init__(self) -> None:
         users = {check_user_id(u, "enrolled user id"): bytes(k) for u, k in dict(self.users).items()}
-        if any(len(k) != PUBLIC_KEY_BYTES for k in users.values()):
-            raise ConfigError("enrollment: a public key is not 32 bytes")
+        for user, key in users.items():
+            problem = check_public_key(key)
+            if problem is not None:
+                raise ConfigError(f"enrollment: the public key of user {user!r} is {problem}")
         if len(set(users.values())) != len(users):
             raise ConfigError("enrollment: one public key is enrolled for two users")
         object.__setattr__(self, "users", users)
@@ -217,13 +302,18 @@ class Enrollment:
     def load(cls, path: str | os.PathLike) -> "Enrollment":
         """Read and validate an enrollment file (one-line ``ConfigError`` on any problem)."""
         where = f"enrollment file {str(path)!r}"
+        fd, info = _open_own_file(path, where)
         try:
-            info = os.stat(path)
-            text = Path(path).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{where}: {getattr(e, 'strerror', None) or e}") from None
-        if stat.S_IMODE(info.st_mode) & 0o022:
-            raise ConfigError(f"{where} is writable by group or others (mode {stat.S_IMODE(info.st_mode):04o})")
+            if stat.S_IMODE(info.st_mode) & 0o022:
+                raise ConfigError(f"{where} is writable by group or others (mode {stat.S_IMODE(info.st_mode):04o})")
+            _check_directory(Path(path).absolute().parent, where)
+            data = _read_fd(fd, where)
+        finally:
+            os.close(fd)
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ConfigError(f"{where}: not UTF-8 text") from None
 
         def no_duplicates(pairs):
             keys = [k for k, _ in pairs]
@@ -242,10 +332,15 @@ class Enrollment:
         users = data.get("users")
         if not isinstance(users, dict) or set(data) != {"format", "version", "users"}:
             raise ConfigError(f"{where}: expected exactly the fields format, version, users (an object)")
-        try:
-            return cls({check_user_id(u, "enrolled user id"): _parse_public(k, f"user {u!r}") for u, k in users.items()})
-        except ConfigError as e:
-            raise ConfigError(f"{where}: {e}") from None
+        parsed = {}
+        for position, (user, key) in enumerate(users.items(), 1):  # errors name positions: ids may be private
+            try:
+                check_user_id(user)
+            except ConfigError:
+                raise ConfigError(f"{where}: user #{position}: the user id is not a printable non-empty string "
+                                  f"of at most {MAX_USER_ID} characters") from None
+            parsed[user] = _parse_public(key, f"{where}: user #{position}")
+        return cls(parsed)
 
     def save(self, path: str | os.PathLike) -> None:
         """Write atomically (mode 0644: public keys, but only the operator may change it)."""
@@ -256,7 +351,8 @@ class Enrollment:
 
 class EnrollmentFile:
     """An enrollment file read once, and again whenever it changes on disk (enroll, rotate, revoke
-    while a run goes on). A changed file that no longer loads leaves the last good enrollment in force."""
+    while a run goes on). A changed file that no longer loads leaves the last good enrollment in force,
+    and ``reload`` says so again on every call until the file loads."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
@@ -272,12 +368,13 @@ class EnrollmentFile:
 
     def reload(self) -> bool:
         """Re-read the file if it changed on disk; True when the enrollment changed. ``ConfigError``
-        (one line) when the changed file does not load (the previous enrollment stays)."""
+        (one line, naming no user id) when the changed file does not load (the previous enrollment
+        stays; raised again on every call while it does not load)."""
         stamp = self._stat()
         if stamp == self._stamp:
             return False
+        new = Enrollment.load(self.path)  # raises again on every call while the file does not load
         self._stamp = stamp
-        new = Enrollment.load(self.path)
         changed = new.users != self.enrollment.users
         self.enrollment = new
         return changed

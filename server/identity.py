@@ -13,10 +13,18 @@ challenge; the ClientApp answers with its user id and, in a deployment, an Ed255
 * ``declared-insecure`` (explicit, logged as insecure): the declared user id is trusted.
 
 In every mode only users of the task's population are accepted. A node that does not answer in
-``identity-timeout`` seconds, or answers with anything but a valid proof, is asked again after a
-backoff (30 s, doubling up to 16 min; retries of all nodes fall on one 30 s grid, so the rounds wait
-for at most one identity timeout per 30 s however many nodes fail) and logged once; a user proven on two live nodes is selected
-on the most recently proven one only (one log line naming the pseudonymous user and the nodes).
+``identity-timeout`` seconds, or answers with anything but a valid proof, is logged once and asked
+again after a backoff b (30 s, doubling up to 16 min): at the first multiple of b, on a clock common
+to all nodes (time since the directory started), that is at least b after the failure. So failing nodes are
+asked together: a node at backoff b is asked only at multiples of b, and at most one exchange that
+waits for a timeout starts in each 30 s step (once one has timed out, the nodes due, a node seen for
+the first time included, wait for the next step). However
+many nodes fail, the rounds pay at most one identity timeout per 30 s; when they have all reached the
+16 min backoff, one per 16 min. A node that disconnects keeps its backoff and its "logged" mark
+until it has been gone for 16 min, and one away at its retry time is treated as having failed it, so
+a node that keeps reconnecting costs no more than one that stays. A user proven on two live
+nodes is selected on the most recently proven one only (one log line naming the pseudonymous user
+and the nodes).
 """
 
 from __future__ import annotations
@@ -42,6 +50,8 @@ __all__ = ["NodeDirectory", "IdentityPolicy", "identity_policy", "IDENTITY_RECOR
 IDENTITY_RECORD = "identity"
 #: a node that failed an identity exchange is asked again after BACKOFF_S, doubling up to BACKOFF_MAX_S
 BACKOFF_S, BACKOFF_MAX_S = 30.0, 960.0
+#: at most this many disconnected nodes keep their backoff (the oldest are forgotten first)
+MAX_GONE_REMEMBERED = 100_000
 log = logging.getLogger("fedmf.server")
 
 
@@ -103,6 +113,8 @@ class NodeDirectory:
         self._sequence = 0
         self._retry: dict[int, tuple[float, float]] = {}  # node → (ask again at, current backoff)
         self._reported: set[int] = set()  # nodes whose failure was logged
+        self._gone_since: dict[int, float] = {}  # backed-off node → when it was first seen disconnected
+        self._timeout_step: int | None = None  # the backoff_s step in which an exchange last timed out
         self._duplicates_logged: set[tuple[str, tuple[int, ...]]] = set()
         self.queries = 0  # identity messages sent (tests, metrics)
 
@@ -116,14 +128,40 @@ class NodeDirectory:
         now = self.clock()
         for gone in [n for n in self._user_of if n not in live]:
             self._forget(gone)
-        for gone in [n for n, (at, _) in self._retry.items() if n not in live and at <= now]:
-            del self._retry[gone]  # (a node that reconnects before its backoff ends stays backed off)
-        self._reported &= live
+        self._forget_gone(live, now)
         self._reload_enrollment()
         due = sorted(n for n in live if n not in self._user_of and self._retry.get(n, (now, 0.0))[0] <= now)
-        if due:
+        if due and self._timeout_step != self._step(now):  # else this step already paid a timeout: wait
             self._identify(grid, due, round_)
         return self._reachable(live)
+
+    def _forget_gone(self, live: set[int], now: float) -> None:
+        """A node that disconnects keeps its backoff and "logged" mark until it has been gone for
+        backoff_max_s (MAX_GONE_REMEMBERED gone nodes at most, the longest gone forgotten first); one
+        gone at its retry time is treated as having failed it (its backoff doubles; no log line)."""
+        for node in [n for n in self._gone_since if n in live]:
+            del self._gone_since[node]
+        for node, (at, backoff) in self._retry.items():
+            if node not in live:
+                self._gone_since.setdefault(node, now)
+                if at <= now:  # a missed retry counts as a failed one
+                    backoff = min(self.backoff_max_s, backoff * 2)
+                    self._retry[node] = (self._epoch + (math.floor((now - self._epoch) / backoff) + 1) * backoff,
+                                         backoff)
+        by_age = sorted(self._gone_since, key=self._gone_since.__getitem__)
+        expired = [n for n in by_age if self._gone_since[n] + self.backoff_max_s <= now]
+        expired += by_age[len(expired):max(len(expired), len(by_age) - MAX_GONE_REMEMBERED)]
+        for node in expired:
+            self._retry.pop(node, None)
+            self._gone_since.pop(node, None)
+        self._reported &= live | set(self._retry)
+
+    def _step(self, now: float) -> int:
+        return math.floor((now - self._epoch) / self.backoff_s)
+
+    def _multiple_from(self, time_s: float, period: float) -> float:
+        """The first multiple of ``period`` at or after ``time_s`` on the directory's clock."""
+        return self._epoch + math.ceil((time_s - self._epoch) / period) * period
 
     # ---- the exchange --------------------------------------------------------------------
     def _identify(self, grid: Grid, nodes: list[int], round_: int) -> None:
@@ -133,18 +171,25 @@ class NodeDirectory:
                             dst_node_id=node, message_type=MessageType.QUERY) for node in nodes]
         self.queries += len(messages)
         answered: set[int] = set()
+        unanswered = f"no identity reply within {self.timeout:g} s"
+        step = self._step(self.clock())
         try:
             replies = list(grid.send_and_receive(messages, timeout=self.timeout))
         except Exception as e:  # the SuperLink failed: every asked node is retried later
-            log.warning("fedmf: identity queries failed (%s); asked again later", type(e).__name__)
+            unanswered = f"the identity exchange with the SuperLink failed ({type(e).__name__})"
+            log.warning("fedmf: %s; the %d nodes asked are asked again after their backoff", unanswered, len(nodes))
             replies = []
+        # Flower's grids (and LocalGrid) give each sent message its id, and a reply must name its query's
+        # id; a test grid that pushes nothing assigns none, and there the source node alone decides
+        sent = {int(m.metadata.dst_node_id): m.metadata.message_id for m in messages}
         for reply in replies:
             try:  # nothing a node sends may stop the server
                 node = int(reply.metadata.src_node_id)
+                answers = reply.metadata.reply_to_message_id
             except Exception:
                 continue
-            if node not in challenges or node in answered:
-                continue
+            if node not in challenges or node in answered or (sent[node] and answers != sent[node]):
+                continue  # not a reply to this exchange's query to that node
             answered.add(node)
             try:
                 user, reason = self._check(reply, node, round_, challenges[node])
@@ -160,7 +205,8 @@ class NodeDirectory:
                 self._reported.discard(node)
         for node in nodes:
             if node not in answered:
-                self._failed(node, f"no identity reply within {self.timeout:g} s")
+                self._timeout_step = step
+                self._failed(node, unanswered)
 
     def _check(self, reply: Message, node: int, round_: int, challenge: bytes) -> tuple[str | None, str]:
         """(the proven user, "") or (None, why not)."""
@@ -195,10 +241,8 @@ class NodeDirectory:
     def _failed(self, node: int, reason: str) -> None:
         _, previous = self._retry.get(node, (0.0, 0.0))
         backoff = min(self.backoff_max_s, previous * 2) if previous else self.backoff_s
-        # retries fall on a grid of backoff_s steps, so that failed nodes are asked again together:
-        # however many there are, a round waits for at most one identity timeout per step
-        steps = math.ceil((self.clock() + backoff - self._epoch) / self.backoff_s)
-        self._retry[node] = (self._epoch + steps * self.backoff_s, backoff)
+        # on a multiple of its own backoff, so that failing nodes are asked again together (module docstring)
+        self._retry[node] = (self._multiple_from(self.clock() + backoff, backoff), backoff)
         if node not in self._reported:  # once per node, not per round
             self._reported.add(node)
             log.warning("fedmf: node %d not identified (%s); not selectable, asked again after a backoff", node,
@@ -211,12 +255,14 @@ class NodeDirectory:
         try:
             changed = source.reload()
         except FedmfError as e:
-            log.error("fedmf: the changed enrollment file does not load; the previous enrollment stays: %s", e)
+            log.error("fedmf: the changed enrollment file does not load, so the previous enrollment stays in force "
+                      "(keys revoked or rotated since still verify; repeated each round until the file loads): %s", e)
             return
         if changed:  # a revoked or rotated key's proofs end now; newly enrolled users are asked again now
             for node in [n for n, u in self._user_of.items() if self._enrolled_key(u) != self._proven_key[n]]:
                 self._forget(node)
             self._retry.clear()
+            self._gone_since.clear()
             log.info("fedmf: enrollment reloaded (%d users)", len(source.enrollment.users))
 
     # ---- who is reachable ----------------------------------------------------------------

@@ -40,6 +40,7 @@ class LocalGrid(Grid):
         self.nodes: dict[int, Node] = dict(nodes)
         self._run = None
         self._outbox: dict[str, Message] = {}
+        self._pushed = 0
         self.sent: list[Message] = []
 
     def set_run(self, run) -> None:
@@ -59,7 +60,9 @@ class LocalGrid(Grid):
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         ids = []
         for message in messages:
-            message_id = f"m{len(self._outbox)}"
+            self._pushed += 1
+            message_id = f"m{self._pushed}"
+            message.metadata.__dict__["_message_id"] = message_id  # as Flower's grids do: replies refer to it
             self._outbox[message_id] = message
             ids.append(message_id)
         return ids

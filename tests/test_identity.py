@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import stat
 from pathlib import Path
@@ -120,7 +121,7 @@ def test_the_enrollment_file_round_trips_and_refuses_what_is_ambiguous(tmp_path)
         "one public key is enrolled for two users": _enrollment_text(f'"alice": "{b64["alice"]}", "bob": "{b64["alice"]}"'),
         "version 2 is not supported": _enrollment_text(f'"alice": "{b64["alice"]}"', version=2),
         "not a base64 Ed25519 public key": _enrollment_text('"alice": "AAAA"'),
-        "enrolled user id must be a printable": _enrollment_text(f'"a\\nb": "{b64["alice"]}"'),
+        "user #1: the user id is not a printable": _enrollment_text(f'"a\\nb": "{b64["alice"]}"'),
         "not JSON": "{",
         "not a fedmf enrollment file": "[]",
     }
@@ -186,6 +187,152 @@ def test_user_cli_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, match
     err = capsys.readouterr().err
     assert err.startswith("fedmf: error: ") and err.count("\n") == 1 and match in err, err
     assert (tmp_path / "e.json").read_bytes() == before  # nothing changed
+
+
+# ---- public keys that are not keys ----------------------------------------------------------------
+# An independent Edwards25519 (RFC 8032 section 5.1) in extended coordinates, to find the small-order
+# points from the curve itself: [L]·Q for points Q lies in the subgroup of order dividing 8.
+_P = 2 ** 255 - 19
+_D = -121665 * pow(121666, -1, _P) % _P
+_L = 2 ** 252 + 27742317777372353535851937790883648493
+_IDENTITY = (0, 1, 1, 0)
+
+
+def _add(a, b):
+    (x1, y1, z1, t1), (x2, y2, z2, t2) = a, b  # RFC 8032 section 5.1.4 (a = -1)
+    pa, pb = (y1 - x1) * (y2 - x2) % _P, (y1 + x1) * (y2 + x2) % _P
+    c, dd = 2 * t1 * t2 * _D % _P, 2 * z1 * z2 % _P
+    e, f, g, h = pb - pa, dd - c, dd + c, pb + pa
+    return e * f % _P, g * h % _P, f * g % _P, e * h % _P
+
+
+def _times(k, point):
+    result = _IDENTITY
+    while k:
+        if k & 1:
+            result = _add(result, point)
+        point, k = _add(point, point), k >> 1
+    return result
+
+
+def _affine(point):
+    x, y, z, _ = point
+    inverse = pow(z, -1, _P)
+    return x * inverse % _P, y * inverse % _P
+
+
+def _on_curve_x(y):
+    """An x with (x, y) on the curve, or None (brute-force check of the curve equation)."""
+    x2 = (y * y - 1) * pow(_D * y * y + 1, -1, _P) % _P
+    x = pow(x2, (_P + 3) // 8, _P)
+    if x * x % _P != x2:
+        x = x * pow(2, (_P - 1) // 4, _P) % _P
+    return x if x * x % _P == x2 else None
+
+
+def _small_order_points():
+    points, y = set(), 2
+    while len(points) < 8:
+        x = _on_curve_x(y)
+        if x is not None:
+            points.add(_affine(_times(_L, (x, y, 1, x * y % _P))))
+        y += 1
+    assert all(_affine(_times(8, (x, y, 1, x * y % _P))) == (0, 1) for x, y in points)
+    return points
+
+
+def _encodings(x, y):
+    """Every 32-byte string that decodes to (x, y) in a lenient decoder: y or y + p, either sign bit for x = 0."""
+    ys = [y] + ([y + _P] if y + _P < 2 ** 255 else [])
+    signs = [0, 1] if x == 0 else [x & 1]
+    return {(v | (s << 255)).to_bytes(32, "little") for v in ys for s in signs}
+
+
+def test_small_order_and_non_canonical_public_keys_are_refused_everywhere(tmp_path, capsys):
+    import base64
+
+    from fedmf.enrollment import check_public_key
+
+    points = _small_order_points()
+    bad = set().union(*(_encodings(x, y) for x, y in points))
+    assert len(points) == 8 and len(bad) >= 14 and bytes([1]) + bytes(31) in bad  # the identity's encoding
+    for raw in sorted(bad):
+        assert check_public_key(raw) is not None, raw.hex()
+        assert not verify_proof(raw, bytes([1]) + bytes(63), RUN, 1, 2, new_challenge(), "bob")  # R = identity, S = 0
+        with pytest.raises(ConfigError):
+            Enrollment({"bob": raw})
+    # a non-canonical encoding (y + p) of a point of large order: refused too, its canonical encoding accepted
+    y = next(v for v in range(2, 19) if _on_curve_x(v) is not None and (_on_curve_x(v), v) not in points)
+    x = _on_curve_x(y)
+    canonical = (y | ((x & 1) << 255)).to_bytes(32, "little")
+    other = ((y + _P) | ((x & 1) << 255)).to_bytes(32, "little")
+    assert check_public_key(canonical) is None and "canonical" in check_public_key(other)
+    for _ in range(20):
+        assert check_public_key(_raw(Ed25519PrivateKey.generate())) is None
+    # the enrollment file and the CLI (enroll and rotate): one line, exit 2, nothing written
+    good = generate_key_pair(tmp_path / "alice.key")
+    path = tmp_path / "e.json"
+    Enrollment({"alice": good}).save(path)
+    before = path.read_bytes()
+    for raw in sorted(bad) + [other]:
+        text = base64.b64encode(raw).decode()
+        (tmp_path / "bad.pub").write_text(text + "\n")
+        for argv in (["enroll", "--user", "bob"], ["rotate", "--user", "alice"]):
+            capsys.readouterr()
+            argv += ["--enrollment", str(path), "--public-key", str(tmp_path / "bad.pub")]
+            assert fedmf_main(["user", *argv]) == 2
+            err = capsys.readouterr().err
+            assert err.startswith("fedmf: error: ") and err.count("\n") == 1 and "Ed25519" in err, err
+        assert path.read_bytes() == before
+        (tmp_path / "hand.json").write_text(_enrollment_text(f'"alice": "{text}"'))
+        (tmp_path / "hand.json").chmod(0o644)
+        with pytest.raises(ConfigError, match="user #1: .*Ed25519") as e:
+            Enrollment.load(tmp_path / "hand.json")
+        assert "\n" not in str(e.value) and "alice" not in str(e.value)
+
+
+def test_the_enrollment_file_must_be_a_regular_file_of_this_user_in_a_safe_directory(tmp_path):
+    import threading
+
+    good = generate_key_pair(tmp_path / "k")
+    directory = tmp_path / "d"
+    directory.mkdir(mode=0o755)
+    path = directory / "e.json"
+    Enrollment({"alice": good}).save(path)
+    assert Enrollment.load(path).users == {"alice": good}
+    (directory / "link.json").symlink_to(path)
+    with pytest.raises(ConfigError, match="symbolic link"):
+        Enrollment.load(directory / "link.json")
+    for mode in (0o777, 0o775):
+        directory.chmod(mode)
+        with pytest.raises(ConfigError, match="directory writable by group or others"):
+            Enrollment.load(path)
+    directory.chmod(0o1777)  # sticky, like /tmp: others cannot replace our file
+    assert Enrollment.load(path).users == {"alice": good}
+    directory.chmod(0o755)
+    if os.geteuid() == 0:  # only root can give a file away
+        os.chown(path, 65534, -1)
+        with pytest.raises(ConfigError, match="owned by uid 65534"):
+            Enrollment.load(path)
+        os.chown(path, 0, -1)
+    # a FIFO neither blocks the enrollment's nor the private key's loader
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo, 0o600)
+    errors: list[str] = []
+
+    def load_both():
+        for load in (Enrollment.load, load_private_key):
+            try:
+                load(fifo)
+            except ConfigError as e:
+                errors.append(str(e))
+
+    worker = threading.Thread(target=load_both, daemon=True)
+    worker.start()
+    worker.join(10)
+    if worker.is_alive():
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # unblock it, then fail
+    assert not worker.is_alive() and len(errors) == 2 and all("not a regular file" in e for e in errors), errors
 
 
 # ---- the ClientApp's answer ----------------------------------------------------------------------
@@ -354,16 +501,18 @@ def test_a_silent_or_failing_node_is_asked_again_after_a_growing_backoff(enrolle
             asked.append((clock.now - start, grid.exchanges[-1][0]))
             assert grid.exchanges[-1][1] == 10.0  # the identity timeout, never reply-timeout
         clock.now += 5.0
-    # the silent node 1: at 0, then 30, 60, 120, 240, 480, 960 s after each failure (doubling, capped at 960)
+    # the silent node 1: after each failure with backoff b (30, 60, ..., capped at 960 s), at the first
+    # multiple of b that is at least b later: at least b and less than 2 b after the failure
     times_1 = [t for t, nodes in asked if 1 in nodes]
     gaps = [b - a for a, b in zip(times_1, times_1[1:])]
-    assert gaps[:6] == [30.0, 60.0, 120.0, 240.0, 480.0, 960.0] and set(gaps[6:]) <= {960.0}, gaps
-    # the flaky node: failed at 0 and 30, identified at 90 (30 + 60) and never asked again
-    assert [t for t, nodes in asked if 2 in nodes] == [0.0, 30.0, 90.0]
+    backoffs = [30.0, 60.0, 120.0, 240.0, 480.0] + [960.0] * (len(gaps) - 5)
+    assert all(b <= g < 2 * b and t % b == 0 for g, b, t in zip(gaps, backoffs, times_1[1:])), gaps
+    # the flaky node: failed at 0 and 30, identified at 120 (the first multiple of 60 at least 60 after 30)
+    assert [t for t, nodes in asked if 2 in nodes] == [0.0, 30.0, 120.0]
     assert [t for t, nodes in asked if 3 in nodes] == [0.0]
     assert reachable == {"alice": 3, "bob": 2}
     # a silent node costs one identity timeout per backoff period: 9 exchanges in 4000 s, not one per refresh
-    assert times_1 == [0.0, 30.0, 90.0, 210.0, 450.0, 930.0, 1890.0, 2850.0, 3810.0]
+    assert times_1 == [0.0, 30.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 2880.0, 3840.0]
     assert len(grid.exchanges) == 9
 
 
@@ -411,6 +560,149 @@ def test_many_silent_nodes_cost_one_identity_timeout_per_backoff_step(enrolled):
     retries = [t for t in when if t >= 300]  # no new node after 300 s: only retries
     assert retries and all(t % 30 == 0 for t in retries), retries
     assert len(set(retries)) == len(retries) <= (1200 - 300) / 30
+
+
+class WaitingGrid(CountingGrid):
+    """An exchange that includes a node that never answers takes the whole timeout on the fake clock
+    (what Flower's send_and_receive does); ``paid`` lists the clock times at which such exchanges began."""
+
+    def __init__(self, nodes, clock: Clock) -> None:
+        super().__init__(nodes)
+        self.clock, self.silent, self.paid = clock, set(), []
+
+    def send_and_receive(self, messages, *, timeout=None):
+        messages = list(messages)
+        replies = super().send_and_receive(messages, timeout=timeout)
+        if any(int(m.metadata.dst_node_id) in self.silent for m in messages):
+            self.paid.append(self.clock.now)
+            self.clock.now += timeout
+        return replies
+
+
+def _run_rounds(enrolled, schedule, *, hours: float = 4.0, round_s: float = 5.0, timeout_s: float = 30.0):
+    """Rounds every ``round_s`` on the fake clock; ``schedule(step, seconds since the start, grid)``
+    changes the nodes before each."""
+    keys, path = enrolled
+    clock = Clock()
+    grid = WaitingGrid({3: _node(3, "alice", keys["alice"])}, clock)
+    policy = IdentityPolicy("enrolled", EnrollmentFile(path), frozenset({"alice"}))
+    directory = NodeDirectory(policy, run=RUN, timeout=timeout_s, clock=clock)
+    start, step = clock.now, 0
+    while clock.now - start < hours * 3600:
+        schedule(step, clock.now - start, grid)
+        assert directory.refresh(grid, step) == {"alice": 3}
+        clock.now += round_s
+        step += 1
+    return grid, start, step
+
+
+def test_a_node_that_keeps_disconnecting_keeps_its_backoff_and_is_logged_once(enrolled, caplog):
+    def flapping(step, _, grid):  # online for one round, then offline for 40 s, again and again; never answers
+        grid.silent.add(9)
+        if step % 9 == 0:
+            grid.nodes[9] = lambda m: None
+        else:
+            grid.nodes.pop(9, None)
+
+    with caplog.at_level(logging.WARNING, logger="fedmf.server"):
+        grid, start, _ = _run_rounds(enrolled, flapping)
+    asked = [t - start for t in grid.paid]
+    gaps = [b - a for a, b in zip(asked, asked[1:])]
+    backoffs = [30.0, 60.0, 120.0, 240.0, 480.0] + [960.0] * len(gaps)
+    assert gaps and all(g >= b for g, b in zip(gaps, backoffs)), gaps  # one timeout per backoff period at most
+    assert len(asked) <= 6 + 4 * 3600 / 960
+    assert [w for w in _warnings(caplog) if "not identified" in w] == [
+        "fedmf: node 9 not identified (no identity reply within 30 s); not selectable, asked again after a backoff"]
+
+
+def test_gone_nodes_are_remembered_for_16_min_away_and_at_most_max_gone_remembered(enrolled, monkeypatch):
+    keys, path = enrolled
+    monkeypatch.setattr(identity_module, "MAX_GONE_REMEMBERED", 2)
+    clock = Clock()
+    grid = CountingGrid({n: (lambda m: None) for n in (1, 2, 3, 4)} | {9: _node(9, "alice", keys["alice"])})
+    directory = _directory(path, clock)
+    directory.refresh(grid, 0)
+    for node in (1, 2, 3):  # leave 1, 2 and 3, one refresh apart: 1, the longest gone, is forgotten
+        del grid.nodes[node]
+        clock.now += 1.0
+        directory.refresh(grid, 0)
+    assert set(directory._retry) == {2, 3, 4}
+    clock.now += 960.0 - 1.0  # 2 has been gone for 16 min now, 3 not quite
+    directory.refresh(grid, 0)
+    assert set(directory._retry) == {3, 4} and directory._reported == {3, 4}
+
+
+def test_64_silent_nodes_cost_at_most_one_timeout_per_step_and_one_per_16_min_once_backed_off(enrolled):
+    """The design's bound: every timed-out exchange starts in its own 30 s step; a node at backoff b is
+    asked only at multiples of b, so once all nodes are at the 960 s cap, at most one per 960 s."""
+    joined_by = 63 * 37.0
+
+    def joining(step, t, grid):  # 64 silent nodes joining 37 s apart (different backoff phases); every
+        for i in range(64):      # 8th one keeps disconnecting (online one round in 9, or 7 for i = 8)
+            if t >= i * 37.0:
+                grid.silent.add(100 + i)
+                if i % 8 and 100 + i not in grid.nodes or i % 8 == 0 and step % (7 if i == 8 else 9) == 0:
+                    grid.nodes[100 + i] = lambda m: None
+                elif i % 8 == 0:
+                    grid.nodes.pop(100 + i, None)
+
+    grid, start, rounds = _run_rounds(enrolled, joining)
+    paid = [t - start for t in grid.paid]
+    steps = [math.floor(t / 30.0) for t in paid]
+    assert len(set(steps)) == len(steps), "two timeouts in one 30 s step"
+    capped_from = joined_by + 30 + 60 + 120 + 240 + 480 + 960  # the last node's retries reach the cap by then
+    late = [t for t in paid if t >= capped_from]
+    assert late and all(t % 960.0 == 0 for t in late), late
+    assert len(late) <= (4 * 3600 - capped_from) / 960 + 1
+    assert len(paid) <= len(set(steps)) and len(paid) < 0.05 * rounds, (len(paid), rounds)
+
+
+def test_a_reload_failure_is_reported_every_round_without_user_ids(enrolled, caplog):
+    keys, path = enrolled
+    grid = LocalGrid({1: _node(1, "alice", keys["alice"])})
+    directory = _directory(path)
+    assert directory.refresh(grid, 0) == {"alice": 1}
+    path.write_text(_enrollment_text('"alice": "AAAA", "secret-bob": "AQ=="'))
+    with caplog.at_level(logging.ERROR, logger="fedmf.server"):
+        for t in range(1, 4):
+            assert directory.refresh(grid, t) == {"alice": 1}
+    errors = [m for m in _warnings(caplog) if "does not load" in m]
+    assert len(errors) == 3 and all("user #1" in m and "alice" not in m and "secret-bob" not in m for m in errors)
+    Enrollment({"alice": read_public_key(f"{keys['alice']}.pub")}).save(path)
+    caplog.clear()
+    with caplog.at_level(logging.ERROR, logger="fedmf.server"):
+        assert directory.refresh(grid, 4) == {"alice": 1}
+    assert not _warnings(caplog)
+
+
+def test_a_superlink_failure_is_reported_as_such(enrolled, caplog):
+    keys, path = enrolled
+
+    class FailingGrid(LocalGrid):
+        def send_and_receive(self, messages, *, timeout=None):
+            raise ConnectionError("SuperLink gone")
+
+    with caplog.at_level(logging.WARNING, logger="fedmf.server"):
+        assert _directory(path).refresh(FailingGrid({1: _node(1, "alice", keys["alice"])}), 0) == {}
+    assert _warnings(caplog) == [
+        "fedmf: the identity exchange with the SuperLink failed (ConnectionError); the 1 nodes asked are asked "
+        "again after their backoff",
+        "fedmf: node 1 not identified (the identity exchange with the SuperLink failed (ConnectionError)); not "
+        "selectable, asked again after a backoff"]
+
+
+def test_a_reply_to_another_query_is_not_an_answer(enrolled):
+    keys, path = enrolled
+    real = _node(1, "alice", keys["alice"])
+
+    def misdirected(message):  # a valid proof, but its reply names another message
+        reply = real(message)
+        reply.metadata.__dict__["_reply_to_message_id"] = "m999"
+        return reply
+
+    grid = LocalGrid({1: misdirected, 2: _node(2, "alice", keys["alice"])})
+    assert _directory(path).refresh(grid, 0) == {"alice": 2}
+    assert grid.sent[0].metadata.message_id and grid.sent[0].metadata.message_id != "m999"
 
 
 @pytest.mark.parametrize("reply", [
