@@ -3,8 +3,8 @@
 declaring a real user's id without a user key, and a silent node (``--isolation process`` with no
 ClientApp process: it receives messages and never answers) — and a 3-round run of the tiny task.
 
-Heavy (about 2 minutes on 2 shared cores); tests/test_flower_app.py keeps a deployment with enrolled
-users (insecure transport) in the default run. Checked: the impostor is refused (logged once) and never sent a TRAIN message, both real users take
+In the default run (about 1.5 minutes on 2 shared cores: the one TLS + node-authentication federation
+that CI runs). Checked: the impostor is refused (logged once) and never sent a TRAIN message, both real users take
 part in every round, the silent node was queried once per backoff period (not once per round) and
 the run never waited for a reply timeout.
 """
@@ -16,7 +16,6 @@ import subprocess
 import time
 from pathlib import Path
 
-import pytest
 
 from fedmf.cli import main as fedmf_main
 
@@ -25,7 +24,6 @@ REPO = Path(__file__).resolve().parents[1]
 ROUNDS, IDENTITY_TIMEOUT_S, REPLY_TIMEOUT_S = 2, 20.0, 400.0
 
 
-@pytest.mark.heavy
 def test_an_impostor_is_refused_and_a_silent_node_costs_one_identity_timeout_per_backoff(tmp_path, capsys):
     import sqlite3
 
