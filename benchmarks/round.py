@@ -145,11 +145,16 @@ def flower_round(current: list[np.ndarray], replies: list[list[np.ndarray]], std
 
 # ---- fedmf's round ------------------------------------------------------------------------------
 class FedmfServer:
-    def __init__(self, plan: RunPlan, model: nn.Module, directory: Path, seed: int) -> None:
-        self.plan, self.model = plan, model
+    def __init__(self, plan: RunPlan, model: nn.Module, directory: Path, seed: int,
+                 device: str | torch.device = "cpu") -> None:
+        """``device``: where the model, the sum and the noise live (benchmarks/so_paper_round.py: cuda);
+        on a CUDA device every step's timer waits for the device's queued work (synchronize)."""
+        self.device = torch.device(device)
+        self.plan, self.model = plan, model.to(self.device)
         self.params = dict(model.named_parameters())
-        self.privatizer = RoundPrivatizer(plan, layout_of(self.params), device="cpu", dtype=torch.float32,
+        self.privatizer = RoundPrivatizer(plan, layout_of(self.params), device=self.device, dtype=torch.float32,
                                           seed=seed.to_bytes(32, "big"))
+        self._sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         self.optimizer = server_optimizer(self.params, plan.mechanism.workload, plan.rounds, lr=1.0)
         self.ledger = Ledger.open(directory / "ledger.sqlite", secret=os.urandom(32))
         self.run = self.ledger.create_run(plan.mechanism, noise_multiplier=plan.noise_multiplier,
@@ -166,6 +171,8 @@ class FedmfServer:
     def round(self, users: list[str], updates: dict[str, dict[str, torch.Tensor]], check=None) -> dict[str, float]:
         t, run, privatizer = self.t, self.run, self.privatizer
         times: dict[str, float] = {}
+        sync = self._sync
+        sync()
         c0 = time.perf_counter()
         run.open_round(t)
         accepted = run.record_selection(t, users)
@@ -174,13 +181,16 @@ class FedmfServer:
         privatizer.begin(t, users)  # == privatize(t, updates, selected=users), split to time the noise apart
         for user in sorted(updates, key=str):
             privatizer.add(user, updates[user])
+        sync()
         c2 = time.perf_counter()
         if check is not None:
             check(privatizer._sum.clone(), privatizer._open)  # untimed warm-up check (private attributes)
         c2b = time.perf_counter()
         mean, report = privatizer.finish()
+        sync()
         c3 = time.perf_counter()
         self.optimizer.step(mean)
+        sync()
         c4 = time.perf_counter()
         for r in report.users:
             if r.status == "contributed":
@@ -189,6 +199,7 @@ class FedmfServer:
                 run.record_rejection(t, r.user, r.reason)
         c5 = time.perf_counter()
         state = self.state()
+        sync()
         c5b = time.perf_counter()
         digest = self.store.save(t, state)
         del state

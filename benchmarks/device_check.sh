@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# On a lent GPU machine (benchmarks/device_check.sh), from the repository root, with `.whl` carried:
+# the CUDA tests, then benchmarks/so_paper_round.py on cuda. Output under $OUT (default ./device-out).
+# Always exits 0; the last lines say which part failed. Time limits: TEST_TIMEOUT_S, BENCH_TIMEOUT_S.
+set -u
+OUT=${OUT:-$PWD/device-out}
+mkdir -p "$OUT"
+TEST_TIMEOUT_S=${TEST_TIMEOUT_S:-120}
+BENCH_TIMEOUT_S=${BENCH_TIMEOUT_S:-240}
+export FLWR_TELEMETRY_ENABLED=0 FLWR_DISABLE_UPDATE_CHECK=1 RAY_USAGE_STATS_ENABLED=0 PYTHONUNBUFFERED=1
+started=$(date +%s)
+nvidia-smi -L || true
+python3 -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'available', torch.cuda.is_available())" || true
+status=()
+if ls .whl/*.whl >/dev/null 2>&1; then
+  if python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl; then
+    status+=("wheels: ok")
+  else
+    status+=("wheels: FAILED")
+  fi
+else
+  status+=("wheels: none carried (.whl/*.whl)")
+fi
+export PYTHONPATH=/tmp/site:$PWD
+python3 -c "import sqlalchemy, alembic, dp_accounting, fedmf.ledger, client.tasks; print('imports ok')" || status+=("imports: FAILED")
+
+# every CUDA test in tests/ (the files that touch a device; -k selects the cuda/gpu ones)
+timeout "$TEST_TIMEOUT_S" python3 -m pytest -q -p no:cacheprovider -rs -k "cuda or gpu" \
+  tests/test_blt.py tests/test_noise.py tests/test_vectorized.py tests/test_federated.py tests/test_privatize.py \
+  2>&1 | tee "$OUT/cuda-tests.log"
+rc=${PIPESTATUS[0]}
+status+=("cuda tests: rc=$rc ($(tail -n 1 "$OUT/cuda-tests.log"))")
+echo "# tests done at +$(( $(date +%s) - started )) s"
+
+timeout "$BENCH_TIMEOUT_S" python3 benchmarks/so_paper_round.py --device cuda --json "$OUT/so_paper_round.json" "$@" \
+  2>&1 | tee "$OUT/so_paper_round.log"
+rc=${PIPESTATUS[0]}
+status+=("benchmark: rc=$rc$([ "$rc" = 124 ] && echo ' (timed out; the JSON holds the paths finished)')")
+nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv || true
+echo "# total +$(( $(date +%s) - started )) s"
+for s in "${status[@]}"; do echo "# $s"; done
+exit 0
