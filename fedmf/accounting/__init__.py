@@ -1,8 +1,9 @@
 """Privacy accounting for fedmf runs.
 
 * ``gaussian``        one Gaussian mechanism: epsilon(delta), calibration (cached)
-* ``accountant``      epsilon / calibrate for a mechanism, schema and sampling
-* ``per_round``       epsilon after each round
+* ``accountant``      epsilon / calibrate / epsilon_by_round for a mechanism, schema and sampling
+* ``sampling``        the sampling schemes (none, bminsep, cyclic-poisson, poisson) and how each is accounted
+* ``per_round``       epsilon after each round: the un-amplified and cyclic-Poisson curves
 * ``posthoc``         per-user epsilon from the observed participation pattern
 * ``cyclic_poisson``  amplified BandMF with cyclic Poisson sampling (dp_accounting)
 * ``bminsep``         b-min-sep sampling: the sampled mechanism, its dominating-pair privacy loss
@@ -29,7 +30,7 @@ __all__ = [
 
 _EXPORTS = {
     "Accounting": "accountant", "MonteCarloOptions": "accountant", "epsilon": "accountant",
-    "calibrate": "accountant", "epsilon_by_round": "per_round", "account_observed": "posthoc", "Sampling": "sampling",
+    "calibrate": "accountant", "epsilon_by_round": "accountant", "account_observed": "posthoc", "Sampling": "sampling",
     "parse_sampling": "sampling",
 }
 
