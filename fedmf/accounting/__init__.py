@@ -25,13 +25,14 @@ from typing import Any
 
 __all__ = [
     "Accounting", "MonteCarloOptions", "epsilon", "calibrate", "epsilon_by_round", "account_observed", "Sampling",
-    "parse_sampling",
+    "NoSampling", "BMinSepSampling", "CyclicPoissonSampling", "PlainPoissonSampling", "parse_sampling",
 ]
 
 _EXPORTS = {
     "Accounting": "accountant", "MonteCarloOptions": "accountant", "epsilon": "accountant",
     "calibrate": "accountant", "epsilon_by_round": "accountant", "account_observed": "posthoc", "Sampling": "sampling",
-    "parse_sampling": "sampling",
+    "NoSampling": "sampling", "BMinSepSampling": "sampling", "CyclicPoissonSampling": "sampling",
+    "PlainPoissonSampling": "sampling", "parse_sampling": "sampling",
 }
 
 

@@ -3,7 +3,8 @@
 Noise convention (ARCHITECTURE.md): the server adds noise of standard deviation
 sigma = z·ζ·sens, sens = the sensitivity of C under the planned schema (``noise_sensitivity``,
 default: the schema given here). In clip-norm units the noise std is z·sens
-(``Accounting.noise_std_per_clip_norm``; ``noise_std`` is always the absolute sigma). Then
+(``Accounting.noise_std_per_clip_norm``; ``noise_std`` is always the absolute sigma). Then (each
+scheme's part is its object's in ``sampling``; this module holds the common checks and the result)
   * none (un-amplified DP-MF): one Gaussian mechanism with sensitivity sens_schema and
     noise std z·sens, i.e. multiplier z·sens/sens_schema (= z when the noise was scaled
     for this schema) — "Multi-Epoch MF", Thm 2.2 / App. D.2;

@@ -367,6 +367,9 @@ class CyclicPoissonSampling(_Sampled):
                                     accountant=accountant, final=final, max_points=max_points)
 
 
+_NO_MMCC_CALIBRATION = "calibrate does not support poisson (MMCC) sampling yet: run epsilon at candidate z"
+
+
 @dataclass(frozen=True)
 class PlainPoissonSampling(_Sampled):
     """``poisson:P``: Poisson sampling in every round, planned with MinSep(1, n), accounted by
@@ -411,12 +414,11 @@ class PlainPoissonSampling(_Sampled):
                 {f"mmcc_{k}": v for k, v in run.to_dict().items() if k not in ("epsilon", "delta")})
 
     def check_calibrate(self) -> None:
-        raise ConfigError("calibrate does not support poisson (MMCC) sampling yet: run epsilon at candidate z")
+        raise ConfigError(_NO_MMCC_CALIBRATION)
 
     def calibrate(self, mechanism: "Mechanism", schema: "Schema", sens: "Sensitivity", *, epsilon: float,
                   delta: float, accountant: str, monte_carlo: "MonteCarloOptions") -> Result:
-        self.check_calibrate()
-        raise AssertionError("unreachable")
+        raise ConfigError(_NO_MMCC_CALIBRATION)
 
 
 NONE = NoSampling()
