@@ -379,7 +379,7 @@ def run_canary_audit(model, users: Sequence[Hashable], plan, local_update: Calla
     notes = []
     if done < end:
         notes.append(f"the run stopped after {done} rounds ({result.stopped})")
-    if plan.sampling.kind == "none":
+    if not plan.sampling.amplified:
         # unamplified: the accountant's ε holds for every participation pattern allowed by the schema,
         # so the audit may condition on the schedule (drawn independently of the canaries' coins)
         participated, score = selected[:done], "likelihood-ratio (known participation)"

@@ -117,7 +117,7 @@ def train(
     if isinstance(end, bool) or not isinstance(end, int) or not 0 < end <= plan.rounds:
         raise ConfigError(f"rounds must be an integer in [1, {plan.rounds}], got {rounds!r}")
     if observed_guard is None:
-        observed_guard = plan.sampling.kind == "none" and plan.target_epsilon is not None
+        observed_guard = plan.sampling.observed_guard and plan.target_epsilon is not None
     temporary = tempfile.TemporaryDirectory(prefix="fedmf-") if checkpoint_dir is None else None
     directory = temporary.name if temporary is not None else checkpoint_dir
     try:

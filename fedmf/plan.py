@@ -105,10 +105,7 @@ class RunPlan:
         threshold = _positive("zero_threshold", zero_threshold, allow_none=True)
         eps = _positive("target_epsilon", target_epsilon, allow_none=True)
         z = _positive("noise_multiplier", noise_multiplier, allow_none=True)
-        if sampling.kind == "poisson" and not (isinstance(schema, MinSep) and schema.min_sep == 1):
-            raise ConfigError("poisson sampling (MMCC) samples every user in every round: plan it with MinSep(1, n)")
-        if isinstance(schema, FixedEpoch) and sampling.kind not in ("none", "cyclic-poisson"):
-            raise ConfigError(f"{sampling.kind} sampling does not follow the fixed-epoch order; plan it with MinSep")
+        sampling.check_schema(schema)
         calibration: dict[str, Any] = {}
         if z is None:
             if eps is None:
@@ -152,8 +149,8 @@ class RunPlan:
     @cached_property
     def _epsilon_by_round(self) -> np.ndarray:
         total = self.epsilon()
-        if self.sampling.kind in ("bminsep", "poisson"):
-            # no per-round curve for these accountants: every round is charged the whole run's ε
+        if not self.sampling.has_per_round_curve:
+            # no per-round curve for this scheme's accountant: every round is charged the whole run's ε
             return np.full(self.rounds, total)
         from .accounting import epsilon_by_round
 

@@ -159,7 +159,7 @@ class PrivateRun:
                                          repeatable_noise=repeatable_noise)
             opt = server_optimizer(params, plan.mechanism.workload, plan.rounds, server_lr, kind=optimizer)
             users_per_round = None
-            if plan.sampling.kind == "none" and isinstance(plan.schema, MinSep):
+            if not plan.sampling.amplified and isinstance(plan.schema, MinSep):
                 if not float(plan.expected_users).is_integer():
                     raise ConfigError("without sampling, expected_users is the number of users picked per round: "
                                       f"an integer, got {plan.expected_users}")

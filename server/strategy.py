@@ -46,7 +46,7 @@ class DPMFStrategy(Strategy):
         self.run = run
         self.min_available = min_available
         # the worst user's observed ε (accounted from the ledger) as a metric: unamplified runs only
-        self.observed_metric = run.plan.sampling.kind == "none"
+        self.observed_metric = run.plan.sampling.observed_guard
         self.config = config
         self.evaluate_fn = evaluate_fn
         self.nonce = secrets.token_hex(16)  # replies to another server process are refused
@@ -182,7 +182,7 @@ class DPMFStrategy(Strategy):
         end = self.run.plan.rounds if num_rounds is None else min(num_rounds, self.run.plan.rounds)
         self.summary()
         result = Result()
-        observed = self.run.plan.sampling.kind == "none" and self.run.plan.target_epsilon is not None
+        observed = self.run.plan.sampling.observed_guard and self.run.plan.target_epsilon is not None
         started = time.time()
         if self.run.next_round < end:  # a restart with no round left (say, to write the final model) waits for no one
             self._wait_for_users(grid)

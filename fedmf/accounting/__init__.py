@@ -1,8 +1,9 @@
 """Privacy accounting for fedmf runs.
 
 * ``gaussian``        one Gaussian mechanism: epsilon(delta), calibration (cached)
-* ``accountant``      epsilon / calibrate for a mechanism, schema and sampling
-* ``per_round``       epsilon after each round
+* ``accountant``      epsilon / calibrate / epsilon_by_round for a mechanism, schema and sampling
+* ``sampling``        the sampling schemes (none, bminsep, cyclic-poisson, poisson) and how each is accounted
+* ``per_round``       epsilon after each round: the un-amplified and cyclic-Poisson curves
 * ``posthoc``         per-user epsilon from the observed participation pattern
 * ``cyclic_poisson``  amplified BandMF with cyclic Poisson sampling (dp_accounting)
 * ``bminsep``         b-min-sep sampling: the sampled mechanism, its dominating-pair privacy loss
@@ -24,13 +25,14 @@ from typing import Any
 
 __all__ = [
     "Accounting", "MonteCarloOptions", "epsilon", "calibrate", "epsilon_by_round", "account_observed", "Sampling",
-    "parse_sampling",
+    "NoSampling", "BMinSepSampling", "CyclicPoissonSampling", "PlainPoissonSampling", "parse_sampling",
 ]
 
 _EXPORTS = {
     "Accounting": "accountant", "MonteCarloOptions": "accountant", "epsilon": "accountant",
-    "calibrate": "accountant", "epsilon_by_round": "per_round", "account_observed": "posthoc", "Sampling": "sampling",
-    "parse_sampling": "sampling",
+    "calibrate": "accountant", "epsilon_by_round": "accountant", "account_observed": "posthoc", "Sampling": "sampling",
+    "NoSampling": "sampling", "BMinSepSampling": "sampling", "CyclicPoissonSampling": "sampling",
+    "PlainPoissonSampling": "sampling", "parse_sampling": "sampling",
 }
 
 

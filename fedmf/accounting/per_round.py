@@ -33,15 +33,14 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from .. import sensitivity as _sens
-from ..errors import ConfigError
-from . import _validate, cyclic_poisson, gaussian
-from .sampling import Sampling, amplification_min_sep, check_banded, max_column_norm, parse_sampling
+from . import cyclic_poisson, gaussian
 
 if TYPE_CHECKING:
     from ..mechanisms.base import Mechanism
     from ..participation import Schema
+    from ..sensitivity import Sensitivity
 
-__all__ = ["ByRound", "epsilon_by_round", "prefix_sensitivities"]
+__all__ = ["ByRound", "cyclic_poisson_curve", "unamplified_curve", "prefix_sensitivities"]
 
 
 @dataclass
@@ -194,40 +193,30 @@ def _monotone(eps: np.ndarray, final: float) -> np.ndarray:
     return out
 
 
-def epsilon_by_round(mechanism: "Mechanism", noise_multiplier: float, delta: float, schema: "Schema", *,
-                     sampling: Sampling | str | None = None, accountant: str = "pld",
-                     noise_sensitivity: float | None = None, final: float | None = None,
-                     max_points: int = 64) -> ByRound:
-    """epsilon after each round (un-amplified or cyclic-Poisson). ``final``: the planned
-    epsilon when already known (the curve ends exactly there)."""
-    z = _validate.noise(noise_multiplier)
-    delta = _validate.delta(delta)
-    gaussian.check_accountant(accountant)
-    sampling = parse_sampling(sampling)
-    max_points = _validate.positive_int("max_points", max_points)
-    n = mechanism.rounds
-    planned = mechanism.sensitivity(schema)
-    sens = planned.value
-    noise_sens = sens if noise_sensitivity is None else _validate.noise(noise_sensitivity, "noise sensitivity")
-    std_per_clip = z * noise_sens  # sigma / clip norm
-    if sampling.kind == "bminsep":
-        raise ConfigError("per-round spend is not available for bminsep sampling (Monte Carlo accounting covers the "
-                         "whole run only)")
-    if sampling.kind == "cyclic-poisson":
-        b = amplification_min_sep(schema, sampling)
-        check_banded(mechanism, b, "cyclic-Poisson")
-        z_step = std_per_clip / max_column_norm(mechanism)
-        counts = -(-np.arange(1, n + 1) // b)  # ceil(t/b)
-        distinct = np.unique(counts)
-        points = distinct if distinct.size <= max_points else _checkpoints(int(distinct[-1]), max_points)
-        values = np.array([cyclic_poisson.epsilon(z_step, sampling.probability, int(c), delta, accountant)
-                           for c in points])
-        eps = values[np.searchsorted(points, counts, side="left")]
-        if final is None:
-            final = float(values[-1])
-        method = "cyclic-poisson" + ("" if distinct.size <= max_points else f"-checkpoints({points.size})")
-        curve = _monotone(eps, final)
-        return ByRound(curve, None, method, np.isin(counts, points) & np.isclose(curve, eps, rtol=1e-12, atol=0.0))
+def cyclic_poisson_curve(rounds: int, min_sep: int, probability: float, step_noise_multiplier: float, *,
+                         delta: float, accountant: str, final: float | None, max_points: int) -> ByRound:
+    """epsilon after t = 1 … n rounds of cyclic Poisson sampling: ceil(t/b) Poisson(q)-subsampled
+    Gaussians with multiplier ``step_noise_multiplier`` (module docstring)."""
+    n, b = rounds, min_sep
+    counts = -(-np.arange(1, n + 1) // b)  # ceil(t/b)
+    distinct = np.unique(counts)
+    points = distinct if distinct.size <= max_points else _checkpoints(int(distinct[-1]), max_points)
+    values = np.array([cyclic_poisson.epsilon(step_noise_multiplier, probability, int(c), delta, accountant)
+                       for c in points])
+    eps = values[np.searchsorted(points, counts, side="left")]
+    if final is None:
+        final = float(values[-1])
+    method = "cyclic-poisson" + ("" if distinct.size <= max_points else f"-checkpoints({points.size})")
+    curve = _monotone(eps, final)
+    return ByRound(curve, None, method, np.isin(counts, points) & np.isclose(curve, eps, rtol=1e-12, atol=0.0))
+
+
+def unamplified_curve(mechanism: "Mechanism", schema: "Schema", planned: "Sensitivity", *, noise_multiplier: float,
+                      std_per_clip: float, delta: float, accountant: str, noise_sensitivity: float | None,
+                      final: float | None, max_points: int) -> ByRound:
+    """epsilon after t = 1 … n rounds of the un-amplified run: the Gaussian mechanism with
+    sensitivity sens_t at noise std ``std_per_clip`` (module docstring); ``planned``: sens_n."""
+    z, sens = noise_multiplier, planned.value
     sens_t, method, exact = _prefix_sensitivities(mechanism, schema, max_points)
     exact = exact & (sens_t <= sens)  # where capped at the planned sensitivity, that one decides
     sens_t = np.minimum(sens_t, sens)

@@ -109,7 +109,7 @@ def _load(args: argparse.Namespace):
     from ..accounting.sampling import parse_sampling
 
     sampling = parse_sampling(args.sampling)
-    if args.per_round and sampling.kind in ("bminsep", "poisson"):
+    if args.per_round and not sampling.has_per_round_curve:
         raise UsageError(f"--per-round is not available with {sampling.kind} sampling")
     return mechanism, schema, sampling, checksum
 

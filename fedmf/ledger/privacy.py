@@ -2,7 +2,7 @@
 user's ε after each round, and every user's own ε.
 
 Nothing is computed here: the plan's curve (the worst pattern the plan allows, prefix by
-prefix) comes from ``fedmf.accounting.per_round.epsilon_by_round``, and every observed value
+prefix) comes from ``fedmf.accounting.epsilon_by_round``, and every observed value
 (each user's sensitivity and ε, the worst user's prefix curve, who broke the plan) from
 ``fedmf.accounting.posthoc.account_contributions``, the one implementation of post-hoc
 accounting, so the audit's per-user ε is ``account_observed``'s.
@@ -47,7 +47,7 @@ def run_privacy(mechanism, schema: MinSep | FixedEpoch, noise_multiplier: float,
     """Sensitivities and ε for the audit. ``users``/``rounds``: one entry per contribution,
     sorted by user then round; ``users`` numbers the users 0 … n_users-1, ``labels`` names
     them (default: their numbers)."""
-    from ..accounting.per_round import epsilon_by_round
+    from ..accounting.accountant import epsilon_by_round
 
     if labels is None:
         labels = [str(u) for u in range(n_users)]
