@@ -3,7 +3,7 @@ reads — shared by the server's handle (``repository``) and the audit (``audit`
 
 Nothing here writes. ``RunInfo`` and ``RoundSummary`` are how a run and a round look to
 their readers; ``fetch_contributions`` is every contributed (client, round) of a run in one
-indexed scan (eligibility's post-hoc view and the audit's accounting); ``read_run`` and
+indexed scan (the observed pattern for post-hoc accounting, and the audit's); ``read_run`` and
 ``participation_rows`` are what ``fedmf audit`` reads inside one read-only snapshot.
 """
 
@@ -30,6 +30,8 @@ __all__ = ["RunInfo", "RoundSummary", "RunRows", "norm_summary", "get_run", "rou
 # ---- views ----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class RunInfo:
+    """A run as the ledger holds it: its row, with the participation schema parsed."""
+
     id: int
     uid: str
     name: str | None

@@ -74,7 +74,6 @@ def _check_schema(rounds: int, schema: object) -> tuple[int, int]:
     return k, b
 
 
-
 # ---- threads ---------------------------------------------------------------------------
 def _small_cpu(rounds: int, device: torch.device) -> bool:
     """A CPU problem small enough to solve single-threaded with torch's eigh (SMALL_ROUNDS)."""

@@ -35,7 +35,9 @@ from .optimize import OptimizationResult, Progress
 
 __all__ = ["optimize_dense"]
 
+
 def _device(device: str | None) -> torch.device:
+    """The solve's device: ``device``, else CUDA when there is one, else the CPU."""
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
