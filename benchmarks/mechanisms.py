@@ -87,7 +87,7 @@ def case_banded(n: int, repeats: int) -> dict:
 
 
 def case_dense(n: int, repeats: int) -> dict:
-    from fedmf.mechanisms.dense import optimize_dense
+    from fedmf.mechanisms.dense_optimize import optimize_dense
 
     k = {128: 2, 1024: 4, 2052: 6}.get(n, 2)
     schema = FixedEpoch(k, n // k)
@@ -119,7 +119,7 @@ def _dense_loss(c: np.ndarray, schema: FixedEpoch) -> float:
 def case_dense_many(n: int, k: int, repeats: int, momentum: bool = False) -> dict:
     """Dense with many participations (k > 12, fedmf's block dual) against jax_privacy's
     orthogonality-masked primal; jax only for n <= 128 (its L-BFGS on n x n takes minutes beyond)."""
-    from fedmf.mechanisms.dense import optimize_dense
+    from fedmf.mechanisms.dense_optimize import optimize_dense
     from fedmf.workloads import Workload
 
     workload = Workload(0.95, 0.25) if momentum else Workload()

@@ -1,8 +1,10 @@
 """The run configuration of a private training job, validated once where it enters.
 
 The Flower app reads it from ``[tool.flwr.app.config]`` (overridable with ``flwr run .
---run-config``); ``fedmf simulate`` builds the same object. Keys use Flower's kebab-case; every
-value is checked here and a bad one is a one-line ``ConfigError`` before round 1.
+--run-config``); ``fedmf simulate`` builds the same object from a preset (``fedmf.simulate.PRESETS``:
+overrides of ``DEFAULTS``). Keys use Flower's kebab-case; every value is checked here and a bad one
+is a one-line ``ConfigError`` before round 1. ``DEFAULTS`` is the one defaults table:
+``pyproject.toml``'s app config equals it key for key (tests/test_config.py).
 
     task              "tiny"                      client task (client/tasks)
     task-options      '{"num_users": 20}'         JSON object of task options
@@ -10,12 +12,12 @@ value is checked here and a bad one is a one-line ``ConfigError`` before round 1
     num-bands         0                           bands for banded kinds (0: the default, min(b, 64))
     rounds            5                           n
     schema            "min-sep" | "fixed-epoch"
-    min-sep           1                           b
+    min-sep           2                           b
     max-participations 0                          k (0: ceil(n / b))
     sampling          "none" | "bminsep:P" | "cyclic-poisson:Q" | "poisson:P"
-    clients-per-round 10                          users per round (planned expected users)
+    clients-per-round 5                           users per round (planned expected users)
     clip-norm         1.0                         ζ
-    noise-multiplier  0.0                         z (0: calibrate for target-epsilon)
+    noise-multiplier  0.5                         z (0: calibrate for target-epsilon)
     target-epsilon    0.0                         ε target (0: none; exactly one of the two is set)
     delta             1e-5
     zero-threshold    "default" | "none" | 100.0  ℓ∞ zeroing (default 100·ζ)
@@ -51,12 +53,14 @@ from .errors import ConfigError
 
 __all__ = ["RunConfig", "DEFAULTS"]
 
+#: the defaults of every key: what ``flwr run .`` users get (pyproject.toml's [tool.flwr.app.config] equals
+#: this table, types included) and what RunConfig.from_mapping fills in; never zero noise by default
 DEFAULTS: dict[str, Any] = {
-    "task": "tiny", "task-options": "{}", "mechanism": "bsr", "num-bands": 0, "rounds": 5, "schema": "min-sep",
-    "min-sep": 1, "max-participations": 0, "sampling": "none", "clients-per-round": 10, "clip-norm": 1.0,
-    "noise-multiplier": 0.0, "target-epsilon": 0.0, "delta": 1e-5, "zero-threshold": "default", "accountant": "pld",
-    "server-lr": 1.0, "server-momentum": 0.0, "server-cooldown": 0.0, "client-lr": 0.1, "local-epochs": 1,
-    "batch-size": 16, "run-dir": "fedmf-run", "ledger-url": "", "reply-timeout": 600.0,
+    "task": "tiny", "task-options": '{"num_users": 20}', "mechanism": "bsr", "num-bands": 0, "rounds": 5,
+    "schema": "min-sep", "min-sep": 2, "max-participations": 0, "sampling": "none", "clients-per-round": 5,
+    "clip-norm": 1.0, "noise-multiplier": 0.5, "target-epsilon": 0.0, "delta": 1e-5, "zero-threshold": "default",
+    "accountant": "pld", "server-lr": 1.0, "server-momentum": 0.0, "server-cooldown": 0.0, "client-lr": 0.1,
+    "local-epochs": 1, "batch-size": 16, "run-dir": "fedmf-run", "ledger-url": "", "reply-timeout": 600.0,
     "ledger-diagnostics": False,
     "identity": "enrolled", "user-enrollment": "", "identity-timeout": 30.0,
 }

@@ -35,66 +35,69 @@ from .files import atomic_write
 __all__ = ["PRESETS", "preset_values", "simulate", "SimulationResult", "run_history", "flower_run_config",
            "flower_population", "flower_result"]
 
-#: preset → run configuration (kebab-case RunConfig keys; the task and its options included)
+#: preset → what it changes in ``DEFAULTS`` (kebab-case RunConfig keys; a changed task brings its own
+#: ``task-options``, which replace the table's). Every preset calibrates z for its target ε
+#: (noise-multiplier 0 instead of the table's fixed z).
 PRESETS: dict[str, dict[str, Any]] = {
     # a few seconds: the generated classification task
-    "tiny": {"task": "tiny", "task-options": {"num_users": 40}, "mechanism": "bsr", "rounds": 20, "min-sep": 4,
-             "clients-per-round": 8, "target-epsilon": 8.0, "delta": 1e-5, "server-lr": 1.0, "server-momentum": 0.5,
-             "client-lr": 0.2, "batch-size": 16},
+    "tiny": {"task-options": {"num_users": 40}, "rounds": 20, "min-sep": 4, "clients-per-round": 8,
+             "noise-multiplier": 0.0, "target-epsilon": 8.0, "server-momentum": 0.5, "client-lr": 0.2},
     # a few minutes on 2 cores: synthetic StackOverflow-like text, the small LSTM
     "so-tiny": {"task": "so-synthetic",
                 "task-options": {"num_users": 800, "vocab_size": 2000, "max_sentences": 32, "model_size": "small"},
-                "mechanism": "bsr", "rounds": 40, "min-sep": 10, "clients-per-round": 40, "target-epsilon": 8.0,
-                "delta": 1e-5, "clip-norm": 1.0, "server-lr": 3.0, "server-momentum": 0.0, "client-lr": 1.0,
-                "local-epochs": 3, "batch-size": 16},
+                "rounds": 40, "min-sep": 10, "clients-per-round": 40, "noise-multiplier": 0.0, "target-epsilon": 8.0,
+                "server-lr": 3.0, "client-lr": 1.0, "local-epochs": 3},
     # tens of minutes on 2 cores
     "so-small": {"task": "so-synthetic",
                  "task-options": {"num_users": 5000, "vocab_size": 10000, "max_sentences": 64, "model_size": "small"},
                  "mechanism": "banded-toeplitz", "num-bands": 32, "rounds": 300, "min-sep": 50,
-                 "clients-per-round": 100, "target-epsilon": 8.0, "delta": 1e-6, "server-lr": 1.0,
-                 "server-momentum": 0.9, "client-lr": 0.5, "batch-size": 16},
+                 "clients-per-round": 100, "noise-multiplier": 0.0, "target-epsilon": 8.0, "delta": 1e-6,
+                 "server-momentum": 0.9, "client-lr": 0.5},
     # the paper's geometry ("Multi-Epoch MF" StackOverflow): for a large machine
     "so-paper": {"task": "so-synthetic",
                  "task-options": {"num_users": 342477, "vocab_size": 10000, "max_sentences": 256,
                                   "model_size": "paper"},
                  "mechanism": "banded-toeplitz", "num-bands": 64, "rounds": 2052, "min-sep": 342,
-                 "max-participations": 6, "clients-per-round": 1000, "target-epsilon": 8.84, "delta": 1e-6,
-                 "server-lr": 1.0, "server-momentum": 0.95, "server-cooldown": 0.25, "client-lr": 0.5,
-                 "batch-size": 16, "clip-norm": 1.0},
+                 "max-participations": 6, "clients-per-round": 1000, "noise-multiplier": 0.0, "target-epsilon": 8.84,
+                 "delta": 1e-6, "server-momentum": 0.95, "server-cooldown": 0.25, "client-lr": 0.5},
     # real text (Shakespeare roles as users)
-    "shakespeare": {"task": "shakespeare", "task-options": {"model_size": "small"}, "mechanism": "bsr", "rounds": 40,
-                    "min-sep": 10, "clients-per-round": 20, "target-epsilon": 8.0, "delta": 1e-5, "server-lr": 1.0,
-                    "server-momentum": 0.9, "client-lr": 0.5, "batch-size": 16},
+    "shakespeare": {"task": "shakespeare", "task-options": {"model_size": "small"}, "rounds": 40, "min-sep": 10,
+                    "clients-per-round": 20, "noise-multiplier": 0.0, "target-epsilon": 8.0, "server-momentum": 0.9,
+                    "client-lr": 0.5},
 }
 
 
 def preset_values(name: str, overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """A preset's RunConfig values with ``overrides`` applied (``task-options`` merged)."""
+    """Every RunConfig value of a preset: ``DEFAULTS``, the preset's changes, then ``overrides``
+    (``task-options`` merged into the preset's)."""
     if name not in PRESETS:
         raise ConfigError(f"unknown preset {name!r} (known: {', '.join(PRESETS)})")
     overrides = overrides or {}
-    values = {k: (dict(v) if isinstance(v, dict) else v) for k, v in PRESETS[name].items()}
+    preset = PRESETS[name]
+    values = {**DEFAULTS, **preset}
+    values["task-options"] = dict(preset["task-options"]) if "task-options" in preset else \
+        json.loads(DEFAULTS["task-options"])
     for key, value in overrides.items():
         if key == "task-options":
-            values["task-options"] = {**values.get("task-options", {}), **value}
+            values["task-options"] = {**values["task-options"], **value}
         else:
             values[key] = value
     if overrides.get("noise-multiplier"):  # an explicit z replaces the preset's target ε
-        values.pop("target-epsilon", None)
+        values["target-epsilon"] = DEFAULTS["target-epsilon"]
     if "min-sep" not in overrides:
         values["min-sep"] = _preset_min_sep(values)
     if "num-bands" not in overrides and not _preset_bands_apply(values):
-        values.pop("num-bands", None)  # the preset's bands were for its own mechanism and geometry: the default
-    values["task-options"] = json.dumps(values.get("task-options", {}), sort_keys=True)
+        values["num-bands"] = DEFAULTS["num-bands"]  # the preset's bands were for its own mechanism and geometry
+    values["task-options"] = json.dumps(values["task-options"], sort_keys=True)
     return values
 
 
 def _preset_min_sep(values: Mapping[str, Any]) -> Any:
     """A preset's min-sep, capped at the rounds: a default that follows a smaller ``--rounds`` (b = n:
     each user at most once), as its band count does; a min-sep the user gives is kept and checked."""
-    min_sep = values.get("min-sep", DEFAULTS["min-sep"])
+    min_sep = values["min-sep"]
     try:
-        rounds = int(values.get("rounds", DEFAULTS["rounds"]))
+        rounds = int(values["rounds"])
         return min(int(min_sep), rounds) if rounds >= 1 else min_sep
     except (TypeError, ValueError):
         return min_sep  # a bad value is RunConfig's to report, in one line
@@ -105,14 +108,14 @@ def _preset_bands_apply(values: Mapping[str, Any]) -> bool:
     and at most min-sep (a banded C keeps its MinSep sensitivity only up to b bands)."""
     from .mechanisms import BANDED_KINDS
 
-    bands = values.get("num-bands")
+    bands = values["num-bands"]
     if not bands:
         return True
     try:
-        limit = min(int(values.get("rounds", DEFAULTS["rounds"])), int(values.get("min-sep", DEFAULTS["min-sep"])))
+        limit = min(int(values["rounds"]), int(values["min-sep"]))
     except (TypeError, ValueError):
         return True  # a bad value is RunConfig's to report, in one line
-    return values.get("mechanism") in BANDED_KINDS and bands <= limit
+    return values["mechanism"] in BANDED_KINDS and bands <= limit
 
 
 @dataclass

@@ -44,7 +44,8 @@ from server.strategy import DPMFStrategy
 from . import _federated_task as task
 
 ROUNDS = 10
-CONFIG = RunConfig.from_mapping({"noise-multiplier": 0.8, "reply-timeout": 5.0})
+CONFIG = RunConfig.from_mapping({"noise-multiplier": 0.8, "reply-timeout": 5.0,
+                                 "task-options": "{}"})  # the task options the strategy sends its clients
 USERS = task.users()
 NODE = {user: 7000 + i for i, user in enumerate(USERS)}
 PLANTED = {task.NAN_USER, task.SHAPE_USER, task.HUGE_USER, task.DROPOUT_USER}  # faults of local_update itself

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
+import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -26,6 +29,27 @@ def test_defaults_and_what_they_build(tmp_path):
     assert config.ledger_diagnostics is False  # update norms stay out of the ledger unless asked for
     for value, expected in ((True, True), ("true", True), (" False ", False)):
         assert RunConfig.from_mapping({**BASE, "ledger-diagnostics": value}).ledger_diagnostics is expected
+
+
+def test_the_app_config_is_the_defaults_table():
+    """pyproject.toml's [tool.flwr.app.config] (what ``flwr run .`` users get) is DEFAULTS, key for
+    key, in its order and with its types; and the defaults never mean zero noise."""
+    with open(Path(__file__).resolve().parents[1] / "pyproject.toml", "rb") as f:
+        app = tomllib.load(f)["tool"]["flwr"]["app"]["config"]
+    assert [(k, type(v), v) for k, v in app.items()] == [(k, type(v), v) for k, v in DEFAULTS.items()]
+    config = RunConfig.from_mapping({})
+    assert config.noise_multiplier == 0.5 and config.target_epsilon is None
+    assert (config.min_sep, config.clients_per_round, config.task_options) == (2, 5, {"num_users": 20})
+
+
+def test_presets_list_only_run_config_keys_they_change():
+    from fedmf.simulate import PRESETS
+
+    for name, preset in PRESETS.items():
+        assert set(preset) <= set(DEFAULTS), (name, sorted(set(preset) - set(DEFAULTS)))
+        for key, value in preset.items():
+            default = json.loads(DEFAULTS[key]) if key == "task-options" else DEFAULTS[key]
+            assert value != default, (name, key)
 
 
 def test_fixed_epoch_momentum_cooldown_and_strings_from_the_command_line(tmp_path):

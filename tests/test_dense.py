@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from fedmf.mechanisms.dense import DenseMechanism, corner_signs, optimize_dense
+from fedmf.mechanisms.dense import DenseMechanism, corner_signs
+from fedmf.mechanisms.dense_optimize import optimize_dense
 from fedmf.mechanisms.optimize import Progress
 from fedmf.participation import FixedEpoch, MinSep
 from fedmf.sensitivity import fixed_epoch
@@ -329,7 +330,7 @@ BLOCK_TOTALS = [t for t in NOTE_TOTALS if t[2] == Workload() or t[1] <= 2] + [(1
 @pytest.mark.parametrize("n,k,workload,total", BLOCK_TOTALS)
 def test_block_dual_matches_note(n, k, workload, total):
     """The block dual also runs for small k; its optimum is the note's (orthogonality-masked) value."""
-    from fedmf.mechanisms.dense import _optimize_blocks
+    from fedmf.mechanisms.dense_optimize import _optimize_blocks
 
     mech, result = _optimize_blocks(n, k, n // k, workload, TIGHT, 10000, torch.device("cpu"), None, 0.0)
     assert result.converged and mech.duals.shape == (n // k, k, k)

@@ -330,7 +330,7 @@ def test_the_audits_per_user_epsilon_is_account_observed(ledger_url, tmp_path):
     """One implementation of post-hoc accounting: the audit's values for every user are
     fedmf.accounting.posthoc.account_observed's on the run's observed pattern."""
     from fedmf.accounting import account_observed
-    from fedmf.ledger.repository import fetch_contributions
+    from fedmf.ledger.queries import fetch_contributions
 
     schema = MinSep(4, 4)
     schedule = {"too-often": [1, 5, 9, 13, 17], "fine": [3, 11], "close": [0, 2, 8], "once": [6], "two": [4, 19]}

@@ -32,7 +32,7 @@ def _mechanisms():
     out["banded"] = optimize_banded(N, 3, SCHEMA)[0]
     out["blt"] = optimize_blt(N, SCHEMA)[0]
     try:
-        from fedmf.mechanisms.dense import optimize_dense
+        from fedmf.mechanisms.dense_optimize import optimize_dense
         from fedmf.participation import FixedEpoch
 
         out["dense"] = optimize_dense(N, FixedEpoch(4, 4))[0]

@@ -57,7 +57,8 @@ from . import _federated_task as task
 
 SECRET_FILES = ("noise_seed", "schedule_key", "ledger_secret")
 ROUNDS = 6
-CONFIG = RunConfig.from_mapping({"noise-multiplier": 0.8, "reply-timeout": 5.0})
+CONFIG = RunConfig.from_mapping({"noise-multiplier": 0.8, "reply-timeout": 5.0,
+                                 "task-options": "{}"})  # the task options the strategy sends its clients
 APP_USERS = 12
 
 

@@ -633,7 +633,7 @@ def test_dense_optimum_fixed_epoch_sensitivity_is_tight(n, k):
     Gram entries may be slightly negative, so the vector sensitivity can exceed 1 a little. The
     SDP certificate matches a block-coordinate ascent's lower bound on it to 1e-7 (the
     |X|-sum bound overshoots it)."""
-    from fedmf.mechanisms.dense import optimize_dense
+    from fedmf.mechanisms.dense_optimize import optimize_dense
 
     schema = FixedEpoch(k, n // k)
     mech, _ = optimize_dense(n, schema, device="cpu")

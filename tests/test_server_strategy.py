@@ -20,7 +20,8 @@ from server.strategy import DPMFStrategy
 from . import _federated_task as task
 
 ROUNDS = 10
-CONFIG = RunConfig.from_mapping({"noise-multiplier": 0.8, "reply-timeout": 5.0})
+CONFIG = RunConfig.from_mapping({"noise-multiplier": 0.8, "reply-timeout": 5.0,
+                                 "task-options": "{}"})  # the task options the strategy sends its clients
 
 
 def honest_node(user: str, behaviour: str = "honest"):

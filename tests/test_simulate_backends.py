@@ -146,7 +146,8 @@ def test_the_run_config_is_complete_and_absolute(tmp_path, monkeypatch):
     config = RunConfig.from_mapping(values)
     rc = flower_run_config(values, config)
     assert set(rc) == set(DEFAULTS)  # the app's pyproject defaults (noise-multiplier 0.5, ...) fill in nothing
-    assert rc["run-dir"] == str(tmp_path / "rel") and rc["noise-multiplier"] == DEFAULTS["noise-multiplier"]
+    assert rc["run-dir"] == str(tmp_path / "rel")
+    assert (rc["noise-multiplier"], rc["target-epsilon"]) == (0.0, 8.0)  # the preset's calibration, not the table's z
     assert json.loads(rc["task-options"]) == {"num_users": 40}
     assert RunConfig.from_mapping(rc) == config
 

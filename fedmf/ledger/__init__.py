@@ -10,6 +10,7 @@
 * ``keys``        HMAC-SHA256 pseudonymous client keys under the server secret
 * ``repository``  the API the server calls: ``Ledger``, ``RunLedger`` (the plan on the run row,
                   the checkpoint hash and chain hash on the round record)
+* ``queries``     the reads: ``RunInfo``, ``RoundSummary``, a run's contributions, the audit's snapshot
 * ``privacy``     the audit's view of ``fedmf.accounting`` (per-round plan curve, post-hoc accounts)
 * ``audit``       the read-only audit behind ``fedmf audit`` (``fedmf.cli.audit``)
 
@@ -25,7 +26,7 @@ __all__ = ["Ledger", "RunLedger", "RunInfo", "RoundSummary", "LedgerError", "Ser
            "resolve_url", "AuditReport"]
 
 _EXPORTS = {
-    "Ledger": "repository", "RunLedger": "repository", "RunInfo": "repository", "RoundSummary": "repository",
+    "Ledger": "repository", "RunLedger": "repository", "RunInfo": "queries", "RoundSummary": "queries",
     "LedgerError": "db", "head_revision": "db", "resolve_url": "db", "ServerSecret": "keys",
     "AuditReport": "audit",  # the function: fedmf.ledger.audit.audit (the module shares its name)
 }

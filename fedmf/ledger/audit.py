@@ -18,17 +18,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from sqlalchemy import func, select
-from sqlalchemy.engine import URL, Connection
+from sqlalchemy.engine import Connection
 
 from ..files import atomic_write
 from ..mechanisms.base import Mechanism
 from ..participation import schema_from_dict
 from .chain import ChainCheck, check_chain
 from .db import LedgerError, check_version, display_url, read_snapshot, resolve_url
-from .models import ClientState, Participation, Round, RoundState, Run, UpdateNorm
+from .models import Run
 from .privacy import run_privacy
-from .repository import RunInfo, fetch_contributions, norm_summary
+from .queries import RunInfo, norm_summary, participation_rows, read_run
 
 __all__ = ["AuditReport", "audit", "ROUND_COLUMNS", "DIAGNOSTIC_COLUMNS", "ChainBroken"]
 
@@ -210,46 +209,6 @@ def _mechanism_from_document(text: str, checksum: str, run_id: int) -> Mechanism
     return mechanism
 
 
-def _read(conn: Connection, url: URL, run_id: int | None, verify: bool):
-    """One snapshot of a run: its row, committed records, round state, contributions, client
-    state, update norms (diagnostics) and, with ``verify``, every participation by round."""
-    from sqlalchemy.orm import Session
-
-    session = Session(bind=conn)
-    if run_id is None:
-        run_id = conn.execute(select(func.max(Run.id))).scalar()
-        if run_id is None:
-            raise LedgerError(f"ledger {display_url(url)} holds no runs")
-    run = session.get(Run, run_id)
-    if run is None:
-        raise LedgerError(f"no run with id {run_id} in ledger {display_url(url)}")
-    records = conn.execute(select(Round.__table__).where(Round.run_id == run_id)
-                           .order_by(Round.round_index)).mappings().all()
-    states = conn.execute(select(RoundState.round_index, RoundState.status, RoundState.attempts)
-                          .where(RoundState.run_id == run_id).order_by(RoundState.round_index)).all()
-    norms: dict[int, list] | None = None
-    if run.diagnostics:
-        norms = {}
-        for t, norm, clipped in conn.execute(select(UpdateNorm.round_index, UpdateNorm.update_norm,
-                                                    UpdateNorm.clipped).where(UpdateNorm.run_id == run_id)):
-            norms.setdefault(t, []).append((norm, clipped))
-    contributions = fetch_contributions(conn, run_id)
-    state = conn.execute(
-        select(ClientState.client_key, ClientState.contributions, ClientState.last_round)
-        .where(ClientState.run_id == run_id).order_by(ClientState.client_key)
-    ).cursor.fetchall()
-    chain = None
-    if verify:  # every participation, streamed in primary-key order (one round in memory at a time)
-        result = conn.execution_options(stream_results=True, yield_per=10_000).execute(
-            select(Participation.round_index, Participation.client_key, Participation.status, Participation.reason)
-            .where(Participation.run_id == run_id).order_by(Participation.round_index, Participation.client_key))
-        run_values = {c.key: getattr(run, c.key) for c in Run.__table__.columns}
-        chain = check_chain(run_values, records, ((t, bytes(k), s, r) for t, k, s, r in result),
-                            [int(t) for t, status, _ in states if status == "committed"])
-    session.expunge_all()
-    return run, records, states, norms, contributions, state, chain
-
-
 def audit(url: str | os.PathLike, run_id: int | None = None, *, verify: bool = False) -> AuditReport:
     """Audit run ``run_id`` (default: the latest) of the ledger at ``url``, read-only; with
     ``verify``, also recompute its hash chain (``report.chain``)."""
@@ -259,11 +218,17 @@ def audit(url: str | os.PathLike, run_id: int | None = None, *, verify: bool = F
 
     def read(conn: Connection):
         version = check_version(conn, resolved, allow_empty=False, allow_older=False)
-        return version, _read(conn, resolved, run_id, verify)
+        rows = read_run(conn, resolved, run_id)
+        chain = None
+        if verify:  # every participation, streamed in primary-key order (one round in memory at a time)
+            chain = check_chain(rows.run_values(), rows.records, participation_rows(conn, rows.run.id),
+                                rows.committed_rounds)
+        return version, rows, chain
 
-    version, (run, records, states, norms, contributions, state, chain) = read_snapshot(resolved, read)
+    version, rows, chain = read_snapshot(resolved, read)
     try:
-        report = _report(display_url(resolved), version, run, records, states, norms, *contributions, state)
+        report = _report(display_url(resolved), version, rows.run, rows.records, rows.states, rows.norms,
+                         *rows.contributions, rows.client_state)
     except LedgerError as e:
         if chain is not None and not chain.ok:
             raise ChainBroken(chain, str(e)) from None

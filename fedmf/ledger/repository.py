@@ -29,6 +29,8 @@ wait for each other instead of failing; reads never take it.
 
 Only contributions count as participations (a dropped or rejected update was never
 summed, so it spends no privacy); eligibility and the observed pattern use them alone.
+What a run and a round look like to readers, and the reads shared with the audit, are in
+``queries``.
 """
 
 from __future__ import annotations
@@ -39,24 +41,24 @@ import math
 import os
 import re
 import secrets
-from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 import numpy as np
-from sqlalchemy import Text, cast, func, insert, select, update
-from sqlalchemy.dialects.postgresql import aggregate_order_by
-from sqlalchemy.engine import URL, Connection, Engine
+from sqlalchemy import func, insert, select, update
+from sqlalchemy.engine import URL, Engine
 from sqlalchemy.orm import Session
 
 from ..errors import ConfigError
 from ..files import check_private
-from ..participation import FixedEpoch, MinSep, Observed, schema_from_dict
+from ..participation import FixedEpoch, MinSep, Observed
 from .chain import genesis_sha256, round_sha256
 from .db import WRITE, LedgerError, database_errors, display_url, resolve_url, upgrade, writer_engine
 from .keys import ServerSecret
 from .models import ClientState, Participation, Round, RoundState, Run, UpdateNorm
+from .queries import RoundSummary, RunInfo, get_run, round_summary
+from .queries import observed_pattern as _observed_pattern
 
-__all__ = ["Ledger", "RunLedger", "RunInfo", "RoundSummary", "fetch_contributions", "observed_from_arrays"]
+__all__ = ["Ledger", "RunLedger"]
 
 _IN_CHUNK = 5000  # keys per IN (...) list
 _HISTORY_SQL = "SELECT client_key, contributions, last_round FROM client_state WHERE run_id = %s AND client_key {}"
@@ -102,112 +104,6 @@ def _now() -> dt.datetime:
 def _key_label(key: bytes) -> str:
     """How a client appears in messages and audits: a prefix of its pseudonymous key."""
     return key.hex()[:16]
-
-
-@dataclass(frozen=True)
-class RunInfo:
-    id: int
-    uid: str
-    name: str | None
-    created_at: dt.datetime
-    code_version: str
-    rounds: int
-    noise_multiplier: float
-    clip_norm: float
-    delta: float
-    target_epsilon: float | None
-    schema: MinSep | FixedEpoch
-    sampling: str
-    mechanism_kind: str
-    mechanism_checksum: str
-    config: dict[str, Any]
-    plan: dict[str, Any] | None = None
-    plan_fingerprint: str | None = None
-    diagnostics: bool = False
-    genesis_sha256: str | None = None
-
-    @property
-    def min_sep(self) -> int:
-        return self.schema.min_sep
-
-    @property
-    def max_participations(self) -> int:
-        return self.schema.participations(self.rounds)
-
-    @classmethod
-    def from_row(cls, row: Run) -> "RunInfo":
-        return cls(
-            id=row.id, uid=row.uid, name=row.name, created_at=row.created_at, code_version=row.code_version,
-            rounds=row.rounds, noise_multiplier=row.noise_multiplier, clip_norm=row.clip_norm, delta=row.delta,
-            target_epsilon=row.target_epsilon, schema=schema_from_dict(row.participation_schema),
-            sampling=row.sampling, mechanism_kind=row.mechanism_kind, mechanism_checksum=row.mechanism_checksum,
-            config=dict(row.config or {}), plan=row.plan, plan_fingerprint=row.plan_fingerprint,
-            diagnostics=bool(row.diagnostics), genesis_sha256=row.genesis_sha256,
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        created = self.created_at
-        if created.tzinfo is None:  # SQLite keeps no time zone; the ledger writes UTC
-            created = created.replace(tzinfo=dt.timezone.utc)
-        return {
-            "id": self.id, "name": self.name, "created_at": created.isoformat(),
-            "code_version": self.code_version, "rounds": self.rounds,
-            "noise_multiplier": self.noise_multiplier, "clip_norm": self.clip_norm, "delta": self.delta,
-            "target_epsilon": self.target_epsilon, "schema": self.schema.to_dict(self.rounds),
-            "sampling": self.sampling, "mechanism_kind": self.mechanism_kind,
-            "mechanism_checksum": self.mechanism_checksum, "config": self.config,
-            "plan": self.plan, "plan_fingerprint": self.plan_fingerprint, "diagnostics": self.diagnostics,
-            "genesis_sha256": self.genesis_sha256,
-        }
-
-
-@dataclass(frozen=True)
-class RoundSummary:
-    """A round as the ledger holds it: its committed record, else its ``round_state``
-    (open or aborted), else planned. The norm fields and ``clipped`` are diagnostics: None
-    unless the run records them."""
-
-    round_index: int
-    status: str
-    attempts: int
-    selected: int
-    contributed: int
-    dropped: int
-    rejected: int
-    noise_std: float | None  # absolute: z · clip_norm · sensitivity
-    checkpoint_sha256: str | None
-    epsilon_worst_user: float | None = None
-    epsilon_planned: float | None = None
-    chain_sha256: str | None = None
-    clipped: int | None = None
-    norm_min: float | None = None
-    norm_median: float | None = None
-    norm_mean: float | None = None
-    norm_max: float | None = None
-
-    @classmethod
-    def committed(cls, row: Any, norms: Sequence[tuple[float | None, bool | None]] | None) -> "RoundSummary":
-        """From a ``rounds`` record and, with diagnostics, its (update_norm, clipped) pairs."""
-        fields = {f: getattr(row, f) for f in ("round_index", "status", "attempts", "selected", "contributed",
-                                               "dropped", "rejected", "noise_std", "checkpoint_sha256",
-                                               "epsilon_worst_user", "epsilon_planned", "chain_sha256")}
-        return cls(**fields, **norm_summary(norms))
-
-    @classmethod
-    def uncommitted(cls, t: int, status: str = "planned", attempts: int = 0) -> "RoundSummary":
-        return cls(t, status, attempts, 0, 0, 0, 0, None, None)
-
-
-def norm_summary(norms: Sequence[tuple[float | None, bool | None]] | None) -> dict[str, Any]:
-    """clipped count and min / median / mean / max of the recorded update norms (diagnostics);
-    all None without them."""
-    if norms is None:
-        return {}
-    values = np.array([n for n, _ in norms if n is not None], dtype=np.float64)
-    out: dict[str, Any] = {"clipped": sum(1 for _, c in norms if c)}
-    for name, f in (("norm_min", np.min), ("norm_median", np.median), ("norm_mean", np.mean), ("norm_max", np.max)):
-        out[name] = float(f(values)) if values.size else None
-    return out
 
 
 class _Pending:
@@ -388,7 +284,7 @@ class Ledger:
         left open stays open until ``open_round`` takes it over (as a new attempt)."""
         secret = self._need_secret()
         with self._errors(), Session(self.engine) as session, session.begin():
-            row = _get_run(session, run_id, self.url)
+            row = get_run(session, run_id, self.url)
             if row.key_check != secret.key_check():
                 raise LedgerError(f"run {run_id}: the server secret is not the one this run was recorded with")
             info = RunInfo.from_row(row)
@@ -397,36 +293,12 @@ class Ledger:
     def observed_pattern(self, run_id: int) -> Observed:
         """Every client's contributed rounds (committed rounds only), keyed by key hex."""
         with self._errors(), Session(self.engine) as session:
-            row = _get_run(session, run_id, self.url)
-            keys, users, rounds = fetch_contributions(session.connection(), row.id)
-        return observed_from_arrays(keys, users, rounds)
+            return _observed_pattern(session, run_id, self.url)
 
     def _need_secret(self) -> ServerSecret:
         if self._secret is None:
             raise LedgerError("this operation needs the server secret: Ledger.open(url, secret=...)")
         return self._secret
-
-
-def _get_run(session: Session, run_id: int, url: URL) -> Run:
-    if isinstance(run_id, bool) or not isinstance(run_id, (int, np.integer)):
-        raise LedgerError(f"a run id is an integer, got {run_id!r}")
-    row = session.get(Run, int(run_id))
-    if row is None:
-        raise LedgerError(f"no run with id {run_id} in ledger {display_url(url)}")
-    return row
-
-
-def _round_summary(conn: Connection, run_id: int, t: int, diagnostics: bool) -> RoundSummary:
-    record = conn.execute(select(Round.__table__).where(Round.run_id == run_id, Round.round_index == t)).first()
-    if record is not None:
-        norms = None
-        if diagnostics:
-            norms = conn.execute(select(UpdateNorm.update_norm, UpdateNorm.clipped).where(
-                UpdateNorm.run_id == run_id, UpdateNorm.round_index == t)).all()
-        return RoundSummary.committed(record, norms)
-    state = conn.execute(select(RoundState.status, RoundState.attempts).where(
-        RoundState.run_id == run_id, RoundState.round_index == t)).first()
-    return RoundSummary.uncommitted(t) if state is None else RoundSummary.uncommitted(t, *state)
 
 
 def _mechanism_document(mechanism: Any, schema: MinSep | FixedEpoch | None) -> tuple[str, str]:
@@ -440,43 +312,6 @@ def _mechanism_document(mechanism: Any, schema: MinSep | FixedEpoch | None) -> t
     if not isinstance(mechanism, (str, os.PathLike)):
         raise ConfigError(f"mechanism must be a mechanism file path or a Mechanism, not {type(mechanism).__name__}")
     return read_text(mechanism), os.fspath(mechanism)
-
-
-def fetch_contributions(conn: Connection, run_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Every contributed (client, round) of a run, grouped by client in one indexed scan.
-
-    Returns (keys (U, 32) uint8 in key order, users (N,), rounds (N,)), sorted by (user,
-    round). Each client's rounds arrive as one aggregated string, so a key crosses the
-    wire once, not once per round."""
-    rounds_text = (
-        func.string_agg(cast(Participation.round_index, Text), aggregate_order_by(",", Participation.round_index))
-        if conn.dialect.name == "postgresql"
-        else func.group_concat(Participation.round_index)
-    )
-    stmt = (
-        select(Participation.client_key, rounds_text)
-        .where(Participation.run_id == run_id, Participation.status == "contributed")
-        .group_by(Participation.client_key)
-        .order_by(Participation.client_key)
-    )
-    rows = conn.execute(stmt).cursor.fetchall()  # plain driver rows: no per-row processing
-    keys = [bytes(key) for key, _ in rows]
-    texts = [text_ for _, text_ in rows]
-    if not keys:
-        return np.zeros((0, 32), dtype=np.uint8), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-    rounds = np.array(",".join(texts).split(","), dtype=np.int64)
-    counts = np.fromiter((t.count(",") + 1 for t in texts), dtype=np.int64, count=len(texts))
-    users = np.repeat(np.arange(len(keys), dtype=np.int64), counts)
-    order = np.lexsort((rounds, users))  # group_concat promises no order within a group
-    return np.frombuffer(b"".join(keys), dtype=np.uint8).reshape(-1, 32), users[order], rounds[order]
-
-
-def observed_from_arrays(keys: np.ndarray, users: np.ndarray, rounds: np.ndarray) -> Observed:
-    bounds = np.searchsorted(users, np.arange(len(keys) + 1))
-    items = sorted(
-        (keys[u].tobytes().hex(), tuple(int(x) for x in rounds[bounds[u] : bounds[u + 1]])) for u in range(len(keys))
-    )
-    return Observed(tuple(items))
 
 
 class RunLedger:
@@ -516,7 +351,7 @@ class RunLedger:
         if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < self.info.rounds:
             raise LedgerError(f"run {self.id} has no round {t}")
         with self.ledger._errors(), self.ledger.engine.connect() as conn:
-            summary = _round_summary(conn, self.id, int(t), self.info.diagnostics)
+            summary = round_summary(conn, self.id, int(t), self.info.diagnostics)
             conn.rollback()
         return summary
 
@@ -672,7 +507,7 @@ class RunLedger:
             conn.execute(update(RoundState).where(RoundState.run_id == self.id, RoundState.round_index == t)
                          .values(status="committed", closed_at=now))
             # read back inside the transaction: once COMMIT returns there is nothing left that can fail
-            summary = _round_summary(conn, self.id, t, self.info.diagnostics)
+            summary = round_summary(conn, self.id, t, self.info.diagnostics)
         self._pending = None
         return summary
 

@@ -180,7 +180,7 @@ def plan(
     if max_steps is not None:
         options["max_steps"] = max_steps
     if kind == "dense":
-        from .dense import optimize_dense
+        from .dense_optimize import optimize_dense
 
         if not isinstance(schema, FixedEpoch):
             raise ConfigError("dense is optimized for fixed-epoch participation (rounds = participations x min_sep)")
