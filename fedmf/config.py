@@ -4,7 +4,7 @@ The Flower app reads it from ``[tool.flwr.app.config]`` (overridable with ``flwr
 --run-config``); ``fedmf simulate`` builds the same object. Keys use Flower's kebab-case; every
 value is checked here and a bad one is a one-line ``ConfigError`` before round 1.
 
-    task              "tiny"                      client task (client/tasks)
+    task              "tiny"                      client task (fedmf/tasks)
     task-options      '{"num_users": 20}'         JSON object of task options
     mechanism         "bsr" | "so.mech.json"       a kind (built or optimized for the schema) or a file
     num-bands         0                           bands for banded kinds (0: the default, min(b, 64))
