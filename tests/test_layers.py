@@ -9,12 +9,15 @@ to ``importlib.import_module`` / ``__import__``; relative imports are resolved a
 module's package. ``from pkg import name`` is an edge to the submodule ``pkg.name`` when there is
 one, else to ``pkg``. Imports under ``if TYPE_CHECKING:`` never run: they are left out of the cycle
 check (a type-only back-reference is allowed), but the engine may not name an adapter even there.
+(tests/test_imports.py checks the engine's own graph, which this one contains.)
 """
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
+
+from .test_imports import _cycles  # Tarjan's strongly connected components
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("fedmf", "server", "client", "launcher")
@@ -115,51 +118,6 @@ def import_graph(root: Path = ROOT) -> dict[str, dict[str, int]]:
     return graph
 
 
-def cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
-    """The strongly connected components of more than one module (Tarjan), each sorted."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    out: list[list[str]] = []
-    counter = 0
-    for start in sorted(graph):
-        if start in index:
-            continue
-        work = [(start, iter(sorted(graph[start])))]
-        index[start] = low[start] = counter
-        counter += 1
-        stack.append(start)
-        on_stack.add(start)
-        while work:
-            node, children = work[-1]
-            child = next(children, None)
-            if child is not None:
-                if child not in index:
-                    index[child] = low[child] = counter
-                    counter += 1
-                    stack.append(child)
-                    on_stack.add(child)
-                    work.append((child, iter(sorted(graph[child]))))
-                elif child in on_stack:
-                    low[node] = min(low[node], index[child])
-                continue
-            work.pop()
-            if work:
-                low[work[-1][0]] = min(low[work[-1][0]], low[node])
-            if low[node] == index[node]:
-                component = []
-                while True:
-                    member = stack.pop()
-                    on_stack.discard(member)
-                    component.append(member)
-                    if member == node:
-                        break
-                if len(component) > 1:
-                    out.append(sorted(component))
-    return out
-
-
 def _describe(component: list[str], graph: dict[str, dict[str, int]]) -> str:
     members = set(component)
     edges = [f"{a}:{line} -> {b}" for a in component for b, line in sorted(graph[a].items()) if b in members]
@@ -175,7 +133,7 @@ def test_the_engine_imports_no_adapter_nor_flower():
 def test_no_import_cycle_among_the_projects_modules():
     graph = import_graph()
     assert len(graph) > 50 and "fedmf.tasks.base" in graph and "launcher.processes" in graph
-    found = cycles(graph)
+    found = sorted(sorted(c) for c in _cycles(graph))
     assert not found, "import cycles:\n" + "\n".join(_describe(c, graph) for c in found)
 
 
@@ -195,6 +153,6 @@ def test_the_checker_sees_lazy_relative_and_dynamic_imports(tmp_path):
     assert engine_violations(tmp_path) == ["fedmf.a:3 imports server.app", "fedmf.c:6 imports launcher.x"]
     graph = import_graph(tmp_path)
     assert graph["fedmf.a"] == {"fedmf.b": 2, "server.app": 3} and graph["fedmf.c"] == {}
-    assert cycles(graph) == [["fedmf.a", "fedmf.b"]]
+    assert _cycles(graph) == {frozenset({"fedmf.a", "fedmf.b"})}
     assert _describe(["fedmf.a", "fedmf.b"], graph) == \
         "cycle ['fedmf.a', 'fedmf.b']: fedmf.a:2 -> fedmf.b; fedmf.b:2 -> fedmf.a"

@@ -199,3 +199,19 @@ def test_app_dir_is_the_source_tree_and_the_launcher_imports_no_flower():
     code = ("import sys, launcher.flower_backend, fedmf.cli.simulate; "
             "assert not any(m.startswith('flwr') for m in sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_a_backend_that_is_not_installed_is_one_line(tmp_path, capsys, monkeypatch):
+    """The CLI finds --backend flower through the fedmf.simulate_backends entry point (the engine
+    imports no adapter); without it: one line, exit 2, nothing launched."""
+    import importlib.metadata
+
+    from fedmf.cli.simulate import BACKENDS_GROUP
+
+    assert [ep.value for ep in importlib.metadata.entry_points(group=BACKENDS_GROUP, name="flower")] == \
+        ["launcher.flower_backend:simulate_flower"]
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda **kw: importlib.metadata.EntryPoints(()))
+    monkeypatch.setattr(launcher, "run_simulation", lambda *a, **k: pytest.fail("launched"))
+    assert main([*TINY_2, "--backend", "flower", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("fedmf: error: --backend flower is not installed"), err
