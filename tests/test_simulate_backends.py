@@ -1,6 +1,7 @@
 """`fedmf simulate --backend flower` (the Flower app on the Flower simulation engine, through
-launcher/flower_backend.py and launcher/processes.py) against `--backend inprocess`: the same preset, overrides and secrets give the
-same model bit for bit; failures are one line, exit 2; no Flower process is left behind."""
+launcher/flower_backend.py and launcher/processes.py) against `--backend inprocess`: the same preset,
+overrides and secrets give the same model bit for bit; failures are one line, exit 2; no Flower
+process is left behind."""
 
 from __future__ import annotations
 

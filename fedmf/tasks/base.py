@@ -180,8 +180,8 @@ class Task(ABC):
                            hyper: ClientHyper, *, device: str | torch.device | None = None
                            ) -> dict[str, LocalResult] | None:
         """The task's batched path for ``local_updates(vectorized=True)``: {user: result}, or None
-        when it has none (``local_updates`` then loops). None here; :class:`~fedmf.tasks.supervised.SupervisedTask`
-        has one (:mod:`fedmf.tasks.vectorized`)."""
+        when it has none (``local_updates`` then loops). None here;
+        :class:`~fedmf.tasks.supervised.SupervisedTask` has one (:mod:`fedmf.tasks.vectorized`)."""
         return None
 
     def vectorized_pad_label(self) -> int | None:
