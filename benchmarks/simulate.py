@@ -35,8 +35,8 @@ median round's updates / its wall time; "start-up" is what comes before round 0)
   pfl-2threads   the same on two intra-op threads (targets compare with the faster of the two)
   pfl-masked     pfl differentiating fedmf's pad-skipping ``task.train_loss`` (one thread): the same model
                  code on both sides, so what is left of the ratio is the frameworks'
-  flower-fedmf   ``fedmf simulate --backend flower``'s path (``server.launcher.run_simulation`` of the repo's
-                 app with ``fedmf.simulate.flower_run_config``), one SuperNode per user, 1 CPU per ClientApp
+  flower-fedmf   ``fedmf simulate --backend flower``'s path (``launcher.processes.run_simulation`` of the repo's
+                 app with ``launcher.flower_backend.flower_run_config``), one SuperNode per user, 1 CPU per ClientApp
                  actor (2 actors on 2 cores); round window = the ledger's opened_at → closed_at
   flower-fedavg  Flower's FedAvg ServerApp (benchmarks/flower_fedavg_app) on the same task, same launcher;
                  round window = configure_train start → aggregate_train end
@@ -146,7 +146,7 @@ class SideResult:
 
 
 def _task(values: dict[str, Any]):
-    from client.tasks import ClientHyper, get_task
+    from fedmf.tasks import ClientHyper, get_task
     from fedmf.config import RunConfig
 
     config = RunConfig.from_mapping(values)
@@ -162,7 +162,7 @@ def _cohort(users: list[str], t: int, m: int) -> list[str]:
 # ---- in process ---------------------------------------------------------------------------------------
 def run_inprocess(case: Case, work: Path) -> SideResult:
     """``fedmf.federated.train`` as ``fedmf simulate`` runs it (no evaluation): whole rounds."""
-    from client.tasks.base import default_workers
+    from fedmf.tasks.base import default_workers
     from fedmf.federated import train
 
     out = SideResult("inprocess")
@@ -202,7 +202,7 @@ def run_inprocess(case: Case, work: Path) -> SideResult:
 def run_client_loops(case: Case, work: Path) -> tuple[SideResult, SideResult, SideResult]:
     """Client work only, round by round on the same users and params: sequential, parallel
     (``workers`` = the CPUs), vectorized."""
-    from client.tasks.base import default_workers
+    from fedmf.tasks.base import default_workers
 
     values = case.values(work / "loops")
     _, task, hyper = _task(values)
@@ -324,8 +324,8 @@ def _utc(text: str) -> float:
 
 def run_flower_fedmf(case: Case, work: Path, timeout_s: float) -> SideResult:
     """The path of ``fedmf simulate --backend flower``; round windows from the run's ledger."""
-    from fedmf.simulate import flower_population, flower_run_config
-    from server.launcher import app_dir, run_simulation
+    from launcher.flower_backend import flower_population, flower_run_config
+    from launcher.processes import app_dir, run_simulation
 
     out = SideResult("flower-fedmf")
     values = case.values(work / "flower-fedmf")
@@ -352,7 +352,7 @@ _ANCHOR_ROUND = re.compile(r"fedavg-anchor round (\d+) start_s (\S+) end_s (\S+)
 
 def run_flower_fedavg(case: Case, work: Path, timeout_s: float) -> SideResult:
     """Flower's FedAvg ServerApp (benchmarks/flower_fedavg_app) on the same task and population."""
-    from server.launcher import run_simulation
+    from launcher.processes import run_simulation
 
     out = SideResult("flower-fedavg")
     values = case.values(work / "flower-fedavg")

@@ -32,8 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
 
-    from client.tasks import ClientHyper, get_task
-    from client.tasks.base import default_workers
+    from fedmf.tasks import ClientHyper, get_task
+    from fedmf.tasks.base import default_workers
     from fedmf.config import RunConfig
     from fedmf.simulate import preset_values
 

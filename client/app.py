@@ -34,7 +34,7 @@ from flwr.common.constant import ErrorCode
 from fedmf.enrollment import CHALLENGE_BYTES, check_user_id, load_private_key, sign_proof
 from fedmf.errors import ConfigError, FedmfError
 
-from .tasks import ClientHyper, Task, get_task
+from fedmf.tasks import ClientHyper, Task, get_task
 
 __all__ = ["app", "user_id", "load_task", "TrainRequest", "parse_request", "ERROR_CODE", "IDENTITY_RECORD"]
 

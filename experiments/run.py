@@ -155,7 +155,7 @@ def run_job(job: dict[str, Any], out: Path, device: str) -> dict[str, Any]:
 
     import torch
 
-    from client.tasks import ClientHyper, get_task
+    from fedmf.tasks import ClientHyper, get_task
     from fedmf.config import RunConfig
     from fedmf.federated import train
 

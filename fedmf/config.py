@@ -6,7 +6,7 @@ overrides of ``DEFAULTS``). Keys use Flower's kebab-case; every value is checked
 is a one-line ``ConfigError`` before round 1. ``DEFAULTS`` is the one defaults table:
 ``pyproject.toml``'s app config equals it key for key (tests/test_config.py).
 
-    task              "tiny"                      client task (client/tasks)
+    task              "tiny"                      client task (fedmf/tasks)
     task-options      '{"num_users": 20}'         JSON object of task options
     mechanism         "bsr" | "so.mech.json"       a kind (built or optimized for the schema) or a file
     num-bands         0                           bands for banded kinds (0: the default, min(b, 64))

@@ -1,26 +1,23 @@
 """Simulated private federated training in process: presets, the run, its results and plot.
 
 ``fedmf simulate`` (fedmf/cli/simulate.py) builds a ``RunConfig`` from a preset plus
-overrides, takes the preset's task from ``client.tasks`` (at the edge: the engine itself knows
+overrides, takes the preset's task from ``fedmf.tasks`` (at the edge: the engine itself knows
 no task), and calls ``simulate``, which runs
 ``fedmf.federated.train`` (the same private round the Flower server runs) and writes, next to
 the ledger and checkpoints in the output directory, ``final-model.pt``, ``results.json`` and
 ``progress.png``. Both always cover the whole run (``run_history``: the ledger's committed rounds
 with the round log's records), however many processes, re-runs and resumes it took.
 
-``--backend flower`` runs the same configuration as the Flower app on the Flower simulation engine
-(``server/launcher.py``, which runs Flower's executables: nothing here imports Flower). This module
-gives it the complete run configuration (``flower_run_config``), the population check
-(``flower_population``: one SuperNode per user; partition i is the task's i-th user) and reads the finished run back
-into the same ``SimulationResult`` (``flower_result``: the ledger and the round log the ServerApp
-appended, ``final-model.pt``, the ServerApp's last lines for how it stopped).
+``--backend flower`` runs the same configuration as the Flower app on the Flower simulation engine:
+``launcher/flower_backend.py``, which the CLI finds through the ``fedmf.simulate_backends`` entry
+point (nothing here imports it), reads the finished run back into the same ``SimulationResult``
+with ``run_history`` and ``write_outputs``.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -29,11 +26,9 @@ from typing import Any, Mapping
 from .auditor import audit_command
 from .config import DEFAULTS, RunConfig
 from .errors import ConfigError
-from .ledger.db import public_url
 from .files import atomic_write
 
-__all__ = ["PRESETS", "preset_values", "simulate", "SimulationResult", "run_history", "flower_run_config",
-           "flower_population", "flower_result"]
+__all__ = ["PRESETS", "preset_values", "simulate", "SimulationResult", "run_history", "write_outputs"]
 
 #: preset → what it changes in ``DEFAULTS`` (kebab-case RunConfig keys; a changed task brings its own
 #: ``task-options``, which replace the table's). Every preset calibrates z for its target ε
@@ -146,7 +141,7 @@ def simulate(config: RunConfig, *, model, users, local_update=None, local_update
     """Train ``model`` privately under ``config`` in process over ``users`` with ``local_update``
     (``fedmf.federated.LocalUpdate``, one user at a time) or ``local_updates`` (a round's users
     together: vectorized clients) and server-side ``evaluate(model)``; resumes from
-    ``config.run_dir``. The caller (the CLI) takes these from a task of ``client.tasks``.
+    ``config.run_dir``. The caller (the CLI) takes these from a task of ``fedmf.tasks``.
     ``repeatable_noise``: tests only, unsafe (``fedmf.run.PrivateRun.open``)."""
     from .federated import train
 
@@ -169,7 +164,7 @@ def simulate(config: RunConfig, *, model, users, local_update=None, local_update
     out = SimulationResult(config.run_dir, result.ledger, result.run_id, result.rounds_done, result.stopped,
                            plan.epsilon_after(result.rounds_done - 1) if result.rounds_done else 0.0, plan.delta,
                            plan.noise_multiplier, accuracy, time.perf_counter() - started, history)
-    return _write_outputs(out, config.run_dir, plot)
+    return write_outputs(out, config.run_dir, plot)
 
 
 def run_history(config: RunConfig, plan, run_id: int) -> list[dict[str, Any]]:
@@ -202,7 +197,8 @@ def run_history(config: RunConfig, plan, run_id: int) -> list[dict[str, Any]]:
     return history
 
 
-def _write_outputs(out: SimulationResult, run_dir: str, plot: bool) -> SimulationResult:
+def write_outputs(out: SimulationResult, run_dir: str, plot: bool) -> SimulationResult:
+    """Write ``results.json`` (and ``progress.png`` with ``plot``) of ``out`` into ``run_dir``; ``out``."""
     directory = Path(run_dir)
     if plot and out.history:
         out.plot = str(directory / "progress.png")
@@ -210,79 +206,6 @@ def _write_outputs(out: SimulationResult, run_dir: str, plot: bool) -> Simulatio
     atomic_write(directory / "results.json", lambda f: json.dump(out.to_dict(), f, indent=1, allow_nan=False),
                  text=True, mode=0o600)
     return out
-
-
-# ---- the flower backend (no Flower imported here) -------------------------------------------
-
-
-def flower_run_config(values: Mapping[str, Any], config: RunConfig) -> dict[str, Any]:
-    """The complete run configuration for ``flwr run --run-config``: every RunConfig key, so that the
-    app's own ``[tool.flwr.app.config]`` defaults (which differ from ``fedmf.config.DEFAULTS``) fill
-    in nothing, with the paths the ServerApp must see absolute (it runs in another directory)."""
-    out = {**DEFAULTS, **values}
-    if any(v is None for v in out.values()):
-        raise ConfigError(f"configuration keys without a value: {sorted(k for k, v in out.items() if v is None)}")
-    if isinstance(out["task-options"], Mapping):
-        out["task-options"] = json.dumps(out["task-options"], sort_keys=True)
-    out["run-dir"] = config.run_dir
-    out["mechanism"] = config.mechanism  # a mechanism file, resolved from the working directory
-    return out
-
-
-def flower_population(task_name: str, users: list[str]) -> int:
-    """The number of simulated SuperNodes for a task whose users are ``users``: one per user. The
-    ClientApp of partition i is user ``str(i)`` for tasks whose users are "0".."N-1", else the
-    task's i-th user (``client.app.simulation_user``); ConfigError (one line) for no users or
-    users that are not distinct."""
-    n = len(users)
-    if n == 0 or len(set(users)) != n:
-        raise ConfigError(f"task {task_name!r} has {'no users' if n == 0 else 'users that are not distinct'}: "
-                          "the Flower simulation needs one distinct user per SuperNode")
-    return n
-
-
-_STOPPING = re.compile(r"fedmf: stopping: (.*)$", re.M)
-_ENDED = re.compile(r"fedmf: \d+ rounds committed in \S+ \(([^)]*)\)", re.M)
-
-
-def flower_result(config: RunConfig, *, model, evaluate, output: str = "", seconds: float = 0.0,
-                  plot: bool = True) -> SimulationResult:
-    """Read a finished Flower run of ``config`` back from its run directory into a SimulationResult
-    and write ``results.json`` (and ``progress.png``), as ``simulate`` does: the run from ``run.json``,
-    the whole run's rounds from the ledger and the round log the ServerApp appended (``run_history``),
-    epsilon from the plan, accuracy from ``evaluate`` of ``final-model.pt`` loaded into ``model``;
-    how the run stopped from the ServerApp's lines in ``output``."""
-    import torch
-
-    directory = Path(config.run_dir)
-    try:
-        recorded = json.loads((directory / "run.json").read_text(encoding="utf-8"))
-        run_id = int(recorded["run_id"])
-        state = torch.load(directory / "final-model.pt", weights_only=True)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"the Flower run left no complete result in {str(directory)!r}: {e}") from None
-    plan = config.build_plan()
-    ledger = config.ledger_url or str(directory / "ledger.db")
-    history = run_history(config, plan, run_id)
-    done = len(history)
-    model.load_state_dict(state)
-    with torch.no_grad():
-        scores = {k: float(v) for k, v in evaluate(model).items()}
-    if history:
-        # the final model is the last round's: its evaluation, also where that round's log line is missing
-        history[-1]["metrics"] = {**history[-1]["metrics"], **scores}
-    stopping = _STOPPING.findall(output)
-    ended = _ENDED.findall(output)
-    if stopping:
-        stopped = f"guard: {stopping[-1].strip()}"
-    elif ended and ended[-1] in ("horizon", "rounds"):
-        stopped = ended[-1]
-    else:
-        stopped = "horizon" if done == plan.rounds else "rounds"
-    out = SimulationResult(str(directory), public_url(ledger), run_id, done, stopped,
-                           plan.epsilon_after(done - 1) if done else 0.0, plan.delta, plan.noise_multiplier,
-                           scores.get("accuracy"), seconds, history)
-    return _write_outputs(out, config.run_dir, plot)
 
 
 def _plot(history: list[dict[str, Any]], path: str) -> None:

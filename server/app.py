@@ -17,6 +17,8 @@ from flwr.serverapp import Grid, ServerApp
 from fedmf.config import RunConfig
 from fedmf.errors import CheckpointError, FedmfError
 from fedmf.files import atomic_write
+from fedmf.ledger.db import public_url
+from fedmf.outcome import RunOutcome, write_outcome
 from fedmf.run import REPEATABLE_NOISE_WARNING, PrivateRun, repeatable_noise_from_env
 
 from .identity import identity_policy
@@ -48,10 +50,40 @@ def _fault_injection():
     return on_event
 
 
+def _stopped(strategy: DPMFStrategy) -> str:
+    """The strategy's stop as ``RunOutcome.stopped``: "horizon", "rounds" or "guard: <why>"."""
+    said = strategy.stopped
+    return said if said in ("horizon", "rounds") or said.startswith("guard: ") else f"guard: {said}"
+
+
+def _record_error(run_config: dict, run: PrivateRun | None, error: FedmfError) -> None:
+    """Write the error stop to ``<run-dir>/outcome.json`` where the run directory is known and exists."""
+    run_dir = run_config.get("run-dir")
+    if not isinstance(run_dir, str) or not run_dir or not os.path.isdir(run_dir):
+        return
+    opened = run is not None
+    outcome = RunOutcome(run.run_id if opened else None, run.next_round if opened else None, "error",
+                         public_url(run.ledger_url) if opened else None, str(error))
+    try:
+        write_outcome(run_dir, outcome)
+    except OSError as e:  # the error itself is the one line the operator sees
+        log.warning("fedmf: warning: cannot write the run outcome in %s: %s", run_dir, e.strerror or e)
+
+
 def run_server(grid: Grid, run_config: dict) -> DPMFStrategy:
     """Validate the configuration (one-line errors before round 1), then run or resume; the
-    final model is written to ``<run-dir>/final-model.pt`` (0600)."""
-    from client.tasks import get_task
+    final model is written to ``<run-dir>/final-model.pt`` (0600) and how the run ended to
+    ``<run-dir>/outcome.json`` (``fedmf.outcome``; on a ``FedmfError`` too)."""
+    opened: list[PrivateRun] = []  # the run, once open (for the outcome of an error stop)
+    try:
+        return _serve(grid, run_config, opened)
+    except FedmfError as e:
+        _record_error(run_config, opened[0] if opened else None, e)
+        raise
+
+
+def _serve(grid: Grid, run_config: dict, opened: list[PrivateRun]) -> DPMFStrategy:
+    from fedmf.tasks import get_task
 
     config = RunConfig.from_mapping(run_config)
     task = get_task(config.task, **config.task_options)
@@ -72,6 +104,7 @@ def run_server(grid: Grid, run_config: dict) -> DPMFStrategy:
     with PrivateRun.open(model, plan, config.run_dir, ledger=config.ledger_url, server_lr=config.server_lr,
                          population=task.users(), on_event=_fault_injection(), repeatable_noise=repeatable,
                          ledger_diagnostics=config.ledger_diagnostics) as run:
+        opened.append(run)
         users = task.users()
         wanted = min(len(users), max(1, math.ceil(plan.expected_users)))
         strategy = DPMFStrategy(run, config, evaluate_fn=evaluate, identity=identity, min_available=wanted)
@@ -82,6 +115,11 @@ def run_server(grid: Grid, run_config: dict) -> DPMFStrategy:
         except OSError as e:  # a full disk: every round is committed, a restart writes it
             raise CheckpointError(f"cannot write the final model {str(final)!r}: {e.strerror or e}") from None
         log.info("fedmf: final model in %s", final)
+        outcome = RunOutcome(run.run_id, run.next_round, _stopped(strategy), public_url(run.ledger_url))
+        try:
+            write_outcome(config.run_dir, outcome)
+        except OSError as e:
+            raise CheckpointError(f"cannot write the run outcome in {config.run_dir!r}: {e.strerror or e}") from None
         return strategy
 
 

@@ -344,7 +344,7 @@ def serve(values: Mapping[str, Any], recorder: Recorder, grid=None, **faults):
 
 
 def main(argv: list[str]) -> int:
-    from client.tasks.tiny import TinyTask
+    from fedmf.tasks.tiny import TinyTask
 
     values, log = json.loads(argv[0]), argv[1]
     recorder = Recorder(values["run-dir"], log)

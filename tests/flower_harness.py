@@ -1,7 +1,7 @@
 """Run a Flower 1.41 app on loopback from tests: simulation and deployment, no leftover processes.
 
 The shared parts (environment, ports, ``config.toml``, process tracking and teardown, ``flwr run`` with
-the run's real status, simulation) live in ``server/launcher.py`` (production: ``fedmf simulate --backend
+the run's real status, simulation) live in ``launcher/processes.py`` (production: ``fedmf simulate --backend
 flower``); this module re-exports them and adds :class:`Deployment` (SuperLink + SuperNodes as processes).
 
 Verified recipe (flwr 1.41.0, Python 3.11, this repo):
@@ -25,7 +25,7 @@ Verified recipe (flwr 1.41.0, Python 3.11, this repo):
 * Flower starts its helpers detached (``flower-superexec`` in a new session, re-parented to PID 1 when
   its parent dies; ``flwr-serverapp`` / ``flwr-simulation`` / ``flwr-clientapp`` / Ray below it), so a
   process group is not enough. Every process started here carries a unique environment tag
-  (``server.launcher.TAG_VAR``) that all descendants inherit; teardown finds them through
+  (``launcher.processes.TAG_VAR``) that all descendants inherit; teardown finds them through
   ``/proc/<pid>/environ`` (plus the parent-pid tree of what we started), SIGTERMs them (and the process
   groups we created), SIGKILLs survivors after a grace period, and raises if any is still alive.
   Zombies are dead processes (PID 1 here does not always reap them) and are ignored.
@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 from typing import Iterable, Mapping
 
-from server.launcher import (
+from launcher.processes import (
     _ANSI,
     TAG_VAR,
     FlowerResult,

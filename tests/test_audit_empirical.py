@@ -183,7 +183,7 @@ def test_without_noise_every_canary_passes_clipping_and_is_recognised(tmp_path, 
 
 
 def _tiny_audit(tmp_path, eps: float, rounds: int = 12, **kw):
-    from client.tasks import ClientHyper, get_task
+    from fedmf.tasks import ClientHyper, get_task
     from fedmf.config import RunConfig
     from fedmf.simulate import preset_values
 
@@ -321,7 +321,7 @@ def test_heavy_under_noised_by_20x_is_detected(tmp_path, monkeypatch):
 
 @pytest.mark.heavy
 def test_heavy_amplified_sampling_scores_every_round(tmp_path):
-    from client.tasks import ClientHyper, get_task
+    from fedmf.tasks import ClientHyper, get_task
     from fedmf.config import RunConfig
     from fedmf.simulate import preset_values
 

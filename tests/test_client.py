@@ -16,9 +16,9 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, Metadata, RecordDict
 
-import client.tasks
+import fedmf.tasks
 from client.app import ERROR_CODE, app, load_task, user_id
-from client.tasks import TASKS, ClientHyper, get_task, stable_seed
+from fedmf.tasks import TASKS, ClientHyper, get_task, stable_seed
 from fedmf.errors import ConfigError
 
 HYPER = ClientHyper(client_lr=0.1, local_epochs=2, batch_size=8)
@@ -134,7 +134,7 @@ def test_local_update_deterministic(task):
 _SUBPROCESS = """
 import sys, torch
 torch.set_num_threads(1)
-from client.tasks import get_task, ClientHyper
+from fedmf.tasks import get_task, ClientHyper
 t = get_task("tiny", num_users=5, seed=7)
 r = t.local_update(t.model().state_dict(), "2", 4, ClientHyper(0.05, 3, 4))
 torch.save(r.update, sys.argv[1])
@@ -207,7 +207,7 @@ def test_a_simulated_node_is_the_tasks_partition_th_user():
     """Numbered tasks keep str(partition-id); a task with named users (shakespeare's roles) maps
     partition i to its i-th user, the order fedmf simulate --backend flower numbers them in."""
     from client.app import simulation_user
-    from client.tasks import get_task
+    from fedmf.tasks import get_task
 
     tiny = {"task": "tiny", "task-options": json.dumps({"num_users": 12})}
     assert [user_id({"partition-id": i}, tiny) for i in range(12)] == [str(i) for i in range(12)]
@@ -331,4 +331,4 @@ def test_evaluate_handler():
 
 
 def test_client_tasks_package_exports():
-    assert set(client.tasks.__all__) >= {"get_task", "TASKS", "Task", "ClientHyper", "LocalResult"}
+    assert set(fedmf.tasks.__all__) >= {"get_task", "TASKS", "Task", "ClientHyper", "LocalResult"}

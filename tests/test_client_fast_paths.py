@@ -8,10 +8,10 @@ import threading
 import pytest
 import torch
 
-from client.tasks import ClientHyper, get_task
-from client.tasks.base import SupervisedTask
-from client.tasks.losses import softmax_cross_entropy
-from client.tasks.text import LRU, PAD, TextTask
+from fedmf.tasks import ClientHyper, get_task
+from fedmf.tasks.supervised import SupervisedTask
+from fedmf.tasks.losses import softmax_cross_entropy
+from fedmf.tasks.text import LRU, PAD, TextTask
 
 
 def _so_tiny(**options):
@@ -76,7 +76,7 @@ def test_text_training_and_evaluation_match_the_whole_model_path(monkeypatch):
     fast_eval = task.evaluate(model)
     # the whole-model path: the base class's loss, every position through the head
     monkeypatch.setattr(TextTask, "train_loss", SupervisedTask.train_loss)
-    monkeypatch.setattr("client.tasks.text._target_logits", lambda model, x, y: None)
+    monkeypatch.setattr("fedmf.tasks.text._target_logits", lambda model, x, y: None)
     slow = task.local_update(params, "3", 1, hyper)
     slow_eval = task.evaluate(model)
     assert fast.metrics["train-loss"] == pytest.approx(slow.metrics["train-loss"], rel=1e-5)

@@ -387,7 +387,7 @@ def start_tls_superlink(tracker, pki: Path, tmp_path: Path, env: dict, registere
     """A SuperLink with TLS and SuperNode authentication on a free loopback port (the ``deploy``
     connection of ``env``'s FLWR_HOME), with the keys ``pki/supernode-0 … registered-1`` registered;
     returns the port and the registered node ids."""
-    from server.launcher import _exe, free_port
+    from launcher.processes import _exe, free_port
 
     ca = pki / "ca.crt"
     port = free_port()
@@ -416,7 +416,7 @@ def test_tls_node_auth_federation_with_postgres_ledger(roles_db, test_ca, tmp_pa
     with an unregistered key claiming user 0 (both refused, never given a node id, so never selected), a
     2-round run of the tiny task (users proving keys enrolled with `fedmf user`) writing its ledger as the
     server role, `fedmf audit` as the auditor."""
-    from server.launcher import ProcessTracker, _exe, flower_env, free_port
+    from launcher.processes import ProcessTracker, _exe, flower_env, free_port
 
     env = flower_env(tmp_path)
     tracker = ProcessTracker(env, tmp_path / "flwr-logs")

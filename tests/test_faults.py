@@ -35,8 +35,8 @@ import pytest
 import torch
 from sqlalchemy import select
 
-from client.tasks import ClientHyper, get_task
-from client.tasks.tiny import TinyTask
+from fedmf.tasks import ClientHyper, get_task
+from fedmf.tasks.tiny import TinyTask
 from fedmf.config import RunConfig
 from fedmf.federated import train
 from fedmf.ledger import Ledger

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from client.tasks import ClientHyper, get_task
+from fedmf.tasks import ClientHyper, get_task
 from fedmf.config import RunConfig
 from fedmf.federated import train
 from fedmf.ledger import Ledger

@@ -1,7 +1,7 @@
 """README.md's Flower blocks work exactly as written: extracted from the README and run with bash in a
 copy of the app, then the README's own stop commands leave no process behind. Every process the
 blocks start carries the harness's environment tag, so whatever survives is found, killed by PID and
-fails the test (server/launcher.py's ProcessTracker)."""
+fails the test (launcher/processes.py's ProcessTracker)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from fedmf.ledger import Ledger
-from server.launcher import ProcessTracker, flower_env
+from launcher.processes import ProcessTracker, flower_env
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")

@@ -203,7 +203,7 @@ def test_the_server_app_reports_a_rolled_back_run_directory_in_one_line(tmp_path
     """Through the ServerApp's main: the refusal is its usual one-line error."""
     from flwr.app import Context, RecordDict
 
-    from client.tasks import ClientHyper, get_task
+    from fedmf.tasks import ClientHyper, get_task
     from fedmf.config import RunConfig
     from server.app import ServerAppError, main
     from server.local_grid import LocalGrid

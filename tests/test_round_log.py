@@ -97,7 +97,8 @@ def test_the_server_apps_rounds_survive_its_restart(tmp_path, monkeypatch):
     uninterrupted ServerApp run with the same secrets (the clients' train-loss included)."""
     monkeypatch.setenv(REPEATABLE_NOISE_ENV, "1")  # tests only: both runs draw the same (unsalted) noise
     from client.app import app as client_app
-    from client.tasks import get_task
+    from fedmf.tasks import get_task
+    from launcher.flower_backend import flower_result
     from server.app import run_server
     from server.local_grid import LocalGrid, client_node
 
@@ -111,7 +112,7 @@ def test_the_server_apps_rounds_survive_its_restart(tmp_path, monkeypatch):
         run_server(LocalGrid(nodes), values(name))
         config = RunConfig.from_mapping(values(name))
         tiny = get_task("tiny", num_users=8)
-        return fedmf.simulate.flower_result(config, model=tiny.model(), evaluate=tiny.evaluate, plot=False)
+        return flower_result(config, model=tiny.model(), evaluate=tiny.evaluate, plot=False)
 
     reference = serve("ref").history
     task.share_secrets(tmp_path / "ref", tmp_path / "run")

@@ -48,6 +48,7 @@ from fedmf.errors import CheckpointError, ConfigError, FedmfError, PlanMismatch
 from fedmf.federated import train
 from fedmf.ledger.keys import ServerSecret
 from fedmf.noise import _Draws
+from fedmf.outcome import OUTCOME_FILE, read_outcome
 from fedmf.privatize import RoundPrivatizer
 from fedmf.run import PrivateRun
 from server.local_grid import LocalGrid, client_node
@@ -497,7 +498,10 @@ def test_a_secret_file_readable_by_others_is_refused_at_start_in_one_line(tmp_pa
         logger.handlers[:], logger.level, logger.propagate = saved
     errors = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(errors) == 1 and errors[0].startswith("fedmf: error: secret file") and expected in errors[0], errors
-    assert sorted(p.relative_to(run_dir) for p in run_dir.rglob("*")) == before
+    # ...but how the run ended (fedmf.outcome: the launcher reads it instead of the log)
+    written = sorted(p.relative_to(run_dir) for p in run_dir.rglob("*"))
+    assert [p for p in written if p.name != OUTCOME_FILE] == before
+    assert expected in read_outcome(run_dir).error
     assert (run_dir / "secrets" / name).read_bytes() == hashlib.sha256(b"fixed" + name.encode()).digest()
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from client.app import app as client_app
-from client.tasks import ClientHyper, get_task
+from fedmf.tasks import ClientHyper, get_task
 from fedmf.config import RunConfig
 from fedmf.errors import ConfigError
 from fedmf.federated import train

@@ -1,6 +1,7 @@
 """`fedmf simulate --backend flower` (the Flower app on the Flower simulation engine, through
-server/launcher.py) against `--backend inprocess`: the same preset, overrides and secrets give the
-same model bit for bit; failures are one line, exit 2; no Flower process is left behind."""
+launcher/flower_backend.py and launcher/processes.py) against `--backend inprocess`: the same preset,
+overrides and secrets give the same model bit for bit; failures are one line, exit 2; no Flower
+process is left behind."""
 
 from __future__ import annotations
 
@@ -12,11 +13,12 @@ import time
 import pytest
 import torch
 
-import server.launcher as launcher
+import launcher.processes as launcher
 from fedmf.cli import main
 from fedmf.config import DEFAULTS, RunConfig
 from fedmf.run import REPEATABLE_NOISE_ENV
-from fedmf.simulate import flower_population, flower_run_config, preset_values
+from fedmf.simulate import preset_values
+from launcher.flower_backend import flower_population, flower_run_config
 
 from . import _federated_task as fixed
 
@@ -25,7 +27,7 @@ TINY_2 = ["simulate", "--preset", "tiny", "--rounds", "2", "--min-sep", "1", "--
 
 @pytest.fixture
 def launches(monkeypatch, tmp_path):
-    """Every launcher.run_simulation of the test, with its tag (the CLI imports it at call time)."""
+    """Every launcher.run_simulation of the test, with its tag (the backend calls it through its module)."""
     seen = []
     real = launcher.run_simulation
 
@@ -172,10 +174,10 @@ class _Roles:
 
 
 def test_a_task_with_repeated_user_ids_is_refused_before_any_process(tmp_path, capsys, monkeypatch):
-    import client.tasks
+    import fedmf.tasks
 
-    real = client.tasks.get_task
-    monkeypatch.setattr(client.tasks, "get_task", lambda name, **kw: _Roles(real(name, **kw)))
+    real = fedmf.tasks.get_task
+    monkeypatch.setattr(fedmf.tasks, "get_task", lambda name, **kw: _Roles(real(name, **kw)))
     monkeypatch.setattr(launcher, "run_simulation", lambda *a, **k: pytest.fail("launched"))
     assert main([*TINY_2, "--backend", "flower", "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -195,6 +197,23 @@ def test_without_the_source_tree_the_flower_backend_is_one_line(tmp_path, capsys
 
 def test_app_dir_is_the_source_tree_and_the_launcher_imports_no_flower():
     root = launcher.app_dir()
-    assert (root / "server" / "launcher.py").samefile(launcher.__file__)
-    code = "import sys, server.launcher, fedmf.cli.simulate; assert not any(m.startswith('flwr') for m in sys.modules)"
+    assert (root / "launcher" / "processes.py").samefile(launcher.__file__)
+    code = ("import sys, launcher.flower_backend, fedmf.cli.simulate; "
+            "assert not any(m.startswith('flwr') for m in sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_a_backend_that_is_not_installed_is_one_line(tmp_path, capsys, monkeypatch):
+    """The CLI finds --backend flower through the fedmf.simulate_backends entry point (the engine
+    imports no adapter); without it: one line, exit 2, nothing launched."""
+    import importlib.metadata
+
+    from fedmf.cli.simulate import BACKENDS_GROUP
+
+    assert [ep.value for ep in importlib.metadata.entry_points(group=BACKENDS_GROUP, name="flower")] == \
+        ["launcher.flower_backend:simulate_flower"]
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda **kw: importlib.metadata.EntryPoints(()))
+    monkeypatch.setattr(launcher, "run_simulation", lambda *a, **k: pytest.fail("launched"))
+    assert main([*TINY_2, "--backend", "flower", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("fedmf: error: --backend flower is not installed"), err

@@ -1,4 +1,4 @@
-"""The text tasks (client/tasks/{text,models,stackoverflow,shakespeare}.py): TFF's id pipeline on
+"""The text tasks (fedmf/tasks/{text,models,stackoverflow,shakespeare}.py): TFF's id pipeline on
 hand-computed sentences, tf.train.Example parsing without TensorFlow on SQLite files generated here
 in TFF's schema, the generated so-synthetic users (determinism, statistics, learnable structure),
 Shakespeare's play parsing, the models, and FedAvg learning on so-synthetic."""
@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 import torch
 
-from client.tasks import TASKS, ClientHyper, get_task
-from client.tasks.models import MODEL_SIZES, PAPER_PARAMS, make_word_model
-from client.tasks.shakespeare import INSTALL, parse_play, read_corpus, texts_dir, tokenize
-from client.tasks.stackoverflow import example_class, parse_tokens
-from client.tasks.text import SEQ_LEN, Vocab, frame, special_ids, to_xy
+from fedmf.tasks import TASKS, ClientHyper, get_task
+from fedmf.tasks.models import MODEL_SIZES, PAPER_PARAMS, make_word_model
+from fedmf.tasks.shakespeare import INSTALL, parse_play, read_corpus, texts_dir, tokenize
+from fedmf.tasks.stackoverflow import example_class, parse_tokens
+from fedmf.tasks.text import SEQ_LEN, Vocab, frame, special_ids, to_xy
 from fedmf.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -430,7 +430,7 @@ def test_fedavg_learns_so_synthetic():
 
 _SUBPROCESS = """
 import sys, torch
-from client.tasks import get_task, ClientHyper
+from fedmf.tasks import get_task, ClientHyper
 t = get_task("so-synthetic", num_users=4, vocab_size=30, max_sentences=32, min_sentences=10, mean_sentences=40.0)
 r = t.local_update(t.model().state_dict(), "2", 4, ClientHyper(0.5, 2, 8))
 torch.save(r.update, sys.argv[1])

@@ -1,4 +1,4 @@
-"""Vectorized clients (client/tasks/vectorized.py): a round's users trained together with
+"""Vectorized clients (fedmf/tasks/vectorized.py): a round's users trained together with
 torch.func.vmap equal the sequential local_update within float tolerance."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from client.tasks import ClientHyper, get_task, stable_seed
-from client.tasks.tiny import TinyTask
-from client.tasks.vectorized import batch_schedule, supports_vectorized, vectorized_local_updates
+from fedmf.tasks import ClientHyper, get_task, stable_seed
+from fedmf.tasks.tiny import TinyTask
+from fedmf.tasks.vectorized import batch_schedule, supports_vectorized, vectorized_local_updates
 from fedmf.errors import ConfigError
 
 SMALL_SYN = dict(num_users=12, vocab_size=30, max_sentences=40, min_sentences=5, mean_sentences=20.0,

@@ -23,7 +23,7 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 
 from client.app import load_task, user_id
-from client.tasks import ClientHyper
+from fedmf.tasks import ClientHyper
 
 log = logging.getLogger("fedavg_anchor")
 server = ServerApp()

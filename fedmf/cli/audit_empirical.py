@@ -40,7 +40,7 @@ def _overrides(args: argparse.Namespace) -> dict:
 
 def cmd_audit_empirical(args: argparse.Namespace) -> int:
     """Build the preset's plan with the overrides, run the canary audit, print the bound."""
-    from client.tasks import ClientHyper, get_task
+    from fedmf.tasks import ClientHyper, get_task
 
     from ..audit_empirical import run_canary_audit
     from ..config import RunConfig

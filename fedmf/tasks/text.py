@@ -9,7 +9,7 @@ Ids exactly as TFF's StackOverflow word prediction (``word_prediction_preprocess
 
 So BOS is never a target, a sentence of 20 or more words has no EOS, and every row has at least
 one non-pad target (y[0]). :class:`TextTask` adds the model, the pad-masked loss and TFF's metrics
-to :class:`~client.tasks.base.SupervisedTask`'s local SGD.
+to :class:`~fedmf.tasks.supervised.SupervisedTask`'s local SGD.
 """
 
 from __future__ import annotations
@@ -21,12 +21,13 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
-from fedmf.errors import ConfigError
-from fedmf.threads import one_thread
+from ..errors import ConfigError
+from ..threads import one_thread
 
-from .base import SupervisedTask, check_int, stable_seed
+from .base import check_int, stable_seed
 from .losses import softmax_cross_entropy
 from .models import MODEL_SIZES, WordLSTM, empty_word_model, make_word_model
+from .supervised import SupervisedTask
 
 __all__ = ["SEQ_LEN", "PAD", "Vocab", "special_ids", "frame", "to_xy", "read_word_counts", "top_words",
            "TextTask", "LRU", "check_model_size", "check_float"]
@@ -187,6 +188,12 @@ class TextTask(SupervisedTask):
         """Mean cross-entropy over the non-pad targets of the batch."""
         return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1),
                                                  ignore_index=PAD)
+
+    def vectorized_pad_label(self) -> int | None:
+        """``PAD`` for this class's pad-masked criterion (the vectorized path pads batches with it)."""
+        if type(self).criterion is TextTask.criterion and type(self).local_update is SupervisedTask.local_update:
+            return PAD
+        return super().vectorized_pad_label()
 
     def train_loss(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``criterion(model(x), y)``'s value and gradient, computed on the non-pad targets only:

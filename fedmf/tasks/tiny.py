@@ -14,9 +14,10 @@ from typing import Any
 
 import torch
 
-from fedmf.errors import ConfigError
+from ..errors import ConfigError
 
-from .base import SupervisedTask, check_int, stable_seed
+from .base import check_int, stable_seed
+from .supervised import SupervisedTask
 
 __all__ = ["TinyTask"]
 

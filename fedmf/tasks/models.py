@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fedmf.errors import ConfigError
-from fedmf.threads import one_thread
+from ..errors import ConfigError
+from ..threads import one_thread
 
 __all__ = ["WordLSTM", "make_word_model", "empty_word_model", "MODEL_SIZES", "PAPER_PARAMS"]
 

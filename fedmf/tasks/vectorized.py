@@ -29,38 +29,31 @@ fused ``aten::lstm``.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
 from torch.func import functional_call, grad_and_value, vmap
 
-from fedmf.errors import ConfigError
-from fedmf.threads import one_thread
+from ..errors import ConfigError
+from ..threads import one_thread
 
-from .base import ClientHyper, LocalResult, SupervisedTask, check_int, stable_seed
+from .base import ClientHyper, LocalResult, Task, check_int, stable_seed
+from .models import WordLSTM
 
-__all__ = ["vectorized_local_updates", "supports_vectorized", "batch_schedule"]
+if TYPE_CHECKING:  # types only: supervised.py imports this module
+    from .supervised import SupervisedTask
 
-_IGNORE = -100  # torch's default ignore_index of cross_entropy
+__all__ = ["vectorized_local_updates", "supports_vectorized", "batch_schedule", "IGNORE_INDEX"]
 
-
-def _ignore_label(task: SupervisedTask) -> int | None:
-    """The label the task's criterion ignores, or None if its criterion is not one we know."""
-    from .text import PAD, TextTask
-
-    crit = type(task).criterion
-    if crit is SupervisedTask.criterion:
-        return _IGNORE
-    if isinstance(task, TextTask) and crit is TextTask.criterion:
-        return PAD
-    return None
+#: torch's default ignore_index of cross_entropy
+IGNORE_INDEX = -100
 
 
 def supports_vectorized(task: Any) -> bool:
-    """True when :func:`vectorized_local_updates` handles ``task`` (else ``local_updates`` loops)."""
-    if not isinstance(task, SupervisedTask) or type(task).local_update is not SupervisedTask.local_update:
-        return False
-    if _ignore_label(task) is None:
+    """True when :func:`vectorized_local_updates` handles ``task`` (else ``local_updates`` loops): a
+    task with a pad label (:meth:`~fedmf.tasks.base.Task.vectorized_pad_label`) whose model has no
+    buffers."""
+    if not isinstance(task, Task) or task.vectorized_pad_label() is None:
         return False
     model = task.model()
     return not any(True for _ in model.buffers())
@@ -96,8 +89,6 @@ def _lstm_forward(lstm: torch.nn.LSTM, prefix: str, p: Mapping[str, torch.Tensor
 
 def _forward_fn(model: torch.nn.Module) -> Callable[[Mapping[str, torch.Tensor], torch.Tensor], torch.Tensor]:
     """(params, x) → logits for one user; vmap-able."""
-    from .models import WordLSTM
-
     if isinstance(model, WordLSTM):
         lstm = model.lstm
         if lstm.num_layers != 1 or lstm.bidirectional or not lstm.batch_first or lstm.proj_size or not lstm.bias:
@@ -167,7 +158,7 @@ def _compute_device(device: str | torch.device | None, params: Mapping[str, torc
 
 def _run(task: SupervisedTask, template: torch.nn.Module, params: Mapping[str, torch.Tensor], users: list[str],
          round: int, hyper: ClientHyper, device: torch.device) -> dict[str, LocalResult]:
-    ignore = _ignore_label(task)
+    ignore = task.vectorized_pad_label()
     assert ignore is not None
     data = []
     for user in users:

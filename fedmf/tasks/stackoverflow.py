@@ -1,6 +1,6 @@
 """StackOverflow next-word prediction: the real TFF file (``stackoverflow``) and a generated
-look-alike (``so-synthetic``). Both go through :mod:`client.tasks.text` (TFF's ids, 20 words, BOS,
-EOS, pad) and train the LSTM of :mod:`client.tasks.models`.
+look-alike (``so-synthetic``). Both go through :mod:`fedmf.tasks.text` (TFF's ids, 20 words, BOS,
+EOS, pad) and train the LSTM of :mod:`fedmf.tasks.models`.
 
 ``stackoverflow`` — options (defaults): ``path`` (required: TFF's ``stackoverflow.sqlite``),
 ``vocab_path`` (required: ``stackoverflow.word_count``), ``vocab_size`` 10,000, ``max_sentences``
@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedmf.errors import ConfigError
+from ..errors import ConfigError
 
 from .base import check_int, stable_seed
 from .text import LRU, TextTask, Vocab, check_float, check_options, common_options, frame, read_word_counts, to_xy

@@ -1,12 +1,13 @@
 """Run this Flower app on the Flower simulation engine (Ray) from Python, with no process left behind.
 
-    from server.launcher import app_dir, run_simulation
+    from launcher.processes import app_dir, run_simulation
     result = run_simulation(app_dir(), num_supernodes=40, run_config={...}, echo=sys.stderr)
     result.rc          # 0 only if `flwr run` exited 0 AND the run finished "finished:completed"
 
 This module runs Flower's executables (``flower-superlink``, ``flwr``) and never imports ``flwr``, so
-that ``fedmf simulate --backend flower`` can import it lazily (the engine package ``fedmf`` never imports
-Flower). It is also the shared core of the test harness (tests/flower_harness.py).
+that ``fedmf simulate --backend flower`` (:mod:`launcher.flower_backend`) loads no Flower (the engine
+package ``fedmf`` never imports Flower, nor this package). It is also the shared core of the test
+harness (tests/flower_harness.py).
 
 Recipe (flwr 1.41.0, verified):
 
@@ -89,12 +90,12 @@ def _exe(name: str) -> str:
 
 
 class AppDirError(RuntimeError):
-    """The Flower app's source tree is not where the installed ``server`` package says."""
+    """The Flower app's source tree is not where the installed ``launcher`` package says."""
 
 
 def app_dir() -> Path:
     """The Flower app: the directory holding a ``pyproject.toml`` with ``[tool.flwr.app]`` just above the
-    installed ``server`` package (the source tree of an editable install). :class:`AppDirError` (one
+    installed ``launcher`` package (the source tree of an editable install). :class:`AppDirError` (one
     line) when fedmf was installed without its source tree."""
     root = Path(__file__).resolve().parents[1]
     pyproject = root / "pyproject.toml"
@@ -105,7 +106,7 @@ def app_dir() -> Path:
         flwr_app = None
     if not isinstance(flwr_app, dict):
         raise AppDirError(f"the Flower app's source tree is not installed: no pyproject.toml with [tool.flwr.app] "
-                          f"in {str(root)!r} above the server package (install fedmf from its source tree, "
+                          f"in {str(root)!r} above the launcher package (install fedmf from its source tree, "
                           f"pip install -e <checkout>)")
     return root
 

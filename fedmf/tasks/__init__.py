@@ -9,18 +9,19 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from fedmf.errors import ConfigError
+from ..errors import ConfigError
 
-from .base import ClientHyper, LocalResult, SupervisedTask, Task, stable_seed
+from .base import ClientHyper, LocalResult, Task, stable_seed
+from .supervised import SupervisedTask
 
 __all__ = ["get_task", "TASKS", "Task", "SupervisedTask", "ClientHyper", "LocalResult", "stable_seed"]
 
 #: task name -> "module:Class" (imported on first use, so a heavy task costs nothing until asked for)
 _REGISTRY: dict[str, str] = {
-    "tiny": "client.tasks.tiny:TinyTask",
-    "stackoverflow": "client.tasks.stackoverflow:StackOverflowTask",
-    "so-synthetic": "client.tasks.stackoverflow:SyntheticStackOverflowTask",
-    "shakespeare": "client.tasks.shakespeare:ShakespeareTask",
+    "tiny": "fedmf.tasks.tiny:TinyTask",
+    "stackoverflow": "fedmf.tasks.stackoverflow:StackOverflowTask",
+    "so-synthetic": "fedmf.tasks.stackoverflow:SyntheticStackOverflowTask",
+    "shakespeare": "fedmf.tasks.shakespeare:ShakespeareTask",
 }
 
 #: the task names get_task knows

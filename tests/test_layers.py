@@ -1,0 +1,158 @@
+"""The layers a reader can see, checked on the source: the engine (``fedmf/``) imports none of its
+adapters (``server/``, ``client/``, ``launcher/``) nor Flower or Ray, and no import cycle joins
+the project's modules.
+
+Every ``.py`` file of the packages ``fedmf``, ``server``, ``client`` and ``launcher`` is parsed
+with ``ast`` (nothing is imported). An import is any ``import``/``from ... import`` statement,
+at module level or inside a function or class (lazy imports count), and any string literal given
+to ``importlib.import_module`` / ``__import__``; relative imports are resolved against the
+module's package. ``from pkg import name`` is an edge to the submodule ``pkg.name`` when there is
+one, else to ``pkg``. Imports under ``if TYPE_CHECKING:`` never run: they are left out of the cycle
+check (a type-only back-reference is allowed), but the engine may not name an adapter even there.
+(tests/test_imports.py checks the engine's own graph, which this one contains.)
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from .test_imports import _cycles  # Tarjan's strongly connected components
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("fedmf", "server", "client", "launcher")
+#: what no module under fedmf may import (top-level names)
+FORBIDDEN_IN_ENGINE = ("flwr", "ray", "server", "client", "launcher")
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def project_modules(root: Path = ROOT) -> dict[str, Path]:
+    """{dotted module name: file} of every module of the project's packages."""
+    out = {}
+    for package in PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            out[_module_name(path, root)] = path
+    return out
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
+        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _resolve(module: str | None, level: int, importer: str, is_package: bool) -> str:
+    """The absolute name of ``from <level dots><module> import ...`` in ``importer``."""
+    if level == 0:
+        return module or ""
+    base = importer.split(".") if is_package else importer.split(".")[:-1]
+    base = base[:len(base) - (level - 1)]
+    return ".".join(base + ([module] if module else []))
+
+
+def imports_of(name: str, path: Path, modules: set[str]) -> list[tuple[str, int, bool]]:
+    """(imported module, line, under TYPE_CHECKING) for every import in the file of module ``name``."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    is_package = path.name == "__init__.py"
+    found: list[tuple[str, int, bool]] = []
+
+    def target(absolute: str, names: list[str]) -> list[str]:
+        subs = [f"{absolute}.{n}" for n in names if f"{absolute}.{n}" in modules]
+        rest = [n for n in names if f"{absolute}.{n}" not in modules]
+        return subs + ([absolute] if rest or not names else [])
+
+    def visit(node: ast.AST, typing_only: bool) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.body:
+                visit(child, True)
+            for child in node.orelse:
+                visit(child, typing_only)
+            return
+        if isinstance(node, ast.Import):
+            found.extend((alias.name, node.lineno, typing_only) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            absolute = _resolve(node.module, node.level, name, is_package)
+            for dotted in target(absolute, [alias.name for alias in node.names if alias.name != "*"]):
+                found.append((dotted, node.lineno, typing_only))
+        elif isinstance(node, ast.Call):
+            func = node.func
+            called = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+            if called in ("import_module", "__import__") and node.args and \
+                    isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+                text = node.args[0].value
+                level = len(text) - len(text.lstrip("."))
+                found.append((_resolve(text[level:] or None, level, name, is_package), node.lineno, typing_only))
+        for child in ast.iter_child_nodes(node):
+            visit(child, typing_only)
+
+    visit(tree, False)
+    return found
+
+
+def engine_violations(root: Path = ROOT) -> list[str]:
+    """'module:line imports X' for every import of a forbidden top-level name by a module of fedmf."""
+    modules = project_modules(root)
+    out = []
+    for name, path in modules.items():
+        if name.split(".")[0] != "fedmf":
+            continue
+        for imported, line, _ in imports_of(name, path, set(modules)):
+            if imported.split(".")[0] in FORBIDDEN_IN_ENGINE:
+                out.append(f"{name}:{line} imports {imported}")
+    return out
+
+
+def import_graph(root: Path = ROOT) -> dict[str, dict[str, int]]:
+    """{module: {project module it imports at run time: first line}} (TYPE_CHECKING imports left out)."""
+    modules = project_modules(root)
+    graph: dict[str, dict[str, int]] = {name: {} for name in modules}
+    for name, path in modules.items():
+        for imported, line, typing_only in imports_of(name, path, set(modules)):
+            if imported in modules and imported != name and not typing_only:
+                graph[name].setdefault(imported, line)
+    return graph
+
+
+def _describe(component: list[str], graph: dict[str, dict[str, int]]) -> str:
+    members = set(component)
+    edges = [f"{a}:{line} -> {b}" for a in component for b, line in sorted(graph[a].items()) if b in members]
+    return f"cycle {component}: " + "; ".join(edges)
+
+
+def test_the_engine_imports_no_adapter_nor_flower():
+    """No module under fedmf/ imports flwr, ray, server, client or launcher (lazily neither)."""
+    bad = engine_violations()
+    assert not bad, "the engine imports an adapter:\n" + "\n".join(bad)
+
+
+def test_no_import_cycle_among_the_projects_modules():
+    graph = import_graph()
+    assert len(graph) > 50 and "fedmf.tasks.base" in graph and "launcher.processes" in graph
+    found = sorted(sorted(c) for c in _cycles(graph))
+    assert not found, "import cycles:\n" + "\n".join(_describe(c, graph) for c in found)
+
+
+def test_the_checker_sees_lazy_relative_and_dynamic_imports(tmp_path):
+    """The checker itself, on a planted tree: a lazy engine -> adapter import, a lazy relative
+    cycle, an import_module string, and a TYPE_CHECKING back-reference that is not a cycle."""
+    for package in PACKAGES:
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text("")
+    (tmp_path / "fedmf" / "a.py").write_text("def f():\n    from . import b\n    import server.app\n")
+    (tmp_path / "fedmf" / "b.py").write_text("def g():\n    from .a import f\n")
+    (tmp_path / "fedmf" / "c.py").write_text(
+        "import importlib\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .d import X\n"
+        "def h():\n    importlib.import_module('launcher.x')\n")
+    (tmp_path / "fedmf" / "d.py").write_text("from fedmf import c\nX = 1\n")
+    (tmp_path / "server" / "app.py").write_text("")
+    assert engine_violations(tmp_path) == ["fedmf.a:3 imports server.app", "fedmf.c:6 imports launcher.x"]
+    graph = import_graph(tmp_path)
+    assert graph["fedmf.a"] == {"fedmf.b": 2, "server.app": 3} and graph["fedmf.c"] == {}
+    assert _cycles(graph) == {frozenset({"fedmf.a", "fedmf.b"})}
+    assert _describe(["fedmf.a", "fedmf.b"], graph) == \
+        "cycle ['fedmf.a', 'fedmf.b']: fedmf.a:2 -> fedmf.b; fedmf.b:2 -> fedmf.a"
