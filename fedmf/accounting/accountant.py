@@ -21,7 +21,8 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
-from . import _validate, cyclic_poisson, gaussian
+from .. import checks
+from . import cyclic_poisson, gaussian
 from .sampling import Sampling, amplification_min_sep, check_banded, max_column_norm, parse_sampling
 
 if TYPE_CHECKING:
@@ -77,7 +78,7 @@ def schema_sensitivity(mechanism: "Mechanism", schema: "Schema"):
 def _noise_sens(sens: float, noise_sensitivity: float | None) -> float:
     if noise_sensitivity is None:
         return sens
-    return _validate.noise(noise_sensitivity, "noise sensitivity")
+    return checks.positive("noise sensitivity", noise_sensitivity)
 
 
 def _sens_details(sens) -> dict[str, Any]:
@@ -97,8 +98,8 @@ def epsilon(mechanism: "Mechanism", noise_multiplier: float, delta: float, schem
     """epsilon at ``delta`` of a run of ``mechanism`` with noise multiplier z under
     ``schema`` and ``sampling``. See the module docstring for the noise convention."""
     started = time.perf_counter()
-    z = _validate.noise(noise_multiplier)
-    delta = _validate.delta(delta)
+    z = checks.positive("noise multiplier", noise_multiplier)
+    delta = checks.open_unit("delta", delta)
     gaussian.check_accountant(accountant)
     sampling = parse_sampling(sampling)
     if per_round and sampling.kind in ("bminsep", "poisson"):
@@ -213,8 +214,8 @@ def calibrate(mechanism: "Mechanism", epsilon: float, delta: float, schema: "Sch
     """The smallest noise multiplier z (noise std = z·ζ·sens_schema) whose run is
     (epsilon, delta)-DP. Cached for the analytic accountants; b-min-sep runs EVR."""
     started = time.perf_counter()
-    epsilon = _validate.epsilon(epsilon)
-    delta = _validate.delta(delta)
+    epsilon = checks.positive("epsilon", epsilon)
+    delta = checks.open_unit("delta", delta)
     gaussian.check_accountant(accountant)
     sampling = parse_sampling(sampling)
     if sampling.kind == "poisson":

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Iterator, Sequence
 
 import numpy as np
 
-from . import _validate
+from .. import checks
 
 if TYPE_CHECKING:
     from ..mechanisms.base import Mechanism
@@ -104,7 +104,7 @@ class BMinSep:
             raise ValueError("strategy coefficients must be finite")
         if np.any(bands < 0):
             raise ValueError("b-min-sep amplification needs a non-negative strategy matrix C")
-        b = _validate.positive_int("min_sep", self.min_sep)
+        b = checks.positive_int("min_sep", self.min_sep)
         # trailing all-zero bands do not count
         nz = np.flatnonzero(np.any(bands != 0, axis=1))
         if nz.size == 0:
@@ -114,7 +114,8 @@ class BMinSep:
             raise ValueError(f"b-min-sep accounting needs bands L <= min_sep b, got L={bands.shape[0]} > b={b}")
         object.__setattr__(self, "bands", _readonly(bands))
         object.__setattr__(self, "min_sep", b)
-        object.__setattr__(self, "sampling_probability", _validate.probability(self.sampling_probability))
+        object.__setattr__(self, "sampling_probability",
+                           checks.probability("sampling probability", self.sampling_probability))
         object.__setattr__(self, "warm_start", bool(self.warm_start))
         if self.toeplitz is not None:
             object.__setattr__(self, "toeplitz", _readonly(np.asarray(self.toeplitz)[: bands.shape[0]]))
@@ -122,7 +123,7 @@ class BMinSep:
     @classmethod
     def from_coefficients(cls, coefficients: Sequence[float], rounds: int, min_sep: int,
                           sampling_probability: float, warm_start: bool = False) -> "BMinSep":
-        rounds = _validate.positive_int("rounds", rounds)
+        rounds = checks.positive_int("rounds", rounds)
         c = np.asarray(coefficients, dtype=np.float64)
         if c.ndim != 1 or c.size == 0:
             raise ValueError("coefficients must be a non-empty 1-D array")
@@ -134,7 +135,7 @@ class BMinSep:
         if nz.size == 0:
             raise ValueError("coefficients are all zero")
         c = c[: nz[-1] + 1]
-        if c.size > _validate.positive_int("min_sep", min_sep):
+        if c.size > checks.positive_int("min_sep", min_sep):
             raise ValueError(f"b-min-sep accounting needs bands L <= min_sep b, got L={c.size} > b={min_sep}")
         return cls(bands_from_coefficients(c, rounds), min_sep, sampling_probability, warm_start, toeplitz=c[:rounds])
 
@@ -397,7 +398,7 @@ def _dp(a: np.ndarray, b: int, p: float, warm: bool, method: str) -> np.ndarray:
 
 def privacy_loss(scheme: BMinSep, y: np.ndarray, noise_multiplier: float, method: str = "auto") -> np.ndarray:
     """ln P(y)/Q(y) for each column of ``y`` (shape (n, S), or (n,) for one sample)."""
-    sigma = _validate.noise(noise_multiplier)
+    sigma = checks.positive("noise multiplier", noise_multiplier)
     if method not in ("auto", "scaled", "log"):
         raise ValueError(f"unknown method {method!r} (use 'auto', 'scaled' or 'log')")
     y = np.asarray(y, dtype=np.float64)

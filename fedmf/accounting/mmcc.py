@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 from scipy import stats
 
-from . import _validate
+from .. import checks
 
 __all__ = ["MmccResult", "strategy", "tail_bounds", "sensitivity_pmf", "mog_pld", "mmcc", "epsilon", "lower_bound"]
 
@@ -215,10 +215,10 @@ def mog_pld(sigma: float, sensitivities: np.ndarray, probabilities: np.ndarray,
 
 
 def _check(p: float, sigma: float, grid: float, discretization: float) -> tuple[float, float]:
-    p = _validate.probability(p)
-    sigma = _validate.noise(sigma, "sigma")
-    _validate.noise(grid, "sensitivity grid")
-    _validate.noise(discretization, "discretization")
+    p = checks.probability("sampling probability", p)
+    sigma = checks.positive("sigma", sigma)
+    checks.positive("sensitivity grid", grid)
+    checks.positive("discretization", discretization)
     return p, sigma
 
 
@@ -254,8 +254,8 @@ def mmcc(c: Any, p: float, sigma: float, delta1: float, delta2: float, *, grid: 
     started = time.perf_counter()
     matrix = strategy(c)
     p, sigma = _check(p, sigma, grid, discretization)
-    delta1 = _validate.delta(delta1, "delta1")
-    delta2 = _validate.delta(delta2, "delta2")
+    delta1 = checks.open_unit("delta1", delta1)
+    delta2 = checks.open_unit("delta2", delta2)
     if _nontrivial_pairs(matrix) == 0:
         delta1 = 0.0
     tilde = tail_bounds(matrix, p, sigma, delta1)
@@ -269,8 +269,8 @@ def epsilon(c: Any, p: float, sigma: float, delta: float, *, delta1_fraction: fl
             grid: float = GRID, discretization: float = DISCRETIZATION) -> MmccResult:
     """MMCC epsilon for total delta = delta1 + delta2, delta1 = delta1_fraction * delta; when C
     is diagonal (no tail bounds) all of delta goes to delta2."""
-    delta = _validate.delta(delta)
-    fraction = _validate.finite("delta1 fraction", delta1_fraction)
+    delta = checks.open_unit("delta", delta)
+    fraction = checks.number("delta1 fraction", delta1_fraction)
     if not 0.0 < fraction < 1.0:
         raise ValueError(f"delta1 fraction must lie in (0, 1), got {delta1_fraction!r}")
     matrix = strategy(c)
@@ -286,5 +286,5 @@ def lower_bound(c: Any, p: float, sigma: float, delta2: float, *, grid: float = 
     at delta2 is never below it (p~ >= p, Cor. B.3)."""
     matrix = strategy(c)
     p, sigma = _check(p, sigma, grid, discretization)
-    delta2 = _validate.delta(delta2, "delta2")
+    delta2 = checks.open_unit("delta2", delta2)
     return _compose(matrix, np.full(matrix.shape, p), sigma, delta2, grid, discretization)[0]

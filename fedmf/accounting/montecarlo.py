@@ -24,7 +24,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from . import _validate
+from .. import checks
 from .bminsep import _EXP_LIMIT, BMinSep, _correlate, _dp_log, _poisson, _row_offsets, _scaled_ok, _scaled_rows
 
 __all__ = [
@@ -346,7 +346,7 @@ class MonteCarloEstimate:
 # ---------------------------------------------------------------------------------------
 def _chunk_size(n: int, requested: int | None) -> int:
     if requested is not None:
-        return _validate.positive_int("chunk_size", requested)
+        return checks.positive_int("chunk_size", requested)
     return int(min(1 << 16, max(256, _CHUNK // max(n, 1))))
 
 
@@ -432,10 +432,10 @@ class MonteCarloAccountant:
         if method not in ("auto", "scaled", "log"):
             raise ValueError(f"unknown method {method!r} (use 'auto', 'scaled' or 'log')")
         self.scheme = scheme
-        self.workers = (os.cpu_count() or 1) if workers is None else _validate.positive_int("workers", workers)
+        self.workers = (os.cpu_count() or 1) if workers is None else checks.positive_int("workers", workers)
         self.chunk_size = _chunk_size(scheme.rounds, chunk_size)
         self.method = method
-        self.keep = _validate.positive_int("keep", keep)
+        self.keep = checks.positive_int("keep", keep)
 
     def losses(self, noise_multiplier: float, samples: int, seed: int | None = None,
                key: tuple[int, ...] = (), epsilons: Sequence[float] = ()) -> LossSamples:
@@ -445,8 +445,8 @@ class MonteCarloAccountant:
         exact whatever ``keep`` is."""
         import time
 
-        sigma = _validate.noise(noise_multiplier)
-        samples = _validate.positive_int("samples", samples)
+        sigma = checks.positive("noise multiplier", noise_multiplier)
+        samples = checks.positive_int("samples", samples)
         epsilons = tuple(float(e) for e in epsilons)
         entropy = np.random.SeedSequence().entropy if seed is None else int(seed)
         started = time.perf_counter()
@@ -482,7 +482,7 @@ class MonteCarloAccountant:
         """Estimate delta(epsilon) = max over both directions, with a two-sided
         ``confidence`` interval (each direction bounded at level 1 - (1-confidence)/4,
         union bound over 2 directions x 2 sides)."""
-        epsilon = _validate.finite("epsilon", epsilon)
+        epsilon = checks.number("epsilon", epsilon)
         if epsilon < 0:
             raise ValueError(f"epsilon must be non-negative, got {epsilon!r}")
         if not 0.0 < confidence < 1.0:

@@ -34,7 +34,8 @@ import numpy as np
 
 from .. import sensitivity as _sens
 from ..errors import ConfigError
-from . import _validate, cyclic_poisson, gaussian
+from .. import checks
+from . import cyclic_poisson, gaussian
 from .sampling import Sampling, amplification_min_sep, check_banded, max_column_norm, parse_sampling
 
 if TYPE_CHECKING:
@@ -200,15 +201,15 @@ def epsilon_by_round(mechanism: "Mechanism", noise_multiplier: float, delta: flo
                      max_points: int = 64) -> ByRound:
     """epsilon after each round (un-amplified or cyclic-Poisson). ``final``: the planned
     epsilon when already known (the curve ends exactly there)."""
-    z = _validate.noise(noise_multiplier)
-    delta = _validate.delta(delta)
+    z = checks.positive("noise multiplier", noise_multiplier)
+    delta = checks.open_unit("delta", delta)
     gaussian.check_accountant(accountant)
     sampling = parse_sampling(sampling)
-    max_points = _validate.positive_int("max_points", max_points)
+    max_points = checks.positive_int("max_points", max_points)
     n = mechanism.rounds
     planned = mechanism.sensitivity(schema)
     sens = planned.value
-    noise_sens = sens if noise_sensitivity is None else _validate.noise(noise_sensitivity, "noise sensitivity")
+    noise_sens = sens if noise_sensitivity is None else checks.positive("noise sensitivity", noise_sensitivity)
     std_per_clip = z * noise_sens  # sigma / clip norm
     if sampling.kind == "bminsep":
         raise ConfigError("per-round spend is not available for bminsep sampling (Monte Carlo accounting covers the "

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
-from . import _validate
+from .. import checks
 
 if TYPE_CHECKING:
     from ..mechanisms.base import Mechanism
@@ -35,7 +35,7 @@ class Sampling:
             if self.probability is not None or self.warm_start:
                 raise ConfigError("sampling 'none' takes no probability")
             return
-        object.__setattr__(self, "probability", _validate.probability(self.probability, f"{self.kind} probability"))
+        object.__setattr__(self, "probability", checks.probability(f"{self.kind} probability", self.probability))
         if self.warm_start and self.kind != "bminsep":
             raise ConfigError("warm start applies to bminsep sampling only")
 
