@@ -26,7 +26,7 @@ FLOATING_DTYPES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4, "f
 
 
 def _is_bool(value: object) -> bool:
-    return isinstance(value, bool) or type(value).__name__ == "bool_"  # numpy's bool is no Integral
+    return isinstance(value, bool) or type(value).__name__ in ("bool_", "bool")  # numpy's bool too
 
 
 def number(name: str, value: object) -> float:

@@ -131,11 +131,8 @@ def epsilon(mechanism: "Mechanism", noise_multiplier: float, delta: float, schem
         from . import mmcc
 
         if accountant != "pld":
-            raise ConfigError("poisson (MMCC) sampling is accounted with PLD only (--accountant pld)")
-        try:
-            mmcc.strategy(mechanism)
-        except ValueError as e:  # the strategy C does not suit MMCC: the user's choice
-            raise ConfigError(str(e)) from None
+            raise ConfigError("poisson (MMCC) sampling is accounted with PLD only (accountant 'pld')")
+        mmcc.strategy(mechanism)  # a ConfigError when the strategy C does not suit MMCC: the user's choice
         run = mmcc.epsilon(mechanism, sampling.probability, std_per_clip, delta)
         eps, name = run.epsilon, "mmcc-pld"
         guarantee = "upper bound (MMCC, Thm 4.3 of arXiv 2310.15526; Poisson sampling in every round)"
@@ -163,10 +160,7 @@ def _bminsep_accountant(mechanism: "Mechanism", schema: "Schema", sampling: Samp
 
     b = amplification_min_sep(schema, sampling)
     check_banded(mechanism, b, "b-min-sep")
-    try:
-        scheme = BMinSep.from_mechanism(mechanism, b, sampling.probability, sampling.warm_start)
-    except ValueError as e:  # e.g. a C with negative entries: the user's choice of mechanism
-        raise ConfigError(str(e)) from None
+    scheme = BMinSep.from_mechanism(mechanism, b, sampling.probability, sampling.warm_start)
     return MonteCarloAccountant(scheme, workers=options.workers, chunk_size=options.chunk_size, keep=options.keep)
 
 
@@ -175,10 +169,7 @@ def _samples(options: MonteCarloOptions, delta: float) -> tuple[int, float]:
     from . import evr
 
     samples = options.samples or evr.minimum_samples(delta)
-    try:
-        return samples, evr.base_delta(samples, delta)
-    except ValueError as e:  # too few samples for this delta: the user's --samples
-        raise ConfigError(str(e)) from None
+    return samples, evr.base_delta(samples, delta)  # a ConfigError when too few samples certify delta
 
 
 def _bminsep_epsilon(mechanism, z, std_per_clip, delta, schema, sens, sampling, accountant, options):

@@ -34,6 +34,7 @@ from scipy.special import rel_entr
 
 from .. import checks
 from .montecarlo import MonteCarloAccountant
+from ..errors import ConfigError
 
 __all__ = ["failure_probability", "overall_delta", "base_delta", "minimum_samples", "Verification", "EvrResult",
            "calibrate"]
@@ -63,7 +64,7 @@ def overall_delta(samples: int, base_delta: float) -> float:
     samples = checks.positive_int("samples", samples)
     base = checks.number("base delta", base_delta)
     if not 0.0 < base < 1.0:
-        raise ValueError(f"base delta must lie in (0, 1), got {base_delta!r}")
+        raise ConfigError(f"base delta must lie in (0, 1), got {base_delta!r}")
     top = math.log(1.0 / base)
     grid = np.linspace(0.0, top, 257)
     values = [_overall(samples, base, t) for t in grid]
@@ -80,13 +81,13 @@ def minimum_samples(target_delta: float, base_delta: float | None = None) -> int
     target = checks.open_unit("target delta", target_delta)
     base = target / 2.0 if base_delta is None else checks.open_unit("base delta", base_delta)
     if base >= target:
-        raise ValueError(f"base delta {base:g} must be smaller than the target delta {target:g}")
+        raise ConfigError(f"base delta {base:g} must be smaller than the target delta {target:g}")
     lo = max(1, int(1.0 / target))
     hi = 2 * lo
     while overall_delta(hi, base) > target:
         lo, hi = hi, 2 * hi
         if hi > 1 << 62:
-            raise ValueError("no feasible sample count for this base delta")
+            raise ConfigError("no feasible sample count for this base delta")
     while hi - lo > 1:
         mid = (lo + hi) // 2
         if overall_delta(mid, base) <= target:
@@ -102,7 +103,7 @@ def base_delta(samples: int, target_delta: float) -> float:
     target = checks.open_unit("target delta", target_delta)
     lo, hi = 0.0, target
     if overall_delta(samples, target * 1e-6) > target:
-        raise ValueError(f"{samples} samples are too few to certify delta={target:g}; "
+        raise ConfigError(f"{samples} samples are too few to certify delta={target:g}; "
                          f"at least {minimum_samples(target)} are needed")
     lo = target * 1e-6
     while hi - lo > 1e-6 * lo:
@@ -205,11 +206,11 @@ def calibrate(accountant: MonteCarloAccountant, epsilon: float, delta: float, fa
     samples = checks.positive_int("samples", samples)
     overall = overall_delta(samples, base)
     if overall > delta:
-        raise ValueError(f"{samples} samples per candidate certify only delta={overall:.3g} > {delta:g}; "
+        raise ConfigError(f"{samples} samples per candidate certify only delta={overall:.3g} > {delta:g}; "
                          f"use at least {minimum_samples(delta, base)}")
     candidates = checks.positive_int("candidates", candidates)
     if not ratio > 1.0:
-        raise ValueError(f"grid ratio must exceed 1, got {ratio!r}")
+        raise ConfigError(f"grid ratio must exceed 1, got {ratio!r}")
     entropy = np.random.SeedSequence().entropy if seed is None else int(seed)
     pilot_samples = pilot_samples or max(10_000, samples // 4)
     sigma_hat, history = _pilot(accountant, epsilon, margin * base, fallback / 2.0, fallback, pilot_samples, entropy,

@@ -27,6 +27,7 @@ import numpy as np
 from scipy import stats
 
 from .. import checks
+from ..errors import ConfigError
 
 __all__ = ["MmccResult", "strategy", "tail_bounds", "sensitivity_pmf", "mog_pld", "mmcc", "epsilon", "lower_bound"]
 
@@ -68,17 +69,17 @@ def strategy(c: Any) -> np.ndarray:
     if hasattr(c, "strategy_matrix"):
         matrix = np.asarray(c.strategy_matrix(), dtype=np.float64)
         if matrix.shape != (c.rounds, c.rounds):
-            raise ValueError(f"MMCC needs a square strategy C, {c.kind} has shape {matrix.shape}")
+            raise ConfigError(f"MMCC needs a square strategy C, {c.kind} has shape {matrix.shape}")
     else:
         matrix = np.asarray(c, dtype=np.float64)
     if matrix.ndim != 2 or matrix.shape[0] != matrix.shape[1] or matrix.shape[0] == 0:
-        raise ValueError(f"C must be a non-empty square matrix, got shape {matrix.shape}")
+        raise ConfigError(f"C must be a non-empty square matrix, got shape {matrix.shape}")
     if not np.all(np.isfinite(matrix)):
-        raise ValueError("C must be finite")
+        raise ConfigError("C must be finite")
     if np.any(matrix < 0):
-        raise ValueError(f"MMCC needs a non-negative C (Lemma C.3), min entry {matrix.min():.3g}")
+        raise ConfigError(f"MMCC needs a non-negative C (Lemma C.3), min entry {matrix.min():.3g}")
     if np.any(np.triu(matrix, 1) != 0):
-        raise ValueError("MMCC needs a lower-triangular C (adaptive rounds): C has entries above the diagonal")
+        raise ConfigError("MMCC needs a lower-triangular C (adaptive rounds): C has entries above the diagonal")
     return matrix
 
 
@@ -272,7 +273,7 @@ def epsilon(c: Any, p: float, sigma: float, delta: float, *, delta1_fraction: fl
     delta = checks.open_unit("delta", delta)
     fraction = checks.number("delta1 fraction", delta1_fraction)
     if not 0.0 < fraction < 1.0:
-        raise ValueError(f"delta1 fraction must lie in (0, 1), got {delta1_fraction!r}")
+        raise ConfigError(f"delta1 fraction must lie in (0, 1), got {delta1_fraction!r}")
     matrix = strategy(c)
     if _nontrivial_pairs(matrix) == 0:
         return mmcc(matrix, p, sigma, delta / 2, delta, grid=grid, discretization=discretization)

@@ -26,6 +26,7 @@ import numpy as np
 
 from .. import checks
 from .bminsep import _EXP_LIMIT, BMinSep, _correlate, _dp_log, _poisson, _row_offsets, _scaled_ok, _scaled_rows
+from ..errors import ConfigError
 
 __all__ = [
     "LossSamples",
@@ -292,7 +293,7 @@ class LossSamples:
         if epsilon in self.exact:
             return self.exact[epsilon]
         if epsilon < self.floor:
-            raise ValueError(f"too few losses kept to estimate delta at epsilon={epsilon:g} (< {self.floor:g})")
+            raise ConfigError(f"too few losses kept to estimate delta at epsilon={epsilon:g} (< {self.floor:g})")
         return delta_estimate(self.positive, epsilon, self.count), delta_estimate(self.negative, epsilon, self.count)
 
     def epsilon(self, delta: float) -> float:
@@ -301,7 +302,7 @@ class LossSamples:
         lo = max(self.floor, 0.0)
         if max(self.delta(lo)) <= delta:
             if self.floor > 0.0:
-                raise ValueError("too few losses kept to find epsilon at this delta (raise keep)")
+                raise ConfigError("too few losses kept to find epsilon at this delta (raise keep)")
             return lo
         top = max(self.positive[0] if self.positive.size else -np.inf, self.negative[0] if self.negative.size else -np.inf)
         hi = max(float(top), lo)
@@ -430,7 +431,7 @@ class MonteCarloAccountant:
     def __init__(self, scheme: BMinSep, *, workers: int | None = 1, chunk_size: int | None = None,
                  method: str = "auto", keep: int = 200_000) -> None:
         if method not in ("auto", "scaled", "log"):
-            raise ValueError(f"unknown method {method!r} (use 'auto', 'scaled' or 'log')")
+            raise ConfigError(f"unknown method {method!r} (use 'auto', 'scaled' or 'log')")
         self.scheme = scheme
         self.workers = (os.cpu_count() or 1) if workers is None else checks.positive_int("workers", workers)
         self.chunk_size = _chunk_size(scheme.rounds, chunk_size)
@@ -484,9 +485,9 @@ class MonteCarloAccountant:
         union bound over 2 directions x 2 sides)."""
         epsilon = checks.number("epsilon", epsilon)
         if epsilon < 0:
-            raise ValueError(f"epsilon must be non-negative, got {epsilon!r}")
+            raise ConfigError(f"epsilon must be non-negative, got {epsilon!r}")
         if not 0.0 < confidence < 1.0:
-            raise ValueError(f"confidence must lie in (0, 1), got {confidence!r}")
+            raise ConfigError(f"confidence must lie in (0, 1), got {confidence!r}")
         result = self.losses(noise_multiplier, samples, seed, epsilons=(epsilon,))
         dp, dn = result.delta(epsilon)
         level = 1.0 - (1.0 - confidence) / 4.0

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from .. import sensitivity as _sens
-from ..errors import ConfigError
+from ..errors import ConfigError, ConfigTypeError
 from .. import checks
 from . import cyclic_poisson, gaussian
 from .sampling import Sampling, amplification_min_sep, check_banded, max_column_norm, parse_sampling
@@ -150,7 +150,7 @@ def _generic(mechanism: "Mechanism", schema: "Schema", max_points: int) -> tuple
             worst = _sens._worst(results, "exact", "bound") if results else _sens.Sensitivity(0.0, "exact", True)
             value, exact[j] = worst.value, worst.exact
         else:
-            raise TypeError(f"unknown schema {schema!r}")
+            raise ConfigTypeError(f"unknown schema {schema!r}")
         values[j] = value
     # rounds between checkpoints take the next checkpoint's value: an upper bound
     per_round = np.zeros(n, dtype=bool)

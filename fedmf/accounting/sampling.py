@@ -63,11 +63,11 @@ def parse_sampling(text: str | Sampling | None) -> Sampling:
     if kind == "none" and len(parts) == 1:
         return NONE
     if kind not in ("bminsep", "cyclic-poisson", "poisson") or len(parts) not in (2, 3):
-        raise ConfigError(f"--sampling must be none, bminsep:P[:warm], cyclic-poisson:Q or poisson:P, got {text!r}")
+        raise ConfigError(f"sampling must be none, bminsep:P[:warm], cyclic-poisson:Q or poisson:P, got {text!r}")
     warm = False
     if len(parts) == 3:
         if kind != "bminsep" or parts[2] not in ("warm", "cold"):
-            raise ConfigError(f"--sampling must be none, bminsep:P[:warm] or cyclic-poisson:Q, got {text!r}")
+            raise ConfigError(f"sampling must be none, bminsep:P[:warm] or cyclic-poisson:Q, got {text!r}")
         warm = parts[2] == "warm"
     try:
         probability = float(parts[1])
