@@ -10,6 +10,7 @@ impulse response, so the cost is O(n·L) in numpy instead of n Python steps.
 from __future__ import annotations
 
 import numpy as np
+
 from .errors import ConfigError
 
 __all__ = ["toeplitz_multiply", "toeplitz_solve", "series_inverse", "lower_toeplitz"]

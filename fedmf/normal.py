@@ -44,7 +44,7 @@ def box_muller(words: np.ndarray, out: np.ndarray) -> np.ndarray:
     q = words.size // 3
     h = 2 * q
     if out.size != 4 * q or words.size != 3 * q:
-        raise RuntimeError("box_muller needs 3q words for 4q values")  # a caller's bug
+        raise ValueError("box_muller needs 3q words for 4q values")
     bits, radius, angle = _scratch(h, out.dtype)
     np.bitwise_and(words[:h], _M53, out=bits)
     np.add(bits, _ONE, out=bits)

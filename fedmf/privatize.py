@@ -71,8 +71,6 @@ def check_update(update: object, layout: Layout, *, values: bool = True) -> str 
     return None
 
 
-
-
 @dataclass(frozen=True)
 class UserReport:
     """What happened to one user's update: ``status`` contributed or rejected."""

@@ -159,3 +159,23 @@ def test_load_tensors_refuses_pickled_objects():
 
 class _Plain:
     pass
+
+
+def test_engine_errors_name_parameters_not_cli_flags():
+    """No ``raise`` in the engine (outside fedmf/cli) names a command-line flag such as ``--bands``."""
+    import ast
+    import re
+    from pathlib import Path
+
+    root = Path(checks.__file__).parent
+    flag = re.compile(r"(^|[\s'\"(])--[a-z]")
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if "cli" in path.relative_to(root).parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Raise) and node.exc is not None:
+                for part in ast.walk(node.exc):
+                    if isinstance(part, ast.Constant) and isinstance(part.value, str) and flag.search(part.value):
+                        found.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert found == []

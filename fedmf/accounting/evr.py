@@ -33,8 +33,8 @@ from scipy import optimize
 from scipy.special import rel_entr
 
 from .. import checks
-from .montecarlo import MonteCarloAccountant
 from ..errors import ConfigError
+from .montecarlo import MonteCarloAccountant
 
 __all__ = ["failure_probability", "overall_delta", "base_delta", "minimum_samples", "Verification", "EvrResult",
            "calibrate"]

@@ -27,8 +27,8 @@ import math
 import numpy as np
 from scipy import optimize, special
 
-from ..errors import ConfigError
 from .. import checks
+from ..errors import ConfigError
 
 __all__ = ["ACCOUNTANTS", "delta_for_epsilon", "epsilon", "epsilons", "calibrate", "check_accountant"]
 

@@ -25,8 +25,8 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from .. import checks
-from .bminsep import _EXP_LIMIT, BMinSep, _correlate, _dp_log, _poisson, _row_offsets, _scaled_ok, _scaled_rows
 from ..errors import ConfigError
+from .bminsep import _EXP_LIMIT, BMinSep, _correlate, _dp_log, _poisson, _row_offsets, _scaled_ok, _scaled_rows
 
 __all__ = [
     "LossSamples",

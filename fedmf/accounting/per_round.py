@@ -32,9 +32,9 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
+from .. import checks
 from .. import sensitivity as _sens
 from ..errors import ConfigError, ConfigTypeError
-from .. import checks
 from . import cyclic_poisson, gaussian
 from .sampling import Sampling, amplification_min_sep, check_banded, max_column_norm, parse_sampling
 

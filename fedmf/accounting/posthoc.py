@@ -36,10 +36,10 @@ from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
 import numpy as np
 from scipy import sparse
 
+from .. import checks
 from .. import sensitivity as _sens
 from ..errors import ConfigError, FedmfError
 from ..participation import FixedEpoch, MinSep, Observed
-from .. import checks
 from . import gaussian
 
 if TYPE_CHECKING:

@@ -23,10 +23,10 @@ import numpy as np
 
 from ..participation import MinSep
 from ..workloads import Workload
+from ..errors import ConfigError
 from .base import Mechanism
 from .optimize import OptimizationResult, Progress, lbfgs
 from .streaming import Iir
-from ..errors import ConfigError
 
 __all__ = ["ColumnNormalizedBanded", "BandedObjective", "optimize_banded"]
 

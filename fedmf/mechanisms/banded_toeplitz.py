@@ -20,9 +20,9 @@ import numpy as np
 from ..filters import series_inverse, toeplitz_solve
 from ..participation import MinSep
 from ..workloads import Workload
+from ..errors import ConfigError
 from .optimize import OptimizationResult, Progress, grid_then_golden, lbfgs
 from .toeplitz import BandedToeplitz, fractional_power_coefficients
-from ..errors import ConfigError
 
 __all__ = ["ToeplitzObjective", "optimize_banded_toeplitz", "reciprocal_plus_constant"]
 

@@ -18,8 +18,8 @@ from typing import Any, ClassVar, Iterator, Sequence
 
 import numpy as np
 
-from .. import sensitivity as _sens
 from .. import checks
+from .. import sensitivity as _sens
 from ..errors import ConfigError
 from ..participation import Schema
 from ..workloads import Workload, WorkloadStream

@@ -34,9 +34,9 @@ import torch
 from .. import sensitivity as _sens
 from ..participation import MinSep, Schema
 from ..workloads import Workload
+from ..errors import ConfigError
 from .base import Mechanism, check_rounds
 from .streaming import Blt
-from ..errors import ConfigError
 
 __all__ = [
     "BufferedLinearToeplitz",

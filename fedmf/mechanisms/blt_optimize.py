@@ -17,8 +17,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .. import checks
 from ..participation import MinSep
 from ..workloads import Workload
+from ..errors import ConfigError
 from .base import check_rounds
 from .blt import (
     _F64,
@@ -33,8 +35,6 @@ from .blt import (
     workload_error_sq,
 )
 from .optimize import OptimizationResult, Progress, lbfgs
-from .. import checks
-from ..errors import ConfigError
 
 __all__ = ["optimize_blt", "AUTO_BUFFER_GAIN"]
 

@@ -22,10 +22,10 @@ import numpy as np
 from ..participation import MinSep
 from ..sensitivity import is_nonnegative_nonincreasing
 from ..workloads import Workload
+from ..errors import ConfigError
 from .banded_toeplitz import ToeplitzObjective, optimize_banded_toeplitz
 from .optimize import OptimizationResult, Progress, lbfgs
 from .toeplitz import BandedToeplitz
-from ..errors import ConfigError
 
 __all__ = ["separation_grid", "taper", "optimize_robust", "rmse_by_min_sep"]
 

@@ -12,14 +12,14 @@ from typing import Any
 
 import numpy as np
 
+from .. import checks
 from ..filters import series_inverse
 from ..participation import Schema
 from ..workloads import Workload
+from ..errors import ConfigError
 from .base import Mechanism, check_rounds
 from .optimize import grid_then_golden
 from .streaming import Fir, Iir
-from .. import checks
-from ..errors import ConfigError
 
 __all__ = [
     "fractional_power_coefficients",
