@@ -33,7 +33,10 @@ def number(name: str, value: object) -> float:
     """``value`` as a finite float (ints and numpy scalars accepted; bools, NaN and ±inf refused)."""
     if _is_bool(value) or not isinstance(value, Real):
         raise ConfigTypeError(f"{name} must be a number, got {value!r}")
-    out = float(value)
+    try:
+        out = float(value)
+    except OverflowError:  # an int beyond the float range
+        out = math.inf
     if not math.isfinite(out):
         raise ConfigError(f"{name} must be finite, got {value!r}")
     return out

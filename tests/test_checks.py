@@ -14,7 +14,7 @@ from fedmf import checks
 from fedmf.errors import CheckpointError, ConfigError, ConfigTypeError, FedmfError, PlanMismatch
 
 NOT_NUMBERS = [True, False, np.bool_(True), "1", None, [1.0], 1 + 0j]
-NOT_FINITE = [math.nan, math.inf, -math.inf, np.float64("nan")]
+NOT_FINITE = [math.nan, math.inf, -math.inf, np.float64("nan"), 10**400]
 
 
 def _refused(exc, pattern, call, *args, **kwargs):
