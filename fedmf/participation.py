@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Union
 
-from . import checks
+from .checks import positive_int
 from .errors import ConfigError
 
 __all__ = ["MinSep", "FixedEpoch", "Observed", "Schema", "schema_from_dict"]
@@ -27,9 +27,9 @@ class MinSep:
     max_participations: int | None = None
 
     def __post_init__(self) -> None:
-        checks.positive_int("min_sep", self.min_sep)
+        positive_int("min_sep", self.min_sep)
         if self.max_participations is not None:
-            checks.positive_int("max_participations", self.max_participations)
+            positive_int("max_participations", self.max_participations)
 
     def participations(self, n: int) -> int:
         """The number of participations that really fit in n rounds: min(k, ceil(n/b))."""
@@ -37,7 +37,7 @@ class MinSep:
         return fit if self.max_participations is None else min(self.max_participations, fit)
 
     def validate(self, n: int) -> None:
-        checks.positive_int("rounds", n)
+        positive_int("rounds", n)
         if self.min_sep > n:
             raise ConfigError(f"min_sep b={self.min_sep} exceeds the number of rounds n={n}")
 
@@ -64,14 +64,14 @@ class FixedEpoch:
     min_sep: int
 
     def __post_init__(self) -> None:
-        checks.positive_int("max_participations", self.max_participations)
-        checks.positive_int("min_sep", self.min_sep)
+        positive_int("max_participations", self.max_participations)
+        positive_int("min_sep", self.min_sep)
 
     def participations(self, n: int) -> int:
         return self.max_participations
 
     def validate(self, n: int) -> None:
-        checks.positive_int("rounds", n)
+        positive_int("rounds", n)
         if self.max_participations * self.min_sep != n:
             raise ConfigError(
                 f"fixed-epoch needs rounds = participations x min_sep, got {n} != "
@@ -107,7 +107,7 @@ class Observed:
         return cls(tuple(sorted(items)))
 
     def validate(self, n: int) -> None:
-        checks.positive_int("rounds", n)
+        positive_int("rounds", n)
         for user, rounds in self.rounds_by_user:
             if rounds and (rounds[0] < 0 or rounds[-1] >= n):
                 raise ConfigError(f"user {user!r} has a round outside [0, {n})")
