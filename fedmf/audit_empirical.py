@@ -41,6 +41,7 @@ from typing import Any, Callable, Hashable, Mapping, Sequence
 
 import numpy as np
 
+from . import checks
 from .errors import ConfigError
 
 __all__ = ["p_value", "epsilon_lower_bound", "best_guess_bound", "canary_scores", "run_canary_audit",
@@ -62,14 +63,13 @@ _BISECTIONS = 60
 # ---- the one-run bound (SNJ 2023) ---------------------------------------------------------
 def _check_counts(m: int, r: int, v: int) -> None:
     for name, value in (("canaries", m), ("guesses", r), ("correct", v)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise ConfigError(f"{name} must be an integer, got {value!r}")
+        checks.integer(name, value)
     if not 0 <= v <= r <= m:
         raise ConfigError(f"need 0 <= correct <= guesses <= canaries, got {v}, {r}, {m}")
 
 
 def _check_delta(delta: float) -> None:
-    if not (isinstance(delta, (int, float)) and 0.0 <= delta < 1.0):
+    if not 0.0 <= checks.number("delta", delta) < 1.0:
         raise ConfigError(f"delta must lie in [0, 1), got {delta!r}")
 
 

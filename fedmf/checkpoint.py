@@ -46,6 +46,7 @@ from typing import Any, Mapping
 
 import torch
 
+from . import checks
 from .errors import CheckpointError
 from .files import check_private
 
@@ -88,10 +89,7 @@ def _serialize(obj: Any) -> bytes:
 
 
 def _deserialize(data: bytes, where: str) -> Any:
-    try:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as e:  # torch raises many kinds on a damaged file
-        raise CheckpointError(f"cannot read checkpoint {where}: {type(e).__name__}") from None
+    return checks.load_tensors(io.BytesIO(data), f"checkpoint {where}")
 
 
 def _sha256(data: bytes) -> str:
@@ -134,7 +132,7 @@ class RunSecrets:
     ``noise_seed_binding``: the run the noise seed is bound to (None: not bound yet)."""
 
     def __reduce__(self):  # it holds a secret: never pickled (save state_dict() instead)
-        raise TypeError(f"{type(self).__name__} holds a secret and cannot be pickled")
+        checks.refuse_pickle(self)
 
     def __init__(self, directory: str | os.PathLike) -> None:
         directory = Path(directory)
@@ -216,7 +214,8 @@ class CheckpointStore:
         if sha256 is not None and _sha256(data) != sha256:
             raise CheckpointError(f"checkpoint {str(path)!r} does not match the hash the ledger committed for round {t}")
         document = _deserialize(data, repr(str(path)))
-        if not isinstance(document, dict) or document.get("format") != _FORMAT or document.get("round") != t:
+        checks.state_format(document, f"checkpoint {str(path)!r}", _FORMAT)
+        if document.get("round") != t:
             raise CheckpointError(f"{str(path)!r} is not a fedmf checkpoint of round {t}")
         state = dict(document["state"])
         if "privatizer" in state:

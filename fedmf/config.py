@@ -43,13 +43,13 @@ is a one-line ``ConfigError`` before round 1. ``DEFAULTS`` is the one defaults t
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from .errors import ConfigError
+from . import checks
+from .errors import ConfigError, ConfigTypeError
 
 __all__ = ["RunConfig", "DEFAULTS"]
 
@@ -67,16 +67,11 @@ DEFAULTS: dict[str, Any] = {
 
 
 def _int(key: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)
-        elif isinstance(value, str) and value.strip().lstrip("-").isdigit():
-            value = int(value)
-        else:
-            raise ConfigError(f"{key} must be an integer, got {value!r}")
-    if value < minimum:
-        raise ConfigError(f"{key} must be >= {minimum}, got {value}")
-    return value
+    if isinstance(value, float) and value.is_integer():  # a run config value may come as 2.0 or "2"
+        value = int(value)
+    elif isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        value = int(value)
+    return checks.integer(key, value, minimum=minimum)
 
 
 def _bool(key: str, value: Any) -> bool:
@@ -88,13 +83,13 @@ def _bool(key: str, value: Any) -> bool:
 
 
 def _float(key: str, value: Any, *, minimum: float = 0.0, strict: bool = False, maximum: float | None = None) -> float:
-    if isinstance(value, bool):
-        raise ConfigError(f"{key} must be a number, got {value!r}")
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{key} must be a number, got {value!r}") from None
-    if not math.isfinite(v) or v < minimum or (strict and v == minimum) or (maximum is not None and v > maximum):
+    if isinstance(value, str):  # a run config value may come as text
+        try:
+            value = float(value)
+        except ValueError:
+            raise ConfigTypeError(f"{key} must be a number, got {value!r}") from None
+    v = checks.number(key, value)
+    if v < minimum or (strict and v == minimum) or (maximum is not None and v > maximum):
         bound = f"> {minimum}" if strict else f">= {minimum}"
         raise ConfigError(f"{key} must be a finite number {bound}" + (f" and <= {maximum}" if maximum is not None else "")
                           + f", got {value!r}")

@@ -3,14 +3,21 @@ or horizon reached. Each carries a one-line message; the CLI catches ``FedmfErro
 that a real bug stays a traceback.
 
 ``FedmfError`` subclasses ``ValueError`` so that code written against the engine's earlier
-``ValueError``s keeps working.
+``ValueError``s keeps working; ``ConfigTypeError`` (a value of the wrong type) is also a
+``TypeError``.
+
+The rule: an error the user, a client or a file can cause is raised as a ``FedmfError``
+subclass by the engine itself, where it is found (``fedmf.checks`` holds the shared checks),
+so no caller translates ``ValueError`` into ``FedmfError``. Only a state that cannot happen
+without a bug in fedmf (an optimizer leaving its feasible family, an interpreter missing for a
+noise description) stays a ``RuntimeError``/``AssertionError``/``TypeError``: a traceback.
 """
 
 from __future__ import annotations
 
 __all__ = [
     "FedmfError", "ConfigError", "PlanMismatch", "PrivacyBudgetExceeded", "HorizonReached", "RoundOrderError",
-    "CheckpointError",
+    "CheckpointError", "ConfigTypeError",
 ]
 
 
@@ -20,6 +27,10 @@ class FedmfError(ValueError):
 
 class ConfigError(FedmfError):
     """A configuration value, CLI argument or plan parameter is invalid."""
+
+
+class ConfigTypeError(ConfigError, TypeError):
+    """A value of the wrong type (a string for a number, a bool for an integer, …)."""
 
 
 class PlanMismatch(FedmfError):

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .errors import ConfigError
+
 __all__ = ["toeplitz_multiply", "toeplitz_solve", "series_inverse", "lower_toeplitz"]
 
 
@@ -52,7 +54,7 @@ def toeplitz_solve(coefficients: np.ndarray, x: np.ndarray, block: int = 128) ->
     """Solve T(a) y = x along axis 0 for a banded a with a_0 != 0."""
     a = np.trim_zeros(np.asarray(coefficients, dtype=np.float64), "b")
     if a.size == 0 or a[0] == 0.0:
-        raise ValueError("a lower-triangular Toeplitz matrix with zero diagonal is not invertible")
+        raise ConfigError("a lower-triangular Toeplitz matrix with zero diagonal is not invertible")
     x = np.asarray(x, dtype=np.float64)
     q = a.size - 1
     if q == 0:

@@ -51,6 +51,7 @@ from typing import Any, Callable, Mapping, Sequence, Union
 import numpy as np
 import torch
 
+from . import checks
 from .errors import CheckpointError, ConfigError, HorizonReached, PlanMismatch
 from .mechanisms.base import Mechanism
 from .mechanisms.streaming import Blt, Dense, Fir, Iir, StreamingInverse, Tree
@@ -68,7 +69,7 @@ BLOCK_SIZE = 1 << 19
 _STATE_FORMAT = 4
 _UNSALTED_FORMAT = 3
 SALT_BYTES = 16
-_FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_FLOATING = checks.floating_dtypes()
 _SEED_CHECK_LABEL = b"fedmf noise state seed check"
 
 
@@ -401,29 +402,14 @@ def _structure(spec: StreamingInverse, draws: _Draws, regenerate: bool) -> _Stru
 
 
 # ---- validation ------------------------------------------------------------------------
-def _dim(x: Any) -> int:
-    if not _is_int(x) or x < 0:
-        raise ConfigError(f"layout shapes must hold non-negative ints, got {x!r}")
-    return int(x)
-
-
 def _layout_size(layout: Layout) -> tuple[int, list[tuple[str, tuple[int, ...]]] | None]:
     if _is_int(layout):
         if layout <= 0:
             raise ConfigError(f"layout size must be positive, got {layout}")
         return int(layout), None
     if isinstance(layout, Mapping) and layout:
-        shapes = []
-        for name, shape in layout.items():
-            if not isinstance(name, str):
-                raise ConfigError(f"layout names must be strings, got {name!r}")
-            if not isinstance(shape, (tuple, list, torch.Size)):
-                raise ConfigError(f"layout shape of {name!r} must be a tuple of ints, got {shape!r}")
-            shapes.append((name, tuple(_dim(x) for x in shape)))
-        total = sum(math.prod(s) for _, s in shapes)
-        if total <= 0:
-            raise ConfigError("layout has no parameters")
-        return total, shapes
+        shapes = list(checks.layout(layout).items())
+        return sum(math.prod(s) for _, s in shapes), shapes
     raise ConfigError("layout must be a positive int or a non-empty mapping name -> shape")
 
 
@@ -449,14 +435,6 @@ def _device(device: str | torch.device | None) -> torch.device:
         except (RuntimeError, AssertionError):
             raise ConfigError(f"device {device!r} is not available") from None
     return dev
-
-
-def _std(std: Any) -> float:
-    if isinstance(std, (bool, np.bool_)) or not isinstance(std, (int, float, np.integer, np.floating)):
-        raise ConfigError(f"std must be a finite non-negative number, got {std!r}")
-    if not math.isfinite(std) or std < 0:
-        raise ConfigError(f"std must be a finite non-negative number, got {std}")
-    return float(std)
 
 
 def _shard(shard: Any) -> tuple[int, int]:
@@ -488,7 +466,7 @@ class NoiseGenerator:
     """
 
     def __reduce__(self):  # it holds a secret: never pickled (save state_dict() instead)
-        raise TypeError(f"{type(self).__name__} holds a secret and cannot be pickled")
+        checks.refuse_pickle(self)
 
     def __init__(
         self,
@@ -506,7 +484,7 @@ class NoiseGenerator:
     ) -> None:
         if not isinstance(mechanism, Mechanism):
             raise ConfigError(f"mechanism must be a fedmf Mechanism, got {type(mechanism).__name__}")
-        self.std = _std(std)
+        self.std = checks.non_negative("std", std)
         if dtype not in _FLOATING:
             raise ConfigError(f"dtype must be a floating torch dtype, got {dtype!r}")
         if not isinstance(regenerate, bool):
@@ -625,13 +603,8 @@ class NoiseGenerator:
         """Continue from a checkpoint written by ``state_dict`` for the same mechanism
         (fingerprint), layout, shard, std, dtype and chunking; all is checked before anything
         changes (``CheckpointError`` for an unreadable state, ``PlanMismatch`` for another one)."""
-        if not isinstance(state, Mapping):
-            raise CheckpointError(f"a noise state must be a mapping, got {type(state).__name__}")
-        fmt = state.get("format")
-        if fmt not in (_STATE_FORMAT, _UNSALTED_FORMAT) or isinstance(fmt, bool):
-            raise CheckpointError(f"unsupported noise state format {fmt!r} (this fedmf writes format "
-                                  f"{_STATE_FORMAT} and reads {_UNSALTED_FORMAT} and {_STATE_FORMAT}; older formats "
-                                  "are not bound to their mechanism)")
+        # formats before 3 are not bound to their mechanism: never read
+        fmt = checks.state_format(state, "noise state", (_UNSALTED_FORMAT, _STATE_FORMAT))
         if state.get("fingerprint") != self._fingerprint:
             raise PlanMismatch(f"noise state was written for another mechanism (fingerprint "
                                f"{str(state.get('fingerprint'))[:80]}, expected {self._fingerprint})")

@@ -13,15 +13,10 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Union
 
+from .checks import positive_int
 from .errors import ConfigError
 
 __all__ = ["MinSep", "FixedEpoch", "Observed", "Schema", "schema_from_dict"]
-
-
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -32,9 +27,9 @@ class MinSep:
     max_participations: int | None = None
 
     def __post_init__(self) -> None:
-        _positive_int("min_sep", self.min_sep)
+        positive_int("min_sep", self.min_sep)
         if self.max_participations is not None:
-            _positive_int("max_participations", self.max_participations)
+            positive_int("max_participations", self.max_participations)
 
     def participations(self, n: int) -> int:
         """The number of participations that really fit in n rounds: min(k, ceil(n/b))."""
@@ -42,7 +37,7 @@ class MinSep:
         return fit if self.max_participations is None else min(self.max_participations, fit)
 
     def validate(self, n: int) -> None:
-        _positive_int("rounds", n)
+        positive_int("rounds", n)
         if self.min_sep > n:
             raise ConfigError(f"min_sep b={self.min_sep} exceeds the number of rounds n={n}")
 
@@ -69,14 +64,14 @@ class FixedEpoch:
     min_sep: int
 
     def __post_init__(self) -> None:
-        _positive_int("max_participations", self.max_participations)
-        _positive_int("min_sep", self.min_sep)
+        positive_int("max_participations", self.max_participations)
+        positive_int("min_sep", self.min_sep)
 
     def participations(self, n: int) -> int:
         return self.max_participations
 
     def validate(self, n: int) -> None:
-        _positive_int("rounds", n)
+        positive_int("rounds", n)
         if self.max_participations * self.min_sep != n:
             raise ConfigError(
                 f"fixed-epoch needs rounds = participations x min_sep, got {n} != "
@@ -112,7 +107,7 @@ class Observed:
         return cls(tuple(sorted(items)))
 
     def validate(self, n: int) -> None:
-        _positive_int("rounds", n)
+        positive_int("rounds", n)
         for user, rounds in self.rounds_by_user:
             if rounds and (rounds[0] < 0 or rounds[-1] >= n):
                 raise ConfigError(f"user {user!r} has a round outside [0, {n})")

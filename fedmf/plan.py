@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 
+from . import checks
 from .accounting.sampling import Sampling, parse_sampling
 from .errors import ConfigError, HorizonReached, PlanMismatch, PrivacyBudgetExceeded
 from .participation import FixedEpoch, MinSep, schema_from_dict
@@ -38,17 +38,6 @@ PLAN_FORMAT = 1
 DEFAULT_ZERO_FACTOR = 100.0
 _ACCOUNTANTS = ("pld", "rdp")
 _EPS_RTOL = 1e-9  # a planned ε this close above the target is the calibration's rounding
-
-
-def _positive(name: str, value: object, *, allow_none: bool = False) -> float | None:
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise ConfigError(f"{name} must be a number, got {value!r}")
-    v = float(value)
-    if not (math.isfinite(v) and v > 0):
-        raise ConfigError(f"{name} must be a finite positive number, got {value!r}")
-    return v
 
 
 def _canonical(data: Mapping[str, Any]) -> bytes:
@@ -86,25 +75,20 @@ class RunPlan:
             raise ConfigError(f"mechanism must be a fedmf Mechanism, got {type(mechanism).__name__}")
         if not isinstance(schema, (MinSep, FixedEpoch)):
             raise ConfigError(f"a run is planned for MinSep or FixedEpoch participation, not {type(schema).__name__}")
-        try:
-            schema.validate(mechanism.rounds)
-            sampling = parse_sampling(sampling)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        zeta = _positive("clip_norm", clip_norm)
-        delta = _positive("delta", delta)
-        if not delta < 1:
-            raise ConfigError(f"delta must lie in (0, 1), got {delta!r}")
-        m = _positive("expected_users", expected_users)
+        schema.validate(mechanism.rounds)
+        sampling = parse_sampling(sampling)
+        zeta = checks.positive("clip_norm", clip_norm)
+        delta = checks.open_unit("delta", delta)
+        m = checks.positive("expected_users", expected_users)
         if accountant not in _ACCOUNTANTS:
             raise ConfigError(f"accountant must be one of {', '.join(_ACCOUNTANTS)}, got {accountant!r}")
         if isinstance(zero_threshold, str):
             if zero_threshold != "default":
                 raise ConfigError(f"zero_threshold must be a number, None or 'default', got {zero_threshold!r}")
             zero_threshold = DEFAULT_ZERO_FACTOR * zeta
-        threshold = _positive("zero_threshold", zero_threshold, allow_none=True)
-        eps = _positive("target_epsilon", target_epsilon, allow_none=True)
-        z = _positive("noise_multiplier", noise_multiplier, allow_none=True)
+        threshold = None if zero_threshold is None else checks.positive("zero_threshold", zero_threshold)
+        eps = None if target_epsilon is None else checks.positive("target_epsilon", target_epsilon)
+        z = None if noise_multiplier is None else checks.positive("noise_multiplier", noise_multiplier)
         sampling.check_schema(schema)
         calibration: dict[str, Any] = {}
         if z is None:
@@ -216,8 +200,7 @@ class RunPlan:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], mechanism: "Mechanism") -> "RunPlan":
         """Rebuild a plan written by ``to_dict`` for ``mechanism`` (its fingerprint must match)."""
-        if not isinstance(data, Mapping) or data.get("format") != PLAN_FORMAT:
-            raise PlanMismatch(f"not a fedmf run plan of format {PLAN_FORMAT}")
+        checks.state_format(data, "run plan", PLAN_FORMAT, error=PlanMismatch)
         try:
             recorded = data["mechanism"]["fingerprint"]
             if recorded != mechanism.fingerprint:

@@ -21,6 +21,7 @@ from typing import Any, Collection, Hashable, Iterable, Mapping
 
 import torch
 
+from . import checks
 from .errors import ConfigError, PlanMismatch, RoundOrderError
 from .noise import NoiseGenerator
 from .plan import RunPlan
@@ -29,7 +30,7 @@ from .threads import one_thread
 __all__ = ["check_update", "RoundPrivatizer", "RoundReport", "UserReport", "flat_size", "layout_of"]
 
 Layout = Mapping[str, tuple[int, ...]]
-_FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_FLOATING = checks.floating_dtypes()
 _STATE_FORMAT = 1
 _ROW = 256  # row length of the blocked ℓ2 norm (see RoundPrivatizer._norm)
 
@@ -37,25 +38,6 @@ _ROW = 256  # row length of the blocked ℓ2 norm (see RoundPrivatizer._norm)
 def layout_of(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
     """The layout (name → shape) of a model's parameters or state dict."""
     return {str(name): tuple(int(x) for x in t.shape) for name, t in tensors.items()}
-
-
-def _check_layout(layout: Layout) -> dict[str, tuple[int, ...]]:
-    if not isinstance(layout, Mapping) or not layout:
-        raise ConfigError("layout must be a non-empty mapping name -> shape")
-    out = {}
-    for name, shape in layout.items():
-        if not isinstance(name, str):
-            raise ConfigError(f"layout names must be strings, got {name!r}")
-        try:
-            dims = tuple(shape)
-        except TypeError:
-            raise ConfigError(f"layout shape of {name!r} must be a tuple of ints, got {shape!r}") from None
-        if any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in dims):
-            raise ConfigError(f"layout shape of {name!r} must be non-negative ints, got {shape!r}")
-        out[name] = dims
-    if flat_size(out) == 0:
-        raise ConfigError("layout has no parameters")
-    return out
 
 
 def flat_size(layout: Layout) -> int:
@@ -87,8 +69,6 @@ def check_update(update: object, layout: Layout, *, values: bool = True) -> str 
         if values and not bool(torch.isfinite(tensor).all()):
             return f"{name}: has non-finite values"
     return None
-
-
 
 
 @dataclass(frozen=True)
@@ -145,7 +125,7 @@ class RoundPrivatizer:
     ``dtype`` on its ``device``."""
 
     def __reduce__(self):  # it holds a secret: never pickled (save state_dict() instead)
-        raise TypeError(f"{type(self).__name__} holds a secret and cannot be pickled")
+        checks.refuse_pickle(self)
 
     def __init__(self, plan: RunPlan, layout: Layout, *, device: str | torch.device | None = None,
                  dtype: torch.dtype = torch.float32, seed: bytes | int | None = None,
@@ -157,7 +137,7 @@ class RoundPrivatizer:
         if dtype not in _FLOATING:
             raise ConfigError(f"dtype must be floating point, got {dtype}")
         self.plan = plan
-        self.layout = _check_layout(layout)
+        self.layout = checks.layout(layout)
         self.size = flat_size(self.layout)
         # half-precision models are summed and noised in float32, then cast back
         work = dtype if dtype in (torch.float32, torch.float64) else torch.float32
@@ -278,8 +258,7 @@ class RoundPrivatizer:
                 "noise": self.noise.state_dict(include_seed=False, copy=False)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        if not isinstance(state, Mapping) or state.get("format") != _STATE_FORMAT:
-            raise PlanMismatch("not a fedmf privatizer state")
+        checks.state_format(state, "privatizer state", _STATE_FORMAT, error=PlanMismatch)
         self.plan.check_fingerprint(state.get("plan_fingerprint"), "privatizer state")
         if {k: tuple(v) for k, v in state["layout"].items()} != self.layout:
             raise PlanMismatch("privatizer state was written for another model layout")

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from .errors import ConfigError
+from .errors import ConfigError, ConfigTypeError
 from .participation import FixedEpoch, MinSep, Observed, Schema
 
 if TYPE_CHECKING:
@@ -186,7 +186,7 @@ def _best_sign(x: np.ndarray, v: np.ndarray | None) -> np.ndarray:
         signs = _sign_vectors(k)
         return signs[int(np.argmax(np.sum((signs @ x) * signs, axis=1)))]
     if v is None:
-        raise ValueError(f"|pi| = {k} > {_SIGN_ENUMERATION} needs the SDP solution V to round")
+        raise RuntimeError(f"|pi| = {k} > {_SIGN_ENUMERATION} needs the SDP solution V to round")  # a caller's bug
     candidates = np.sign(v @ np.random.default_rng(1).normal(size=(k, 64))).T
     candidates[candidates == 0] = 1.0
     u = candidates[int(np.argmax(np.sum((candidates @ x) * candidates, axis=1)))].copy()
@@ -325,7 +325,7 @@ def sensitivity(mechanism: "Mechanism", schema: Schema) -> Sensitivity:
         if not results:
             return Sensitivity(0.0, "observed-exact", True)
         return _worst(results, "observed-exact", "observed-bound")
-    raise TypeError(f"unknown schema {schema!r}")
+    raise ConfigTypeError(f"unknown schema {schema!r}")
 
 
 def _minsep_patterns(n: int, min_sep: int, k: int) -> itertools.chain:

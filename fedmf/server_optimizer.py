@@ -21,12 +21,12 @@ Not a ``torch.optim.Optimizer`` subclass on purpose: its ``step`` takes the upda
 from __future__ import annotations
 
 import copy
-import math
 import warnings
 from typing import Any, Mapping
 
 import torch
 
+from . import checks
 from .errors import CheckpointError, ConfigError, HorizonReached, PlanMismatch
 from .workloads import Workload
 
@@ -69,11 +69,6 @@ def _check_params(params: Any) -> dict[str, torch.Tensor]:
     return out
 
 
-def _check_scalar(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"server optimizer {name} must be a number, got {value!r}")
-
-
 class ServerOptimizer:
     """Applies round t's privatized mean update to ``params`` in place; see the module docstring."""
 
@@ -81,11 +76,8 @@ class ServerOptimizer:
                  kind: str = "workload", **options: Any) -> None:
         if not isinstance(workload, Workload):
             raise ConfigError(f"server optimizer workload must be a fedmf Workload, got {type(workload).__name__}")
-        if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
-            raise ConfigError(f"server optimizer rounds must be an integer >= 1, got {rounds!r}")
-        _check_scalar("lr", lr)
-        if not math.isfinite(lr) or lr <= 0:
-            raise ConfigError(f"server optimizer lr must be finite and > 0, got {lr!r}")
+        checks.positive_int("server optimizer rounds", rounds)
+        checks.positive("server optimizer lr", lr)
         if kind not in KINDS:
             raise ConfigError(f"unknown server optimizer kind {kind!r} (expected one of {', '.join(KINDS)})")
         self._params = _check_params(params)
@@ -209,9 +201,7 @@ class ServerOptimizer:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from ``state_dict()`` of an optimizer built for the same plan and params."""
-        if not isinstance(state, Mapping) or state.get("format") != _STATE_FORMAT:
-            got = state.get("format") if isinstance(state, Mapping) else type(state).__name__
-            raise CheckpointError(f"unsupported server optimizer state format {got!r} (expected {_STATE_FORMAT})")
+        checks.state_format(state, "server optimizer state", _STATE_FORMAT)
         for key, value in self._plan().items():
             if state.get(key) != value:
                 raise PlanMismatch(f"server optimizer state was written for {key} {state.get(key)!r}, "

@@ -25,6 +25,8 @@ from typing import Any, Iterable, Iterator, Mapping
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
+from fedmf.checks import FLOATING_DTYPES
+
 from .identity import NodeDirectory
 
 __all__ = ["RoundReplies", "max_array_bytes", "max_update_bytes", "npy_header_max_bytes",
@@ -32,7 +34,7 @@ __all__ = ["RoundReplies", "max_array_bytes", "max_update_bytes", "npy_header_ma
 
 log = logging.getLogger("fedmf.server")
 #: the floating dtypes an update may use, and their bytes per value
-_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+_ITEMSIZE = FLOATING_DTYPES
 #: the records a TRAIN reply holds (client/app.py ``train``), by name
 _RECORDS = {"arrays": ArrayRecord, "config": ConfigRecord, "metrics": MetricRecord}
 CONFIG_KEYS = frozenset({"round", "run-nonce", "user-id"})

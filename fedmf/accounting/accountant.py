@@ -22,7 +22,8 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
-from . import _validate, gaussian
+from .. import checks
+from . import gaussian
 from .sampling import Sampling, parse_sampling
 
 if TYPE_CHECKING:
@@ -79,7 +80,7 @@ def schema_sensitivity(mechanism: "Mechanism", schema: "Schema"):
 def _noise_sens(sens: float, noise_sensitivity: float | None) -> float:
     if noise_sensitivity is None:
         return sens
-    return _validate.noise(noise_sensitivity, "noise sensitivity")
+    return checks.positive("noise sensitivity", noise_sensitivity)
 
 
 def _sens_details(sens) -> dict[str, Any]:
@@ -93,8 +94,8 @@ def epsilon(mechanism: "Mechanism", noise_multiplier: float, delta: float, schem
     """epsilon at ``delta`` of a run of ``mechanism`` with noise multiplier z under
     ``schema`` and ``sampling``. See the module docstring for the noise convention."""
     started = time.perf_counter()
-    z = _validate.noise(noise_multiplier)
-    delta = _validate.delta(delta)
+    z = checks.positive("noise multiplier", noise_multiplier)
+    delta = checks.open_unit("delta", delta)
     gaussian.check_accountant(accountant)
     sampling = parse_sampling(sampling)
     if per_round and not sampling.has_per_round_curve:
@@ -128,8 +129,8 @@ def calibrate(mechanism: "Mechanism", epsilon: float, delta: float, schema: "Sch
     """The smallest noise multiplier z (noise std = z·ζ·sens_schema) whose run is
     (epsilon, delta)-DP. Cached for the analytic accountants; b-min-sep runs EVR."""
     started = time.perf_counter()
-    epsilon = _validate.epsilon(epsilon)
-    delta = _validate.delta(delta)
+    epsilon = checks.positive("epsilon", epsilon)
+    delta = checks.open_unit("delta", delta)
     gaussian.check_accountant(accountant)
     sampling = parse_sampling(sampling)
     sampling.check_calibrate()
@@ -158,14 +159,14 @@ def epsilon_by_round(mechanism: "Mechanism", noise_multiplier: float, delta: flo
                      max_points: int = 64) -> "ByRound":
     """epsilon after each round (``per_round``: un-amplified or cyclic-Poisson). ``final``: the
     planned epsilon when already known (the curve ends exactly there)."""
-    z = _validate.noise(noise_multiplier)
-    delta = _validate.delta(delta)
+    z = checks.positive("noise multiplier", noise_multiplier)
+    delta = checks.open_unit("delta", delta)
     gaussian.check_accountant(accountant)
     sampling = parse_sampling(sampling)
-    max_points = _validate.positive_int("max_points", max_points)
+    max_points = checks.positive_int("max_points", max_points)
     planned = mechanism.sensitivity(schema)
-    noise_sens = planned.value if noise_sensitivity is None else _validate.noise(noise_sensitivity,
-                                                                                 "noise sensitivity")
+    noise_sens = planned.value if noise_sensitivity is None else checks.positive("noise sensitivity",
+                                                                                  noise_sensitivity)
     return sampling.epsilon_by_round(mechanism, schema, planned, noise_multiplier=z, std_per_clip=z * noise_sens,
                                      delta=delta, accountant=accountant, noise_sensitivity=noise_sensitivity,
                                      final=final, max_points=max_points)

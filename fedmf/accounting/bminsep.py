@@ -35,7 +35,8 @@ from typing import TYPE_CHECKING, Iterator, Sequence
 
 import numpy as np
 
-from . import _validate
+from .. import checks
+from ..errors import ConfigError
 
 if TYPE_CHECKING:
     from ..mechanisms.base import Mechanism
@@ -76,13 +77,13 @@ def bands_from_matrix(strategy: np.ndarray, num_bands: int) -> np.ndarray:
     c = np.asarray(strategy, dtype=np.float64)
     n = c.shape[1]
     if c.shape != (n, n):
-        raise ValueError(f"b-min-sep accounting needs a square strategy matrix, got shape {c.shape}")
+        raise ConfigError(f"b-min-sep accounting needs a square strategy matrix, got shape {c.shape}")
     out = np.zeros((num_bands, n))
     for k in range(num_bands):
         out[k, : n - k] = np.diagonal(c, -k)
     rebuilt = sum(np.diag(out[k, : n - k], -k) for k in range(num_bands))
     if not np.allclose(rebuilt, c, rtol=0, atol=1e-12 * max(1.0, float(np.max(np.abs(c))))):
-        raise ValueError(f"the strategy matrix is not lower-triangular with {num_bands} bands")
+        raise ConfigError(f"the strategy matrix is not lower-triangular with {num_bands} bands")
     return out
 
 
@@ -99,22 +100,23 @@ class BMinSep:
     def __post_init__(self) -> None:
         bands = np.asarray(self.bands, dtype=np.float64)
         if bands.ndim != 2 or bands.shape[0] < 1 or bands.shape[1] < 1:
-            raise ValueError("bands must be a non-empty (num_bands, rounds) array")
+            raise ConfigError("bands must be a non-empty (num_bands, rounds) array")
         if not np.all(np.isfinite(bands)):
-            raise ValueError("strategy coefficients must be finite")
+            raise ConfigError("strategy coefficients must be finite")
         if np.any(bands < 0):
-            raise ValueError("b-min-sep amplification needs a non-negative strategy matrix C")
-        b = _validate.positive_int("min_sep", self.min_sep)
+            raise ConfigError("b-min-sep amplification needs a non-negative strategy matrix C")
+        b = checks.positive_int("min_sep", self.min_sep)
         # trailing all-zero bands do not count
         nz = np.flatnonzero(np.any(bands != 0, axis=1))
         if nz.size == 0:
-            raise ValueError("the strategy matrix is zero")
+            raise ConfigError("the strategy matrix is zero")
         bands = bands[: nz[-1] + 1]
         if bands.shape[0] > b:
-            raise ValueError(f"b-min-sep accounting needs bands L <= min_sep b, got L={bands.shape[0]} > b={b}")
+            raise ConfigError(f"b-min-sep accounting needs bands L <= min_sep b, got L={bands.shape[0]} > b={b}")
         object.__setattr__(self, "bands", _readonly(bands))
         object.__setattr__(self, "min_sep", b)
-        object.__setattr__(self, "sampling_probability", _validate.probability(self.sampling_probability))
+        object.__setattr__(self, "sampling_probability",
+                           checks.probability("sampling probability", self.sampling_probability))
         object.__setattr__(self, "warm_start", bool(self.warm_start))
         if self.toeplitz is not None:
             object.__setattr__(self, "toeplitz", _readonly(np.asarray(self.toeplitz)[: bands.shape[0]]))
@@ -122,20 +124,20 @@ class BMinSep:
     @classmethod
     def from_coefficients(cls, coefficients: Sequence[float], rounds: int, min_sep: int,
                           sampling_probability: float, warm_start: bool = False) -> "BMinSep":
-        rounds = _validate.positive_int("rounds", rounds)
+        rounds = checks.positive_int("rounds", rounds)
         c = np.asarray(coefficients, dtype=np.float64)
         if c.ndim != 1 or c.size == 0:
-            raise ValueError("coefficients must be a non-empty 1-D array")
+            raise ConfigError("coefficients must be a non-empty 1-D array")
         if not np.all(np.isfinite(c)):
-            raise ValueError("coefficients must be finite")
+            raise ConfigError("coefficients must be finite")
         if np.any(c < 0):
-            raise ValueError("b-min-sep amplification needs non-negative coefficients")
+            raise ConfigError("b-min-sep amplification needs non-negative coefficients")
         nz = np.flatnonzero(c)
         if nz.size == 0:
-            raise ValueError("coefficients are all zero")
+            raise ConfigError("coefficients are all zero")
         c = c[: nz[-1] + 1]
-        if c.size > _validate.positive_int("min_sep", min_sep):
-            raise ValueError(f"b-min-sep accounting needs bands L <= min_sep b, got L={c.size} > b={min_sep}")
+        if c.size > checks.positive_int("min_sep", min_sep):
+            raise ConfigError(f"b-min-sep accounting needs bands L <= min_sep b, got L={c.size} > b={min_sep}")
         return cls(bands_from_coefficients(c, rounds), min_sep, sampling_probability, warm_start, toeplitz=c[:rounds])
 
     @classmethod
@@ -144,12 +146,12 @@ class BMinSep:
         """From a fedmf mechanism whose strategy C is banded with L <= b bands."""
         bands = mechanism.strategy_bands
         if bands is None:
-            raise ValueError(f"b-min-sep amplification needs a banded strategy C; {mechanism.kind} is not banded")
+            raise ConfigError(f"b-min-sep amplification needs a banded strategy C; {mechanism.kind} is not banded")
         coef = mechanism.strategy_toeplitz
         if coef is not None:
             return cls.from_coefficients(np.asarray(coef)[:bands], mechanism.rounds, min_sep, sampling_probability, warm_start)
         if getattr(mechanism, "noise_rows", mechanism.rounds) != mechanism.rounds:
-            raise ValueError(f"b-min-sep amplification needs a square strategy C ({mechanism.kind} is not)")
+            raise ConfigError(f"b-min-sep amplification needs a square strategy C ({mechanism.kind} is not)")
         return cls(bands_from_matrix(mechanism.strategy_matrix(), bands), min_sep, sampling_probability, warm_start)
 
     # ---- derived quantities --------------------------------------------------------
@@ -397,16 +399,16 @@ def _dp(a: np.ndarray, b: int, p: float, warm: bool, method: str) -> np.ndarray:
 
 def privacy_loss(scheme: BMinSep, y: np.ndarray, noise_multiplier: float, method: str = "auto") -> np.ndarray:
     """ln P(y)/Q(y) for each column of ``y`` (shape (n, S), or (n,) for one sample)."""
-    sigma = _validate.noise(noise_multiplier)
+    sigma = checks.positive("noise multiplier", noise_multiplier)
     if method not in ("auto", "scaled", "log"):
-        raise ValueError(f"unknown method {method!r} (use 'auto', 'scaled' or 'log')")
+        raise ConfigError(f"unknown method {method!r} (use 'auto', 'scaled' or 'log')")
     y = np.asarray(y, dtype=np.float64)
     one = y.ndim == 1
     y2 = y[:, None] if one else y
     if y2.ndim != 2 or y2.shape[0] != scheme.rounds:
-        raise ValueError(f"y must have {scheme.rounds} rows (one per round), got shape {y.shape}")
+        raise ConfigError(f"y must have {scheme.rounds} rows (one per round), got shape {y.shape}")
     if not np.all(np.isfinite(y2)):
-        raise ValueError("y must be finite")
+        raise ConfigError("y must be finite")
     out = _dp(_log_p_ratios(scheme, y2, sigma), scheme.min_sep, scheme.sampling_probability, scheme.warm_start, method)
     return out[0] if one else out
 
@@ -421,6 +423,6 @@ def log_likelihood_ratio(y, coefficients, min_sep: int, sampling_probability: fl
     probability p (cold start, or the warm start of Alg. 2)."""
     y = np.asarray(y, dtype=np.float64)
     if y.ndim != 1 or y.size == 0:
-        raise ValueError("y must be a non-empty 1-D array")
+        raise ConfigError("y must be a non-empty 1-D array")
     scheme = BMinSep.from_coefficients(coefficients, y.size, min_sep, sampling_probability, warm_start)
     return float(privacy_loss(scheme, y, noise_multiplier, method="log"))

@@ -20,7 +20,7 @@ import math
 
 from scipy import optimize
 
-from . import _validate
+from .. import checks
 from .gaussian import check_accountant
 
 __all__ = ["event", "epsilon", "delta", "calibrate", "steps"]
@@ -31,7 +31,7 @@ DISCRETIZATION = 1e-4
 
 def steps(rounds: int, min_sep: int) -> int:
     """Rounds in which the worst group is active: ceil(n/b)."""
-    return -(-_validate.positive_int("rounds", rounds) // _validate.positive_int("min_sep", min_sep))
+    return -(-checks.positive_int("rounds", rounds) // checks.positive_int("min_sep", min_sep))
 
 
 def event(noise_multiplier: float, sampling_probability: float, count: int):
@@ -68,9 +68,9 @@ def _delta(z: float, q: float, count: int, epsilon: float, accountant: str) -> f
 
 def _check(noise_multiplier, sampling_probability, count, accountant):
     return (
-        _validate.noise(noise_multiplier),
-        _validate.probability(sampling_probability),
-        _validate.positive_int("steps", count),
+        checks.positive("noise multiplier", noise_multiplier),
+        checks.probability("sampling probability", sampling_probability),
+        checks.positive_int("steps", count),
         check_accountant(accountant),
     )
 
@@ -80,13 +80,13 @@ def epsilon(noise_multiplier: float, sampling_probability: float, count: int, de
     """epsilon(delta) of ``count`` Poisson-subsampled Gaussians (multiplier = noise std /
     per-participation sensitivity). Cached."""
     z, q, count, accountant = _check(noise_multiplier, sampling_probability, count, accountant)
-    return _epsilon(z, q, count, _validate.delta(delta), accountant)
+    return _epsilon(z, q, count, checks.open_unit("delta", delta), accountant)
 
 
 def delta(noise_multiplier: float, sampling_probability: float, count: int, epsilon: float,
           accountant: str = "pld") -> float:
     z, q, count, accountant = _check(noise_multiplier, sampling_probability, count, accountant)
-    return _delta(z, q, count, _validate.epsilon(epsilon, "epsilon"), accountant)
+    return _delta(z, q, count, checks.positive("epsilon", epsilon), accountant)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -135,8 +135,8 @@ def calibrate(epsilon: float, delta: float, sampling_probability: float, count: 
               accountant: str = "pld", rtol: float = 1e-6) -> float:
     """The smallest multiplier (within ``rtol``, on the safe side) whose ``count``-fold
     Poisson-subsampled Gaussian is (epsilon, delta)-DP. Cached."""
-    epsilon = _validate.epsilon(epsilon)
-    delta = _validate.delta(delta)
-    q = _validate.probability(sampling_probability)
-    count = _validate.positive_int("steps", count)
+    epsilon = checks.positive("epsilon", epsilon)
+    delta = checks.open_unit("delta", delta)
+    q = checks.probability("sampling probability", sampling_probability)
+    count = checks.positive_int("steps", count)
     return _calibrate(epsilon, delta, q, count, check_accountant(accountant), float(rtol))

@@ -32,7 +32,8 @@ import numpy as np
 from scipy import optimize
 from scipy.special import rel_entr
 
-from . import _validate
+from .. import checks
+from ..errors import ConfigError
 from .montecarlo import MonteCarloAccountant
 
 __all__ = ["failure_probability", "overall_delta", "base_delta", "minimum_samples", "Verification", "EvrResult",
@@ -60,10 +61,10 @@ def overall_delta(samples: int, base_delta: float) -> float:
     """delta of the whole EVR procedure when every candidate is verified at ``base_delta``
     with ``samples`` samples: min over tau >= 1 of tau·delta' + q·(1 - tau·delta') (Thm A.1).
     Any tau gives a valid bound; the minimum is searched on a grid, then refined."""
-    samples = _validate.positive_int("samples", samples)
-    base = _validate.finite("base delta", base_delta)
+    samples = checks.positive_int("samples", samples)
+    base = checks.number("base delta", base_delta)
     if not 0.0 < base < 1.0:
-        raise ValueError(f"base delta must lie in (0, 1), got {base_delta!r}")
+        raise ConfigError(f"base delta must lie in (0, 1), got {base_delta!r}")
     top = math.log(1.0 / base)
     grid = np.linspace(0.0, top, 257)
     values = [_overall(samples, base, t) for t in grid]
@@ -77,16 +78,16 @@ def overall_delta(samples: int, base_delta: float) -> float:
 def minimum_samples(target_delta: float, base_delta: float | None = None) -> int:
     """The fewest samples per candidate for which overall_delta(s, base) <= target
     (base = target/2 by default, as in the paper)."""
-    target = _validate.delta(target_delta, "target delta")
-    base = target / 2.0 if base_delta is None else _validate.delta(base_delta, "base delta")
+    target = checks.open_unit("target delta", target_delta)
+    base = target / 2.0 if base_delta is None else checks.open_unit("base delta", base_delta)
     if base >= target:
-        raise ValueError(f"base delta {base:g} must be smaller than the target delta {target:g}")
+        raise ConfigError(f"base delta {base:g} must be smaller than the target delta {target:g}")
     lo = max(1, int(1.0 / target))
     hi = 2 * lo
     while overall_delta(hi, base) > target:
         lo, hi = hi, 2 * hi
         if hi > 1 << 62:
-            raise ValueError("no feasible sample count for this base delta")
+            raise ConfigError("no feasible sample count for this base delta")
     while hi - lo > 1:
         mid = (lo + hi) // 2
         if overall_delta(mid, base) <= target:
@@ -98,11 +99,11 @@ def minimum_samples(target_delta: float, base_delta: float | None = None) -> int
 
 def base_delta(samples: int, target_delta: float) -> float:
     """The largest base delta (within 1e-6 relative) with overall_delta(samples, base) <= target."""
-    samples = _validate.positive_int("samples", samples)
-    target = _validate.delta(target_delta, "target delta")
+    samples = checks.positive_int("samples", samples)
+    target = checks.open_unit("target delta", target_delta)
     lo, hi = 0.0, target
     if overall_delta(samples, target * 1e-6) > target:
-        raise ValueError(f"{samples} samples are too few to certify delta={target:g}; "
+        raise ConfigError(f"{samples} samples are too few to certify delta={target:g}; "
                          f"at least {minimum_samples(target)} are needed")
     lo = target * 1e-6
     while hi - lo > 1e-6 * lo:
@@ -196,20 +197,20 @@ def calibrate(accountant: MonteCarloAccountant, epsilon: float, delta: float, fa
     ``margin``·base; candidates are sigma_hat·ratio^j, j = -1 … candidates-2, below the
     fallback; they are verified from the most private down to the first failure."""
     started = time.perf_counter()
-    epsilon = _validate.epsilon(epsilon)
-    delta = _validate.delta(delta)
-    fallback = _validate.noise(fallback_noise_multiplier, "fallback noise multiplier")
-    base = delta / 2.0 if base is None else _validate.delta(base, "base delta")
+    epsilon = checks.positive("epsilon", epsilon)
+    delta = checks.open_unit("delta", delta)
+    fallback = checks.positive("fallback noise multiplier", fallback_noise_multiplier)
+    base = delta / 2.0 if base is None else checks.open_unit("base delta", base)
     if samples is None:
         samples = minimum_samples(delta, base)
-    samples = _validate.positive_int("samples", samples)
+    samples = checks.positive_int("samples", samples)
     overall = overall_delta(samples, base)
     if overall > delta:
-        raise ValueError(f"{samples} samples per candidate certify only delta={overall:.3g} > {delta:g}; "
+        raise ConfigError(f"{samples} samples per candidate certify only delta={overall:.3g} > {delta:g}; "
                          f"use at least {minimum_samples(delta, base)}")
-    candidates = _validate.positive_int("candidates", candidates)
+    candidates = checks.positive_int("candidates", candidates)
     if not ratio > 1.0:
-        raise ValueError(f"grid ratio must exceed 1, got {ratio!r}")
+        raise ConfigError(f"grid ratio must exceed 1, got {ratio!r}")
     entropy = np.random.SeedSequence().entropy if seed is None else int(seed)
     pilot_samples = pilot_samples or max(10_000, samples // 4)
     sigma_hat, history = _pilot(accountant, epsilon, margin * base, fallback / 2.0, fallback, pilot_samples, entropy,

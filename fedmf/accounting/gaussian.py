@@ -27,8 +27,8 @@ import math
 import numpy as np
 from scipy import optimize, special
 
+from .. import checks
 from ..errors import ConfigError
-from . import _validate
 
 __all__ = ["ACCOUNTANTS", "delta_for_epsilon", "epsilon", "epsilons", "calibrate", "check_accountant"]
 
@@ -60,7 +60,7 @@ def epsilons(noise_multipliers, delta: float) -> np.ndarray:
     """epsilon(delta) for many multipliers at once (exact Gaussian curve, vectorized
     bisection; each value is the upper end of its final bracket, so delta(eps) <= delta).
     Multipliers may be +inf (a user who never took part): epsilon 0."""
-    delta = _validate.delta(delta)
+    delta = checks.open_unit("delta", delta)
     z = np.atleast_1d(np.asarray(noise_multipliers, dtype=np.float64))
     if np.any(~(z > 0)):
         raise ConfigError("noise multipliers must be positive")
@@ -110,8 +110,8 @@ def _epsilon_cached(noise_multiplier: float, delta: float, accountant: str) -> f
 def epsilon(noise_multiplier: float, delta: float, accountant: str = "pld") -> float:
     """epsilon at ``delta`` of one Gaussian mechanism with this noise multiplier
     (noise std / sensitivity). Cached."""
-    z = _validate.noise(noise_multiplier)
-    delta = _validate.delta(delta)
+    z = checks.positive("noise multiplier", noise_multiplier)
+    delta = checks.open_unit("delta", delta)
     return _epsilon_cached(z, delta, check_accountant(accountant))
 
 
@@ -151,6 +151,6 @@ def _calibrate_cached(epsilon: float, delta: float, accountant: str) -> float:
 def calibrate(epsilon: float, delta: float, accountant: str = "pld") -> float:
     """The smallest noise multiplier whose Gaussian mechanism is (epsilon, delta)-DP.
     Cached: repeated calls are instant."""
-    epsilon = _validate.epsilon(epsilon)
-    delta = _validate.delta(delta)
+    epsilon = checks.positive("epsilon", epsilon)
+    delta = checks.open_unit("delta", delta)
     return _calibrate_cached(epsilon, delta, check_accountant(accountant))

@@ -26,7 +26,8 @@ from typing import Any
 import numpy as np
 from scipy import stats
 
-from . import _validate
+from .. import checks
+from ..errors import ConfigError
 
 __all__ = ["MmccResult", "strategy", "tail_bounds", "sensitivity_pmf", "mog_pld", "mmcc", "epsilon", "lower_bound"]
 
@@ -68,17 +69,17 @@ def strategy(c: Any) -> np.ndarray:
     if hasattr(c, "strategy_matrix"):
         matrix = np.asarray(c.strategy_matrix(), dtype=np.float64)
         if matrix.shape != (c.rounds, c.rounds):
-            raise ValueError(f"MMCC needs a square strategy C, {c.kind} has shape {matrix.shape}")
+            raise ConfigError(f"MMCC needs a square strategy C, {c.kind} has shape {matrix.shape}")
     else:
         matrix = np.asarray(c, dtype=np.float64)
     if matrix.ndim != 2 or matrix.shape[0] != matrix.shape[1] or matrix.shape[0] == 0:
-        raise ValueError(f"C must be a non-empty square matrix, got shape {matrix.shape}")
+        raise ConfigError(f"C must be a non-empty square matrix, got shape {matrix.shape}")
     if not np.all(np.isfinite(matrix)):
-        raise ValueError("C must be finite")
+        raise ConfigError("C must be finite")
     if np.any(matrix < 0):
-        raise ValueError(f"MMCC needs a non-negative C (Lemma C.3), min entry {matrix.min():.3g}")
+        raise ConfigError(f"MMCC needs a non-negative C (Lemma C.3), min entry {matrix.min():.3g}")
     if np.any(np.triu(matrix, 1) != 0):
-        raise ValueError("MMCC needs a lower-triangular C (adaptive rounds): C has entries above the diagonal")
+        raise ConfigError("MMCC needs a lower-triangular C (adaptive rounds): C has entries above the diagonal")
     return matrix
 
 
@@ -215,10 +216,10 @@ def mog_pld(sigma: float, sensitivities: np.ndarray, probabilities: np.ndarray,
 
 
 def _check(p: float, sigma: float, grid: float, discretization: float) -> tuple[float, float]:
-    p = _validate.probability(p)
-    sigma = _validate.noise(sigma, "sigma")
-    _validate.noise(grid, "sensitivity grid")
-    _validate.noise(discretization, "discretization")
+    p = checks.probability("sampling probability", p)
+    sigma = checks.positive("sigma", sigma)
+    checks.positive("sensitivity grid", grid)
+    checks.positive("discretization", discretization)
     return p, sigma
 
 
@@ -254,8 +255,8 @@ def mmcc(c: Any, p: float, sigma: float, delta1: float, delta2: float, *, grid: 
     started = time.perf_counter()
     matrix = strategy(c)
     p, sigma = _check(p, sigma, grid, discretization)
-    delta1 = _validate.delta(delta1, "delta1")
-    delta2 = _validate.delta(delta2, "delta2")
+    delta1 = checks.open_unit("delta1", delta1)
+    delta2 = checks.open_unit("delta2", delta2)
     if _nontrivial_pairs(matrix) == 0:
         delta1 = 0.0
     tilde = tail_bounds(matrix, p, sigma, delta1)
@@ -269,10 +270,10 @@ def epsilon(c: Any, p: float, sigma: float, delta: float, *, delta1_fraction: fl
             grid: float = GRID, discretization: float = DISCRETIZATION) -> MmccResult:
     """MMCC epsilon for total delta = delta1 + delta2, delta1 = delta1_fraction * delta; when C
     is diagonal (no tail bounds) all of delta goes to delta2."""
-    delta = _validate.delta(delta)
-    fraction = _validate.finite("delta1 fraction", delta1_fraction)
+    delta = checks.open_unit("delta", delta)
+    fraction = checks.number("delta1 fraction", delta1_fraction)
     if not 0.0 < fraction < 1.0:
-        raise ValueError(f"delta1 fraction must lie in (0, 1), got {delta1_fraction!r}")
+        raise ConfigError(f"delta1 fraction must lie in (0, 1), got {delta1_fraction!r}")
     matrix = strategy(c)
     if _nontrivial_pairs(matrix) == 0:
         return mmcc(matrix, p, sigma, delta / 2, delta, grid=grid, discretization=discretization)
@@ -286,5 +287,5 @@ def lower_bound(c: Any, p: float, sigma: float, delta2: float, *, grid: float = 
     at delta2 is never below it (p~ >= p, Cor. B.3)."""
     matrix = strategy(c)
     p, sigma = _check(p, sigma, grid, discretization)
-    delta2 = _validate.delta(delta2, "delta2")
+    delta2 = checks.open_unit("delta2", delta2)
     return _compose(matrix, np.full(matrix.shape, p), sigma, delta2, grid, discretization)[0]

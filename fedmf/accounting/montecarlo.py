@@ -24,7 +24,8 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from . import _validate
+from .. import checks
+from ..errors import ConfigError
 from .bminsep import _EXP_LIMIT, BMinSep, _correlate, _dp_log, _poisson, _row_offsets, _scaled_ok, _scaled_rows
 
 __all__ = [
@@ -292,7 +293,7 @@ class LossSamples:
         if epsilon in self.exact:
             return self.exact[epsilon]
         if epsilon < self.floor:
-            raise ValueError(f"too few losses kept to estimate delta at epsilon={epsilon:g} (< {self.floor:g})")
+            raise ConfigError(f"too few losses kept to estimate delta at epsilon={epsilon:g} (< {self.floor:g})")
         return delta_estimate(self.positive, epsilon, self.count), delta_estimate(self.negative, epsilon, self.count)
 
     def epsilon(self, delta: float) -> float:
@@ -301,7 +302,7 @@ class LossSamples:
         lo = max(self.floor, 0.0)
         if max(self.delta(lo)) <= delta:
             if self.floor > 0.0:
-                raise ValueError("too few losses kept to find epsilon at this delta (raise keep)")
+                raise ConfigError("too few losses kept to find epsilon at this delta (raise keep)")
             return lo
         top = max(self.positive[0] if self.positive.size else -np.inf, self.negative[0] if self.negative.size else -np.inf)
         hi = max(float(top), lo)
@@ -346,7 +347,7 @@ class MonteCarloEstimate:
 # ---------------------------------------------------------------------------------------
 def _chunk_size(n: int, requested: int | None) -> int:
     if requested is not None:
-        return _validate.positive_int("chunk_size", requested)
+        return checks.positive_int("chunk_size", requested)
     return int(min(1 << 16, max(256, _CHUNK // max(n, 1))))
 
 
@@ -430,12 +431,12 @@ class MonteCarloAccountant:
     def __init__(self, scheme: BMinSep, *, workers: int | None = 1, chunk_size: int | None = None,
                  method: str = "auto", keep: int = 200_000) -> None:
         if method not in ("auto", "scaled", "log"):
-            raise ValueError(f"unknown method {method!r} (use 'auto', 'scaled' or 'log')")
+            raise ConfigError(f"unknown method {method!r} (use 'auto', 'scaled' or 'log')")
         self.scheme = scheme
-        self.workers = (os.cpu_count() or 1) if workers is None else _validate.positive_int("workers", workers)
+        self.workers = (os.cpu_count() or 1) if workers is None else checks.positive_int("workers", workers)
         self.chunk_size = _chunk_size(scheme.rounds, chunk_size)
         self.method = method
-        self.keep = _validate.positive_int("keep", keep)
+        self.keep = checks.positive_int("keep", keep)
 
     def losses(self, noise_multiplier: float, samples: int, seed: int | None = None,
                key: tuple[int, ...] = (), epsilons: Sequence[float] = ()) -> LossSamples:
@@ -445,8 +446,8 @@ class MonteCarloAccountant:
         exact whatever ``keep`` is."""
         import time
 
-        sigma = _validate.noise(noise_multiplier)
-        samples = _validate.positive_int("samples", samples)
+        sigma = checks.positive("noise multiplier", noise_multiplier)
+        samples = checks.positive_int("samples", samples)
         epsilons = tuple(float(e) for e in epsilons)
         entropy = np.random.SeedSequence().entropy if seed is None else int(seed)
         started = time.perf_counter()
@@ -482,11 +483,11 @@ class MonteCarloAccountant:
         """Estimate delta(epsilon) = max over both directions, with a two-sided
         ``confidence`` interval (each direction bounded at level 1 - (1-confidence)/4,
         union bound over 2 directions x 2 sides)."""
-        epsilon = _validate.finite("epsilon", epsilon)
+        epsilon = checks.number("epsilon", epsilon)
         if epsilon < 0:
-            raise ValueError(f"epsilon must be non-negative, got {epsilon!r}")
+            raise ConfigError(f"epsilon must be non-negative, got {epsilon!r}")
         if not 0.0 < confidence < 1.0:
-            raise ValueError(f"confidence must lie in (0, 1), got {confidence!r}")
+            raise ConfigError(f"confidence must lie in (0, 1), got {confidence!r}")
         result = self.losses(noise_multiplier, samples, seed, epsilons=(epsilon,))
         dp, dn = result.delta(epsilon)
         level = 1.0 - (1.0 - confidence) / 4.0

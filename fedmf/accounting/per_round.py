@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
+from ..errors import ConfigTypeError
 from .. import sensitivity as _sens
 from . import cyclic_poisson, gaussian
 
@@ -148,7 +149,7 @@ def _generic(mechanism: "Mechanism", schema: "Schema", max_points: int) -> tuple
             worst = _sens._worst(results, "exact", "bound") if results else _sens.Sensitivity(0.0, "exact", True)
             value, exact[j] = worst.value, worst.exact
         else:
-            raise TypeError(f"unknown schema {schema!r}")
+            raise ConfigTypeError(f"unknown schema {schema!r}")
         values[j] = value
     # rounds between checkpoints take the next checkpoint's value: an upper bound
     per_round = np.zeros(n, dtype=bool)

@@ -36,10 +36,11 @@ from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
 import numpy as np
 from scipy import sparse
 
+from .. import checks
 from .. import sensitivity as _sens
 from ..errors import ConfigError, FedmfError
 from ..participation import FixedEpoch, MinSep, Observed
-from . import _validate, gaussian
+from . import gaussian
 
 if TYPE_CHECKING:
     from ..mechanisms.base import Mechanism
@@ -305,8 +306,8 @@ def account_contributions(mechanism: "Mechanism", noise_multiplier: float, delta
     adds the worst user's sensitivity and ε after each round (``sensitivity_by_round``,
     ``epsilon_by_round``)."""
     started = time.perf_counter()
-    z = _validate.noise(noise_multiplier)
-    delta = _validate.delta(delta)
+    z = checks.positive("noise multiplier", noise_multiplier)
+    delta = checks.open_unit("delta", delta)
     gaussian.check_accountant(accountant)
     if not isinstance(planned, (MinSep, FixedEpoch)):
         raise ConfigError(f"post-hoc accounting needs a planned MinSep or FixedEpoch schema, got {planned!r}")
@@ -317,7 +318,7 @@ def account_contributions(mechanism: "Mechanism", noise_multiplier: float, delta
     _check_contributions(users, rounds, n_users, n, labels)
     plan = _sens.sensitivity(mechanism, planned)
     planned_sens = plan.value
-    noise_sens = planned_sens if noise_sensitivity is None else _validate.noise(noise_sensitivity, "noise sensitivity")
+    noise_sens = planned_sens if noise_sensitivity is None else checks.positive("noise sensitivity", noise_sensitivity)
     std_over_clip = z * noise_sens  # the noise std in units of the clip norm: sigma / clip_norm
     planned_eps = gaussian.epsilon(std_over_clip / planned_sens, delta, accountant)
     observed = observed_sensitivities(mechanism, users, rounds, n_users, by_round=by_round)

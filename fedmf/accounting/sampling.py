@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Hashable, Iterable
 
 from ..errors import ConfigError
-from . import _validate
+from .. import checks
 
 if TYPE_CHECKING:
     from ..mechanisms.base import Mechanism
@@ -192,7 +192,7 @@ class _Sampled(Sampling):
     amplified: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "probability", _validate.probability(self.probability, f"{self.kind} probability"))
+        object.__setattr__(self, "probability", checks.probability(f"{self.kind} probability", self.probability))
 
     def __str__(self) -> str:
         return f"{self.kind}:{self.probability:g}"
@@ -239,10 +239,7 @@ class BMinSepSampling(_Sampled):
 
         b = self.min_sep_of(schema)
         check_banded(mechanism, b, "b-min-sep")
-        try:
-            scheme = BMinSep.from_mechanism(mechanism, b, self.probability, self.warm_start)
-        except ValueError as e:  # e.g. a C with negative entries: the user's choice of mechanism
-            raise ConfigError(str(e)) from None
+        scheme = BMinSep.from_mechanism(mechanism, b, self.probability, self.warm_start)  # ConfigError: e.g. C < 0
         return MonteCarloAccountant(scheme, workers=options.workers, chunk_size=options.chunk_size, keep=options.keep)
 
     @staticmethod
@@ -251,10 +248,7 @@ class BMinSepSampling(_Sampled):
         from . import evr
 
         samples = options.samples or evr.minimum_samples(delta)
-        try:
-            return samples, evr.base_delta(samples, delta)
-        except ValueError as e:  # too few samples for this delta: the user's --samples
-            raise ConfigError(str(e)) from None
+        return samples, evr.base_delta(samples, delta)  # a ConfigError when too few samples certify delta
 
     def epsilon(self, mechanism: "Mechanism", schema: "Schema", sens: "Sensitivity", *, noise_multiplier: float,
                 std_per_clip: float, delta: float, accountant: str, noise_sensitivity: float | None,
@@ -403,11 +397,8 @@ class PlainPoissonSampling(_Sampled):
         from . import mmcc
 
         if accountant != "pld":
-            raise ConfigError("poisson (MMCC) sampling is accounted with PLD only (--accountant pld)")
-        try:
-            mmcc.strategy(mechanism)
-        except ValueError as e:  # the strategy C does not suit MMCC: the user's choice
-            raise ConfigError(str(e)) from None
+            raise ConfigError("poisson (MMCC) sampling is accounted with PLD only (accountant 'pld')")
+        mmcc.strategy(mechanism)  # a ConfigError when the strategy C does not suit MMCC: the user's choice
         run = mmcc.epsilon(mechanism, self.probability, std_per_clip, delta)
         return (run.epsilon, "mmcc-pld",
                 "upper bound (MMCC, Thm 4.3 of arXiv 2310.15526; Poisson sampling in every round)",
@@ -454,11 +445,11 @@ def parse_sampling(text: str | Sampling | None) -> Sampling:
     if kind == NoSampling.kind and len(parts) == 1:
         return NONE
     if kind not in _SCHEMES or not _SCHEMES[kind].amplified or len(parts) not in (2, 3):
-        raise ConfigError(f"--sampling must be none, bminsep:P[:warm], cyclic-poisson:Q or poisson:P, got {text!r}")
+        raise ConfigError(f"sampling must be none, bminsep:P[:warm], cyclic-poisson:Q or poisson:P, got {text!r}")
     warm = False
     if len(parts) == 3:
         if _SCHEMES[kind] is not BMinSepSampling or parts[2] not in ("warm", "cold"):
-            raise ConfigError(f"--sampling must be none, bminsep:P[:warm] or cyclic-poisson:Q, got {text!r}")
+            raise ConfigError(f"sampling must be none, bminsep:P[:warm] or cyclic-poisson:Q, got {text!r}")
         warm = parts[2] == "warm"
     try:
         probability = float(parts[1])

@@ -14,6 +14,9 @@ import hashlib
 import hmac
 from typing import Iterable
 
+from .. import checks
+from ..errors import ConfigError, ConfigTypeError
+
 __all__ = ["ServerSecret", "MIN_SECRET_BYTES"]
 
 MIN_SECRET_BYTES = 16
@@ -30,9 +33,9 @@ class ServerSecret:
         if isinstance(secret, str):
             secret = secret.encode("utf-8")
         if not isinstance(secret, (bytes, bytearray)):
-            raise TypeError("the server secret must be bytes")
+            raise ConfigTypeError("the server secret must be bytes")
         if len(secret) < MIN_SECRET_BYTES:
-            raise ValueError(f"the server secret must be at least {MIN_SECRET_BYTES} bytes long")
+            raise ConfigError(f"the server secret must be at least {MIN_SECRET_BYTES} bytes long")
         self._mac = hmac.new(bytes(secret), digestmod=hashlib.sha256)
 
     def __repr__(self) -> str:
@@ -41,7 +44,7 @@ class ServerSecret:
     __str__ = __repr__
 
     def __reduce__(self):  # never pickled (checkpoints, multiprocessing)
-        raise TypeError("a ServerSecret cannot be pickled")
+        checks.refuse_pickle(self)
 
     def key_check(self) -> str:
         """Hex HMAC of a fixed label: identifies the secret without revealing it."""
@@ -70,5 +73,5 @@ def _id_bytes(client: object) -> bytes:
     if isinstance(client, bytes):
         return b"b" + client
     if isinstance(client, bool) or not isinstance(client, (str, int)):
-        raise TypeError(f"a client identifier must be str, int or bytes, not {type(client).__name__}")
+        raise ConfigTypeError(f"a client identifier must be str, int or bytes, not {type(client).__name__}")
     return b"s" + str(client).encode("utf-8")  # 7 and "7" are the same client (Flower node ids)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
+from .. import checks
 from ..errors import ConfigError
 from ..participation import FixedEpoch, MinSep, Schema
 from ..workloads import Workload
@@ -79,33 +79,27 @@ def default_bands(rounds: int, schema: Schema) -> int:
 
 
 def _check_rounds(rounds: Any) -> int:
-    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
-        raise ConfigError(f"rounds must be a positive integer, got {rounds!r}")
-    return rounds
+    return checks.positive_int("rounds", rounds)
 
 
 def _check_bands(num_bands: Any, rounds: int) -> None:
-    if num_bands is not None and (isinstance(num_bands, bool) or not isinstance(num_bands, int)
-                                  or not 1 <= num_bands <= rounds):
-        raise ConfigError(f"--bands must be an integer in [1, rounds={rounds}], got {num_bands!r}")
+    if num_bands is not None:
+        checks.integer("num_bands", num_bands, minimum=1, maximum=rounds)
 
 
 def _check_options(tolerance: float | None, max_steps: int | None, error: str, weighting: str) -> None:
     """The optimizer options ``plan`` passes on: checked here, so bad ones are a ConfigError."""
-    if tolerance is not None and not (isinstance(tolerance, (int, float)) and math.isfinite(tolerance)
-                                      and tolerance > 0):
-        raise ConfigError(f"--tolerance must be a positive number, got {tolerance!r}")
-    if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1):
-        raise ConfigError(f"--max-steps must be a positive integer, got {max_steps!r}")
-    if error not in ("mean", "max"):
-        raise ConfigError(f"--error must be 'mean' or 'max', got {error!r}")
-    if weighting not in ("worst", "mean"):
-        raise ConfigError(f"--weighting must be 'worst' or 'mean', got {weighting!r}")
+    if tolerance is not None:
+        checks.positive("tolerance", tolerance)
+    if max_steps is not None:
+        checks.positive_int("max_steps", max_steps)
+    checks.one_of("error", error, ("mean", "max"))
+    checks.one_of("weighting", weighting, ("worst", "mean"))
 
 
 def _check_bands_apply(kind: str, num_bands: int | None) -> None:
     if num_bands is not None and kind not in BANDED_KINDS:
-        raise ConfigError(f"--bands does not apply to {kind} (banded kinds: {', '.join(BANDED_KINDS)})")
+        raise ConfigError(f"num_bands does not apply to {kind} (banded kinds: {', '.join(BANDED_KINDS)})")
 
 
 def build(
@@ -124,7 +118,7 @@ def build(
     schema.validate(rounds)
     _check_bands(num_bands, rounds)
     if gamma is not None and kind != "bifr":
-        raise ConfigError(f"--gamma applies to bifr only, not {kind}")
+        raise ConfigError(f"gamma applies to bifr only, not {kind}")
     _check_bands_apply(kind, num_bands)
     if kind == "dp-sgd":
         return DpSgd(rounds, workload)
@@ -173,7 +167,7 @@ def plan(
     _check_bands_apply(kind, num_bands)
     _check_options(tolerance, max_steps, error, weighting)
     if gamma is not None:
-        raise ConfigError(f"--gamma applies to bifr only, not {kind}")
+        raise ConfigError(f"gamma applies to bifr only, not {kind}")
     options: dict[str, Any] = {"progress": progress}
     if tolerance is not None:
         options["tolerance"] = tolerance
@@ -197,13 +191,12 @@ def plan(
 
         if not workload.is_toeplitz and rounds > DENSE_LIMIT:
             raise ConfigError(f"a cooldown workload is optimized densely, up to n={DENSE_LIMIT} rounds (got {rounds})")
-        if num_buffers is not None and (isinstance(num_buffers, bool) or not isinstance(num_buffers, int)
-                                        or not 1 <= num_buffers <= MAX_BUFFERS):
-            raise ConfigError(f"--buffers must be an integer in [1, {MAX_BUFFERS}], got {num_buffers!r}")
+        if num_buffers is not None:
+            checks.integer("num_buffers", num_buffers, minimum=1, maximum=MAX_BUFFERS)
         return optimize_blt(rounds, schema, workload, num_buffers=num_buffers, error=error, **options)
     p = default_bands(rounds, schema) if num_bands is None else num_bands
     if kind in ("banded-toeplitz", "banded") and p > schema.min_sep:
-        raise ConfigError(f"{kind} needs --bands p <= min_sep b under MinSep (got {p} > {schema.min_sep})")
+        raise ConfigError(f"{kind} needs num_bands p <= min_sep b under MinSep (got {p} > {schema.min_sep})")
     if kind == "banded-toeplitz":
         from .banded_toeplitz import optimize_banded_toeplitz
 
@@ -216,7 +209,7 @@ def plan(
     from .banded_toeplitz import optimize_banded_toeplitz
 
     if min_sep_range is None:
-        raise ConfigError("robust needs --min-sep-range B0:B1")
+        raise ConfigError("robust needs a min_sep_range (B0, B1)")
     b0, b1 = min_sep_range
     k = schema.max_participations
     if taper:

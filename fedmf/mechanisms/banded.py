@@ -23,6 +23,7 @@ import numpy as np
 
 from ..participation import MinSep
 from ..workloads import Workload
+from ..errors import ConfigError
 from .base import Mechanism
 from .optimize import OptimizationResult, Progress, lbfgs
 from .streaming import Iir
@@ -168,7 +169,7 @@ class ColumnNormalizedBanded(Mechanism):
     def __post_init__(self) -> None:
         b = np.array(self.bands, dtype=np.float64)
         if b.ndim != 2 or b.shape[1] != self.rounds or not 1 <= b.shape[0] <= self.rounds:
-            raise ValueError(f"bands must have shape (p, rounds={self.rounds}) with 1 <= p <= rounds")
+            raise ConfigError(f"bands must have shape (p, rounds={self.rounds}) with 1 <= p <= rounds")
         normalized, norms = _normalized(b)
         if np.allclose(norms, 1.0, rtol=0, atol=4e-16):  # already normalized: keep it bit-exact
             mask = (np.arange(b.shape[0])[:, None] + np.arange(self.rounds)[None, :]) < self.rounds
@@ -176,7 +177,7 @@ class ColumnNormalizedBanded(Mechanism):
         else:
             b = normalized
         if not np.all(np.isfinite(b)) or np.any(b[0] <= 0):
-            raise ValueError("banded strategy needs finite entries and a positive diagonal")
+            raise ConfigError("banded strategy needs finite entries and a positive diagonal")
         b.setflags(write=False)
         object.__setattr__(self, "bands", b)
 
@@ -254,7 +255,7 @@ def optimize_banded(
 
     schema.validate(rounds)
     if not 1 <= num_bands <= min(rounds, schema.min_sep):
-        raise ValueError(f"banded needs 1 <= bands p <= min_sep b (got p={num_bands}, b={schema.min_sep})")
+        raise ConfigError(f"banded needs 1 <= bands p <= min_sep b (got p={num_bands}, b={schema.min_sep})")
     if workload.is_toeplitz:
         start = optimize_banded_toeplitz(rounds, num_bands, schema, workload)[0].coefficients
     else:

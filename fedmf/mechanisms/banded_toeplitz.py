@@ -20,6 +20,7 @@ import numpy as np
 from ..filters import series_inverse, toeplitz_solve
 from ..participation import MinSep
 from ..workloads import Workload
+from ..errors import ConfigError
 from .optimize import OptimizationResult, Progress, grid_then_golden, lbfgs
 from .toeplitz import BandedToeplitz, fractional_power_coefficients
 
@@ -48,12 +49,12 @@ class ToeplitzObjective:
 
     def __post_init__(self) -> None:
         if not self.workload.is_toeplitz:
-            raise ValueError(
+            raise ConfigError(
                 "Toeplitz optimization needs a Toeplitz workload (prefix or momentum without cooldown); "
                 "use kind 'banded' or 'dense' for a learning-rate cooldown"
             )
         if self.error not in ("mean", "max"):
-            raise ValueError(f"error must be 'mean' or 'max', got {self.error!r}")
+            raise ConfigError(f"error must be 'mean' or 'max', got {self.error!r}")
 
     def sensitivity_squared(self, theta: np.ndarray) -> tuple[float, np.ndarray]:
         """||S||^2 with S = sum_{i<k} shift(theta, i·b), and its gradient in theta."""
@@ -136,9 +137,9 @@ def optimize_banded_toeplitz(
     Returned coefficients are normalized to ||theta|| = 1."""
     schema.validate(rounds)
     if not 1 <= num_bands <= rounds:
-        raise ValueError(f"bands p={num_bands} must lie in [1, rounds={rounds}]")
+        raise ConfigError(f"bands p={num_bands} must lie in [1, rounds={rounds}]")
     if num_bands > schema.min_sep:
-        raise ValueError(
+        raise ConfigError(
             f"banded-toeplitz needs bands p <= min_sep b under MinSep (got p={num_bands} > b={schema.min_sep})"
         )
     objective = ToeplitzObjective(rounds, workload, schema.min_sep, schema.participations(rounds), error)

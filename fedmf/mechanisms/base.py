@@ -18,6 +18,7 @@ from typing import Any, ClassVar, Iterator, Sequence
 
 import numpy as np
 
+from .. import checks
 from .. import sensitivity as _sens
 from ..errors import ConfigError
 from ..participation import Schema
@@ -28,10 +29,8 @@ __all__ = ["Mechanism", "InverseStream", "StreamingInverse"]
 
 
 def check_rounds(rounds: Any) -> int:
-    """``rounds`` if it is a positive int, else a one-line ValueError."""
-    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
-        raise ValueError(f"rounds must be a positive integer, got {rounds!r}")
-    return rounds
+    """``rounds`` if it is a positive int, else a one-line ConfigError."""
+    return checks.positive_int("rounds", rounds)
 
 
 class Mechanism(ABC):

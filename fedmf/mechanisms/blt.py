@@ -34,6 +34,7 @@ import torch
 from .. import sensitivity as _sens
 from ..participation import MinSep, Schema
 from ..workloads import Workload
+from ..errors import ConfigError
 from .base import Mechanism, check_rounds
 from .streaming import Blt
 
@@ -242,7 +243,7 @@ def workload_error_sq(
         weights = torch.arange(n, 0, -1, dtype=_F64, device=u.device)
         return (weights * d2).sum() / n, d2.sum()
     if n > DENSE_LIMIT:
-        raise ValueError(f"a cooldown workload is optimized densely, up to n={DENSE_LIMIT} rounds (got {n})")
+        raise ConfigError(f"a cooldown workload is optimized densely, up to n={DENSE_LIMIT} rounds (got {n})")
     i = torch.arange(n, device=u.device)
     lag = i[:, None] - i[None, :]
     dense = torch.where(lag >= 0, u[lag.clamp(min=0)], torch.zeros((), dtype=_F64, device=u.device))
@@ -284,17 +285,17 @@ class BufferedLinearToeplitz(Mechanism):
         check_rounds(self.rounds)
         a, ahat = _frozen(np.sort(self.decay_rates)), _frozen(np.sort(self.inverse_decay_rates))
         if a.size == 0 or a.size != ahat.size:
-            raise ValueError(f"a BLT needs m >= 1 decay rates for C and m for C^-1, got {a.size} and {ahat.size}")
+            raise ConfigError(f"a BLT needs m >= 1 decay rates for C and m for C^-1, got {a.size} and {ahat.size}")
         if a.size > MAX_BUFFERS:
-            raise ValueError(f"at most {MAX_BUFFERS} buffers are supported, got {a.size}")
+            raise ConfigError(f"at most {MAX_BUFFERS} buffers are supported, got {a.size}")
         if not (np.all(np.isfinite(a)) and np.all(np.isfinite(ahat)) and np.all(a > 0) and np.all(ahat > 0)):
-            raise ValueError("BLT decay rates must be finite and > 0 (decays in (0, 1))")
+            raise ConfigError("BLT decay rates must be finite and > 0 (decays in (0, 1))")
         if np.any(np.diff(a) == 0) or np.any(np.diff(ahat) == 0):
-            raise ValueError("BLT decay rates must be distinct")
+            raise ConfigError("BLT decay rates must be distinct")
         object.__setattr__(self, "decay_rates", a)
         object.__setattr__(self, "inverse_decay_rates", ahat)
         if not (np.all(np.isfinite(self.output_scale)) and np.all(np.isfinite(self.inverse_output_scale))):
-            raise ValueError("BLT decay rates too close to each other: the output scales overflow")
+            raise ConfigError("BLT decay rates too close to each other: the output scales overflow")
 
     # ---- construction ----------------------------------------------------------------
     @classmethod
@@ -310,10 +311,10 @@ class BufferedLinearToeplitz(Mechanism):
         x_t = y_t - sum_i w_i buf_i, buf_i <- theta_i buf_i + x_t ([MXZ24] Alg. 3; [DMPST24] Lemma 5.2)."""
         w, theta = np.asarray(output_scale, float).reshape(-1), np.asarray(buf_decay, float).reshape(-1)
         if w.shape != theta.shape or not np.all((theta > 0) & (theta < 1)):
-            raise ValueError("output_scale and buf_decay need equal lengths and decays in (0, 1)")
+            raise ConfigError("output_scale and buf_decay need equal lengths and decays in (0, 1)")
         eig = np.linalg.eigvals(np.diag(theta) - np.outer(w, np.ones_like(w)))
         if np.any(np.abs(eig.imag) > 1e-12) or not np.all((eig.real > 0) & (eig.real < 1)):
-            raise ValueError(f"the inverse of this BLT is not a BLT with decays in (0, 1): {eig}")
+            raise ConfigError(f"the inverse of this BLT is not a BLT with decays in (0, 1): {eig}")
         return cls.from_decays(rounds, theta, eig.real, workload)
 
     def params(self) -> dict[str, Any]:

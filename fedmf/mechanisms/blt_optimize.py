@@ -17,8 +17,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .. import checks
 from ..participation import MinSep
 from ..workloads import Workload
+from ..errors import ConfigError
 from .base import check_rounds
 from .blt import (
     _F64,
@@ -155,10 +157,9 @@ def _fit(objective: _Objective, num_buffers: int, previous: np.ndarray | None, t
 
 
 def _check_buffers(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    checks.positive_int(name, value)
     if value > MAX_BUFFERS:
-        raise ValueError(f"{name}={value} exceeds {MAX_BUFFERS}: more buffers are numerically unreliable (3-7 is typical)")
+        raise ConfigError(f"{name}={value} exceeds {MAX_BUFFERS}: more buffers are numerically unreliable (3-7 is typical)")
 
 
 def optimize_blt(
@@ -186,12 +187,12 @@ def optimize_blt(
     """
     check_rounds(rounds)
     if not isinstance(schema, MinSep):
-        raise ValueError("optimize_blt needs a MinSep(b, k) schema")
+        raise ConfigError("optimize_blt needs a MinSep(b, k) schema")
     if error not in ("mean", "max"):
-        raise ValueError(f"error must be 'mean' or 'max', got {error!r}")
+        raise ConfigError(f"error must be 'mean' or 'max', got {error!r}")
     schema.validate(rounds)
     if not workload.is_toeplitz and rounds > DENSE_LIMIT:
-        raise ValueError(f"a cooldown workload is optimized densely, up to n={DENSE_LIMIT} rounds (got {rounds})")
+        raise ConfigError(f"a cooldown workload is optimized densely, up to n={DENSE_LIMIT} rounds (got {rounds})")
     if num_buffers is not None:
         _check_buffers("num_buffers", num_buffers)
     _check_buffers("max_buffers", max_buffers)

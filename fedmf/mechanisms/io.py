@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..errors import FedmfError
+from ..errors import ConfigError, FedmfError
 from ..files import atomic_write
 from ..participation import Schema, schema_from_dict
 from ..workloads import Workload
@@ -73,7 +73,7 @@ def save(mechanism: Mechanism, path: str | os.PathLike, schema: Schema | None = 
 
 
 def _reject_constant(name: str) -> float:
-    raise ValueError(f"non-finite number {name}")
+    raise MechanismFileError(f"non-finite number {name}")
 
 
 def read_text(path: str | os.PathLike) -> str:
@@ -125,7 +125,7 @@ def loads(text: str | bytes, *, source: str = "<text>") -> tuple[Mechanism, Sche
     try:
         rounds = body["rounds"]
         if isinstance(rounds, bool) or not isinstance(rounds, int):
-            raise ValueError(f"rounds must be an integer, got {rounds!r}")
+            raise ConfigError(f"rounds must be an integer, got {rounds!r}")
         workload = Workload.from_dict(body["workload"])
         mechanism = from_params(body["kind"], rounds, workload, body["params"])
         schema = None if body.get("schema") is None else schema_from_dict(body["schema"])

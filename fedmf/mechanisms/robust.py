@@ -22,6 +22,7 @@ import numpy as np
 from ..participation import MinSep
 from ..sensitivity import is_nonnegative_nonincreasing
 from ..workloads import Workload
+from ..errors import ConfigError
 from .banded_toeplitz import ToeplitzObjective, optimize_banded_toeplitz
 from .optimize import OptimizationResult, Progress, lbfgs
 from .toeplitz import BandedToeplitz
@@ -32,7 +33,7 @@ __all__ = ["separation_grid", "taper", "optimize_robust", "rmse_by_min_sep"]
 def separation_grid(b0: int, b1: int, points: int = 9) -> list[int]:
     """Integer separations from b0 to b1 (both included)."""
     if not 1 <= b0 <= b1:
-        raise ValueError(f"min-sep range needs 1 <= B0 <= B1, got {b0}:{b1}")
+        raise ConfigError(f"min-sep range needs 1 <= B0 <= B1, got {b0}:{b1}")
     return sorted({int(round(x)) for x in np.linspace(b0, b1, points)})
 
 
@@ -85,14 +86,14 @@ def optimize_robust(
     (default ceil(n/b1), the cap the server enforces). Starts from banded-Toeplitz optima for
     b0 and b1 bands, their taper, and any ``starts`` given, and keeps the best."""
     if weighting not in ("worst", "mean"):
-        raise ValueError(f"weighting must be 'worst' or 'mean', got {weighting!r}")
+        raise ConfigError(f"weighting must be 'worst' or 'mean', got {weighting!r}")
     separations = separation_grid(b0, b1, grid_points)
     if b1 > rounds:
-        raise ValueError(f"B1={b1} exceeds the number of rounds n={rounds}")
+        raise ConfigError(f"B1={b1} exceeds the number of rounds n={rounds}")
     k = participations if participations is not None else math.ceil(rounds / b1)
     p = b1 if num_bands is None else num_bands
     if not 1 <= p <= rounds:
-        raise ValueError(f"bands p={p} must lie in [1, rounds={rounds}]")
+        raise ConfigError(f"bands p={p} must lie in [1, rounds={rounds}]")
     objectives = [ToeplitzObjective(rounds, workload, s, MinSep(s, k).participations(rounds), error) for s in separations]
 
     def combined(theta: np.ndarray) -> tuple[float, np.ndarray]:

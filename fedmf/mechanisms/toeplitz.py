@@ -12,9 +12,11 @@ from typing import Any
 
 import numpy as np
 
+from .. import checks
 from ..filters import series_inverse
 from ..participation import Schema
 from ..workloads import Workload
+from ..errors import ConfigError
 from .base import Mechanism, check_rounds
 from .optimize import grid_then_golden
 from .streaming import Fir, Iir
@@ -41,17 +43,10 @@ def fractional_power_coefficients(gamma: float, count: int) -> np.ndarray:
 
 
 def _check_bands(num_bands: int, rounds: int) -> None:
-    if isinstance(num_bands, bool) or not isinstance(num_bands, int) or num_bands < 1:
-        raise ValueError(f"bands must be a positive integer, got {num_bands!r}")
+    checks.positive_int("bands", num_bands)
     check_rounds(rounds)
     if num_bands > rounds:
-        raise ValueError(f"bands p={num_bands} exceeds the number of rounds n={rounds}")
-
-
-def _real(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"expected a number, got {value!r}")
-    return float(value)
+        raise ConfigError(f"bands p={num_bands} exceeds the number of rounds n={rounds}")
 
 
 def _frozen(values: Any) -> np.ndarray:
@@ -74,7 +69,7 @@ class BandedToeplitz(Mechanism):
         object.__setattr__(self, "coefficients", _frozen(self.coefficients))
         _check_bands(self.coefficients.size, self.rounds)
         if not np.all(np.isfinite(self.coefficients)) or self.coefficients[0] <= 0:
-            raise ValueError("banded Toeplitz coefficients must be finite with c_0 > 0")
+            raise ConfigError("banded Toeplitz coefficients must be finite with c_0 > 0")
 
     def params(self) -> dict[str, Any]:
         return {"coefficients": self.coefficients.tolist()}
@@ -141,7 +136,7 @@ class BandedInverseToeplitz(Mechanism):
         object.__setattr__(self, "inverse_coefficients", _frozen(self.inverse_coefficients))
         _check_bands(self.inverse_coefficients.size, self.rounds)
         if not np.all(np.isfinite(self.inverse_coefficients)) or self.inverse_coefficients[0] <= 0:
-            raise ValueError("banded inverse coefficients must be finite with a_0 > 0")
+            raise ConfigError("banded inverse coefficients must be finite with a_0 > 0")
 
     def params(self) -> dict[str, Any]:
         return {"inverse_coefficients": self.inverse_coefficients.tolist()}
@@ -182,7 +177,7 @@ class BandedInverseFractionalRoot(BandedInverseToeplitz):
     def __init__(self, rounds: int, num_bands: int, gamma: float, workload: Workload = Workload()) -> None:
         _check_bands(num_bands, rounds)
         if not 0.0 < gamma < 1.0:
-            raise ValueError(f"gamma must lie in (0, 1), got {gamma}")
+            raise ConfigError(f"gamma must lie in (0, 1), got {gamma}")
         object.__setattr__(self, "rounds", rounds)
         object.__setattr__(self, "workload", workload)
         object.__setattr__(self, "gamma", float(gamma))
@@ -194,7 +189,7 @@ class BandedInverseFractionalRoot(BandedInverseToeplitz):
 
     @classmethod
     def from_params(cls, rounds: int, workload: Workload, params: dict[str, Any]) -> "BandedInverseFractionalRoot":
-        return cls(rounds, params["num_bands"], _real(params["gamma"]), workload)
+        return cls(rounds, params["num_bands"], checks.number("gamma", params["gamma"]), workload)
 
 
 @dataclass(frozen=True, eq=False, init=False)
