@@ -3,10 +3,11 @@ reference the Flower strategy must match bit for bit.
 
     result = train(model, users, plan, local_update, checkpoint_dir="run/", server_lr=1.0)
 
-Each round t follows ARCHITECTURE.md's data flow:
-guard → select → open + record selection → local updates → validate, zero, clip, sum → noise →
-divide by the planned expected users → server optimizer (exactly the workload A) → checkpoint →
-ledger commit (naming the checkpoint's hash) → only then release (progress, evaluation, callbacks).
+Each round t is ``fedmf.round_loop``'s, the Flower strategy's too, with local updates as its
+cohort step: guard → select → open + record selection → local updates → validate, zero, clip,
+sum → noise → divide by the planned expected users → server optimizer (exactly the workload A) →
+checkpoint → ledger commit (naming the checkpoint's hash) → only then release (evaluation,
+progress, callbacks).
 
 Started again with the same plan and directory, ``train`` resumes after the last committed
 round, whose noise it reproduces exactly; a round that was not committed is redone with the
@@ -25,10 +26,12 @@ from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
 import torch
 
 from .auditor import audit_command
-from .errors import ConfigError, HorizonReached, PrivacyBudgetExceeded
+from .errors import ConfigError
 from .ledger.db import public_url
 from .plan import RunPlan
+from .round_loop import CohortStep, Contributions, run_rounds
 from .run import EVENTS, PrivateRun, RoundRecord
+from .schedule import Selection
 
 __all__ = ["train", "TrainResult", "RoundRecord", "LocalUpdate", "LocalUpdates", "EVENTS"]
 
@@ -71,6 +74,34 @@ class _Progress:
     def close(self) -> None:
         if self.enabled:
             sys.stderr.write("\n")
+
+
+def _local_cohort(run: PrivateRun, local_update: LocalUpdate | None,
+                  local_updates: LocalUpdates | None) -> CohortStep:
+    """The in-process cohort step: the selected users who are reachable train on a copy of the
+    committed model (one at a time, or together through ``local_updates``)."""
+
+    def cohort(selection: Selection) -> Contributions:
+        t = selection.round
+        updates: dict[Hashable, Any] = {}
+        if local_updates is not None:
+            reachable = list(selection.reachable)
+            if reachable:
+                batch = local_updates(run.global_params(), reachable, t)
+                asked = set(reachable)
+                strays = [user for user in batch if user not in asked]
+                if strays:  # e.g. keys "3" for a user 3: every user would silently drop out
+                    raise ConfigError(f"local_updates returned users that were not asked for in round "
+                                      f"{t}: {strays[:3]!r}")
+                updates = {user: batch[user] for user in reachable if batch.get(user) is not None}
+        else:
+            for user in selection.reachable:
+                update = local_update(run.global_params(), user, t)
+                if update is not None:
+                    updates[user] = update
+        return updates, None
+
+    return cohort
 
 
 def train(
@@ -116,8 +147,6 @@ def train(
     end = plan.rounds if rounds is None else rounds
     if isinstance(end, bool) or not isinstance(end, int) or not 0 < end <= plan.rounds:
         raise ConfigError(f"rounds must be an integer in [1, {plan.rounds}], got {rounds!r}")
-    if observed_guard is None:
-        observed_guard = plan.sampling.observed_guard and plan.target_epsilon is not None
     temporary = tempfile.TemporaryDirectory(prefix="fedmf-") if checkpoint_dir is None else None
     directory = temporary.name if temporary is not None else checkpoint_dir
     try:
@@ -125,45 +154,21 @@ def train(
                              population=users, on_event=on_event, repeatable_noise=repeatable_noise,
                              ledger_diagnostics=ledger_diagnostics) as run:
             history: list[RoundRecord] = []
-            stopped = "horizon" if end == plan.rounds else "rounds"
             bar = _Progress(progress, end)
+
+            def released(record: RoundRecord) -> None:
+                bar.show(record)
+                if on_round is not None:
+                    on_round(record)
+
             try:
-                while run.next_round < end:
-                    try:
-                        run.guard(observed=observed_guard)
-                    except (PrivacyBudgetExceeded, HorizonReached) as e:
-                        stopped = f"guard: {e}"
-                        break
-                    t = run.next_round
-                    selection = run.select(users if available is None else available(t))
-                    updates: dict[Hashable, Any] = {}
-                    if local_updates is not None:
-                        reachable = list(selection.reachable)
-                        if reachable:
-                            batch = local_updates(run.global_params(), reachable, t)
-                            asked = set(reachable)
-                            strays = [user for user in batch if user not in asked]
-                            if strays:  # e.g. keys "3" for a user 3: every user would silently drop out
-                                raise ConfigError(f"local_updates returned users that were not asked for in round "
-                                                  f"{t}: {strays[:3]!r}")
-                            updates = {user: batch[user] for user in reachable if batch.get(user) is not None}
-                    else:
-                        for user in selection.reachable:
-                            update = local_update(run.global_params(), user, t)
-                            if update is not None:
-                                updates[user] = update
-                    run.aggregate(updates)
-                    record = run.commit()
-                    if evaluate is not None:  # released only now: round t is committed
-                        record.metrics.update({k: float(v) for k, v in evaluate(model).items()})
-                    run.released(t)
-                    history.append(record)
-                    bar.show(record)
-                    if on_round is not None:
-                        on_round(record)
+                ended = run_rounds(run, end, (lambda t: users) if available is None else available,
+                                   _local_cohort(run, local_update, local_updates), observed=observed_guard,
+                                   history=history, evaluate=None if evaluate is None else lambda _: evaluate(model),
+                                   on_round=released)
             finally:
                 bar.close()
-            return TrainResult(run.run_id, public_url(run.ledger_url), run.next_round, stopped, history,
+            return TrainResult(run.run_id, public_url(run.ledger_url), run.next_round, ended.stopped, history,
                                plan.to_dict())
     finally:
         if temporary is not None:

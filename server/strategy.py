@@ -1,11 +1,19 @@
-"""The DP-MF strategy: Flower's hooks as the round's recipe, each step one call into fedmf.
+"""The DP-MF strategy: a Flower ``Strategy`` whose ``start`` runs fedmf's round loop with Flower
+I/O as its cohort step. Each round, in ``fedmf.round_loop.run_rounds``:
 
-    configure_train:  guard → identify users → select (scheduler + ledger) → messages
-    aggregate_train:  validate replies → privatize + optimizer step → commit + checkpoint → metrics
-    start:            the round loop; the new model leaves the server only after the commit
+    guard        PrivateRun.guard (horizon, planned ε, the worst observed user's ε)
+    select       who is connected (server.identity) → PrivateRun.select (scheduler + ledger)
+    send         TRAIN messages with the committed model → Grid.send_and_receive
+    validate     the replies as Flower messages (server.replies)
+    clip … step  PrivateRun.aggregate: validate values, zero, clip, sum, noise, ÷ planned users, step
+    commit       PrivateRun.commit: checkpoint, then the ledger
+    broadcast    only now: metrics, server-side evaluation, PrivateRun.released, the progress line;
+                 the model goes out in the next round's messages and in ``start``'s Result
 
-Validation as a Flower message happens here (``server.replies``); validation of the update's
-values, clipping, noise and the division by the planned users happen in ``fedmf``.
+What is the strategy's own: the Flower I/O, the ledger retries (a guard or a round that the ledger
+fails is redone after a backoff; an aborted round released nothing) and the round's metrics.
+``configure_train`` / ``aggregate_train`` (abstract in Flower's ``Strategy``) are not used by
+``start``: they are the two halves of one round for a caller that drives the hooks itself.
 """
 
 from __future__ import annotations
@@ -22,9 +30,11 @@ from flwr.serverapp.strategy import Result, Strategy
 
 from fedmf.auditor import audit_command
 from fedmf.config import RunConfig
-from fedmf.errors import HorizonReached, PrivacyBudgetExceeded
 from fedmf.ledger.db import LedgerError, public_url
+from fedmf.privatize import RoundReport
+from fedmf.round_loop import GUARD, ROUND, Contributions, observed_accounting, run_rounds, settle
 from fedmf.run import PrivateRun, RoundRecord
+from fedmf.schedule import Selection
 
 from .identity import IdentityPolicy, NodeDirectory, identity_policy
 from .replies import RoundReplies, max_update_bytes
@@ -35,10 +45,14 @@ log = logging.getLogger("fedmf.server")
 T = TypeVar("T")
 #: a round whose ledger write fails is redone after 1, 2, 4, … s (at most 30 s), up to 8 times
 LEDGER_RETRIES, LEDGER_BACKOFF_S, LEDGER_BACKOFF_MAX_S = 8, 1.0, 30.0
+#: what a ledger failure at each stage of the round loop left, for the retry's log line
+_GIVEN_UP = {GUARD: "the round has not started", ROUND: "the round was aborted and nothing of it was released"}
 
 
 class DPMFStrategy(Strategy):
-    """Privatizes every round with the run's DP-MF mechanism (``fedmf.run.PrivateRun``)."""
+    """Privatizes every round with the run's DP-MF mechanism (``fedmf.run.PrivateRun``), driven by
+    ``start``. ``history``: the committed rounds' records; ``stopped``: how the last ``start``
+    ended ("horizon", "rounds", or the guard's message)."""
 
     def __init__(self, run: PrivateRun, config: RunConfig, *,
                  evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
@@ -46,7 +60,7 @@ class DPMFStrategy(Strategy):
         self.run = run
         self.min_available = min_available
         # the worst user's observed ε (accounted from the ledger) as a metric: unamplified runs only
-        self.observed_metric = run.plan.sampling.observed_guard
+        self.observed_metric = observed_accounting(run.plan)
         self.config = config
         self.evaluate_fn = evaluate_fn
         self.nonce = secrets.token_hex(16)  # replies to another server process are refused
@@ -54,9 +68,10 @@ class DPMFStrategy(Strategy):
         self.nodes: NodeDirectory | None = None
         self.history: list[RoundRecord] = []
         self.stopped = ""
-        self._replies: RoundReplies | None = None
+        self._reachable: dict = {}  # user → node of the identified users connected at the last refresh
+        self._replies: RoundReplies | None = None  # the replies the open round's messages expect
 
-    # ---- the round -----------------------------------------------------------------------
+    # ---- Flower I/O: who is connected, the TRAIN messages, the replies --------------------------
     def _directory(self, grid: Grid) -> NodeDirectory:
         """Who is behind which node (``server.identity``), bound to this run and server process."""
         if self.nodes is None:
@@ -66,13 +81,17 @@ class DPMFStrategy(Strategy):
                                         label=lambda user: self.run.user_key(user).hex()[:12])
         return self.nodes
 
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                        grid: Grid) -> Iterable[Message]:
-        t = self.run.next_round
-        nodes = self._directory(grid)
-        reachable = nodes.refresh(grid, t)
-        selection = self.run.select(reachable)
-        self._replies = RoundReplies(t, self.nonce, {user: reachable[user] for user in selection.reachable}, nodes)
+    def _available(self, grid: Grid, t: int) -> dict:
+        """The identified users connected now, user → node: whom round t's scheduler may select."""
+        self._reachable = self._directory(grid).refresh(grid, t)
+        return self._reachable
+
+    def _messages(self, selection: Selection, arrays: ArrayRecord) -> list[Message]:
+        """One TRAIN message with ``arrays`` (the committed model) per selected user who is
+        connected; the round's replies are expected from exactly those nodes."""
+        t = selection.round
+        self._replies = RoundReplies(t, self.nonce, {user: self._reachable[user] for user in selection.reachable},
+                                     self.nodes)
         content = {"round": t, "run-nonce": self.nonce, "task": self.config.task,
                    "task-options": json.dumps(self.config.task_options, sort_keys=True),
                    "client-lr": self.config.client_lr, "local-epochs": self.config.local_epochs,
@@ -81,17 +100,19 @@ class DPMFStrategy(Strategy):
                         dst_node_id=node, message_type=MessageType.TRAIN)
                 for user, node in self._replies.expected.items()]
 
-    def aggregate_train(self, server_round: int,
-                        replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        received = self._replies
+    def _validate(self, replies: Iterable[Message]) -> RoundReplies:
+        """The replies to the open round's messages, validated as Flower messages (``server.replies``)."""
+        received, self._replies = self._replies, None
         if received is None:
             raise RuntimeError("aggregate_train before configure_train")
-        self._replies = None
         received.read(replies, self.run.privatizer.layout)
-        report = self.run.aggregate(received.updates, received.rejected)
-        record = self.run.commit()  # only now may the round's model leave the server
+        return received
+
+    def _round_metrics(self, record: RoundRecord, report: RoundReport, received: RoundReplies) -> MetricRecord:
+        """The committed round's metrics: its counts, ε, the contributors' reported training
+        metrics and (unamplified runs) the worst user's observed ε; the reply metrics and that ε
+        also join ``record.metrics``."""
         record.metrics.update(received.metrics(str(u.user) for u in report.contributed))
-        self.history.append(record)
         metrics = {"epsilon": record.epsilon, "selected": record.selected, "received": len(received.updates),
                    "rejected": record.rejected, "clipped": record.clipped, "zeroed": record.zeroed,
                    "dropped": record.dropped, **record.metrics}
@@ -107,18 +128,41 @@ class DPMFStrategy(Strategy):
                 # guard checks): it bounds what that user will have spent at the end, so it can exceed
                 # the planned per-round curve, which only counts the releases made so far
                 metrics["epsilon-worst-user-run"] = record.metrics["epsilon-worst-user-run"] = worst
-        del report
-        return ArrayRecord(self.run.model.state_dict()), MetricRecord(metrics)
+        return MetricRecord(metrics)
+
+    # ---- Flower's Strategy hooks (abstract in its ABC) -------------------------------------
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        """Not called by ``start``. The first half of one round for a caller that drives the hooks
+        itself (``benchmarks/server.py``): select (who is connected, then the scheduler and the
+        ledger) and return the TRAIN messages carrying ``arrays``, which must be the committed
+        model. No guard: the caller runs ``run.guard`` first. ``config`` is not used."""
+        selection = self.run.select(self._available(grid, self.run.next_round))
+        return self._messages(selection, arrays)
+
+    def aggregate_train(self, server_round: int,
+                        replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Not called by ``start``. The second half of the round ``configure_train`` opened: validate
+        the replies, aggregate (clip, sum, noise, step) and commit; return the committed model and
+        the round's metrics, the record joining ``history``. The caller releases it
+        (``run.released``); no retry."""
+        received = self._validate(replies)
+        record, report = settle(self.run, received.updates, received.rejected)  # then the model may leave
+        self.history.append(record)
+        return ArrayRecord(self.run.model.state_dict()), self._round_metrics(record, report, received)
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> Iterable[Message]:
-        # federated evaluation would run on training users and is outside the DP guarantee: off
+        """No messages: federated evaluation would run on training users and is outside the DP
+        guarantee (evaluation is server-side, ``evaluate_fn``). Not called by ``start``."""
         return []
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        """Nothing to aggregate (``configure_evaluate`` sends nothing). Not called by ``start``."""
         return None
 
     def summary(self) -> None:
+        """Log the plan and the reply bound (two lines); ``start`` calls it first."""
         plan = self.run.plan
         log.info("fedmf DP-MF strategy: %s mechanism, %d rounds, %s, sampling %s, clip %g, z %.4g, noise std %.4g, "
                  "epsilon %.4g at delta %g", plan.mechanism.kind, plan.rounds, plan.schema.name, plan.sampling,
@@ -127,10 +171,10 @@ class DPMFStrategy(Strategy):
                  "(the model in float64 as .npy); anything else is rejected",
                  max_update_bytes(self.run.privatizer.layout))
 
-    # ---- the loop ------------------------------------------------------------------------
-    def _with_retries(self, t: int, step: Callable[[], T], given_up: str) -> T:
-        """``step()``; when the ledger fails, retried after 1, 2, 4, … s (``given_up``: what the
-        failure left, for the log line)."""
+    # ---- start: the round loop ---------------------------------------------------------------
+    def _with_retries(self, t: int, step: Callable[[], T], stage: str) -> T:
+        """``step()``; when the ledger fails, retried after 1, 2, 4, … s (``stage``: the round
+        loop's, naming what the failure left in the log line)."""
         for attempt in range(LEDGER_RETRIES + 1):
             try:
                 return step()
@@ -138,24 +182,10 @@ class DPMFStrategy(Strategy):
                 if attempt == LEDGER_RETRIES:
                     raise
                 wait = min(LEDGER_BACKOFF_MAX_S, LEDGER_BACKOFF_S * 2 ** attempt)
-                log.warning("fedmf round %d: the ledger failed (%s); %s; retry %d/%d in %.3g s", t, e, given_up,
-                            attempt + 1, LEDGER_RETRIES, wait)
+                log.warning("fedmf round %d: the ledger failed (%s); %s; retry %d/%d in %.3g s", t, e,
+                            _GIVEN_UP[stage], attempt + 1, LEDGER_RETRIES, wait)
                 time.sleep(wait)
         raise AssertionError("unreachable")
-
-    def _round_with_retries(self, t: int, grid: Grid, train_config: ConfigRecord,
-                            timeout: float) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Round t; when the ledger fails, the round is aborted (nothing of it was released) and
-        redone after an exponential backoff — the same selection, fresh noise (a new salt per
-        attempt); the committed rounds before it stay exactly as they were."""
-        def attempt() -> tuple[ArrayRecord | None, MetricRecord | None]:
-            self.run.global_params()  # raises if the state in memory is not the committed one (nothing is sent)
-            arrays = ArrayRecord(self.run.model.state_dict())
-            messages = self.configure_train(t + 1, arrays, train_config, grid)
-            replies = grid.send_and_receive(messages, timeout=timeout)
-            return self.aggregate_train(t + 1, replies)
-
-        return self._with_retries(t, attempt, "the round was aborted and nothing of it was released")
 
     @staticmethod
     def _progress(record: RoundRecord, end: int) -> None:
@@ -176,37 +206,48 @@ class DPMFStrategy(Strategy):
               timeout: float | None = None, train_config: ConfigRecord | None = None,
               evaluate_config: ConfigRecord | None = None,
               evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None) -> Result:
-        """Run (or resume) rounds until the plan's horizon, ``num_rounds`` in total, or the guard."""
+        """Run (or resume) rounds until the plan's horizon, ``num_rounds`` in total, or the guard:
+        ``fedmf.round_loop.run_rounds`` with the Flower exchange as its cohort step and the ledger
+        retries; each round's model and metrics go into the Result after its commit. The model sent
+        is the run's committed one (``initial_arrays``, ``train_config`` and ``evaluate_config`` are
+        not used); ``timeout``: for the replies (default: the configuration's reply timeout)."""
         evaluate_fn = evaluate_fn or self.evaluate_fn
         timeout = self.config.reply_timeout if timeout is None else timeout
         end = self.run.plan.rounds if num_rounds is None else min(num_rounds, self.run.plan.rounds)
         self.summary()
         result = Result()
-        observed = self.run.plan.sampling.observed_guard and self.run.plan.target_epsilon is not None
+        received: RoundReplies | None = None
         started = time.time()
+
+        def exchange(selection: Selection) -> Contributions:  # the cohort step: Flower I/O
+            nonlocal received
+            self.run.global_params()  # raises if the state in memory is not the committed one (nothing is sent)
+            messages = self._messages(selection, ArrayRecord(self.run.model.state_dict()))
+            received = self._validate(grid.send_and_receive(messages, timeout=timeout))
+            return received.updates, received.rejected
+
+        def committed(record: RoundRecord, report: RoundReport) -> None:
+            nonlocal received
+            result.arrays = ArrayRecord(self.run.model.state_dict())
+            result.train_metrics_clientapp[record.round + 1] = self._round_metrics(record, report, received)
+            received = None
+
+        def evaluate(record: RoundRecord) -> MetricRecord | None:  # server-side, of the committed model
+            evaluation = evaluate_fn(record.round + 1, result.arrays)
+            if evaluation is not None:
+                result.evaluate_metrics_serverapp[record.round + 1] = evaluation
+            return evaluation
+
         if self.run.next_round < end:  # a restart with no round left (say, to write the final model) waits for no one
             self._wait_for_users(grid)
-        while self.run.next_round < end:
-            try:  # the observed guard reads the ledger: a database that is down is waited for
-                self._with_retries(self.run.next_round, lambda: self.run.guard(observed=observed),
-                                   "the round has not started")
-            except (PrivacyBudgetExceeded, HorizonReached) as e:
-                self.stopped = str(e)
-                log.info("fedmf: stopping: %s", e)
-                break
-            t = self.run.next_round
-            new_arrays, metrics = self._round_with_retries(t, grid, train_config or ConfigRecord(), timeout)
-            result.arrays = new_arrays
-            result.train_metrics_clientapp[t + 1] = metrics
-            if evaluate_fn is not None:
-                evaluation = evaluate_fn(t + 1, new_arrays)
-                if evaluation is not None:
-                    result.evaluate_metrics_serverapp[t + 1] = evaluation
-                    self.history[-1].metrics.update({k: float(v) for k, v in evaluation.items()})
-            self._progress(self.history[-1], end)
-            self.run.released(t)
+        ended = run_rounds(self.run, end, lambda t: self._available(grid, t), exchange, history=self.history,
+                           committed=committed, evaluate=None if evaluate_fn is None else evaluate,
+                           on_round=lambda record: self._progress(record, end), retry=self._with_retries)
+        if ended.stop is not None:
+            self.stopped = str(ended.stop)
+            log.info("fedmf: stopping: %s", ended.stop)
         else:
-            self.stopped = "horizon" if end == self.run.plan.rounds else "rounds"
+            self.stopped = ended.reason
         # a password in the URL is never logged; the audit command is the auditor's (fedmf.auditor)
         log.info("fedmf: %d rounds committed in %.1fs (%s); ledger %s; audit with: %s", self.run.next_round,
                  time.time() - started, self.stopped or "done", public_url(self.run.ledger_url),

@@ -1,0 +1,126 @@
+"""The round loop both drivers run: guard → select → cohort → aggregate → commit → evaluate → release.
+
+    end = run_rounds(run, rounds, available, cohort, evaluate=..., on_round=...)
+
+``fedmf.federated.train`` and the Flower strategy (``server/strategy.py``) differ only in the
+cohort step — how the selected users' updates reach the server: local updates in process, or
+messages to the users' nodes and their validated replies — and in what they do with a committed
+round (metrics, evaluation, progress) and with a failing ledger (``retry``). The order of the
+steps, which carries ARCHITECTURE.md's rules, is here once:
+
+* the guard (horizon, planned ε, the worst observed user's ε) runs before anything of a round;
+* the scheduler, not the cohort, decides who takes part (``PrivateRun.select``);
+* the round is committed (checkpoint, then ledger) before anything derived from it — metrics,
+  evaluation, the model — leaves the server, and ``PrivateRun.released`` marks it released;
+* a round that fails before its commit is aborted by ``PrivateRun`` (nothing of it was
+  released) and may be redone by ``retry``, the same selection with fresh noise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Hashable, Iterable, Mapping, TypeVar
+
+from .errors import FedmfError, HorizonReached, PrivacyBudgetExceeded
+from .plan import RunPlan
+from .privatize import RoundReport
+from .run import PrivateRun, RoundRecord
+from .schedule import Selection
+
+__all__ = ["run_rounds", "play_round", "settle", "LoopEnd", "Contributions", "CohortStep", "Retry", "no_retry",
+           "observed_accounting", "observed_guard", "GUARD", "ROUND"]
+
+T = TypeVar("T")
+#: a round's updates, user → update (a mapping name → tensor), and the users whose reply was
+#: refused before it reached the engine, user → reason (None: none)
+Contributions = tuple[Mapping[Hashable, Any], Mapping[Hashable, str] | None]
+#: the cohort step: the round's selection → the selected users' contributions
+CohortStep = Callable[[Selection], Contributions]
+#: ``retry(t, step, stage)`` runs ``step()`` for round t, and may run it again after a failure
+#: (``stage``: ``GUARD``, nothing of round t has started; ``ROUND``, round t was aborted and
+#: nothing of it was released)
+Retry = Callable[[int, Callable[[], T], str], T]
+GUARD, ROUND = "guard", "round"
+
+
+def no_retry(t: int, step: Callable[[], T], stage: str) -> T:
+    """``step()`` once: a failure ends the loop."""
+    return step()
+
+
+def observed_accounting(plan: RunPlan) -> bool:
+    """Whether a user's ε can be accounted from the ledger's observed participations: without
+    sampling only (an amplified run's guarantee comes from the sampling, which the ledger's
+    pattern does not carry)."""
+    return plan.sampling.observed_guard
+
+
+def observed_guard(plan: RunPlan) -> bool:
+    """Whether the guard also checks the worst observed user's ε by default: an unamplified run
+    with a target ε."""
+    return observed_accounting(plan) and plan.target_epsilon is not None
+
+
+@dataclass(frozen=True)
+class LoopEnd:
+    """How the loop ended: ``reason`` "horizon" (the plan's last round done), "rounds" (the
+    rounds asked for done, before the horizon) or "guard" (``stop``, the guard's
+    ``PrivacyBudgetExceeded`` or ``HorizonReached``, ended it before a round)."""
+
+    reason: str
+    stop: FedmfError | None = None
+
+    @property
+    def stopped(self) -> str:
+        """One line: the reason, or ``guard: <the guard's message>``."""
+        return self.reason if self.stop is None else f"guard: {self.stop}"
+
+
+def settle(run: PrivateRun, updates: Mapping[Hashable, Any],
+           rejected: Mapping[Hashable, str] | None = None) -> tuple[RoundRecord, RoundReport]:
+    """Aggregate the open round's contributions (validate, zero, clip, sum, noise, ÷ planned
+    users, optimizer step: ``PrivateRun.aggregate``), then commit it (``PrivateRun.commit``)."""
+    report = run.aggregate(updates, rejected)
+    return run.commit(), report
+
+
+def play_round(run: PrivateRun, available: Iterable[Hashable], cohort: CohortStep) -> tuple[RoundRecord, RoundReport]:
+    """One round up to its commit: select among ``available``, ``cohort(selection)``, ``settle``."""
+    selection = run.select(available)
+    updates, rejected = cohort(selection)
+    return settle(run, updates, rejected)
+
+
+def run_rounds(run: PrivateRun, end: int, available: Callable[[int], Iterable[Hashable]], cohort: CohortStep, *,
+               observed: bool | None = None, history: list[RoundRecord] | None = None,
+               committed: Callable[[RoundRecord, RoundReport], None] | None = None,
+               evaluate: Callable[[RoundRecord], Mapping[str, float] | None] | None = None,
+               on_round: Callable[[RoundRecord], None] | None = None, retry: Retry = no_retry) -> LoopEnd:
+    """Run (or resume) ``run``'s rounds until round ``end`` (exclusive) or the guard stops it.
+
+    Each round t: ``run.guard`` (``observed``: also the worst observed user's ε; default
+    ``observed_guard(plan)``), under ``retry(t, ·, GUARD)``; then under ``retry(t, ·, ROUND)``,
+    ``play_round`` with the users ``available(t)``; the committed record appended to ``history``;
+    ``committed(record, report)`` (the driver's round metrics); ``evaluate(record)``, whose
+    scores join ``record.metrics``; ``run.released(t)``; ``on_round(record)``."""
+    observed = observed_guard(run.plan) if observed is None else observed
+    history = [] if history is None else history
+    while run.next_round < end:
+        t = run.next_round
+        try:
+            retry(t, lambda: run.guard(observed=observed), GUARD)
+        except (PrivacyBudgetExceeded, HorizonReached) as e:
+            return LoopEnd("guard", e)
+        record, report = retry(t, lambda: play_round(run, available(t), cohort), ROUND)
+        history.append(record)
+        if committed is not None:
+            committed(record, report)
+        del report
+        if evaluate is not None:  # only now: round t is committed
+            scores = evaluate(record)
+            if scores is not None:
+                record.metrics.update({k: float(v) for k, v in scores.items()})
+        run.released(t)
+        if on_round is not None:
+            on_round(record)
+    return LoopEnd("horizon" if end == run.plan.rounds else "rounds")
