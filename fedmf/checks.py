@@ -152,10 +152,11 @@ def state_format(state: object, what: str, accepted: object | Iterable[object], 
     return got
 
 
-def refuse_pickle(obj: object) -> NoReturn:
+def refuse_pickle(obj: object, *, instead: str | None = None) -> NoReturn:
     """The body of ``__reduce__`` for an object that holds a secret: it is never pickled (into a
-    checkpoint, a multiprocessing queue, …); save its ``state_dict()`` instead."""
-    raise ConfigTypeError(f"{type(obj).__name__} holds a secret and cannot be pickled")
+    checkpoint, a multiprocessing queue, …); ``instead`` says what to save (e.g. its ``state_dict()``)."""
+    hint = "" if instead is None else f"; {instead} instead"
+    raise ConfigTypeError(f"{type(obj).__name__} holds a secret and cannot be pickled{hint}")
 
 
 def load_tensors(source: Any, where: str, *, error: type[FedmfError] = CheckpointError) -> Any:

@@ -135,8 +135,15 @@ class _Secret:
         checks.refuse_pickle(self)
 
 
+class _Saved(_Secret):
+    def __reduce__(self):
+        checks.refuse_pickle(self, instead="save state_dict()")
+
+
 def test_refuse_pickle():
-    _refused(TypeError, r"^_Secret holds a secret and cannot be pickled", pickle.dumps, _Secret())
+    _refused(TypeError, r"^_Secret holds a secret and cannot be pickled$", pickle.dumps, _Secret())
+    _refused(TypeError, r"^_Saved holds a secret and cannot be pickled; save state_dict\(\) instead$", pickle.dumps,
+             _Saved())
 
 
 def test_load_tensors_refuses_pickled_objects():
