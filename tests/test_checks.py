@@ -41,7 +41,7 @@ def test_number_refuses_non_numbers_and_bools(value):
 
 
 @pytest.mark.parametrize("check", [checks.number, checks.positive, checks.non_negative, checks.probability,
-                                   checks.open_unit])
+                                   checks.open_unit, lambda name, value: checks.interval(name, value, -1, 1)])
 def test_every_float_check_refuses_nan_inf_and_bools(check):
     for value in NOT_FINITE:
         error = _refused(ConfigError, r"^clip_norm must be finite", check, "clip_norm", value)
@@ -86,6 +86,15 @@ def test_probability_and_open_unit():
     assert checks.open_unit("delta", 1e-5) == 1e-5
     for value in (0, 1, 2):
         _refused(ConfigError, r"^delta must lie in \(0, 1\), got ", checks.open_unit, "delta", value)
+
+
+def test_interval():
+    assert checks.interval("fraction", 0.5, 0, 0.5) == 0.5 and checks.interval("sigma", 1, 0.05, 5.0) == 1.0
+    _refused(ConfigError, r"^fraction must lie in \(0.0, 0.5\], got 0.0$", checks.interval, "fraction", 0.0, 0.0, 0.5,
+             low_open=True)
+    _refused(ConfigError, r"^sigma must lie in \[0.05, 5.0\), got 5.0$", checks.interval, "sigma", 5.0, 0.05, 5.0,
+             high_open=True)
+    _refused(ConfigError, r"^sigma must lie in \[0.05, 5.0\], got 0.01$", checks.interval, "sigma", 0.01, 0.05, 5.0)
 
 
 def test_one_of():
