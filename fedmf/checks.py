@@ -83,11 +83,14 @@ def positive_int(name: str, value: object) -> int:
 def interval(name: str, value: object, low: float, high: float, *, low_open: bool = False,
              high_open: bool = False) -> float:
     """``value`` as a finite float between ``low`` and ``high`` (each end included unless
-    ``low_open``/``high_open``)."""
+    ``low_open``/``high_open``; ``high`` may be ``math.inf``)."""
     out = number(name, value)
     if not ((out > low if low_open else out >= low) and (out < high if high_open else out <= high)):
-        bound = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
-        raise ConfigError(f"{name} must lie in {bound}, got {value!r}")
+        if high == math.inf:
+            bound = f"be {'>' if low_open else '>='} {low}"
+        else:
+            bound = f"lie in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+        raise ConfigError(f"{name} must {bound}, got {value!r}")
     return out
 
 

@@ -95,6 +95,10 @@ def test_interval():
     _refused(ConfigError, r"^sigma must lie in \[0.05, 5.0\), got 5.0$", checks.interval, "sigma", 5.0, 0.05, 5.0,
              high_open=True)
     _refused(ConfigError, r"^sigma must lie in \[0.05, 5.0\], got 0.01$", checks.interval, "sigma", 0.01, 0.05, 5.0)
+    assert checks.interval("server-lr", 1e300, 0.0, math.inf, low_open=True) == 1e300
+    _refused(ConfigError, r"^server-lr must be > 0.0, got 0$", checks.interval, "server-lr", 0, 0.0, math.inf,
+             low_open=True)
+    _refused(ConfigError, r"^timeout must be >= 1, got 0.5$", checks.interval, "timeout", 0.5, 1, math.inf)
 
 
 def test_one_of():

@@ -32,11 +32,10 @@ import numpy as np
 import torch
 from scipy.linalg import solve_triangular
 
-from .. import checks
 from ..errors import ConfigError
 from ..participation import FixedEpoch
 from ..workloads import Workload
-from .base import Mechanism
+from .base import Mechanism, check_rounds
 from .streaming import Dense
 
 __all__ = ["DenseMechanism", "corner_signs", "MAX_PARTICIPATIONS"]
@@ -70,7 +69,7 @@ def _check_schema(rounds: int, schema: object) -> tuple[int, int]:
     if not isinstance(schema, FixedEpoch):
         raise ConfigError(f"the dense mechanism is optimized for FixedEpoch(k, b) only, got {type(schema).__name__}")
     k, b = schema.max_participations, schema.min_sep
-    checks.positive_int("rounds", rounds)
+    check_rounds(rounds)
     if k * b != rounds:
         raise ConfigError(f"fixed-epoch needs rounds = k x b, got {rounds} != {k} x {b}")
     return k, b
