@@ -17,7 +17,8 @@ from typing import Any, NoReturn
 from .errors import CheckpointError, ConfigError, ConfigTypeError, FedmfError
 
 __all__ = [
-    "number", "positive", "non_negative", "integer", "positive_int", "probability", "open_unit", "one_of",
+    "number", "positive", "non_negative", "integer", "positive_int", "interval", "probability", "open_unit",
+    "one_of",
     "FLOATING_DTYPES", "floating_dtypes", "is_floating", "layout", "state_format", "refuse_pickle", "load_tensors",
 ]
 
@@ -79,20 +80,28 @@ def positive_int(name: str, value: object) -> int:
     return int(value)
 
 
+def interval(name: str, value: object, low: float, high: float, *, low_open: bool = False,
+             high_open: bool = False) -> float:
+    """``value`` as a finite float between ``low`` and ``high`` (each end included unless
+    ``low_open``/``high_open``; ``high`` may be ``math.inf``)."""
+    out = number(name, value)
+    if not ((out > low if low_open else out >= low) and (out < high if high_open else out <= high)):
+        if high == math.inf:
+            bound = f"be {'>' if low_open else '>='} {low}"
+        else:
+            bound = f"lie in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+        raise ConfigError(f"{name} must {bound}, got {value!r}")
+    return out
+
+
 def probability(name: str, value: object) -> float:
     """``value`` as a probability in (0, 1] (a sampling probability: 0 would sample no one)."""
-    out = number(name, value)
-    if not 0.0 < out <= 1.0:
-        raise ConfigError(f"{name} must lie in (0, 1], got {value!r}")
-    return out
+    return interval(name, value, 0, 1, low_open=True)
 
 
 def open_unit(name: str, value: object) -> float:
     """``value`` in the open interval (0, 1) (a δ, a confidence, a fraction)."""
-    out = number(name, value)
-    if not 0.0 < out < 1.0:
-        raise ConfigError(f"{name} must lie in (0, 1), got {value!r}")
-    return out
+    return interval(name, value, 0, 1, low_open=True, high_open=True)
 
 
 def one_of(name: str, value: object, choices: Iterable[Any]) -> Any:
@@ -152,10 +161,11 @@ def state_format(state: object, what: str, accepted: object | Iterable[object], 
     return got
 
 
-def refuse_pickle(obj: object) -> NoReturn:
+def refuse_pickle(obj: object, *, instead: str | None = None) -> NoReturn:
     """The body of ``__reduce__`` for an object that holds a secret: it is never pickled (into a
-    checkpoint, a multiprocessing queue, …); save its ``state_dict()`` instead."""
-    raise ConfigTypeError(f"{type(obj).__name__} holds a secret and cannot be pickled")
+    checkpoint, a multiprocessing queue, …); ``instead`` says what to save (e.g. its ``state_dict()``)."""
+    hint = "" if instead is None else f"; {instead} instead"
+    raise ConfigTypeError(f"{type(obj).__name__} holds a secret and cannot be pickled{hint}")
 
 
 def load_tensors(source: Any, where: str, *, error: type[FedmfError] = CheckpointError) -> Any:

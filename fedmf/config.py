@@ -43,6 +43,7 @@ is a one-line ``ConfigError`` before round 1. ``DEFAULTS`` is the one defaults t
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -82,18 +83,13 @@ def _bool(key: str, value: Any) -> bool:
     raise ConfigError(f"{key} must be true or false, got {value!r}")
 
 
-def _float(key: str, value: Any, *, minimum: float = 0.0, strict: bool = False, maximum: float | None = None) -> float:
+def _float(key: str, value: Any, *, minimum: float = 0.0, strict: bool = False, maximum: float = math.inf) -> float:
     if isinstance(value, str):  # a run config value may come as text
         try:
             value = float(value)
         except ValueError:
             raise ConfigTypeError(f"{key} must be a number, got {value!r}") from None
-    v = checks.number(key, value)
-    if v < minimum or (strict and v == minimum) or (maximum is not None and v > maximum):
-        bound = f"> {minimum}" if strict else f">= {minimum}"
-        raise ConfigError(f"{key} must be a finite number {bound}" + (f" and <= {maximum}" if maximum is not None else "")
-                          + f", got {value!r}")
-    return v
+    return checks.interval(key, value, minimum, maximum, low_open=strict)
 
 
 def _text(key: str, value: Any) -> str:

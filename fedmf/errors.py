@@ -17,7 +17,7 @@ from __future__ import annotations
 
 __all__ = [
     "FedmfError", "ConfigError", "PlanMismatch", "PrivacyBudgetExceeded", "HorizonReached", "RoundOrderError",
-    "CheckpointError", "ConfigTypeError",
+    "CheckpointError", "ConfigTypeError", "OutcomeError",
 ]
 
 
@@ -51,3 +51,7 @@ class RoundOrderError(FedmfError):
 
 class CheckpointError(FedmfError):
     """A checkpoint that cannot be read, trusted or written."""
+
+
+class OutcomeError(FedmfError):
+    """A run directory's outcome file (``fedmf.outcome``) is missing or cannot be trusted."""

@@ -14,10 +14,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import FedmfError
+from . import checks
+from .errors import OutcomeError
 from .files import atomic_write
 
-__all__ = ["RunOutcome", "OutcomeError", "OUTCOME_FILE", "OUTCOME_FORMAT", "write_outcome", "read_outcome",
+__all__ = ["RunOutcome", "OUTCOME_FILE", "OUTCOME_FORMAT", "write_outcome", "read_outcome",
            "clear_outcome"]
 
 #: the file in the run directory
@@ -26,10 +27,6 @@ OUTCOME_FILE = "outcome.json"
 OUTCOME_FORMAT = 1
 
 _FIELDS = ("run_id", "rounds_done", "stopped", "ledger", "error")
-
-
-class OutcomeError(FedmfError):
-    """A run directory's outcome file is missing or cannot be trusted."""
 
 
 @dataclass(frozen=True)
@@ -86,9 +83,7 @@ def read_outcome(run_dir: str | os.PathLike) -> RunOutcome:
         raise OutcomeError(f"the run outcome {str(path)!r} is damaged (not JSON)") from None
     if not isinstance(data, dict):
         raise OutcomeError(f"the run outcome {str(path)!r} is damaged (not a JSON object)")
-    if data.get("format") != OUTCOME_FORMAT:
-        raise OutcomeError(f"the run outcome {str(path)!r} has format {data.get('format')!r}, "
-                           f"this fedmf reads {OUTCOME_FORMAT}")
+    checks.state_format(data, f"the run outcome {str(path)!r}", OUTCOME_FORMAT, error=OutcomeError)
     if set(data) != {"format", *_FIELDS}:
         raise OutcomeError(f"the run outcome {str(path)!r} is damaged (fields {sorted(data)})")
     try:

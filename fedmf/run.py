@@ -11,16 +11,17 @@ checkpoint store, and exposes the round as the steps of ARCHITECTURE.md's data f
     record = run.commit()                               # checkpoint, then the ledger commit naming its hash
     ...only now release the model, metrics, evaluation...
 
-``fedmf.federated.train`` (the in-process loop) and the Flower strategy (``server/``) are both
-thin drivers of these calls. A round that was not committed is redone with fresh noise (a new
-noise salt per attempt, fedmf.noise) and the same selection when the same users are available
-(the scheduler's decisions are a deterministic function of its state and the available set);
-the committed rounds resume bit-exactly (their noise is reproduced from the checkpoint's salts).
-So a run directory restored from a backup never releases a round again with the noise it was
-released with. One server at a time: a PrivateRun locks its directory (``run.lock``, flock)
-until it is closed or its process dies. ``repeatable_noise=True`` (tests only, unsafe) leaves
-the salts out: then the two drivers produce bit-identical models for the same plan, secrets,
-users and (deterministic) local updates, and a redone round repeats its noise.
+Both drivers, ``fedmf.federated.train`` (in process) and the Flower strategy (``server/``), run
+``fedmf.round_loop.run_rounds``, which makes these calls in this order. A round that was not
+committed is redone with fresh noise (a new noise salt per attempt, fedmf.noise) and the same
+selection when the same users are available (the scheduler's decisions are a deterministic
+function of its state and the available set); the committed rounds resume bit-exactly (their
+noise is reproduced from the checkpoint's salts). So a run directory restored from a backup
+never releases a round again with the noise it was released with. One server at a time: a
+PrivateRun locks its directory (``run.lock``, flock) until it is closed or its process dies.
+``repeatable_noise=True`` (tests only, unsafe) leaves the salts out: then the two drivers
+produce bit-identical models for the same plan, secrets, users and (deterministic) local
+updates, and a redone round repeats its noise.
 """
 
 from __future__ import annotations

@@ -17,10 +17,11 @@ from pathlib import Path
 from typing import Any, Mapping, TextIO
 
 from fedmf.config import DEFAULTS, RunConfig
-from fedmf.errors import ConfigError, FedmfError
+from fedmf import checks
+from fedmf.errors import ConfigError, FedmfError, OutcomeError
 from fedmf.files import atomic_write
 from fedmf.ledger.db import public_url
-from fedmf.outcome import OUTCOME_FILE, OutcomeError, clear_outcome, read_outcome
+from fedmf.outcome import OUTCOME_FILE, clear_outcome, read_outcome
 from fedmf.simulate import SimulationResult, run_history, write_outputs
 from fedmf.tasks import Task
 
@@ -70,10 +71,8 @@ def flower_result(config: RunConfig, *, model, evaluate, seconds: float = 0.0, p
         raise ConfigError(f"the Flower run left no complete result: {e}") from None
     if outcome.error is not None or outcome.run_id is None:
         raise FedmfError(f"the Flower run in {str(directory)!r} stopped on an error: {outcome.error}")
-    try:
-        state = torch.load(directory / "final-model.pt", weights_only=True)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"the Flower run left no complete result in {str(directory)!r}: {e}") from None
+    state = checks.load_tensors(directory / "final-model.pt", f"the Flower run's final model in {str(directory)!r}",
+                                error=ConfigError)
     run_id = outcome.run_id
     plan = config.build_plan()
     ledger = config.ledger_url or str(directory / "ledger.db")

@@ -41,7 +41,7 @@ def test_number_refuses_non_numbers_and_bools(value):
 
 
 @pytest.mark.parametrize("check", [checks.number, checks.positive, checks.non_negative, checks.probability,
-                                   checks.open_unit])
+                                   checks.open_unit, lambda name, value: checks.interval(name, value, -1, 1)])
 def test_every_float_check_refuses_nan_inf_and_bools(check):
     for value in NOT_FINITE:
         error = _refused(ConfigError, r"^clip_norm must be finite", check, "clip_norm", value)
@@ -86,6 +86,19 @@ def test_probability_and_open_unit():
     assert checks.open_unit("delta", 1e-5) == 1e-5
     for value in (0, 1, 2):
         _refused(ConfigError, r"^delta must lie in \(0, 1\), got ", checks.open_unit, "delta", value)
+
+
+def test_interval():
+    assert checks.interval("fraction", 0.5, 0, 0.5) == 0.5 and checks.interval("sigma", 1, 0.05, 5.0) == 1.0
+    _refused(ConfigError, r"^fraction must lie in \(0.0, 0.5\], got 0.0$", checks.interval, "fraction", 0.0, 0.0, 0.5,
+             low_open=True)
+    _refused(ConfigError, r"^sigma must lie in \[0.05, 5.0\), got 5.0$", checks.interval, "sigma", 5.0, 0.05, 5.0,
+             high_open=True)
+    _refused(ConfigError, r"^sigma must lie in \[0.05, 5.0\], got 0.01$", checks.interval, "sigma", 0.01, 0.05, 5.0)
+    assert checks.interval("server-lr", 1e300, 0.0, math.inf, low_open=True) == 1e300
+    _refused(ConfigError, r"^server-lr must be > 0.0, got 0$", checks.interval, "server-lr", 0, 0.0, math.inf,
+             low_open=True)
+    _refused(ConfigError, r"^timeout must be >= 1, got 0.5$", checks.interval, "timeout", 0.5, 1, math.inf)
 
 
 def test_one_of():
@@ -135,8 +148,15 @@ class _Secret:
         checks.refuse_pickle(self)
 
 
+class _Saved(_Secret):
+    def __reduce__(self):
+        checks.refuse_pickle(self, instead="save state_dict()")
+
+
 def test_refuse_pickle():
-    _refused(TypeError, r"^_Secret holds a secret and cannot be pickled", pickle.dumps, _Secret())
+    _refused(TypeError, r"^_Secret holds a secret and cannot be pickled$", pickle.dumps, _Secret())
+    _refused(TypeError, r"^_Saved holds a secret and cannot be pickled; save state_dict\(\) instead$", pickle.dumps,
+             _Saved())
 
 
 def test_load_tensors_refuses_pickled_objects():

@@ -1,15 +1,16 @@
 """The layers a reader can see, checked on the source: the engine (``fedmf/``) imports none of its
-adapters (``server/``, ``client/``, ``launcher/``) nor Flower or Ray, and no import cycle joins
-the project's modules.
+adapters (``server/``, ``client/``, ``launcher/``) nor Flower or Ray, argparse only in its CLI
+(``fedmf.cli``), and no import cycle joins the project's modules.
 
 Every ``.py`` file of the packages ``fedmf``, ``server``, ``client`` and ``launcher`` is parsed
 with ``ast`` (nothing is imported). An import is any ``import``/``from ... import`` statement,
 at module level or inside a function or class (lazy imports count), and any string literal given
 to ``importlib.import_module`` / ``__import__``; relative imports are resolved against the
-module's package. ``from pkg import name`` is an edge to the submodule ``pkg.name`` when there is
-one, else to ``pkg``. Imports under ``if TYPE_CHECKING:`` never run: they are left out of the cycle
-check (a type-only back-reference is allowed), but the engine may not name an adapter even there.
-(tests/test_imports.py checks the engine's own graph, which this one contains.)
+module's package. ``from pkg import name`` is an edge to ``pkg`` (its ``__init__`` runs first)
+and to the submodule ``pkg.name`` when there is one: so a module that ``fedmf/__init__`` imports
+writes ``from .checks import number``, not ``from . import checks``. Imports under
+``if TYPE_CHECKING:`` never run: they are left out of the cycle check (a type-only back-reference
+is allowed), but the engine may not name an adapter even there.
 """
 
 from __future__ import annotations
@@ -17,12 +18,45 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from .test_imports import _cycles  # Tarjan's strongly connected components
-
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("fedmf", "server", "client", "launcher")
 #: what no module under fedmf may import (top-level names)
 FORBIDDEN_IN_ENGINE = ("flwr", "ray", "server", "client", "launcher")
+
+
+def _cycles(edges: dict[str, set[str]] | dict[str, dict[str, int]]) -> set[frozenset[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: set[frozenset[str]] = set()
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.add(frozenset(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
 
 
 def _module_name(path: Path, root: Path) -> str:
@@ -62,9 +96,7 @@ def imports_of(name: str, path: Path, modules: set[str]) -> list[tuple[str, int,
     found: list[tuple[str, int, bool]] = []
 
     def target(absolute: str, names: list[str]) -> list[str]:
-        subs = [f"{absolute}.{n}" for n in names if f"{absolute}.{n}" in modules]
-        rest = [n for n in names if f"{absolute}.{n}" not in modules]
-        return subs + ([absolute] if rest or not names else [])
+        return [absolute] + [f"{absolute}.{n}" for n in names if f"{absolute}.{n}" in modules]
 
     def visit(node: ast.AST, typing_only: bool) -> None:
         if isinstance(node, ast.If) and _is_type_checking(node.test):
@@ -107,6 +139,19 @@ def engine_violations(root: Path = ROOT) -> list[str]:
     return out
 
 
+def cli_only_violations(root: Path = ROOT) -> list[str]:
+    """'module:line imports argparse' for every engine module outside ``fedmf.cli`` that imports it."""
+    modules = project_modules(root)
+    out = []
+    for name, path in modules.items():
+        if name.split(".")[0] != "fedmf" or name == "fedmf.cli" or name.startswith("fedmf.cli."):
+            continue
+        for imported, line, _ in imports_of(name, path, set(modules)):
+            if imported.split(".")[0] == "argparse":
+                out.append(f"{name}:{line} imports {imported}")
+    return out
+
+
 def import_graph(root: Path = ROOT) -> dict[str, dict[str, int]]:
     """{module: {project module it imports at run time: first line}} (TYPE_CHECKING imports left out)."""
     modules = project_modules(root)
@@ -130,16 +175,30 @@ def test_the_engine_imports_no_adapter_nor_flower():
     assert not bad, "the engine imports an adapter:\n" + "\n".join(bad)
 
 
+def test_argparse_only_in_the_cli():
+    """Command-line parsing belongs to fedmf.cli: the engine's errors name parameters, not flags."""
+    assert cli_only_violations() == []
+    assert any(name.startswith("fedmf.cli") and any(i == "argparse" for i, _, _ in imports_of(name, path, set()))
+               for name, path in project_modules().items())
+
+
 def test_no_import_cycle_among_the_projects_modules():
     graph = import_graph()
     assert len(graph) > 50 and "fedmf.tasks.base" in graph and "launcher.processes" in graph
+    # the graph sees function-level and relative imports on the real tree too: sampling imports
+    # per_round inside epsilon_by_round(), the accountant imports sampling at module level
+    assert "fedmf.accounting.per_round" in graph["fedmf.accounting.sampling"]
+    assert "fedmf.accounting.sampling" in graph["fedmf.accounting.accountant"]
+    assert "fedmf.mechanisms.io" in graph["fedmf.cli.mechanism"]
     found = sorted(sorted(c) for c in _cycles(graph))
     assert not found, "import cycles:\n" + "\n".join(_describe(c, graph) for c in found)
 
 
 def test_the_checker_sees_lazy_relative_and_dynamic_imports(tmp_path):
     """The checker itself, on a planted tree: a lazy engine -> adapter import, a lazy relative
-    cycle, an import_module string, and a TYPE_CHECKING back-reference that is not a cycle."""
+    cycle, an import_module string, a TYPE_CHECKING back-reference that is not a cycle, a cycle
+    through a package's ``__init__`` (``from . import sub`` in a module the package imports), and
+    argparse outside the CLI."""
     for package in PACKAGES:
         (tmp_path / package).mkdir()
         (tmp_path / package / "__init__.py").write_text("")
@@ -149,10 +208,19 @@ def test_the_checker_sees_lazy_relative_and_dynamic_imports(tmp_path):
         "import importlib\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .d import X\n"
         "def h():\n    importlib.import_module('launcher.x')\n")
     (tmp_path / "fedmf" / "d.py").write_text("from fedmf import c\nX = 1\n")
+    (tmp_path / "fedmf" / "sub").mkdir()
+    (tmp_path / "fedmf" / "sub" / "__init__.py").write_text("from .e import E\n")
+    (tmp_path / "fedmf" / "sub" / "e.py").write_text("from . import f\nE = 1\n")
+    (tmp_path / "fedmf" / "sub" / "f.py").write_text("import argparse\n")
+    (tmp_path / "fedmf" / "cli").mkdir()
+    (tmp_path / "fedmf" / "cli" / "__init__.py").write_text("def main():\n    import argparse\n")
     (tmp_path / "server" / "app.py").write_text("")
     assert engine_violations(tmp_path) == ["fedmf.a:3 imports server.app", "fedmf.c:6 imports launcher.x"]
+    assert cli_only_violations(tmp_path) == ["fedmf.sub.f:1 imports argparse"]
     graph = import_graph(tmp_path)
-    assert graph["fedmf.a"] == {"fedmf.b": 2, "server.app": 3} and graph["fedmf.c"] == {}
-    assert _cycles(graph) == {frozenset({"fedmf.a", "fedmf.b"})}
+    assert graph["fedmf.a"] == {"fedmf": 2, "fedmf.b": 2, "server.app": 3} and graph["fedmf.c"] == {}
+    assert graph["fedmf.d"] == {"fedmf": 1, "fedmf.c": 1}
+    assert _cycles(graph) == {frozenset({"fedmf.a", "fedmf.b"}), frozenset({"fedmf.sub", "fedmf.sub.e"})}
     assert _describe(["fedmf.a", "fedmf.b"], graph) == \
         "cycle ['fedmf.a', 'fedmf.b']: fedmf.a:2 -> fedmf.b; fedmf.b:2 -> fedmf.a"
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == {frozenset("abc")}

@@ -151,10 +151,10 @@ def test_create_run_stores_the_plan_and_the_mechanism_verbatim(ledger_url, tmp_p
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"noise_multiplier": 0.0}, "noise_multiplier must be a finite positive"),
-    ({"noise_multiplier": float("nan")}, "noise_multiplier must be a finite"),
+    ({"noise_multiplier": 0.0}, "noise_multiplier must be positive"),
+    ({"noise_multiplier": float("nan")}, "noise_multiplier must be finite"),
     ({"delta": 1.0}, r"delta must lie in \(0, 1\)"),
-    ({"clip_norm": -1.0}, "clip_norm must be a finite positive"),
+    ({"clip_norm": -1.0}, "clip_norm must be positive"),
     ({"schema": MinSep(30, 1)}, "exceeds the number of rounds"),
 ])
 def test_create_run_rejects_bad_plans(tmp_path, kwargs, message):
@@ -286,7 +286,7 @@ def test_round_order_and_misuse_are_refused(ledger_url, tmp_path):
         with pytest.raises(ValueError, match="was not selected") as e:
             run.record_contribution(0, "bob", 0.1)
         assert "bob" not in str(e.value)
-        with pytest.raises(ValueError, match="update_norm must be a finite"):
+        with pytest.raises(ValueError, match="update_norm must be finite"):
             run.record_contribution(0, "alice", float("inf"))
         run.record_contribution(0, "alice", 0.1)
         with pytest.raises(ValueError, match="already contributed"):

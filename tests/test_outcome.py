@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from fedmf.errors import FedmfError, PrivacyBudgetExceeded
-from fedmf.outcome import OUTCOME_FILE, OUTCOME_FORMAT, OutcomeError, RunOutcome, read_outcome, write_outcome
+from fedmf.errors import FedmfError, OutcomeError, PrivacyBudgetExceeded
+from fedmf.outcome import OUTCOME_FILE, OUTCOME_FORMAT, RunOutcome, read_outcome, write_outcome
 
 
 def test_written_and_read_back(tmp_path):

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 from sqlalchemy.engine import Connection
 
+from .. import checks
 from ..files import atomic_write
 from ..mechanisms.base import Mechanism
 from ..participation import schema_from_dict
@@ -212,8 +213,8 @@ def _mechanism_from_document(text: str, checksum: str, run_id: int) -> Mechanism
 def audit(url: str | os.PathLike, run_id: int | None = None, *, verify: bool = False) -> AuditReport:
     """Audit run ``run_id`` (default: the latest) of the ledger at ``url``, read-only; with
     ``verify``, also recompute its hash chain (``report.chain``)."""
-    if run_id is not None and (isinstance(run_id, bool) or not isinstance(run_id, int) or run_id < 1):
-        raise LedgerError(f"a run id is a positive integer, got {run_id!r}")
+    if run_id is not None:
+        run_id = checks.positive_int("run_id", run_id)
     resolved = resolve_url(url)
 
     def read(conn: Connection):

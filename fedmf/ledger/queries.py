@@ -19,6 +19,7 @@ from sqlalchemy.dialects.postgresql import aggregate_order_by
 from sqlalchemy.engine import URL, Connection
 from sqlalchemy.orm import Session
 
+from .. import checks
 from ..participation import FixedEpoch, MinSep, Observed, schema_from_dict
 from .db import LedgerError, display_url
 from .models import ClientState, Participation, Round, RoundState, Run, UpdateNorm
@@ -139,9 +140,7 @@ def norm_summary(norms: Sequence[tuple[float | None, bool | None]] | None) -> di
 # ---- one run, one round -------------------------------------------------------------------
 def get_run(session: Session, run_id: int, url: URL) -> Run:
     """The run row ``run_id`` of the ledger at ``url``."""
-    if isinstance(run_id, bool) or not isinstance(run_id, (int, np.integer)):
-        raise LedgerError(f"a run id is an integer, got {run_id!r}")
-    row = session.get(Run, int(run_id))
+    row = session.get(Run, checks.positive_int("run_id", run_id))
     if row is None:
         raise LedgerError(f"no run with id {run_id} in ledger {display_url(url)}")
     return row

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import math
 import os
 import re
 import secrets
@@ -48,6 +47,7 @@ from sqlalchemy import func, insert, select, update
 from sqlalchemy.engine import URL, Engine
 from sqlalchemy.orm import Session
 
+from .. import checks
 from ..errors import ConfigError
 from ..files import check_private
 from ..participation import FixedEpoch, MinSep, Observed
@@ -118,15 +118,9 @@ class _Pending:
         self.n_selected = 0  # accepted by record_selection (some may be rejected later)
 
 
-def _finite_float(name: str, value: object, *, positive: bool = False, allow_none: bool = False) -> float | None:
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
-        raise ConfigError(f"{name} must be a number, got {value!r}")
-    v = float(value)
-    if not math.isfinite(v) or v < 0 or (positive and v == 0):
-        raise ConfigError(f"{name} must be a finite {'positive' if positive else 'non-negative'} number, got {value!r}")
-    return v
+def _optional(name: str, value: object) -> float | None:
+    """An optional diagnostic (a norm, a std, an ε): None or a finite float >= 0."""
+    return None if value is None else checks.non_negative(name, value)
 
 
 def _plan_json(plan: object) -> dict[str, Any] | None:
@@ -233,12 +227,10 @@ class Ledger:
         from ..mechanisms.io import loads
 
         secret = self._need_secret()
-        z = _finite_float("noise_multiplier", noise_multiplier, positive=True)
-        zeta = _finite_float("clip_norm", clip_norm, positive=True)
-        d = _finite_float("delta", delta, positive=True)
-        if not d < 1:
-            raise ConfigError(f"delta must lie in (0, 1), got {delta!r}")
-        eps = _finite_float("target_epsilon", target_epsilon, positive=True, allow_none=True)
+        z = checks.positive("noise_multiplier", noise_multiplier)
+        zeta = checks.positive("clip_norm", clip_norm)
+        d = checks.open_unit("delta", delta)
+        eps = None if target_epsilon is None else checks.positive("target_epsilon", target_epsilon)
         plan_data = _plan_json(plan)
         fingerprint = _fingerprint(plan_fingerprint, allow_none=True)
         document, source = _mechanism_document(mechanism, schema)
@@ -415,7 +407,7 @@ class RunLedger:
         diagnostics."""
         pending = self._open(t)
         key = self.key(client)
-        norm = _finite_float("update_norm", update_norm, allow_none=True)
+        norm = _optional("update_norm", update_norm)
         if key not in pending.selected:
             raise LedgerError(f"client {_key_label(key)} was not selected in round {t}")
         if key in pending.contributed:
@@ -457,9 +449,9 @@ class RunLedger:
         if checkpoint_sha256 is not None and (not isinstance(checkpoint_sha256, str)
                                               or not _SHA256_HEX.fullmatch(checkpoint_sha256)):
             raise ConfigError(f"checkpoint_sha256 must be 64 lowercase hex digits, got {checkpoint_sha256!r}")
-        noise = _finite_float("noise_std", noise_std, allow_none=True)
-        eps_w = _finite_float("epsilon_worst_user", epsilon_worst_user, allow_none=True)
-        eps_p = _finite_float("epsilon_planned", epsilon_planned, allow_none=True)
+        noise = _optional("noise_std", noise_std)
+        eps_w = _optional("epsilon_worst_user", epsilon_worst_user)
+        eps_p = _optional("epsilon_planned", epsilon_planned)
         rows: list[dict[str, Any]] = []
         for key in pending.contributed:
             rows.append({"client_key": key, "status": "contributed", "reason": None})

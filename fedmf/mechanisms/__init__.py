@@ -8,7 +8,7 @@ from .. import checks
 from ..errors import ConfigError
 from ..participation import FixedEpoch, MinSep, Schema
 from ..workloads import Workload
-from .base import Mechanism
+from .base import Mechanism, check_rounds
 from .identity import DpSgd
 from .toeplitz import (
     BandedInverseFractionalRoot,
@@ -78,10 +78,6 @@ def default_bands(rounds: int, schema: Schema) -> int:
     return max(1, min(b, 64, rounds))
 
 
-def _check_rounds(rounds: Any) -> int:
-    return checks.positive_int("rounds", rounds)
-
-
 def _check_bands(num_bands: Any, rounds: int) -> None:
     if num_bands is not None:
         checks.integer("num_bands", num_bands, minimum=1, maximum=rounds)
@@ -114,7 +110,7 @@ def build(
     if kind not in CLOSED_FORM_KINDS:
         mechanism_class(kind)  # unknown kinds get the list of known ones
         raise ConfigError(f"kind {kind!r} is optimized, not built from a closed form (use plan)")
-    _check_rounds(rounds)
+    check_rounds(rounds)
     schema.validate(rounds)
     _check_bands(num_bands, rounds)
     if gamma is not None and kind != "bifr":
@@ -162,7 +158,7 @@ def plan(
     if kind in CLOSED_FORM_KINDS:
         return build(kind, rounds, schema, workload, num_bands, gamma), None
     mechanism_class(kind)
-    _check_rounds(rounds)
+    check_rounds(rounds)
     _check_bands(num_bands, rounds)
     _check_bands_apply(kind, num_bands)
     _check_options(tolerance, max_steps, error, weighting)

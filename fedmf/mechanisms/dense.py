@@ -32,9 +32,10 @@ import numpy as np
 import torch
 from scipy.linalg import solve_triangular
 
+from ..errors import ConfigError
 from ..participation import FixedEpoch
 from ..workloads import Workload
-from .base import Mechanism
+from .base import Mechanism, check_rounds
 from .streaming import Dense
 
 __all__ = ["DenseMechanism", "corner_signs", "MAX_PARTICIPATIONS"]
@@ -64,13 +65,13 @@ def pattern_major(k: int, b: int) -> np.ndarray:
 
 
 def _check_schema(rounds: int, schema: object) -> tuple[int, int]:
+    """(k, b) of a FixedEpoch(k, b) schema that covers exactly ``rounds`` rounds, else ``ConfigError``."""
     if not isinstance(schema, FixedEpoch):
-        raise ValueError(f"the dense mechanism is optimized for FixedEpoch(k, b) only, got {type(schema).__name__}")
+        raise ConfigError(f"the dense mechanism is optimized for FixedEpoch(k, b) only, got {type(schema).__name__}")
     k, b = schema.max_participations, schema.min_sep
-    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
-        raise ValueError(f"rounds must be a positive integer, got {rounds!r}")
+    check_rounds(rounds)
     if k * b != rounds:
-        raise ValueError(f"fixed-epoch needs rounds = k x b, got {rounds} != {k} x {b}")
+        raise ConfigError(f"fixed-epoch needs rounds = k x b, got {rounds} != {k} x {b}")
     return k, b
 
 
@@ -362,26 +363,26 @@ class DenseMechanism(Mechanism):
         k, b = _check_schema(self.rounds, FixedEpoch(self.max_participations, self.min_sep))
         duals = np.array(self.duals, dtype=np.float64)
         if not np.all(np.isfinite(duals)):
-            raise ValueError("dense duals must be finite")
+            raise ConfigError("dense duals must be finite")
         if duals.ndim == 3 or k > MAX_PARTICIPATIONS:
             if duals.shape != (b, k, k):
-                raise ValueError(f"dense dual blocks must have shape (b, k, k) = {(b, k, k)}, got {duals.shape}")
+                raise ConfigError(f"dense dual blocks must have shape (b, k, k) = {(b, k, k)}, got {duals.shape}")
             diag = np.diagonal(duals, axis1=1, axis2=2)
             if not np.array_equal(duals, duals.transpose(0, 2, 1)) or np.any(diag != diag[:, :1]):
-                raise ValueError("dense dual blocks must be symmetric with a constant diagonal")
+                raise ConfigError("dense dual blocks must be symmetric with a constant diagonal")
             blocks = duals
         else:
             corners = corner_signs(k)
             if duals.shape != (b, corners.shape[0]):
-                raise ValueError(
+                raise ConfigError(
                     f"dense duals must have shape (b, corners) = {(b, corners.shape[0])} (2^(k-1) corners) "
                     f"or (b, k, k), got {duals.shape}"
                 )
             if np.any(duals < 0):
-                raise ValueError("dense duals must be non-negative")
+                raise ConfigError("dense duals must be non-negative")
             blocks = np.einsum("jm,ma,mc->jac", duals, corners, corners)
         if not np.all(np.linalg.eigvalsh(blocks) > 0):
-            raise ValueError("dense duals must span every pattern (U = sum v_i u_i u_i^T positive definite)")
+            raise ConfigError("dense duals must span every pattern (U = sum v_i u_i u_i^T positive definite)")
         duals.setflags(write=False)
         object.__setattr__(self, "duals", duals)
 
@@ -413,9 +414,9 @@ class DenseMechanism(Mechanism):
                 try:
                     point = blocked.evaluate(torch.from_numpy(self.duals.copy()))
                 except _Singular as exc:
-                    raise ValueError(f"dense duals give no positive definite X(U): {exc}") from None
+                    raise ConfigError(f"dense duals give no positive definite X(U): {exc}") from None
                 if not math.isfinite(point.primal):
-                    raise ValueError("dense duals give no positive definite structured X")
+                    raise ConfigError("dense duals give no positive definite structured X")
                 x = blocked.structured(point.sigma, point.basis)[0].numpy()
                 gram = np.empty_like(x)
                 gram[np.ix_(blocked.perm, blocked.perm)] = x
@@ -424,7 +425,7 @@ class DenseMechanism(Mechanism):
             try:
                 point = problem.evaluate(torch.from_numpy(self.duals.copy()))
             except _Singular as exc:
-                raise ValueError(f"dense duals give no positive definite X(v): {exc}") from None
+                raise ConfigError(f"dense duals give no positive definite X(v): {exc}") from None
             return problem.gram(point), point.primal, point.dual
 
     @property

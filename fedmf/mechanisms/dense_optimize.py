@@ -18,6 +18,7 @@ import time
 import numpy as np
 import torch
 
+from .. import checks
 from ..participation import FixedEpoch
 from ..workloads import Workload
 from .dense import (
@@ -125,10 +126,8 @@ def optimize_dense(
     dual, over the primal) is <= tolerance; ``steps`` counts evaluated points.
     """
     k, b = _check_schema(rounds, schema)
-    if not (tolerance > 0):
-        raise ValueError(f"tolerance must be positive, got {tolerance}")
-    if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
-        raise ValueError(f"max_steps must be a positive integer, got {max_steps!r}")
+    checks.positive("tolerance", tolerance)
+    checks.positive_int("max_steps", max_steps)
     started = time.perf_counter()
     dev = _device(device)
     if k > MAX_PARTICIPATIONS:

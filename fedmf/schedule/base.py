@@ -4,15 +4,32 @@ saves and restores its state (``fedmf.schedule.state``)."""
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Hashable, Iterable, Mapping
+from numbers import Integral
+from typing import ClassVar
 
-from ..errors import CheckpointError, FedmfError, RoundOrderError
-from ._validate import canonical, round_index
+from .. import checks
+from ..errors import CheckpointError, ConfigError, FedmfError, RoundOrderError
 from .state import check_header, header, params_of, read_position
 from .stream import Stream, check_key
 
-__all__ = ["Selection", "Scheduler"]
+__all__ = ["Selection", "Scheduler", "canonical"]
+
+
+def canonical(users: Iterable[Hashable], what: str) -> dict[str, Hashable]:
+    """{str(user): user}; duplicates of one user collapse, two users with one id are refused."""
+    if isinstance(users, (str, bytes)) or not isinstance(users, Iterable):
+        raise ConfigError(f"{what} must be a collection of users (e.g. range(N)), not {type(users).__name__}")
+    items = users if isinstance(users, (list, tuple)) else list(users)
+    ids = list(map(str, items))
+    out = dict(zip(ids, items))
+    if len(out) != len(items):
+        for s, u in zip(ids, items):
+            v = out[s]
+            if v is not u and v != u:
+                raise ConfigError(f"two {what} share the id {s!r} (identity is str(user))")
+    return out
 
 
 @dataclass(frozen=True)
@@ -45,7 +62,9 @@ class Scheduler(abc.ABC):
 
     def select(self, t: int, available: Iterable[Hashable]) -> Selection:
         """Decide round t (must be ``next_round``) given the users reachable now; advances."""
-        t = round_index(t)
+        if isinstance(t, bool) or not isinstance(t, Integral):
+            raise RoundOrderError(f"a round must be an integer, got {t!r}")
+        t = int(t)
         if t != self._next_round:
             raise RoundOrderError(f"the scheduler decides round {self._next_round} next, not round {t}")
         users = canonical(available, "available users")
@@ -73,8 +92,8 @@ class Scheduler(abc.ABC):
         params = ", ".join(f"{k}={v!r}" for k, v in self.describe().items() if k != "scheme")
         return f"{type(self).__name__}({params})"
 
-    def __getstate__(self) -> dict:
-        raise TypeError("a scheduler holds its secret key and is not picklable: save state_dict() instead")
+    def __reduce__(self):  # it holds its secret key: never pickled
+        checks.refuse_pickle(self, instead="save state_dict()")
 
     def state_dict(self) -> dict:
         """JSON-serializable state (``fedmf.schedule.state``); user ids as ``str(user)``."""
@@ -89,9 +108,11 @@ class Scheduler(abc.ABC):
         try:
             next_round, last_round, last_ids = read_position(state)
             apply = self._parse_state(state, next_round)
+        except CheckpointError as e:  # a field the readers (``fedmf.schedule.state``) refused
+            raise CheckpointError(f"the {self.scheme} scheduler state is malformed: {e}") from None
         except FedmfError:
             raise
-        except (KeyError, TypeError, ValueError, OverflowError) as e:
+        except (KeyError, TypeError, ValueError, OverflowError) as e:  # a missing field, a value of the wrong type
             raise CheckpointError(f"the {self.scheme} scheduler state is malformed: {e}") from None
         apply()
         self._next_round = next_round

@@ -7,8 +7,8 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from ..errors import ConfigError
-from ._validate import population_arg, positive_int, unit_probability
+from .. import checks
+from ..errors import CheckpointError, ConfigError
 from .population import PopulationScheduler
 from .state import int_list
 
@@ -32,8 +32,8 @@ class BMinSepPoisson(PopulationScheduler):
 
     def __init__(self, min_sep: int, probability: float, key: bytes, max_participations: int | None = None,
                  warm_start: bool = False) -> None:
-        self.min_sep = positive_int("min_sep", min_sep)
-        self.probability = unit_probability("bminsep probability", probability)
+        self.min_sep = checks.positive_int("min_sep", min_sep)
+        self.probability = checks.probability("bminsep probability", probability)
         if not isinstance(warm_start, bool):
             raise ConfigError(f"warm_start must be True or False, got {warm_start!r}")
         self.warm_start = warm_start
@@ -48,7 +48,7 @@ class BMinSepPoisson(PopulationScheduler):
     def expected_users(self, population: int) -> float:
         """Stationary rate p0·N, p0 = p/(1+(b-1)p) (Dong & Ganesh §3.2, Fig. 1 chain: 1/p0 = 1/p + b-1)."""
         p, b = self.probability, self.min_sep
-        return p / (1.0 + (b - 1) * p) * population_arg(population)
+        return p / (1.0 + (b - 1) * p) * checks.integer("population", population, minimum=0)
 
     # ---- the per-user chain (Dong & Ganesh §3.2, Fig. 1) ---------------------------
     # State s at the start of a round: 0 = eligible, s >= 1 = barred for s more rounds.
@@ -103,7 +103,7 @@ class BMinSepPoisson(PopulationScheduler):
         ids, count = self._parse_population(state)
         last = int_list(state["last"], len(ids), "last")
         if np.any(last >= next_round) or np.any(last < -self.min_sep):
-            raise ValueError("last holds a round outside [-min_sep, next_round)")
+            raise CheckpointError("last holds a round outside [-min_sep, next_round)")
 
         def apply() -> None:
             self._set_population(ids, count)

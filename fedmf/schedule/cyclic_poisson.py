@@ -6,7 +6,7 @@ from typing import Callable, Hashable, Mapping
 
 import numpy as np
 
-from ._validate import population_arg, positive_int, unit_probability
+from .. import checks
 from .population import PopulationScheduler
 from .stream import encode_id
 
@@ -23,8 +23,8 @@ class CyclicPoisson(PopulationScheduler):
     scheme = "cyclic-poisson"
 
     def __init__(self, min_sep: int, probability: float, key: bytes, max_participations: int | None = None) -> None:
-        self.min_sep = positive_int("min_sep", min_sep)
-        self.probability = unit_probability("cyclic-poisson probability", probability)
+        self.min_sep = checks.positive_int("min_sep", min_sep)
+        self.probability = checks.probability("cyclic-poisson probability", probability)
         super().__init__(key, max_participations)
         self._group = np.zeros(0, dtype=np.int64)
 
@@ -34,7 +34,7 @@ class CyclicPoisson(PopulationScheduler):
 
     def expected_users(self, population: int) -> float:
         """p·N/b: one group of about N/b users, each with probability p (Alg. 2)."""
-        return self.probability * population_arg(population) / self.min_sep
+        return self.probability * checks.integer("population", population, minimum=0) / self.min_sep
 
     def group_of(self, user: Hashable) -> int:
         """The user's group (active in rounds ≡ group mod b)."""

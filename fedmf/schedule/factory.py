@@ -18,17 +18,11 @@ def make_scheduler(schema: MinSep | FixedEpoch, sampling: Sampling | str | None,
     """The scheduler that realizes ``schema`` under ``sampling`` (what the accountant assumes;
     ``Sampling.scheduler``). k = ``schema.participations(rounds)`` when ``rounds`` is given,
     else the schema's own k."""
-    try:
-        sampling = parse_sampling(sampling)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    sampling = parse_sampling(sampling)
     if not isinstance(schema, (MinSep, FixedEpoch)):
         raise ConfigError(f"a scheduler follows a MinSep or FixedEpoch schema, not {type(schema).__name__}")
     if rounds is not None:
-        try:
-            schema.validate(rounds)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+        schema.validate(rounds)
     k = schema.participations(rounds) if rounds is not None else schema.max_participations
     return sampling.scheduler(schema, key=key, max_participations=k, users_per_round=users_per_round,
                               population=population)

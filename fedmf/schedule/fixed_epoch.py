@@ -9,9 +9,9 @@ from typing import Hashable, Iterable
 
 import numpy as np
 
+from .. import checks
 from ..errors import ConfigError, HorizonReached
-from ._validate import canonical, population_arg, positive_int
-from .base import Scheduler
+from .base import Scheduler, canonical
 from .stream import encode_id
 
 __all__ = ["FixedEpochOrder"]
@@ -24,8 +24,8 @@ class FixedEpochOrder(Scheduler):
     scheme = "fixed-epoch"
 
     def __init__(self, min_sep: int, epochs: int, population: Iterable[Hashable], key: bytes) -> None:
-        self.min_sep = positive_int("min_sep", min_sep)
-        self.epochs = positive_int("epochs", epochs)
+        self.min_sep = checks.positive_int("min_sep", min_sep)
+        self.epochs = checks.positive_int("epochs", epochs)
         ids = sorted(canonical(population, "population users"))
         if not ids:
             raise ConfigError("the fixed-epoch population is empty")
@@ -54,7 +54,7 @@ class FixedEpochOrder(Scheduler):
 
     def expected_users(self, population: int) -> float:
         """N/b: each user exactly once per epoch of b rounds (Multi-Epoch MF, Sec. 2)."""
-        return population_arg(population) / self.min_sep
+        return checks.integer("population", population, minimum=0) / self.min_sep
 
     def slot_of(self, user: Hashable) -> int | None:
         """The user's slot (rounds ≡ slot mod b), None outside the population."""

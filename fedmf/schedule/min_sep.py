@@ -6,7 +6,8 @@ from typing import Callable, Hashable, Mapping
 
 import numpy as np
 
-from ._validate import optional_int, population_arg, positive_int
+from .. import checks
+from ..errors import CheckpointError
 from .base import Scheduler
 from .state import nonneg
 from .stream import encode_id
@@ -21,9 +22,10 @@ class MinSepSelection(Scheduler):
     scheme = "min-sep"
 
     def __init__(self, min_sep: int, max_participations: int | None, users_per_round: int, key: bytes) -> None:
-        self.min_sep = positive_int("min_sep", min_sep)
-        self.max_participations = optional_int("max_participations", max_participations)
-        self.users_per_round = positive_int("users_per_round", users_per_round)
+        self.min_sep = checks.positive_int("min_sep", min_sep)
+        self.max_participations = (None if max_participations is None
+                                   else checks.positive_int("max_participations", max_participations))
+        self.users_per_round = checks.positive_int("users_per_round", users_per_round)
         super().__init__(key)
         self._history: dict[str, tuple[int, int]] = {}  # id -> (selections, last selected round)
 
@@ -33,7 +35,7 @@ class MinSepSelection(Scheduler):
 
     def expected_users(self, population: int) -> float:
         """``users_per_round``: the planned count (fewer only when fewer are eligible)."""
-        population_arg(population)
+        checks.integer("population", population, minimum=0)
         return float(self.users_per_round)
 
     def _decide(self, t: int, users: dict[str, Hashable]) -> list[str]:
@@ -62,15 +64,15 @@ class MinSepSelection(Scheduler):
     def _parse_state(self, state: Mapping, next_round: int) -> Callable[[], None]:
         raw = state["history"]
         if not isinstance(raw, dict):
-            raise ValueError("history must be a dict")
+            raise CheckpointError("history must be a dict")
         history: dict[str, tuple[int, int]] = {}
         k = self.max_participations
         for s, entry in raw.items():
             if not isinstance(entry, list) or len(entry) != 2:
-                raise ValueError(f"history of {s!r} must be [selections, last round]")
+                raise CheckpointError(f"history of {s!r} must be [selections, last round]")
             count, last = nonneg(entry[0]), nonneg(entry[1])
             if count == 0 or last >= next_round or (k is not None and count > k):
-                raise ValueError(f"history of {s!r} is impossible: {entry!r}")
+                raise CheckpointError(f"history of {s!r} is impossible: {entry!r}")
             history[str(s)] = (count, last)
 
         def apply() -> None:

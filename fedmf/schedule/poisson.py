@@ -6,7 +6,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from ._validate import population_arg, unit_probability
+from .. import checks
 from .population import PopulationScheduler
 
 __all__ = ["PoissonSampling"]
@@ -20,7 +20,7 @@ class PoissonSampling(PopulationScheduler):
     scheme = "poisson"
 
     def __init__(self, probability: float, key: bytes, max_participations: int | None = None) -> None:
-        self.probability = unit_probability("poisson probability", probability)
+        self.probability = checks.probability("poisson probability", probability)
         super().__init__(key, max_participations)
 
     def describe(self) -> dict:
@@ -29,7 +29,7 @@ class PoissonSampling(PopulationScheduler):
 
     def expected_users(self, population: int) -> float:
         """p·N (Poisson sampling with rate p; MMCC, arXiv 2310.15526 §2)."""
-        return self.probability * population_arg(population)
+        return self.probability * checks.integer("population", population, minimum=0)
 
     def _sample(self, t: int) -> list[str]:
         return self._id_list(self._coins(t, np.flatnonzero(self._below_cap()), self.probability))

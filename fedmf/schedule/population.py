@@ -8,8 +8,9 @@ from typing import Hashable, Iterable, Mapping
 
 import numpy as np
 
-from ._validate import canonical, optional_int
-from .base import Scheduler
+from .. import checks
+from ..errors import CheckpointError
+from .base import Scheduler, canonical
 from .state import int_list
 from .stream import encode_id
 
@@ -21,7 +22,8 @@ class PopulationScheduler(Scheduler):
     or ever seen in ``available``. Users join at ``next_round``, sorted by id."""
 
     def __init__(self, key: bytes, max_participations: int | None) -> None:
-        self.max_participations = optional_int("max_participations", max_participations)
+        self.max_participations = (None if max_participations is None
+                                   else checks.positive_int("max_participations", max_participations))
         super().__init__(key)
         self._ids: list[str] = []
         self._names: list[bytes] = []
@@ -81,11 +83,11 @@ class PopulationScheduler(Scheduler):
     def _parse_population(self, state: Mapping) -> tuple[list[str], np.ndarray]:
         ids = state["users"]
         if not isinstance(ids, list) or not all(isinstance(s, str) for s in ids) or len(set(ids)) != len(ids):
-            raise ValueError("users must be a list of distinct ids")
+            raise CheckpointError("users must be a list of distinct ids")
         count = int_list(state["count"], len(ids), "count")
         k = self.max_participations
         if np.any(count < 0) or (k is not None and np.any(count > k)):
-            raise ValueError("count holds an impossible number of selections")
+            raise CheckpointError("count holds an impossible number of selections")
         return ids, count
 
     def _set_population(self, ids: list[str], count: np.ndarray) -> None:

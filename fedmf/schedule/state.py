@@ -1,7 +1,8 @@
 """The scheduler state format: what ``Scheduler.state_dict`` writes and ``load_state_dict``
 reads back. JSON-ready (ints, strings, lists, dicts; user ids as ``str(user)``): the format
 number, the scheme, its parameters, a keyed check value of the key (never the key), the next
-round, the last round's selection, then the scheme's own part."""
+round, the last round's selection, then the scheme's own part. A state that is not one of
+these raises ``CheckpointError``, one of another scheduler ``PlanMismatch``."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
+from .. import checks
 from ..errors import CheckpointError, PlanMismatch
 
 __all__ = ["STATE_FORMAT", "header", "check_header", "read_position", "params_of", "nonneg", "int_list"]
@@ -45,11 +47,7 @@ def header(scheme: str, params: dict, key_check: str, next_round: int, last_roun
 
 def check_header(state: object, scheme: str, params: dict, key_check: str) -> None:
     """Refuse a state of another format, scheme, parameters or key."""
-    if not isinstance(state, Mapping):
-        raise CheckpointError(f"a scheduler state must be a dict, got {type(state).__name__}")
-    if state.get("format") != STATE_FORMAT:
-        raise CheckpointError(f"scheduler state format {state.get('format')!r} is not supported "
-                              f"(this fedmf writes {STATE_FORMAT})")
+    checks.state_format(state, "the scheduler state", STATE_FORMAT)
     if state.get("scheme") != scheme:
         raise PlanMismatch(f"the scheduler state is for scheme {state.get('scheme')!r}, not {scheme!r}")
     if state.get("params") != params:
@@ -60,26 +58,28 @@ def check_header(state: object, scheme: str, params: dict, key_check: str) -> No
 
 
 def read_position(state: Mapping) -> tuple[int, int | None, list[str]]:
-    """(next round, last round or None, last selected ids); a malformed one raises KeyError,
-    TypeError or ValueError."""
+    """(next round, last round or None, last selected ids); a malformed one raises
+    ``CheckpointError`` (a missing field ``KeyError``)."""
     next_round = int(nonneg(state["next_round"]))
     last_round = state.get("last_round")
     last_ids = state["last_selected"]
     if last_round is not None and nonneg(last_round) + 1 != next_round:
-        raise ValueError("last_round is not next_round - 1")
+        raise CheckpointError("last_round is not next_round - 1")
     if not isinstance(last_ids, list) or not all(isinstance(s, str) for s in last_ids):
-        raise ValueError("last_selected must be a list of ids")
+        raise CheckpointError("last_selected must be a list of ids")
     return next_round, last_round, last_ids
 
 
 def nonneg(value: object) -> int:
+    """A JSON integer >= 0 of a state (a round, a count)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"expected a non-negative integer, got {value!r}")
+        raise CheckpointError(f"expected a non-negative integer, got {value!r}")
     return value
 
 
 def int_list(value: object, size: int, name: str) -> np.ndarray:
+    """A JSON list of ``size`` integers of a state, as int64."""
     if not isinstance(value, list) or len(value) != size or not all(
             isinstance(v, int) and not isinstance(v, bool) for v in value):
-        raise ValueError(f"{name} must be a list of {size} integers")
+        raise CheckpointError(f"{name} must be a list of {size} integers")
     return np.asarray(value, dtype=np.int64).reshape(size)

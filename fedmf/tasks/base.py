@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
@@ -21,9 +20,10 @@ from typing import Any, Callable, ClassVar, Hashable, Mapping, Sequence
 
 import torch
 
+from .. import checks
 from ..errors import ConfigError
 
-__all__ = ["ClientHyper", "LocalResult", "Task", "stable_seed", "check_int", "MAX_WORKERS",
+__all__ = ["ClientHyper", "LocalResult", "Task", "stable_seed", "check_options", "MAX_WORKERS",
            "default_workers"]
 
 #: most parallel client threads ``local_updates`` runs
@@ -53,12 +53,12 @@ def stable_seed(*parts: Any) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8, person=b"fedmf-task-v1").digest(), "big") >> 1
 
 
-def check_int(name: str, value: Any, low: int, high: int | None = None) -> int:
-    """``value`` as an int in [low, high], else a one-line ConfigError (bools are not ints)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
-        bound = f"[{low}, {high}]" if high is not None else f">= {low}"
-        raise ConfigError(f"{name} must be an integer {bound}, got {value!r}")
-    return value
+def check_options(task: str, options: dict[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """``defaults`` updated with ``options``, which may name only options ``defaults`` has."""
+    unknown = sorted(set(options) - set(defaults))
+    if unknown:
+        raise ConfigError(f"unknown {task} task option(s) {unknown}; known: {sorted(defaults)}")
+    return {**defaults, **options}
 
 
 @dataclass(frozen=True)
@@ -70,12 +70,10 @@ class ClientHyper:
     batch_size: int
 
     def __post_init__(self) -> None:
-        lr = self.client_lr
-        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
-            raise ConfigError(f"client-lr must be a finite number > 0, got {lr!r}")
-        object.__setattr__(self, "client_lr", float(lr))
-        check_int("local-epochs", self.local_epochs, 1, 10_000)
-        check_int("batch-size", self.batch_size, 1)
+        object.__setattr__(self, "client_lr", checks.positive("client-lr", self.client_lr))
+        object.__setattr__(self, "local_epochs", checks.integer("local-epochs", self.local_epochs, minimum=1,
+                                                                maximum=10_000))
+        object.__setattr__(self, "batch_size", checks.integer("batch-size", self.batch_size, minimum=1))
 
 
 @dataclass
@@ -152,7 +150,7 @@ class Task(ABC):
         (:mod:`fedmf.tasks.vectorized`), equal to the sequential one within float tolerance (not
         bit for bit), trained on ``device`` (default: the parameters'); a task without one loops (on
         the CPU: ``device`` must then be None or cpu)."""
-        check_int("workers", workers, 1, MAX_WORKERS)
+        checks.integer("workers", workers, minimum=1, maximum=MAX_WORKERS)
         if vectorized:
             batched = self.vectorized_updates(params, users, round, hyper, device=device)
             if batched is not None:
@@ -195,7 +193,7 @@ class Task(ABC):
         """``local_updates`` in the shape ``fedmf.federated.train(local_updates=...)`` calls:
         (params, users, t) -> {user: delta}, the round's users trained together (``vectorized``)
         or ``workers`` at a time."""
-        check_int("workers", workers, 1, MAX_WORKERS)
+        checks.integer("workers", workers, minimum=1, maximum=MAX_WORKERS)
         if vectorized and workers > 1:
             raise ConfigError("workers is for one-at-a-time clients: give vectorized=False with workers > 1")
 

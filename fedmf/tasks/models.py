@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..errors import ConfigError
+from .. import checks
 from ..threads import one_thread
 
 __all__ = ["WordLSTM", "make_word_model", "empty_word_model", "MODEL_SIZES", "PAPER_PARAMS"]
@@ -56,9 +56,7 @@ class WordLSTM(nn.Module):
 def empty_word_model(model_size: str, vocab_size: int) -> WordLSTM:
     """A model of ``model_size`` over ``vocab_size`` words (+ pad, OOV, BOS, EOS), its tensors
     allocated but not initialized (no RNG draw): load a state into it."""
-    if model_size not in MODEL_SIZES:
-        raise ConfigError(f"model_size must be one of {sorted(MODEL_SIZES)}, got {model_size!r}")
-    embed, hidden = MODEL_SIZES[model_size]
+    embed, hidden = MODEL_SIZES[checks.one_of("model_size", model_size, sorted(MODEL_SIZES))]
     model = WordLSTM(vocab_size + 4, embed, hidden, device="meta").to_empty(device="cpu")
     model.lstm.flatten_parameters()
     return model

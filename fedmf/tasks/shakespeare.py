@@ -45,8 +45,9 @@ import torch
 
 from ..errors import ConfigError
 
-from .base import check_int, stable_seed
-from .text import LRU, TextTask, Vocab, check_float, check_options, common_options, to_xy, top_words
+from .. import checks
+from .base import check_options, stable_seed
+from .text import LRU, TextTask, Vocab, common_options, to_xy, top_words
 
 __all__ = ["ShakespeareTask", "parse_play", "tokenize", "texts_dir", "INSTALL"]
 
@@ -151,10 +152,10 @@ class ShakespeareTask(TextTask):
     @classmethod
     def _validate(cls, options: dict[str, Any]) -> dict[str, Any]:
         out = common_options("shakespeare", check_options("shakespeare", options, _DEFAULTS))
-        check_int("shakespeare min_lines", out["min_lines"], 2, 1_000_000)
-        check_int("shakespeare max_lines", out["max_lines"], 1, 10_000_000)
-        out["heldout_fraction"] = check_float("shakespeare heldout_fraction", out["heldout_fraction"], 0.0, 0.5,
-                                              low_open=True)
+        out["min_lines"] = checks.integer("shakespeare min_lines", out["min_lines"], minimum=2, maximum=1_000_000)
+        out["max_lines"] = checks.integer("shakespeare max_lines", out["max_lines"], minimum=1, maximum=10_000_000)
+        out["heldout_fraction"] = checks.interval("shakespeare heldout_fraction", out["heldout_fraction"],
+                                                  0.0, 0.5, low_open=True)
         if out["texts_dir"] is not None and not isinstance(out["texts_dir"], str):
             raise ConfigError(f"shakespeare texts_dir must be a directory, got {out['texts_dir']!r}")
         return out

@@ -44,8 +44,9 @@ import torch
 
 from ..errors import ConfigError
 
-from .base import check_int, stable_seed
-from .text import LRU, TextTask, Vocab, check_float, check_options, common_options, frame, read_word_counts, to_xy
+from .. import checks
+from .base import check_options, stable_seed
+from .text import LRU, TextTask, Vocab, common_options, frame, read_word_counts, to_xy
 
 __all__ = ["StackOverflowTask", "SyntheticStackOverflowTask", "example_class", "parse_tokens",
            "SPLITS", "PUNCTUATION"]
@@ -132,7 +133,8 @@ class StackOverflowTask(TextTask):
                 raise ConfigError(f"stackoverflow {key} {value!r} is not a file")
         if out["eval_split"] not in ("heldout", "test"):
             raise ConfigError(f"stackoverflow eval_split must be 'heldout' or 'test', got {out['eval_split']!r}")
-        check_int("stackoverflow eval_sentences", out["eval_sentences"], 1, 10_000_000)
+        out["eval_sentences"] = checks.integer("stackoverflow eval_sentences", out["eval_sentences"],
+                                               minimum=1, maximum=10_000_000)
         return out
 
     def __init__(self, **options: Any) -> None:
@@ -281,16 +283,18 @@ class SyntheticStackOverflowTask(TextTask):
     @classmethod
     def _validate(cls, options: dict[str, Any]) -> dict[str, Any]:
         out = common_options("so-synthetic", check_options("so-synthetic", options, _SYN_DEFAULTS))
-        if out["vocab_size"] < 10:
-            raise ConfigError(f"so-synthetic vocab_size must be an integer >= 10, got {out['vocab_size']!r}")
-        check_int("so-synthetic num_users", out["num_users"], 1, 100_000_000)
-        check_int("so-synthetic min_sentences", out["min_sentences"], 1, 1_000_000)
-        check_int("so-synthetic topics", out["topics"], 1, 1000)
-        check_int("so-synthetic eval_users", out["eval_users"], 1, 1_000_000)
-        out["mean_sentences"] = check_float("so-synthetic mean_sentences", out["mean_sentences"],
-                                            out["min_sentences"], 1e7, low_open=True)
-        out["sigma_sentences"] = check_float("so-synthetic sigma_sentences", out["sigma_sentences"], 0.05, 5.0)
-        out["mean_words"] = check_float("so-synthetic mean_words", out["mean_words"], 1.0, 1000.0, low_open=True)
+        out["vocab_size"] = checks.integer("so-synthetic vocab_size", out["vocab_size"], minimum=10)
+        out["num_users"] = checks.integer("so-synthetic num_users", out["num_users"], minimum=1, maximum=100_000_000)
+        out["min_sentences"] = checks.integer("so-synthetic min_sentences", out["min_sentences"],
+                                              minimum=1, maximum=1_000_000)
+        out["topics"] = checks.integer("so-synthetic topics", out["topics"], minimum=1, maximum=1000)
+        out["eval_users"] = checks.integer("so-synthetic eval_users", out["eval_users"], minimum=1, maximum=1_000_000)
+        out["mean_sentences"] = checks.interval("so-synthetic mean_sentences", out["mean_sentences"],
+                                                out["min_sentences"], 1e7, low_open=True)
+        out["sigma_sentences"] = checks.interval("so-synthetic sigma_sentences", out["sigma_sentences"],
+                                                 0.05, 5.0)
+        out["mean_words"] = checks.interval("so-synthetic mean_words", out["mean_words"], 1.0, 1000.0,
+                                            low_open=True)
         return out
 
     def __init__(self, **options: Any) -> None:

@@ -11,9 +11,10 @@ from typing import Mapping, Sequence
 
 import torch
 
+from .. import checks
 from ..errors import ConfigError
 from ..threads import one_thread
-from .base import ClientHyper, LocalResult, Task, check_int, stable_seed
+from .base import ClientHyper, LocalResult, Task, stable_seed
 from .vectorized import IGNORE_INDEX, supports_vectorized, vectorized_local_updates
 
 __all__ = ["SupervisedTask"]
@@ -66,7 +67,7 @@ class SupervisedTask(Task):
 
     def local_update(self, params: Mapping[str, torch.Tensor], user: str, round: int,
                      hyper: ClientHyper) -> LocalResult:
-        check_int("round", round, 0)
+        checks.integer("round", round, minimum=0)
         if not isinstance(hyper, ClientHyper):
             raise ConfigError(f"hyper must be a ClientHyper, got {type(hyper).__name__}")
         # one thread for all of it, loading included: waking a second thread costs ~1 ms per small

@@ -15,7 +15,6 @@ to :class:`~fedmf.tasks.supervised.SupervisedTask`'s local SGD.
 from __future__ import annotations
 
 import collections
-import math
 import threading
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -24,13 +23,14 @@ import torch
 from ..errors import ConfigError
 from ..threads import one_thread
 
-from .base import check_int, stable_seed
+from .. import checks
+from .base import stable_seed
 from .losses import softmax_cross_entropy
 from .models import MODEL_SIZES, WordLSTM, empty_word_model, make_word_model
 from .supervised import SupervisedTask
 
 __all__ = ["SEQ_LEN", "PAD", "Vocab", "special_ids", "frame", "to_xy", "read_word_counts", "top_words",
-           "TextTask", "LRU", "check_model_size", "check_float"]
+           "TextTask", "LRU"]
 
 SEQ_LEN = 20
 PAD = 0
@@ -109,31 +109,6 @@ def read_word_counts(path: str, vocab_size: int) -> list[str]:
 def top_words(counts: Mapping[str, int], k: int) -> list[str]:
     """The ``k`` most frequent words, ties by the word (deterministic)."""
     return [w for w, _ in sorted(counts.items(), key=lambda wc: (-wc[1], wc[0]))[:k]]
-
-
-def check_model_size(value: Any) -> str:
-    if value not in MODEL_SIZES:
-        raise ConfigError(f"model_size must be one of {sorted(MODEL_SIZES)}, got {value!r}")
-    return value
-
-
-def check_float(name: str, value: Any, low: float, high: float, *, low_open: bool = False,
-                high_open: bool = False) -> float:
-    """``value`` as a finite float in the interval, else a one-line ConfigError."""
-    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-    if ok:
-        ok = (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
-    if not ok:
-        bound = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
-        raise ConfigError(f"{name} must be a number in {bound}, got {value!r}")
-    return float(value)
-
-
-def check_options(task: str, options: dict[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
-    unknown = sorted(set(options) - set(defaults))
-    if unknown:
-        raise ConfigError(f"unknown {task} task option(s) {unknown}; known: {sorted(defaults)}")
-    return {**defaults, **options}
 
 
 class LRU:
@@ -253,9 +228,10 @@ def _target_logits(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor
 
 def common_options(task: str, out: dict[str, Any]) -> dict[str, Any]:
     """Validate the options every text task has (seed, model_size, vocab_size, max_sentences)."""
-    check_int(f"{task} seed", out["seed"], 0, 2**63 - 1)
-    check_model_size(out["model_size"])
-    check_int(f"{task} vocab_size", out["vocab_size"], 1, 1_000_000)
+    out["seed"] = checks.integer(f"{task} seed", out["seed"], minimum=0, maximum=2**63 - 1)
+    checks.one_of("model_size", out["model_size"], sorted(MODEL_SIZES))
+    out["vocab_size"] = checks.integer(f"{task} vocab_size", out["vocab_size"], minimum=1, maximum=1_000_000)
     if "max_sentences" in out:
-        check_int(f"{task} max_sentences", out["max_sentences"], 1, 10_000_000)
+        out["max_sentences"] = checks.integer(f"{task} max_sentences", out["max_sentences"],
+                                              minimum=1, maximum=10_000_000)
     return out

@@ -16,7 +16,8 @@ import torch
 
 from ..errors import ConfigError
 
-from .base import check_int, stable_seed
+from .. import checks
+from .base import check_options, stable_seed
 from .supervised import SupervisedTask
 
 __all__ = ["TinyTask"]
@@ -32,20 +33,17 @@ class TinyTask(SupervisedTask):
 
     @classmethod
     def _validate(cls, options: dict[str, Any]) -> dict[str, Any]:
-        unknown = sorted(set(options) - set(_DEFAULTS))
-        if unknown:
-            raise ConfigError(f"unknown tiny task option(s) {unknown}; known: {sorted(_DEFAULTS)}")
-        out = {**_DEFAULTS, **options}
-        check_int("tiny num_users", out["num_users"], 1, 1_000_000)
-        check_int("tiny seed", out["seed"], 0, 2**63 - 1)
-        check_int("tiny eval_users", out["eval_users"], 1, 100_000)
+        out = check_options("tiny", options, _DEFAULTS)
+        out["num_users"] = checks.integer("tiny num_users", out["num_users"], minimum=1, maximum=1_000_000)
+        out["seed"] = checks.integer("tiny seed", out["seed"], minimum=0, maximum=2**63 - 1)
+        out["eval_users"] = checks.integer("tiny eval_users", out["eval_users"], minimum=1, maximum=100_000)
         epu = out["examples_per_user"]
         if isinstance(epu, int) and not isinstance(epu, bool):
             epu = [epu, epu]
         if not isinstance(epu, (list, tuple)) or len(epu) != 2:
             raise ConfigError(f"tiny examples_per_user must be an integer or [min, max], got {out['examples_per_user']!r}")
-        lo = check_int("tiny examples_per_user min", epu[0], 1, 100_000)
-        hi = check_int("tiny examples_per_user max", epu[1], lo, 100_000)
+        lo = checks.integer("tiny examples_per_user min", epu[0], minimum=1, maximum=100_000)
+        hi = checks.integer("tiny examples_per_user max", epu[1], minimum=lo, maximum=100_000)
         out["examples_per_user"] = [lo, hi]
         return out
 

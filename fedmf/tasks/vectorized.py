@@ -34,10 +34,11 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 import torch
 from torch.func import functional_call, grad_and_value, vmap
 
+from .. import checks
 from ..errors import ConfigError
 from ..threads import one_thread
 
-from .base import ClientHyper, LocalResult, Task, check_int, stable_seed
+from .base import ClientHyper, LocalResult, Task, stable_seed
 from .models import WordLSTM
 
 if TYPE_CHECKING:  # types only: supervised.py imports this module
@@ -123,7 +124,7 @@ def vectorized_local_updates(task: SupervisedTask, params: Mapping[str, torch.Te
     vmap call (memory); users are taken in the given order. ``device`` (default: the
     parameters' device) is where the users train; the updates come back on the parameters'
     device, in their dtypes."""
-    check_int("round", round, 0)
+    checks.integer("round", round, minimum=0)
     compute = _compute_device(device, params)
     if not isinstance(hyper, ClientHyper):
         raise ConfigError(f"hyper must be a ClientHyper, got {type(hyper).__name__}")
@@ -131,7 +132,7 @@ def vectorized_local_updates(task: SupervisedTask, params: Mapping[str, torch.Te
         raise ConfigError(f"task {task.name!r} has no vectorized local update")
     users = list(dict.fromkeys(users))
     if max_users is not None:
-        check_int("max_users", max_users, 1)
+        checks.integer("max_users", max_users, minimum=1)
     out: dict[str, LocalResult] = {}
     if not users:
         return out
