@@ -22,7 +22,7 @@ else
   status+=("wheels: none carried (.whl/*.whl)")
 fi
 export PYTHONPATH=/tmp/site:$PWD
-python3 -c "import sqlalchemy, alembic, dp_accounting, fedmf.ledger, client.tasks; print('imports ok')" || status+=("imports: FAILED")
+python3 -c "import sqlalchemy, alembic, dp_accounting, fedmf.ledger, fedmf.tasks; print('imports ok')" || status+=("imports: FAILED")
 
 # every CUDA test in tests/ (the files that touch a device; -k selects the cuda/gpu ones)
 timeout "$TEST_TIMEOUT_S" python3 -m pytest -q -p no:cacheprovider -rs -k "cuda or gpu" \

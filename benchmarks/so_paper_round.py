@@ -81,7 +81,7 @@ def free(device: torch.device) -> None:
 
 def one_module_updates(task, model: torch.nn.Module, params: dict, users: list[str], hyper, device) -> None:
     """Each user's local SGD on ``model`` (already on ``device``), as SupervisedTask.local_update does it."""
-    from client.tasks.vectorized import batch_schedule
+    from fedmf.tasks.vectorized import batch_schedule
 
     for user in users:
         x, y = task.user_data(user)
@@ -116,7 +116,7 @@ def time_one(name: str, run, users: list[str], warm: list[str], repeats: int, me
 
 def time_vmap(task, params: dict, users: list[str], warm: list[str], hyper, device, max_chunk: int,
               repeats: int, meter: Meter) -> dict:
-    from client.tasks.vectorized import vectorized_local_updates
+    from fedmf.tasks.vectorized import vectorized_local_updates
 
     vectorized_local_updates(task, params, warm, 0, hyper, device=device)
     free(device)
@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     started_all = time.perf_counter()
 
     if any(p != "server" for p in paths):
-        from client.tasks import ClientHyper, get_task
+        from fedmf.tasks import ClientHyper, get_task
         from fedmf.config import RunConfig
         from fedmf.simulate import preset_values
 

@@ -27,9 +27,9 @@ class MinSep:
     max_participations: int | None = None
 
     def __post_init__(self) -> None:
-        positive_int("min_sep", self.min_sep)
+        object.__setattr__(self, "min_sep", positive_int("min_sep", self.min_sep))  # a numpy int is stored as int
         if self.max_participations is not None:
-            positive_int("max_participations", self.max_participations)
+            object.__setattr__(self, "max_participations", positive_int("max_participations", self.max_participations))
 
     def participations(self, n: int) -> int:
         """The number of participations that really fit in n rounds: min(k, ceil(n/b))."""
@@ -64,8 +64,8 @@ class FixedEpoch:
     min_sep: int
 
     def __post_init__(self) -> None:
-        positive_int("max_participations", self.max_participations)
-        positive_int("min_sep", self.min_sep)
+        object.__setattr__(self, "max_participations", positive_int("max_participations", self.max_participations))
+        object.__setattr__(self, "min_sep", positive_int("min_sep", self.min_sep))
 
     def participations(self, n: int) -> int:
         return self.max_participations

@@ -193,3 +193,19 @@ def test_engine_errors_name_parameters_not_cli_flags():
                     if isinstance(part, ast.Constant) and isinstance(part.value, str) and flag.search(part.value):
                         found.append(f"{path.relative_to(root)}:{node.lineno}")
     assert found == []
+
+
+def test_a_schema_given_numpy_ints_stores_plain_ints():
+    """MinSep/FixedEpoch keep what positive_int returns: a numpy int would reach the plan's JSON."""
+    import json
+
+    import numpy as np
+
+    from fedmf.participation import FixedEpoch, MinSep
+
+    schema = MinSep(np.int64(2), np.int64(3))
+    assert type(schema.min_sep) is int and type(schema.max_participations) is int
+    assert schema == MinSep(2, 3)
+    epoch = FixedEpoch(np.int32(3), np.int32(4))
+    assert type(epoch.max_participations) is int and type(epoch.min_sep) is int
+    assert json.dumps([schema.min_sep, schema.max_participations]) == "[2, 3]"

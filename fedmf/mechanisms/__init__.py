@@ -78,9 +78,9 @@ def default_bands(rounds: int, schema: Schema) -> int:
     return max(1, min(b, 64, rounds))
 
 
-def _check_bands(num_bands: Any, rounds: int) -> None:
-    if num_bands is not None:
-        checks.integer("num_bands", num_bands, minimum=1, maximum=rounds)
+def _check_bands(num_bands: Any, rounds: int) -> int | None:
+    """``num_bands`` as an int in [1, rounds], or None."""
+    return None if num_bands is None else checks.integer("num_bands", num_bands, minimum=1, maximum=rounds)
 
 
 def _check_options(tolerance: float | None, max_steps: int | None, error: str, weighting: str) -> None:
@@ -112,7 +112,7 @@ def build(
         raise ConfigError(f"kind {kind!r} is optimized, not built from a closed form (use plan)")
     check_rounds(rounds)
     schema.validate(rounds)
-    _check_bands(num_bands, rounds)
+    num_bands = _check_bands(num_bands, rounds)
     if gamma is not None and kind != "bifr":
         raise ConfigError(f"gamma applies to bifr only, not {kind}")
     _check_bands_apply(kind, num_bands)
@@ -159,7 +159,7 @@ def plan(
         return build(kind, rounds, schema, workload, num_bands, gamma), None
     mechanism_class(kind)
     check_rounds(rounds)
-    _check_bands(num_bands, rounds)
+    num_bands = _check_bands(num_bands, rounds)
     _check_bands_apply(kind, num_bands)
     _check_options(tolerance, max_steps, error, weighting)
     if gamma is not None:
@@ -188,7 +188,7 @@ def plan(
         if not workload.is_toeplitz and rounds > DENSE_LIMIT:
             raise ConfigError(f"a cooldown workload is optimized densely, up to n={DENSE_LIMIT} rounds (got {rounds})")
         if num_buffers is not None:
-            checks.integer("num_buffers", num_buffers, minimum=1, maximum=MAX_BUFFERS)
+            num_buffers = checks.integer("num_buffers", num_buffers, minimum=1, maximum=MAX_BUFFERS)
         return optimize_blt(rounds, schema, workload, num_buffers=num_buffers, error=error, **options)
     p = default_bands(rounds, schema) if num_bands is None else num_bands
     if kind in ("banded-toeplitz", "banded") and p > schema.min_sep:
