@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 import numpy as np
 
 from . import checks
+from .adaptive_clipping import AdaptiveClipping
 from .accounting.sampling import Sampling, parse_sampling
 from .errors import ConfigError, HorizonReached, PlanMismatch, PrivacyBudgetExceeded
 from .participation import FixedEpoch, MinSep, schema_from_dict
@@ -60,13 +61,15 @@ class RunPlan:
     accountant: str = "pld"
     target_epsilon: float | None = None
     calibration: dict[str, Any] = field(default_factory=dict, compare=False)
+    #: None: ζ is fixed; else ζ₀ = clip_norm adapts each round (fedmf.adaptive_clipping)
+    adaptive_clipping: AdaptiveClipping | None = None
 
     # ---- construction ----------------------------------------------------------------
     @classmethod
     def create(cls, mechanism: "Mechanism", schema: MinSep | FixedEpoch, *, clip_norm: float, delta: float,
                expected_users: float, noise_multiplier: float | None = None, target_epsilon: float | None = None,
                sampling: Sampling | str | None = None, zero_threshold: float | None | str = "default",
-               accountant: str = "pld") -> "RunPlan":
+               accountant: str = "pld", adaptive_clipping: AdaptiveClipping | None = None) -> "RunPlan":
         """Validate every value once; with ``target_epsilon`` (and no ``noise_multiplier``)
         calibrate z for (ε, δ) with the plan's accountant and sampling (cached by fedmf.accounting)."""
         from .mechanisms.base import Mechanism
@@ -90,6 +93,8 @@ class RunPlan:
         eps = None if target_epsilon is None else checks.positive("target_epsilon", target_epsilon)
         z = None if noise_multiplier is None else checks.positive("noise_multiplier", noise_multiplier)
         sampling.check_schema(schema)
+        if adaptive_clipping is not None and not isinstance(adaptive_clipping, AdaptiveClipping):
+            raise ConfigError(f"adaptive_clipping must be an AdaptiveClipping, got {type(adaptive_clipping).__name__}")
         calibration: dict[str, Any] = {}
         if z is None:
             if eps is None:
@@ -99,7 +104,8 @@ class RunPlan:
             result = calibrate(mechanism, eps, delta, schema, sampling=sampling, accountant=accountant)
             z = float(result.noise_multiplier)
             calibration = {"accountant": result.accountant, "guarantee": result.guarantee}
-        plan = cls(mechanism, schema, sampling, zeta, z, delta, m, threshold, accountant, eps, calibration)
+        plan = cls(mechanism, schema, sampling, zeta, z, delta, m, threshold, accountant, eps, calibration,
+                   adaptive_clipping)
         if not plan.sensitivity.value > 0:
             raise ConfigError("the mechanism has zero sensitivity under this schema")
         return plan
@@ -118,6 +124,22 @@ class RunPlan:
     def noise_std(self) -> float:
         """Absolute noise std σ = z·ζ·sens ("Multi-Epoch MF", Thm 2.2; ARCHITECTURE.md)."""
         return self.noise_multiplier * self.clip_norm * self.sensitivity.value
+
+    @property
+    def std_per_clip(self) -> float:
+        """σ per unit clip norm, z·sens: the noise std on the normalized sum Σ clip(Δ, ζ)/ζ."""
+        return self.noise_multiplier * self.sensitivity.value
+
+    def noise_std_at(self, clip_norm: float) -> float:
+        """Absolute noise std of a round clipped at ``clip_norm``: z·ζₜ·sens (= ``noise_std`` at ζ₀)."""
+        return self.noise_multiplier * clip_norm * self.sensitivity.value
+
+    def zero_threshold_at(self, clip_norm: float) -> float | None:
+        """The ℓ∞ zeroing threshold of a round clipped at ``clip_norm``: planned for ζ₀, it follows ζₜ
+        in proportion when ζ adapts (100·ζₜ by default)."""
+        if self.zero_threshold is None or self.adaptive_clipping is None:
+            return self.zero_threshold
+        return self.zero_threshold * (clip_norm / self.clip_norm)
 
     @cached_property
     def _accounting(self):
@@ -176,8 +198,9 @@ class RunPlan:
 
     # ---- serialization ---------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready description; the mechanism appears as its kind and fingerprint."""
-        return {
+        """JSON-ready description; the mechanism appears as its kind and fingerprint (a plan
+        without adaptive clipping has no ``adaptive_clipping`` key: its fingerprint is unchanged)."""
+        out = {
             "format": PLAN_FORMAT,
             "mechanism": {"kind": self.mechanism.kind, "rounds": self.rounds,
                           "fingerprint": self.mechanism.fingerprint},
@@ -191,6 +214,9 @@ class RunPlan:
             "zero_threshold": self.zero_threshold,
             "accountant": self.accountant,
         }
+        if self.adaptive_clipping is not None:
+            out["adaptive_clipping"] = self.adaptive_clipping.to_dict()
+        return out
 
     @cached_property
     def fingerprint(self) -> str:
@@ -206,10 +232,13 @@ class RunPlan:
             if recorded != mechanism.fingerprint:
                 raise PlanMismatch("the plan was made for another mechanism (fingerprints differ)")
             schema = schema_from_dict(data["schema"])
+            adaptive = data.get("adaptive_clipping")
+            adaptive = None if adaptive is None else AdaptiveClipping.from_dict(adaptive)
             return cls.create(mechanism, schema, clip_norm=data["clip_norm"], delta=data["delta"],
                               expected_users=data["expected_users"], noise_multiplier=data["noise_multiplier"],
                               target_epsilon=data["target_epsilon"], sampling=data["sampling"],
-                              zero_threshold=data["zero_threshold"], accountant=data["accountant"])
+                              zero_threshold=data["zero_threshold"], accountant=data["accountant"],
+                              adaptive_clipping=adaptive)
         except (KeyError, TypeError) as e:
             raise PlanMismatch(f"malformed run plan (missing or bad field {e})") from None
 

@@ -130,6 +130,10 @@ class Round(Base):
     )
     epsilon_worst_user: Mapped[Optional[float]] = mapped_column(Float)  # as the server's accountant reported
     epsilon_planned: Mapped[Optional[float]] = mapped_column(Float)
+    clip_norm: Mapped[Optional[float]] = mapped_column(
+        Float, comment="the clip norm zeta_t of this round (adaptive clipping: it changes per round)")
+    noisy_unclipped: Mapped[Optional[float]] = mapped_column(
+        Float, comment="count of updates with norm <= zeta_t plus Gaussian noise (adaptive clipping only)")
     chain_sha256: Mapped[str] = mapped_column(String(64), comment="hash of this record, its participations and "
                                                                   "the previous round's hash")
 
