@@ -16,7 +16,12 @@ is a one-line ``ConfigError`` before round 1. ``DEFAULTS`` is the one defaults t
     max-participations 0                          k (0: ceil(n / b))
     sampling          "none" | "bminsep:P" | "cyclic-poisson:Q" | "poisson:P"
     clients-per-round 5                           users per round (planned expected users)
-    clip-norm         1.0                         ζ
+    clip-norm         1.0                         ζ (with adaptive clipping: ζ₀)
+    adaptive-clipping 0.0                         target quantile γ ∈ (0, 1) of the update norms ζ follows
+                                                  (0: ζ is fixed; Andrew et al. 2021)
+    adaptive-clipping-lr 0.2                      η of the geometric update of ζ
+    adaptive-clipping-count-noise 0.0             σ_b, std of the noise on the count of unclipped updates
+                                                  (0: clients-per-round / 20)
     noise-multiplier  0.5                         z (0: calibrate for target-epsilon)
     target-epsilon    0.0                         ε target (0: none; exactly one of the two is set)
     delta             1e-5
@@ -64,6 +69,7 @@ DEFAULTS: dict[str, Any] = {
     "local-epochs": 1, "batch-size": 16, "run-dir": "fedmf-run", "ledger-url": "", "reply-timeout": 600.0,
     "ledger-diagnostics": False,
     "identity": "enrolled", "user-enrollment": "", "identity-timeout": 30.0,
+    "adaptive-clipping": 0.0, "adaptive-clipping-lr": 0.2, "adaptive-clipping-count-noise": 0.0,
 }
 
 
@@ -131,6 +137,9 @@ class RunConfig:
     identity: str = "enrolled"
     user_enrollment: str | None = None
     identity_timeout: float = 30.0
+    adaptive_clipping: float | None = None  # γ; None: ζ is fixed
+    adaptive_clipping_lr: float = 0.2
+    adaptive_clipping_count_noise: float | None = None  # σ_b; None: clients-per-round / 20
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -180,6 +189,11 @@ class RunConfig:
         identity = _text("identity", v["identity"])
         if identity not in ("enrolled", "declared-insecure"):
             raise ConfigError(f"identity must be enrolled or declared-insecure, got {identity!r}")
+        gamma = _float("adaptive-clipping", v["adaptive-clipping"], maximum=1.0)
+        if gamma == 1.0:
+            raise ConfigError("adaptive-clipping is a target quantile in (0, 1) (0: off), got 1")
+        clip_lr = _float("adaptive-clipping-lr", v["adaptive-clipping-lr"], strict=True)
+        count_noise = _float("adaptive-clipping-count-noise", v["adaptive-clipping-count-noise"])
         enrollment = _text("user-enrollment", v["user-enrollment"])
         if enrollment and identity != "enrolled":
             raise ConfigError("user-enrollment is set but identity is declared-insecure: choose one")
@@ -201,6 +215,8 @@ class RunConfig:
             ledger_diagnostics=_bool("ledger-diagnostics", v["ledger-diagnostics"]),
             identity=identity, user_enrollment=str(base / enrollment) if enrollment else None,
             identity_timeout=_float("identity-timeout", v["identity-timeout"], strict=True),
+            adaptive_clipping=gamma or None, adaptive_clipping_lr=clip_lr,
+            adaptive_clipping_count_noise=count_noise or None,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -244,10 +260,17 @@ class RunConfig:
 
     def build_plan(self, mechanism=None):
         """The RunPlan (calibrating z once when only a target ε is given)."""
+        from .adaptive_clipping import AdaptiveClipping
         from .plan import RunPlan
 
         mechanism = mechanism if mechanism is not None else self.build_mechanism()
+        adaptive = None
+        if self.adaptive_clipping is not None:
+            adaptive = AdaptiveClipping.create(self.adaptive_clipping, expected_users=self.clients_per_round,
+                                               learning_rate=self.adaptive_clipping_lr,
+                                               count_noise_std=self.adaptive_clipping_count_noise)
         return RunPlan.create(mechanism, self.participation_schema(), clip_norm=self.clip_norm, delta=self.delta,
                               expected_users=self.clients_per_round, noise_multiplier=self.noise_multiplier,
                               target_epsilon=self.target_epsilon, sampling=self.sampling,
-                              zero_threshold=self.zero_threshold, accountant=self.accountant)
+                              zero_threshold=self.zero_threshold, accountant=self.accountant,
+                              adaptive_clipping=adaptive)

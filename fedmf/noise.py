@@ -57,7 +57,7 @@ from .mechanisms.base import Mechanism
 from .mechanisms.streaming import Blt, Dense, Fir, Iir, StreamingInverse, Tree
 from .normal import fill_normal
 
-__all__ = ["NoiseGenerator", "Layout", "CHUNK_SIZE", "SALT_BYTES"]
+__all__ = ["NoiseGenerator", "Layout", "CHUNK_SIZE", "SALT_BYTES", "key_of"]
 
 Layout = Union[int, Mapping[str, Sequence[int]]]
 CHUNK_SIZE = 1 << 18
@@ -88,6 +88,13 @@ def _key(seed: bytes | int | None) -> bytes:
     if isinstance(seed, (bytes, bytearray)) and 1 <= len(seed) <= 64:
         return bytes(seed)
     raise ConfigError("seed must be None, a non-negative int, or 1 to 64 bytes")
+
+
+def key_of(seed: bytes | int) -> bytes:
+    """The BLAKE2b key a generator built with ``seed`` uses (the same bytes, so the same stream)."""
+    if seed is None:
+        raise ConfigError("key_of needs a seed")
+    return _key(seed)
 
 
 def _seed_check(key: bytes) -> str:

@@ -11,19 +11,28 @@ once the sum is complete and is added exactly once; the result is divided by the
 expected number of users — never by the number received, which would depend on the data.
 An update that is invalid (wrong keys, shapes or dtype; not finite), from a user not selected
 for the round, or a second one from the same user is rejected and never summed.
+
+With adaptive clipping (``plan.adaptive_clipping``; Andrew et al., NeurIPS 2021, Alg. 1) round t
+clips to ζₜ, fixed before any of its updates is seen, and runs the correlated-noise mechanism on
+the normalized sum Σ clip(Δᵢ, ζₜ)/ζₜ (sensitivity 1 per participation) with noise std z·sens
+(``plan.std_per_clip``), then scales back by ζₜ (post-processing): the released noise is
+ζₜ·z·sens·(C⁻¹Z)ₜ/m. It also releases the count of summed updates with norm ≤ ζₜ plus
+N(0, σ_b²) (``fedmf.count_noise``) and moves to ζₜ₊₁ = ``next_clip_norm(ζₜ, count, m)``.
 """
 
 from __future__ import annotations
 
 import math
+import secrets
 from dataclasses import dataclass, field
 from typing import Any, Collection, Hashable, Iterable, Mapping
 
 import torch
 
 from . import checks
-from .errors import ConfigError, PlanMismatch, RoundOrderError
-from .noise import NoiseGenerator
+from .count_noise import count_noise
+from .errors import CheckpointError, ConfigError, PlanMismatch, RoundOrderError
+from .noise import SALT_BYTES, NoiseGenerator, key_of
 from .plan import RunPlan
 from .threads import one_thread
 
@@ -89,6 +98,10 @@ class RoundReport:
     noise_std: float
     expected_users: float
     users: list[UserReport] = field(default_factory=list)
+    #: adaptive clipping only (else None): ζₜ this round clipped to, and the noisy count of
+    #: summed updates with norm ≤ ζₜ (released: ζₜ₊₁ follows from it)
+    clip_norm: float | None = None
+    noisy_unclipped: float | None = None
 
     @property
     def contributed(self) -> list[UserReport]:
@@ -141,8 +154,17 @@ class RoundPrivatizer:
         self.size = flat_size(self.layout)
         # half-precision models are summed and noised in float32, then cast back
         work = dtype if dtype in (torch.float32, torch.float64) else torch.float32
-        self.noise = NoiseGenerator(plan.mechanism, self.layout, plan.noise_std, dtype=work, device=device, seed=seed,
-                                    salted=not repeatable_noise)
+        self.adaptive = plan.adaptive_clipping
+        self._salted = not repeatable_noise
+        #: ζ of the next round (adaptive clipping: ζ₀ = plan.clip_norm, then the update rule's)
+        self.clip_norm = float(plan.clip_norm)
+        if self.adaptive is None:
+            self.noise = NoiseGenerator(plan.mechanism, self.layout, plan.noise_std, dtype=work, device=device,
+                                        seed=seed, salted=not repeatable_noise)
+        else:  # noise on the normalized sum Σ clip(Δ, ζₜ)/ζₜ, whose sensitivity is 1 per participation
+            self._key = secrets.token_bytes(32) if seed is None else key_of(seed)
+            self.noise = NoiseGenerator(plan.mechanism, self.layout, plan.std_per_clip, dtype=work, device=device,
+                                        seed=self._key, salted=not repeatable_noise)
         self.device, self.dtype, self._work = self.noise.device, dtype, work
         self._sum = torch.zeros(self.size, dtype=work, device=self.device)
         self._scratch = torch.empty(self.size, dtype=work, device=self.device)
@@ -173,7 +195,11 @@ class RoundPrivatizer:
 
             raise HorizonReached(f"round {t} is past the mechanism's horizon of {self.plan.rounds} rounds")
         self._sum.zero_()
-        self._open = RoundReport(t, self.plan.noise_std, self.plan.expected_users)
+        if self.adaptive is None:
+            self._open = RoundReport(t, self.plan.noise_std, self.plan.expected_users)
+        else:
+            self._open = RoundReport(t, self.plan.noise_std_at(self.clip_norm), self.plan.expected_users,
+                                     clip_norm=self.clip_norm)
         self._seen = set()
         self._selected = None if selected is None else {_user_order(u) for u in selected}
 
@@ -203,16 +229,19 @@ class RoundPrivatizer:
                 norm, bound = (value / scale for value in self._norm(flat * scale))
                 if not math.isfinite(bound):
                     return self._reject(user, "update norm is not finite")
-            threshold = self.plan.zero_threshold
+            zeta = self.clip_norm
+            threshold = self.plan.zero_threshold if self.adaptive is None else self.plan.zero_threshold_at(zeta)
             # ℓ∞ ≤ ℓ2: the ℓ∞ pass is needed only when the ℓ2 norm exceeds the threshold
             if threshold is not None and norm > threshold and _linf(flat) > threshold:
                 # "Multi-Epoch MF" StackOverflow recipe: an update with ℓ∞ > 100·ζ is replaced by zero
                 result = UserReport(user, "contributed", None, norm, False, True)
             else:
-                clipped = bound > self.plan.clip_norm
+                clipped = bound > zeta
                 # ℓ2 clipping of the whole update to ζ: x·min(1, ζ/‖x‖) (Multi-Epoch MF Sec. 2, ζ-bounded
                 # rows), with ‖x‖ replaced by a rigorous upper bound of it
-                factor = self.plan.clip_norm / bound * self._clip_margin if clipped else 1.0
+                factor = zeta / bound * self._clip_margin if clipped else 1.0
+                if self.adaptive is not None:  # the normalized sum: clip(Δ, ζₜ)/ζₜ has norm ≤ 1
+                    factor = (1.0 / bound * self._clip_margin) if clipped else 1.0 / zeta
                 self._sum.add_(flat, alpha=factor)
                 result = UserReport(user, "contributed", None, norm, clipped, False)
         report.users.append(result)
@@ -222,9 +251,29 @@ class RoundPrivatizer:
         """Draw round t's noise (only now: the sum is complete), add it once, divide by the
         planned expected number of users; returns the mean update in the layout and the report."""
         report = self._require_open()
+        if self.adaptive is not None:
+            return self._finish_adaptive(report)
         noise = self.noise.next(out=self._noise_buffer)  # σ·(C⁻¹Z)_t, Multi-Epoch MF Sec. 2
         flat_noise = noise if isinstance(noise, torch.Tensor) else self._noise_buffer
         mean = torch.add(self._sum, flat_noise).div_(self.plan.expected_users)
+        self._open = None
+        self._selected = None
+        return self._unflatten(mean.to(self.dtype)), report
+
+    def _finish_adaptive(self, report: RoundReport) -> tuple[dict[str, torch.Tensor], RoundReport]:
+        """Adaptive clipping's end of round t: noise the normalized sum with z·sens·(C⁻¹Z)ₜ, scale back by
+        ζₜ and divide by m (post-processing of the normalized mechanism); release the noisy count of
+        the summed updates with norm ≤ ζₜ (a zeroed update sums as 0: unclipped) and set ζₜ₊₁
+        (Andrew et al., NeurIPS 2021, Alg. 1)."""
+        t, zeta, m = report.round, self.clip_norm, self.plan.expected_users
+        salt = secrets.token_bytes(SALT_BYTES) if self._salted else None
+        noise = self.noise.next(out=self._noise_buffer, salt=salt)  # z·sens·(C⁻¹Z)_t
+        flat_noise = noise if isinstance(noise, torch.Tensor) else self._noise_buffer
+        mean = torch.add(self._sum, flat_noise).mul_(zeta / m)
+        unclipped = sum(1 for u in report.contributed if not u.clipped)
+        noisy = unclipped + count_noise(self._key, t, salt or b"", self.adaptive.count_noise_std)
+        report.noisy_unclipped = noisy
+        self.clip_norm = self.adaptive.next_clip_norm(zeta, noisy, m)
         self._open = None
         self._selected = None
         return self._unflatten(mean.to(self.dtype)), report
@@ -253,9 +302,12 @@ class RoundPrivatizer:
         Its noise tensors are the live ones, not copies: serialize it before the next round."""
         if self._open is not None:
             raise RoundOrderError("cannot checkpoint in the middle of a round")
-        return {"format": _STATE_FORMAT, "plan_fingerprint": self.plan.fingerprint,
-                "layout": {k: list(v) for k, v in self.layout.items()}, "device_type": self.device.type,
-                "noise": self.noise.state_dict(include_seed=False, copy=False)}
+        state = {"format": _STATE_FORMAT, "plan_fingerprint": self.plan.fingerprint,
+                 "layout": {k: list(v) for k, v in self.layout.items()}, "device_type": self.device.type,
+                 "noise": self.noise.state_dict(include_seed=False, copy=False)}
+        if self.adaptive is not None:
+            state["adaptive_clipping"] = {"clip_norm": self.clip_norm}
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         checks.state_format(state, "privatizer state", _STATE_FORMAT, error=PlanMismatch)
@@ -266,7 +318,14 @@ class RoundPrivatizer:
             # the Gaussian sampler differs by device: the regenerated past draws would not match
             raise PlanMismatch(f"privatizer state was written on {state.get('device_type')!r}; resume it on that "
                                f"device type, not {self.device.type!r}")
+        clip_norm = self.plan.clip_norm
+        if self.adaptive is not None:
+            saved = state.get("adaptive_clipping")
+            clip_norm = saved.get("clip_norm") if isinstance(saved, Mapping) else None
+            if not (isinstance(clip_norm, float) and math.isfinite(clip_norm) and clip_norm > 0):
+                raise CheckpointError("privatizer state lacks the adaptive clip norm (a positive float)")
         self.noise.load_state_dict(state["noise"])
+        self.clip_norm = float(clip_norm)
         self._open = None
 
     # ---- helpers ---------------------------------------------------------------------

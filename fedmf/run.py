@@ -366,8 +366,10 @@ class PrivateRun:
         try:
             digest = self.store.save(t, _state(self.plan, self.model, self.optimizer, self.privatizer, self.scheduler))
             self._event("checkpointed", t)
-            summary = self._run.commit_round(t, noise_std=self.plan.noise_std, epsilon_planned=self.plan.epsilon_after(t),
-                                             checkpoint_sha256=digest)
+            report = self._report
+            summary = self._run.commit_round(t, noise_std=report.noise_std, epsilon_planned=self.plan.epsilon_after(t),
+                                             checkpoint_sha256=digest, clip_norm=report.clip_norm,
+                                             noisy_unclipped=report.noisy_unclipped)
         except FedmfError:
             # a lost connection during COMMIT leaves its outcome unknown: if the ledger did commit
             # round t (naming this checkpoint), the round is done — aborting it would put memory
@@ -387,6 +389,8 @@ class PrivateRun:
         record = RoundRecord(t, self.plan.epsilon_after(t), summary.selected, summary.contributed, summary.dropped,
                              summary.rejected, counts["clipped"], counts["zeroed"],
                              time.perf_counter() - self._started, self.store.last_bytes)
+        if report.clip_norm is not None:  # adaptive clipping: ζₜ and the released noisy fraction b̃ₜ/m
+            record.metrics.update(adaptive_metrics(report.clip_norm, report.noisy_unclipped, self.plan.expected_users))
         self._committed_record = record
         return record
 
@@ -446,6 +450,11 @@ class PrivateRun:
         if self._selection is None:
             raise RoundOrderError("no round is open: call select() first")
         return self._selection
+
+
+def adaptive_metrics(clip_norm: float, noisy_unclipped: float, expected_users: float) -> dict[str, float]:
+    """A committed adaptive round's released metrics: ``clip-norm`` ζₜ and ``noisy-unclipped-fraction`` b̃ₜ/m."""
+    return {"clip-norm": float(clip_norm), "noisy-unclipped-fraction": float(noisy_unclipped) / expected_users}
 
 
 def _refuse_rollback(store: CheckpointStore, committed: int) -> None:

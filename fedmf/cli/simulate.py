@@ -18,10 +18,20 @@ def _overrides(args: argparse.Namespace) -> dict:
     values: dict = {}
     for option, key in (("mechanism", "mechanism"), ("rounds", "rounds"), ("clients_per_round", "clients-per-round"),
                         ("sampling", "sampling"), ("server_lr", "server-lr"), ("delta", "delta"),
-                        ("bands", "num-bands"), ("min_sep", "min-sep")):
+                        ("bands", "num-bands"), ("min_sep", "min-sep"), ("clip_norm", "clip-norm"),
+                        ("adaptive_clipping", "adaptive-clipping"), ("adaptive_clipping_lr", "adaptive-clipping-lr"),
+                        ("adaptive_clipping_count_noise", "adaptive-clipping-count-noise")):
         value = getattr(args, option)
         if value is not None:
             values[key] = value
+    if args.adaptive_clipping is None:
+        for option in ("adaptive_clipping_lr", "adaptive_clipping_count_noise"):
+            if getattr(args, option) is not None:
+                raise ConfigError(f"--{option.replace('_', '-')} needs --adaptive-clipping QUANTILE")
+    elif not 0 < args.adaptive_clipping < 1:
+        raise ConfigError(f"--adaptive-clipping is a target quantile in (0, 1), got {args.adaptive_clipping:g}")
+    if args.adaptive_clipping_count_noise is not None and not args.adaptive_clipping_count_noise > 0:
+        raise ConfigError(f"--adaptive-clipping-count-noise must be > 0, got {args.adaptive_clipping_count_noise:g}")
     if args.epsilon is not None and args.noise_multiplier is not None:
         raise ConfigError("give --epsilon or --noise-multiplier, not both")
     if args.epsilon is not None:
@@ -159,6 +169,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--min-sep", type=int)
     p.add_argument("--clients-per-round", type=float)
     p.add_argument("--server-lr", type=float)
+    p.add_argument("--clip-norm", type=float, help="ℓ2 clip norm ζ (with --adaptive-clipping: ζ₀)")
+    p.add_argument("--adaptive-clipping", type=float, metavar="QUANTILE",
+                   help="let ζ follow this quantile in (0, 1) of the update norms (Andrew et al. 2021)")
+    p.add_argument("--adaptive-clipping-lr", type=float, metavar="ETA",
+                   help="learning rate of the geometric update of ζ (default 0.2)")
+    p.add_argument("--adaptive-clipping-count-noise", type=float, metavar="STD",
+                   help="std of the noise on the count of unclipped updates (default: clients per round / 20)")
     p.add_argument("--seed", type=int, help="task data seed")
     p.add_argument("--data", help="the real StackOverflow file (TFF's stackoverflow.sqlite)")
     p.add_argument("--vocab", help="its vocabulary (default: stackoverflow.word_count beside --data)")

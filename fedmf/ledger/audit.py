@@ -30,7 +30,8 @@ from .models import Run
 from .privacy import run_privacy
 from .queries import RunInfo, norm_summary, participation_rows, read_run
 
-__all__ = ["AuditReport", "audit", "ROUND_COLUMNS", "DIAGNOSTIC_COLUMNS", "ChainBroken"]
+__all__ = ["AuditReport", "audit", "ROUND_COLUMNS", "DIAGNOSTIC_COLUMNS", "ADAPTIVE_COLUMNS", "ChainBroken",
+           "clip_norm_violations"]
 
 ROUND_COLUMNS = [
     "round", "status", "attempts", "selected", "contributed", "dropped", "rejected",
@@ -40,6 +41,8 @@ ROUND_COLUMNS = [
 ]
 #: diagnostics (outside the DP guarantee): in the rows and the CSV only for runs that record them
 DIAGNOSTIC_COLUMNS = ["clipped", "norm_min", "norm_median", "norm_mean", "norm_max"]
+#: adaptive clipping's per-round ζₜ and released noisy count: in the rows and the CSV only for adaptive runs
+ADAPTIVE_COLUMNS = ["clip_norm", "noisy_unclipped"]
 _REL_TOL = 1e-9
 
 
@@ -67,7 +70,8 @@ class AuditReport:
     @property
     def columns(self) -> list[str]:
         """The CSV's columns: the diagnostics only where the run recorded them."""
-        return ROUND_COLUMNS + (DIAGNOSTIC_COLUMNS if self.run.get("diagnostics") else [])
+        return (ROUND_COLUMNS + (ADAPTIVE_COLUMNS if "clip_norm_rule" in self.realized else [])
+                + (DIAGNOSTIC_COLUMNS if self.run.get("diagnostics") else []))
 
     def to_dict(self) -> dict[str, Any]:
         out = {
@@ -163,6 +167,13 @@ class AuditReport:
         if r["rounds_below_planned_noise"]:
             out.append(f"WARNING             {len(r['rounds_below_planned_noise'])} rounds had noise below the plan's "
                        f"std {p['noise_std']:.6g}: {r['rounds_below_planned_noise'][:10]}")
+        if "clip_norm_rule" in r:
+            zetas = [row["clip_norm"] for row in self.rounds if row.get("clip_norm") is not None]
+            span = f"ζ {zetas[0]:.6g} → {zetas[-1]:.6g}" if zetas else "no round committed"
+            rule = r["clip_norm_rule"]
+            verdict = ("follows the rule from the noisy counts" if not rule else
+                       f"VIOLATES the rule at rounds {rule[:10]}")
+            out.append(f"adaptive clipping   {span} over {len(zetas)} rounds; {verdict}")
         if not r["client_state_consistent"]:
             out.append("WARNING             the client_state table (eligibility) disagrees with the participations")
         if self.run.get("diagnostics"):
@@ -251,6 +262,29 @@ def _rounds_view(records: list, states: list, norms: dict[int, list] | None) -> 
     return [view[t] for t in sorted(view)]
 
 
+def clip_norm_violations(adaptive: Any, clip_norm: float, expected_users: Any, committed: list) -> list[int]:
+    """The committed rounds whose recorded ζₜ does not follow adaptive clipping's rule: ζ₀ = the plan's
+    clip norm, ζₜ₊₁ = next_clip_norm(ζₜ, b̃ₜ, m) from the recorded noisy counts (Andrew et al., Alg. 1);
+    a round without its ζₜ or b̃ₜ, or a plan whose rule cannot be read, violates it."""
+    from ..adaptive_clipping import AdaptiveClipping
+    from ..errors import FedmfError
+
+    try:
+        rule = AdaptiveClipping.from_dict(adaptive)
+        m = checks.positive("expected_users", expected_users)
+    except FedmfError:
+        return [int(r["round_index"]) for r in committed] or [0]
+    bad, expected = [], float(clip_norm)
+    for r in committed:
+        t, zeta, noisy = int(r["round_index"]), r.get("clip_norm"), r.get("noisy_unclipped")
+        if zeta is None or noisy is None or abs(zeta - expected) > _REL_TOL * expected:
+            bad.append(t)
+        if zeta is None or noisy is None:
+            break  # the rest of the sequence cannot be followed
+        expected = rule.next_clip_norm(zeta, noisy, m)
+    return bad
+
+
 def _report(ledger: str, version: str, run: Run, records: list, states: list, norms: dict[int, list] | None,
             unique: np.ndarray, users: np.ndarray, r_sorted: np.ndarray, state: list) -> AuditReport:
     info = RunInfo.from_row(run)
@@ -314,12 +348,16 @@ def _report(ledger: str, version: str, run: Run, records: list, states: list, no
     eps_end = priv.posthoc.epsilon  # the worst user's
 
     planned_std = z * info.clip_norm * s_plan  # absolute, like rounds.noise_std: sigma = z · clip_norm · sens
+    adaptive = (info.plan or {}).get("adaptive_clipping")
     rows = []
     below = []
     for r in rounds:
         t = r["round_index"]
         done = r["status"] == "committed"
-        if done and r["noise_std"] is not None and r["noise_std"] < planned_std * (1 - _REL_TOL):
+        # adaptive clipping: round t's planned std is z·ζₜ·sens at its recorded ζₜ
+        zeta_t = r.get("clip_norm") if adaptive is not None else None
+        std_t = planned_std if zeta_t is None else z * zeta_t * s_plan
+        if done and r["noise_std"] is not None and r["noise_std"] < std_t * (1 - _REL_TOL):
             below.append(t)
         rows.append({
             "round": t, "status": r["status"], "attempts": r["attempts"], "selected": r["selected"],
@@ -334,6 +372,7 @@ def _report(ledger: str, version: str, run: Run, records: list, states: list, no
             "min_separation": None if min_gap_by_round[t] == big else int(min_gap_by_round[t]),
             "max_participations": int(max_part_by_round[t]),
             "checkpoint_sha256": r["checkpoint_sha256"], "chain_sha256": r["chain_sha256"],
+            **({c: r.get(c) for c in ADAPTIVE_COLUMNS} if adaptive is not None else {}),
             **({c: r.get(c) for c in DIAGNOSTIC_COLUMNS} if info.diagnostics else {}),
         })
 
@@ -361,6 +400,10 @@ def _report(ledger: str, version: str, run: Run, records: list, states: list, no
         "rounds_below_planned_noise": below,
         "client_state_consistent": consistent,
     }
+    if adaptive is not None:
+        expected_users = (info.plan or {}).get("expected_users")
+        realized["clip_norm_rule"] = clip_norm_violations(adaptive, info.clip_norm, expected_users,
+                                                          [r for r in rounds if r["status"] == "committed"])
     run_dict = info.to_dict()
     return AuditReport(ledger, version, run_dict, planned, realized, hist, flagged, rows)
 

@@ -15,7 +15,10 @@ in deploy/README.md ("The hash chain"):
                        ‖ I(number of participations) ‖ for each, sorted by client key:
                          B(client_key) S(status) S(reason) or N)
 
-The previous hash of round 0 is the genesis; hashes are stored as 64 lowercase hex digits
+                       ‖ for each of OPTIONAL_ROUND_FIELDS that is not None: S(name) F(value)
+
+The optional fields (adaptive clipping's ζₜ and noisy count) enter only when set, so the hash of a
+round without them is the one version 1 always gave. The previous hash of round 0 is the genesis; hashes are stored as 64 lowercase hex digits
 (``runs.genesis_sha256``, ``rounds.chain_sha256``). Timestamps and diagnostics (update
 norms) are not covered: accounting reads neither. The mechanism document enters as its
 SHA-256 digest.
@@ -29,7 +32,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
-__all__ = ["GENESIS_FIELDS", "ROUND_FIELDS", "genesis_sha256", "round_sha256", "ChainCheck", "check_chain"]
+__all__ = ["GENESIS_FIELDS", "ROUND_FIELDS", "OPTIONAL_ROUND_FIELDS", "genesis_sha256", "round_sha256", "ChainCheck", "check_chain"]
 
 _RUN_LABEL = b"fedmf-ledger/v1/run\x00"
 _ROUND_LABEL = b"fedmf-ledger/v1/round\x00"
@@ -48,6 +51,9 @@ ROUND_FIELDS: tuple[tuple[str, str], ...] = (
     ("dropped", "int"), ("rejected", "int"), ("noise_std", "float"), ("epsilon_worst_user", "float"),
     ("epsilon_planned", "float"), ("checkpoint_sha256", "str"),
 )
+
+#: (column, kind) of a round's record hashed after ROUND_FIELDS, each only when it is not None
+OPTIONAL_ROUND_FIELDS: tuple[tuple[str, str], ...] = (("clip_norm", "float"), ("noisy_unclipped", "float"))
 
 
 def _field(kind: str, value: Any) -> bytes:
@@ -88,6 +94,9 @@ def round_sha256(previous: str, record: Mapping[str, Any],
     h.update(_field("bytes", bytes.fromhex(previous)))
     for name, kind in ROUND_FIELDS:
         h.update(_field(kind, record[name]))
+    for name, kind in OPTIONAL_ROUND_FIELDS:
+        if record.get(name) is not None:
+            h.update(_field("str", name) + _field(kind, record[name]))
     h.update(_field("int", len(rows)))
     for key, status, reason in rows:
         h.update(_field("bytes", key) + _field("str", status) + _field("str", reason))

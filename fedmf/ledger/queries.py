@@ -111,13 +111,16 @@ class RoundSummary:
     norm_median: float | None = None
     norm_mean: float | None = None
     norm_max: float | None = None
+    clip_norm: float | None = None  # adaptive clipping: ζₜ of this round (None: the plan's fixed ζ)
+    noisy_unclipped: float | None = None  # adaptive clipping: the released noisy count of norms ≤ ζₜ
 
     @classmethod
     def committed(cls, row: Any, norms: Sequence[tuple[float | None, bool | None]] | None) -> "RoundSummary":
         """From a ``rounds`` record and, with diagnostics, its (update_norm, clipped) pairs."""
         fields = {f: getattr(row, f) for f in ("round_index", "status", "attempts", "selected", "contributed",
                                                "dropped", "rejected", "noise_std", "checkpoint_sha256",
-                                               "epsilon_worst_user", "epsilon_planned", "chain_sha256")}
+                                               "epsilon_worst_user", "epsilon_planned", "chain_sha256",
+                                               "clip_norm", "noisy_unclipped")}
         return cls(**fields, **norm_summary(norms))
 
     @classmethod

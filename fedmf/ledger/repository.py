@@ -438,13 +438,16 @@ class RunLedger:
         pending.rejected[key] = str(reason)[:_REASON_MAX] or "rejected"
 
     def commit_round(self, t: int, *, noise_std: float | None = None, epsilon_worst_user: float | None = None,
-                     epsilon_planned: float | None = None, checkpoint_sha256: str | None = None) -> RoundSummary:
+                     epsilon_planned: float | None = None, checkpoint_sha256: str | None = None,
+                     clip_norm: float | None = None, noisy_unclipped: float | None = None) -> RoundSummary:
         """Insert round t's record (counts, noise, ε, chain hash) and participations in one
         transaction (with diagnostics, also the update norms).
 
         ``noise_std`` is the absolute std σ = z·ζ·sens added to the round's sum;
         ``checkpoint_sha256`` the SHA-256 (64 lowercase hex digits) of the checkpoint written
-        for round t, which a resumed server checks before trusting it."""
+        for round t, which a resumed server checks before trusting it. With adaptive clipping,
+        ``clip_norm`` is ζₜ (the round clipped to it; σ = z·ζₜ·sens) and ``noisy_unclipped`` the
+        released noisy count of updates with norm ≤ ζₜ; both None otherwise (and then not hashed)."""
         pending = self._open(t)
         if checkpoint_sha256 is not None and (not isinstance(checkpoint_sha256, str)
                                               or not _SHA256_HEX.fullmatch(checkpoint_sha256)):
@@ -452,6 +455,8 @@ class RunLedger:
         noise = _optional("noise_std", noise_std)
         eps_w = _optional("epsilon_worst_user", epsilon_worst_user)
         eps_p = _optional("epsilon_planned", epsilon_planned)
+        zeta = _optional("clip_norm", clip_norm)
+        noisy = None if noisy_unclipped is None else checks.number("noisy_unclipped", noisy_unclipped)
         rows: list[dict[str, Any]] = []
         for key in pending.contributed:
             rows.append({"client_key": key, "status": "contributed", "reason": None})
@@ -466,7 +471,7 @@ class RunLedger:
             "run_id": self.id, "round_index": t, "status": "committed", "attempts": pending.attempt,
             "selected": pending.n_selected, "contributed": len(pending.contributed), "dropped": len(dropped),
             "rejected": len(pending.rejected), "noise_std": noise, "checkpoint_sha256": checkpoint_sha256,
-            "epsilon_worst_user": eps_w, "epsilon_planned": eps_p,
+            "epsilon_worst_user": eps_w, "epsilon_planned": eps_p, "clip_norm": zeta, "noisy_unclipped": noisy,
         }
         norms = None
         if self.info.diagnostics:
