@@ -308,6 +308,8 @@ def run_canary_audit(model, users: Sequence[Hashable], plan, local_update: Calla
 
     if not isinstance(plan, RunPlan):
         raise ConfigError(f"plan must be a RunPlan, got {type(plan).__name__}")
+    if plan.adaptive_clipping is not None:  # the canaries and the scores assume one fixed ζ and σ
+        raise ConfigError("the canary audit needs a fixed clip norm: it does not audit adaptive-clipping plans")
     if isinstance(canaries, bool) or not isinstance(canaries, int) or canaries < 2:
         raise ConfigError(f"canaries must be an integer >= 2, got {canaries!r}")
     if not (isinstance(confidence, float) and 0.0 < confidence < 1.0):

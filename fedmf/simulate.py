@@ -175,6 +175,7 @@ def run_history(config: RunConfig, plan, run_id: int) -> list[dict[str, Any]]:
     counts, no metrics, and ``None`` for what only the log knew."""
     from .ledger import Ledger
     from .round_log import read_rounds
+    from .run import adaptive_metrics
 
     directory = Path(config.run_dir)
     try:
@@ -193,6 +194,8 @@ def run_history(config: RunConfig, plan, run_id: int) -> list[dict[str, Any]]:
             entry = {"round": r.round_index, "epsilon": plan.epsilon_after(r.round_index), "selected": r.selected,
                      "contributed": r.contributed, "dropped": r.dropped, "rejected": r.rejected, "clipped": r.clipped,
                      "zeroed": None, "seconds": None, "checkpoint_bytes": None, "metrics": {}}
+            if r.clip_norm is not None:  # adaptive clipping: ζₜ and b̃ₜ are in the ledger
+                entry["metrics"] = adaptive_metrics(r.clip_norm, r.noisy_unclipped, plan.expected_users)
         history.append(entry)
     return history
 
@@ -215,7 +218,17 @@ def _plot(history: list[dict[str, Any]], path: str) -> None:
     import matplotlib.pyplot as plt
 
     rounds = [h["round"] + 1 for h in history]
-    fig, left = plt.subplots(figsize=(7, 4))
+    zetas = [h["metrics"].get("clip-norm", math.nan) for h in history]
+    adaptive = any(not math.isnan(z) for z in zetas)  # adaptive clipping: a panel for ζₜ below
+    if adaptive:
+        fig, (left, lower) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, gridspec_kw={"height_ratios": [2, 1]})
+        lower.plot(rounds, zetas, color="tab:green", drawstyle="steps-mid")
+        lower.set_yscale("log")
+        lower.set_xlabel("round")
+        lower.set_ylabel("clip norm ζ")
+        lower.set_title("adaptive clip norm by round")
+    else:
+        fig, left = plt.subplots(figsize=(7, 4))
     accuracy = [h["metrics"].get("accuracy", math.nan) for h in history]
     left.plot(rounds, accuracy, color="tab:blue", label="held-out accuracy")
     left.set_xlabel("round")
