@@ -405,3 +405,30 @@ def test_the_canary_audit_refuses_an_adaptive_plan():
 
     with pytest.raises(ConfigError, match="fixed clip norm"):
         run_canary_audit(task.Tiny(), task.users(), _adaptive_task_plan(), task.local_update, canaries=4)
+
+
+def test_the_flower_strategy_runs_adaptive_clipping_bit_for_bit_and_reports_zeta(tmp_path):
+    from server.local_grid import LocalGrid
+    from server.strategy import DPMFStrategy
+
+    from .test_server_strategy import CONFIG, _nodes
+
+    rounds = 6
+    plan = task.plan(rounds=rounds, adaptive_clipping=AdaptiveClipping.create(0.5, expected_users=10,
+                                                                              learning_rate=0.5))
+    reference = task.Tiny()
+    loop = train(reference, task.users(), plan, task.local_update, checkpoint_dir=tmp_path / "loop",
+                 repeatable_noise=True)
+    task.share_secrets(tmp_path / "loop", tmp_path / "flower")
+    model = task.Tiny()
+    from fedmf.run import PrivateRun
+
+    with PrivateRun.open(model, plan, tmp_path / "flower", population=task.users(), repeatable_noise=True) as run:
+        result = DPMFStrategy(run, CONFIG).start(LocalGrid(_nodes()))
+    assert _model_bytes(model) == _model_bytes(reference)
+    metrics = [result.train_metrics_clientapp[t + 1] for t in range(rounds)]
+    assert [m["clip-norm"] for m in metrics] == [h.metrics["clip-norm"] for h in loop.history]
+    assert [m["noisy-unclipped-fraction"] for m in metrics] == [h.metrics["noisy-unclipped-fraction"]
+                                                                for h in loop.history]
+    assert metrics[0]["clip-norm"] == plan.clip_norm and len({m["clip-norm"] for m in metrics}) == rounds
+    assert [r[-2] for r in _ledger_rounds(tmp_path / "flower")] == [m["clip-norm"] for m in metrics]
