@@ -239,9 +239,11 @@ class RoundPrivatizer:
                 clipped = bound > zeta
                 # ℓ2 clipping of the whole update to ζ: x·min(1, ζ/‖x‖) (Multi-Epoch MF Sec. 2, ζ-bounded
                 # rows), with ‖x‖ replaced by a rigorous upper bound of it
-                factor = zeta / bound * self._clip_margin if clipped else 1.0
-                if self.adaptive is not None:  # the normalized sum: clip(Δ, ζₜ)/ζₜ has norm ≤ 1
-                    factor = (1.0 / bound * self._clip_margin) if clipped else 1.0 / zeta
+                if self.adaptive is None:
+                    factor = zeta / bound * self._clip_margin if clipped else 1.0
+                else:  # the normalized sum: clip(Δ, ζₜ)/ζₜ = Δ·min(1/ζₜ, 1/‖Δ‖), norm ≤ 1 (the margin
+                    # absorbs the rounding of 1/ζₜ too)
+                    factor = self._clip_margin / (bound if clipped else zeta)
                 self._sum.add_(flat, alpha=factor)
                 result = UserReport(user, "contributed", None, norm, clipped, False)
         report.users.append(result)

@@ -432,3 +432,19 @@ def test_the_flower_strategy_runs_adaptive_clipping_bit_for_bit_and_reports_zeta
                                                                 for h in loop.history]
     assert metrics[0]["clip-norm"] == plan.clip_norm and len({m["clip-norm"] for m in metrics}) == rounds
     assert [r[-2] for r in _ledger_rounds(tmp_path / "flower")] == [m["clip-norm"] for m in metrics]
+
+
+def test_each_normalized_contribution_has_norm_at_most_one_at_the_clip_boundary():
+    """Sensitivity 1 per participation: an update at ζₜ (within rounding, either side) or far above it
+    adds at most norm 1 to the normalized sum, in float32 where rounding is coarse."""
+    rng = np.random.default_rng(4)
+    for zeta in (1e-3, 0.37, 1.0, 3.3, 1e4):
+        plan = _plan(2, 1, clip_norm=zeta)
+        privatizer = RoundPrivatizer(plan, {"w": (1000,)}, dtype=torch.float32, seed=SEED)
+        for scale in (1 - 1e-7, 1.0, 1 + 1e-7, 1e3):
+            v = torch.from_numpy(rng.standard_normal(1000)).float()
+            v *= float(zeta * scale / torch.linalg.vector_norm(v.double()))
+            privatizer.begin(0)
+            privatizer.add("u", {"w": v})
+            assert float(torch.linalg.vector_norm(privatizer._sum.double())) <= 1.0, (zeta, scale)
+            privatizer.abort()
