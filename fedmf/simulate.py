@@ -231,7 +231,8 @@ def _plot(history: list[dict[str, Any]], path: str) -> None:
         fig, left = plt.subplots(figsize=(7, 4))
     accuracy = [h["metrics"].get("accuracy", math.nan) for h in history]
     left.plot(rounds, accuracy, color="tab:blue", label="held-out accuracy")
-    left.set_xlabel("round")
+    if not adaptive:  # the ζ panel below carries the round axis
+        left.set_xlabel("round")
     left.set_ylabel("held-out accuracy", color="tab:blue")
     right = left.twinx()
     right.plot(rounds, [h["epsilon"] for h in history], color="tab:red", label="epsilon spent (planned)")
