@@ -448,3 +448,24 @@ def test_each_normalized_contribution_has_norm_at_most_one_at_the_clip_boundary(
             privatizer.add("u", {"w": v})
             assert float(torch.linalg.vector_norm(privatizer._sum.double())) <= 1.0, (zeta, scale)
             privatizer.abort()
+
+
+def test_a_salted_run_resumed_after_a_crash_keeps_following_the_rule(tmp_path):
+    """With per-attempt salts (every real run) the redone round draws fresh noise and a fresh count,
+    and ζ resumes from the checkpoint: the audit finds the recorded sequence following the rule."""
+    from fedmf.checkpoint import CheckpointStore
+
+    def fail(event, t):
+        if (event, t) == ("noised", 5):
+            raise RuntimeError("crash in round 5")
+
+    with pytest.raises(RuntimeError, match="crash in round 5"):
+        train(task.Tiny(), task.users(), _adaptive_task_plan(), task.local_update, checkpoint_dir=tmp_path, rounds=9,
+              on_event=fail)
+    store = CheckpointStore(tmp_path)
+    zeta_5 = store.load(4, None)["privatizer"]["adaptive_clipping"]["clip_norm"]
+    train(task.Tiny(), task.users(), _adaptive_task_plan(), task.local_update, checkpoint_dir=tmp_path, rounds=9)
+    report = audit(tmp_path / "ledger.db", verify=True)
+    assert report.chain.ok and report.realized["clip_norm_rule"] == []
+    assert [r["clip_norm"] for r in report.rounds][5] == zeta_5
+    assert len({r["clip_norm"] for r in report.rounds}) == 9
