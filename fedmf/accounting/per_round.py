@@ -214,9 +214,12 @@ def cyclic_poisson_curve(rounds: int, min_sep: int, probability: float, step_noi
 
 def unamplified_curve(mechanism: "Mechanism", schema: "Schema", planned: "Sensitivity", *, noise_multiplier: float,
                       std_per_clip: float, delta: float, accountant: str, noise_sensitivity: float | None,
-                      final: float | None, max_points: int) -> ByRound:
+                      final: float | None, max_points: int, count_noise_std: float | None = None) -> ByRound:
     """epsilon after t = 1 … n rounds of the un-amplified run: the Gaussian mechanism with
-    sensitivity sens_t at noise std ``std_per_clip`` (module docstring); ``planned``: sens_n."""
+    sensitivity sens_t at noise std ``std_per_clip`` (module docstring); ``planned``: sens_n.
+    ``count_noise_std``: adaptive clipping's count release composed in with the k_t = min(k, ceil(t/b))
+    counts a user can have had by then (``count_release`` (1); each part at its own worst pattern,
+    an upper bound that is the planned value at t = n)."""
     z, sens = noise_multiplier, planned.value
     sens_t, method, exact = _prefix_sensitivities(mechanism, schema, max_points)
     exact = exact & (sens_t <= sens)  # where capped at the planned sensitivity, that one decides
@@ -225,8 +228,17 @@ def unamplified_curve(mechanism: "Mechanism", schema: "Schema", planned: "Sensit
     exact[-1] = planned.exact
     with np.errstate(divide="ignore"):
         multipliers = np.where(sens_t > 0, std_per_clip / np.maximum(sens_t, 1e-300), np.inf)
+    z_final = z if noise_sensitivity is None else std_per_clip / sens
+    if count_noise_std is not None:
+        from . import count_release
+
+        n = mechanism.rounds
+        k_t = [count_release.participations(schema, t) for t in range(1, n + 1)]
+        multipliers = np.array([count_release.compose(float(m), count_noise_std, k)
+                                for m, k in zip(multipliers.tolist(), k_t)])
+        z_final = count_release.compose(z_final, count_noise_std, k_t[-1])
     if final is None:
-        final = gaussian.epsilon(z if noise_sensitivity is None else std_per_clip / sens, delta, accountant)
+        final = gaussian.epsilon(z_final, delta, accountant)
     if accountant == "pld":
         eps = gaussian.epsilons(multipliers, delta)
     else:
