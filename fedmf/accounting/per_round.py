@@ -50,6 +50,7 @@ class ByRound:
     sensitivities: np.ndarray | None  # sens_t (un-amplified) or None
     method: str
     exact: np.ndarray  # per round: True where epsilon_t is the value itself, False where an upper bound
+    rhos: np.ndarray | None = None  # ρ-zCDP after rounds 1 … n (un-amplified curves only)
 
     def to_dict(self) -> dict:
         return {"epsilon_by_round": self.epsilons.tolist(), "per_round_method": self.method,
@@ -246,5 +247,8 @@ def unamplified_curve(mechanism: "Mechanism", schema: "Schema", planned: "Sensit
         eps = np.array([0.0 if not np.isfinite(m) else cache.setdefault(m, gaussian.epsilon(m, delta, accountant))
                         for m in multipliers])
     curve = _monotone(eps, final)
+    # ρ_t = 1/(2 z_t²) (Bun & Steinke 2016, Prop. 1.6), made monotone and capped like ε
+    with np.errstate(divide="ignore"):
+        rhos = _monotone(0.5 / np.square(multipliers), 0.5 / z_final**2)
     # the running maximum / final cap replaces a value only by an upper bound of it
-    return ByRound(curve, sens_t, method, exact & np.isclose(curve, eps, rtol=1e-12, atol=0.0))
+    return ByRound(curve, sens_t, method, exact & np.isclose(curve, eps, rtol=1e-12, atol=0.0), rhos)
