@@ -63,11 +63,18 @@ def participations(schema: "Schema", rounds: int) -> int:
     return schema.participations(rounds)
 
 
+def _count_term(count_noise_std: float, count_sensitivity_sq: float) -> float:
+    """Δ²/σ_b² of the counts, as (Δ/σ_b)² so that a huge σ_b underflows to 0 instead of overflowing."""
+    return (math.sqrt(count_sensitivity_sq) / count_noise_std) ** 2
+
+
 def compose(noise_multiplier: float, count_noise_std: float, count_sensitivity_sq: float) -> float:
     """The multiplier of the MF Gaussian (``noise_multiplier``, may be inf) composed with the count
     release of squared sensitivity ``count_sensitivity_sq`` (k in (1), 1 in (2)):
     1/z² = 1/z_mf² + Δ²/σ_b² (Dong–Roth–Su Cor. 3.3)."""
-    inverse_sq = count_sensitivity_sq / count_noise_std**2
+    inverse_sq = _count_term(count_noise_std, count_sensitivity_sq)
+    if inverse_sq == 0.0:
+        return noise_multiplier  # σ_b so large that the count adds nothing in float64: the MF multiplier itself
     if math.isfinite(noise_multiplier):
         inverse_sq += 1.0 / noise_multiplier**2
     return math.inf if inverse_sq == 0.0 else 1.0 / math.sqrt(inverse_sq)
@@ -76,9 +83,12 @@ def compose(noise_multiplier: float, count_noise_std: float, count_sensitivity_s
 def mf_multiplier(total_multiplier: float, count_noise_std: float, count_sensitivity_sq: float) -> float:
     """The MF multiplier z_mf whose composition (1)/(2) with the count is ``total_multiplier``;
     a one-line error when the count alone already spends the budget."""
-    left = 1.0 / total_multiplier**2 - count_sensitivity_sq / count_noise_std**2
+    count = _count_term(count_noise_std, count_sensitivity_sq)
+    if count == 0.0:
+        return total_multiplier
+    left = 1.0 / total_multiplier**2 - count
     if not left > 0.0:
-        share = count_sensitivity_sq / count_noise_std**2 * total_multiplier**2
+        share = count * total_multiplier**2
         floor = math.sqrt(count_sensitivity_sq) * total_multiplier
         raise ConfigError(f"adaptive-clipping-count-noise: count_noise_std {count_noise_std:g} alone spends "
                           f"{share:.3g}x the privacy budget; raise it above {floor:.6g} or raise the target epsilon")
@@ -88,7 +98,7 @@ def mf_multiplier(total_multiplier: float, count_noise_std: float, count_sensiti
 def privacy_split(noise_multiplier: float, count_noise_std: float, count_sensitivity_sq: float) -> dict[str, float]:
     """The fractions of μ² = 1/z_eff² from the MF mechanism and from the count (sum 1)."""
     mf = 1.0 / noise_multiplier**2
-    count = count_sensitivity_sq / count_noise_std**2
+    count = _count_term(count_noise_std, count_sensitivity_sq)
     return {"mf": mf / (mf + count), "count": count / (mf + count)}
 
 

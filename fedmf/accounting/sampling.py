@@ -198,8 +198,8 @@ class NoSampling(Sampling):
         k = count_release.participations(schema, mechanism.rounds)
         total = z
         z = count_release.mf_multiplier(total, count_noise_std, k)  # solve (1) for z_mf at the calibrated total
-        while gaussian.epsilon(count_release.compose(z, count_noise_std, k), delta, accountant) > epsilon:
-            z *= 1 + 1e-13  # the conservative side of the rounding
+        while not gaussian.meets(count_release.compose(z, count_noise_std, k), epsilon, delta, accountant):
+            z *= 1 + 1e-13  # the conservative side of the rounding, by calibrate's own criterion
         return z, f"gaussian-{accountant}", _gaussian_guarantee(accountant, sens.exact), {
             "count_noise_std": count_noise_std, "count_participations": k, "effective_noise_multiplier": total,
             "privacy_split": count_release.privacy_split(z, count_noise_std, k)}
