@@ -253,3 +253,16 @@ def test_posthoc_adds_each_users_actual_participations(bsr):
     assert priv.rho_plan == pytest.approx(0.5 / z**2 + 2 / sigma_b**2, rel=1e-12)
     assert priv.epsilon_plan == pytest.approx(report.planned_epsilon, rel=1e-12)
     assert priv.epsilon_user.max() == pytest.approx(max(u.epsilon for u in report.users), rel=1e-12)
+
+
+def test_simulation_result_rho_is_the_planned_rho_spent(bsr):
+    from fedmf.simulate import rho_spent
+
+    plan = RunPlan.create(bsr, SCHEMA, clip_norm=1.0, delta=1e-6, expected_users=100, noise_multiplier=1.0,
+                          adaptive_clipping=AdaptiveClipping.create(0.5, expected_users=40))  # σ_b = 2
+    assert rho_spent(plan, 0) == 0.0
+    assert rho_spent(plan, 64) == pytest.approx(0.5 + 4 / 8, rel=1e-12)
+    assert 0.0 < rho_spent(plan, 10) < rho_spent(plan, 64)
+    cyclic = RunPlan.create(bsr, CYCLIC, clip_norm=1.0, delta=1e-6, expected_users=100, noise_multiplier=1.0,
+                            sampling="cyclic-poisson:0.25")
+    assert rho_spent(cyclic, 10) is None

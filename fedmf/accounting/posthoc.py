@@ -22,6 +22,9 @@ the smaller of (1) and ``fedmf.sensitivity.pattern_sensitivity`` on the Gram blo
 where that one is). A strategy too large to hold densely is handled user by user
 (``fedmf.sensitivity.observed``), without the per-round curve.
 
+With adaptive clipping (``count_noise_std`` σ_b) each user's own k_u released counts are composed in:
+1/z_u² = s_u²/(z·sens_noise)² + k_u/σ_b² (``count_release`` (1)).
+
 Users whose rounds break the planned schema (too many, too close, outside their slot, or a
 sensitivity above the planned one) are flagged and accounted with their own, larger
 sensitivity — never with the planned one. The run's guarantee is the worst user's epsilon.
