@@ -93,6 +93,7 @@ class RunPlan:
         eps = None if target_epsilon is None else checks.positive("target_epsilon", target_epsilon)
         z = None if noise_multiplier is None else checks.positive("noise_multiplier", noise_multiplier)
         sampling.check_schema(schema)
+        sampling.check_delta(delta)
         if adaptive_clipping is not None and not isinstance(adaptive_clipping, AdaptiveClipping):
             raise ConfigError(f"adaptive_clipping must be an AdaptiveClipping, got {type(adaptive_clipping).__name__}")
         count_noise_std = None

@@ -175,12 +175,18 @@ def test_small_delta_unamplified_and_cyclic(bsr, delta):
 
 
 def test_bminsep_refuses_a_delta_it_cannot_certify(bsr):
-    for delta in (1e-10, 1e-12):
+    for delta in (1e-8, 1e-10, 1e-12):  # 1e-8 needs 1.5e10 samples per verification (evr.minimum_samples)
         with pytest.raises(ConfigError, match="cyclic-poisson") as info:
             epsilon(bsr, 1.0, delta, SCHEMA, sampling="bminsep:0.1")
         assert "\n" not in str(info.value) and f"delta={delta:g}" in str(info.value)
         with pytest.raises(ConfigError, match="cyclic-poisson"):
             calibrate(bsr, 2.0, delta, SCHEMA, sampling="bminsep:0.1")
+        with pytest.raises(ConfigError, match="cyclic-poisson"):  # up front: when the plan is made
+            RunPlan.create(bsr, SCHEMA, clip_norm=1.0, delta=delta, expected_users=10, noise_multiplier=1.0,
+                           sampling="bminsep:0.1")
+    # a delta it can certify is planned as before
+    RunPlan.create(bsr, SCHEMA, clip_norm=1.0, delta=1e-6, expected_users=10, noise_multiplier=1.0,
+                   sampling="bminsep:0.1")
 
 
 # ---- refusals ----------------------------------------------------------------------------------------

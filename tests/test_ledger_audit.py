@@ -133,6 +133,10 @@ def test_worst_pattern_reproduces_the_reference_gaussian_epsilon(ledger_url, tmp
     assert [x["max_participations"] for x in report.rounds] == [1, 1, 1, 2, 2, 2, 3, 3, 3, 4, 4, 4]
     assert r["rounds_committed"] == 12 and r["last_committed_round"] == 11 and r["flagged_users"] == 0
     assert r["client_state_consistent"] is True
+    # ρ-zCDP beside ε (Bun & Steinke 2016, Prop. 1.6): multiplier 10 for the plan and the worst user
+    assert report.planned["rho"] == pytest.approx(0.5 / 10**2, rel=1e-12)
+    assert r["rho_worst_user_at_end"] == pytest.approx(0.5 / 10**2, rel=1e-12)
+    assert "ρ-zCDP = 0.005" in "\n".join(report.lines())
 
 
 def test_a_client_state_that_disagrees_with_the_participations_is_reported(tmp_path):

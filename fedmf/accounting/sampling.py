@@ -109,6 +109,9 @@ class Sampling(metaclass=_ByParts):
     def check_calibrate(self) -> None:
         """Refuse calibration where the scheme has no calibrator."""
 
+    def check_delta(self, delta: float) -> None:
+        """Refuse up front a delta the scheme's accountant cannot certify in bounded time."""
+
     @abc.abstractmethod
     def calibrate(self, mechanism: "Mechanism", schema: "Schema", sens: "Sensitivity", *, epsilon: float,
                   delta: float, accountant: str, monte_carlo: "MonteCarloOptions",
@@ -274,14 +277,26 @@ class BMinSepSampling(_Sampled):
         scheme = BMinSep.from_mechanism(mechanism, b, self.probability, self.warm_start)  # ConfigError: e.g. C < 0
         return MonteCarloAccountant(scheme, workers=options.workers, chunk_size=options.chunk_size, keep=options.keep)
 
+    def check_delta(self, delta: float) -> None:
+        self._minimum_samples(delta)
+
     @staticmethod
-    def _samples(options: "MonteCarloOptions", delta: float) -> tuple[int, float]:
-        """Samples per verification and the base delta with which they certify ``delta``."""
+    def _minimum_samples(delta: float) -> int:
+        """The fewest samples that certify ``delta``; a ConfigError when they exceed the cap."""
         from . import evr
 
         if delta * MAX_MONTE_CARLO_SAMPLES < 1.0:  # it needs more than 1/delta samples (evr.minimum_samples)
             raise ConfigError(_mc_refusal(delta, f"more than {1.0 / delta:.3g}"))
-        samples = options.samples or evr.minimum_samples(delta)
+        samples = evr.minimum_samples(delta)
+        if samples > MAX_MONTE_CARLO_SAMPLES:
+            raise ConfigError(_mc_refusal(delta, f"{samples}"))
+        return samples
+
+    def _samples(self, options: "MonteCarloOptions", delta: float) -> tuple[int, float]:
+        """Samples per verification and the base delta with which they certify ``delta``."""
+        from . import evr
+
+        samples = options.samples or self._minimum_samples(delta)
         if samples > MAX_MONTE_CARLO_SAMPLES:
             raise ConfigError(_mc_refusal(delta, f"{samples}"))
         return samples, evr.base_delta(samples, delta)  # a ConfigError when too few samples certify delta

@@ -151,13 +151,16 @@ class AuditReport:
             f"clip {self.run['clip_norm']:g}, δ = {self.run['delta']:g}",
             f"plan                {p['schema']}: min_sep b = {p['min_sep']}, max_participations k = "
             f"{p['max_participations']}, sensitivity {p['sensitivity']:.6g}"
-            f"{'' if p['sensitivity_exact'] else ' (upper bound)'}, ε = {p['epsilon']:.6g}",
+            f"{'' if p['sensitivity_exact'] else ' (upper bound)'}, ε = {p['epsilon']:.6g}, ρ-zCDP = {p['rho']:.6g}"
+            + ("" if p.get("count_noise_std") is None else f" (with the adaptive-clipping count, σ_b = "
+                                                          f"{p['count_noise_std']:g})"),
             f"rounds              {r['rounds_committed']} committed (last {r['last_committed_round']}), "
             f"{r['rounds_aborted']} aborted, {r['rounds_open']} open",
             f"users               {r['users']} ({r['contributions']} contributions)",
             f"realized            min separation {r['min_separation']}, max participations {r['max_participations']}",
             f"ε spent             worst user {_fmt(r['epsilon_worst_user'])} "
-            f"(planned so far {_fmt(r['epsilon_planned_so_far'])}, plan at the end {p['epsilon']:.6g})",
+            f"(planned so far {_fmt(r['epsilon_planned_so_far'])}, plan at the end {p['epsilon']:.6g}); "
+            f"ρ worst user {r['rho_worst_user_at_end']:.6g}",
             "participations      " + ", ".join(f"{c}: {n}" for c, n in sorted(self.histogram.items())),
         ]
         if r["rounds_below_planned_noise"]:
