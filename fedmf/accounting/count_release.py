@@ -7,8 +7,8 @@ counts are a Gaussian mechanism with ℓ2 sensitivity √k and std σ_b: multipl
 
 Composition of Gaussian mechanisms: a Gaussian with multiplier z is (1/z)-GDP, and the adaptive
 composition of μᵢ-GDP mechanisms is √(Σ μᵢ²)-GDP (Dong, Roth, Su, "Gaussian Differential Privacy",
-JRSS-B 2022, Cor. 3.3); equivalently ρ = 1/(2z²)-zCDP composes additively (Bun & Steinke,
-"Concentrated Differential Privacy", TCC 2016, Prop. 1.6 and Lemma 2.3). Hence
+JRSS-B 2022; arXiv 1905.02383, Cor. 3.3); equivalently ρ = 1/(2z²)-zCDP composes additively (Bun & Steinke,
+"Concentrated Differential Privacy", TCC 2016, Prop. 1.6 and Lemma 1.7). Hence
 
     un-amplified (``none``):   1/z_eff² = 1/z_mf² + k/σ_b²                                     (1)
     cyclic Poisson, per step:  1/z_step² = col²/σ_u² + 1/σ_b²                                  (2)
