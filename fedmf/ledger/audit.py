@@ -324,7 +324,10 @@ def _report(ledger: str, version: str, run: Run, records: list, states: list, no
     for r in rounds:
         t = r["round_index"]
         done = r["status"] == "committed"
-        if done and r["noise_std"] is not None and r["noise_std"] < planned_std * (1 - _REL_TOL):
+        # an adaptively clipped round is noised for its own ζₜ (rounds.clip_norm): σₜ = z · ζₜ · sens
+        round_clip = r.get("clip_norm")
+        round_std = planned_std if round_clip is None else z * round_clip * s_plan
+        if done and r["noise_std"] is not None and r["noise_std"] < round_std * (1 - _REL_TOL):
             below.append(t)
         rows.append({
             "round": t, "status": r["status"], "attempts": r["attempts"], "selected": r["selected"],
