@@ -272,3 +272,13 @@ def test_simulation_result_rho_is_the_planned_rho_spent(bsr):
     cyclic = RunPlan.create(bsr, CYCLIC, clip_norm=1.0, delta=1e-6, expected_users=100, noise_multiplier=1.0,
                             sampling="cyclic-poisson:0.25")
     assert rho_spent(cyclic, 10) is None
+
+
+@pytest.mark.parametrize("delta", [1e-10, 1e-12])
+def test_cyclic_pld_at_small_delta_bounds_the_exact_gaussian_composition(delta):
+    # q = 1: count Gaussians compose into one Gaussian with multiplier z/√count (exact, mpmath); the PLD
+    # path of cyclic_poisson must stay on the safe side of it and close
+    for z, count in ((2.0, 4), (3.0, 64)):
+        ours = cyclic_poisson.epsilon(z, 1.0, count, delta)
+        exact = analytic_epsilon(math.sqrt(count) / z, delta)
+        assert exact <= ours <= exact * (1 + 1e-5)
