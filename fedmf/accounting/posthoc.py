@@ -249,7 +249,7 @@ def observed_sensitivities(mechanism: "Mechanism", users: np.ndarray, rounds: np
 
 
 def user_multipliers(sens: np.ndarray, std_over_clip: float, counts: np.ndarray | None,
-                 count_noise_std: float | None) -> np.ndarray:
+                     count_noise_std: float | None) -> np.ndarray:
     """The Gaussian multiplier std_over_clip / sens for each sensitivity (0: inf), composed with the
     ``counts`` count releases of adaptive clipping when ``count_noise_std`` is set (``count_release`` (1))."""
     sens = np.asarray(sens, dtype=np.float64)

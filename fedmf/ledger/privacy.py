@@ -61,7 +61,7 @@ def run_privacy(mechanism, schema: MinSep | FixedEpoch, noise_multiplier: float,
     by_round = epsilon_by_round(mechanism, noise_multiplier, delta, schema, count_noise_std=count_noise_std)
     counts = np.diff(np.searchsorted(np.asarray(users, dtype=np.int64), np.arange(n_users + 1)))
     multipliers = user_multipliers(report.sensitivities(), noise_multiplier * report.planned_sensitivity, counts,
-                               count_noise_std)
+                                   count_noise_std)
     with np.errstate(divide="ignore"):
         rho_user = 0.5 / np.square(multipliers)  # Bun & Steinke 2016, Prop. 1.6 (inf multiplier: ρ = 0)
     return RunPrivacy(
