@@ -93,15 +93,23 @@ class RunPlan:
         eps = None if target_epsilon is None else checks.positive("target_epsilon", target_epsilon)
         z = None if noise_multiplier is None else checks.positive("noise_multiplier", noise_multiplier)
         sampling.check_schema(schema)
+        sampling.check_delta(delta)
         if adaptive_clipping is not None and not isinstance(adaptive_clipping, AdaptiveClipping):
             raise ConfigError(f"adaptive_clipping must be an AdaptiveClipping, got {type(adaptive_clipping).__name__}")
+        count_noise_std = None
+        if adaptive_clipping is not None:
+            from .accounting import count_release
+
+            count_release.check_sampling(sampling)
+            count_noise_std = adaptive_clipping.count_noise_std
         calibration: dict[str, Any] = {}
         if z is None:
             if eps is None:
                 raise ConfigError("give a noise_multiplier or a target_epsilon")
             from .accounting import calibrate
 
-            result = calibrate(mechanism, eps, delta, schema, sampling=sampling, accountant=accountant)
+            result = calibrate(mechanism, eps, delta, schema, sampling=sampling, accountant=accountant,
+                               count_noise_std=count_noise_std)
             z = float(result.noise_multiplier)
             calibration = {"accountant": result.accountant, "guarantee": result.guarantee}
         plan = cls(mechanism, schema, sampling, zeta, z, delta, m, threshold, accountant, eps, calibration,
@@ -141,16 +149,33 @@ class RunPlan:
             return self.zero_threshold
         return self.zero_threshold * (clip_norm / self.clip_norm)
 
+    @property
+    def count_noise_std(self) -> float | None:
+        """σ_b of adaptive clipping's count release (None: ζ is fixed, no count is released)."""
+        return None if self.adaptive_clipping is None else self.adaptive_clipping.count_noise_std
+
     @cached_property
     def _accounting(self):
         from .accounting import epsilon
 
         return epsilon(self.mechanism, self.noise_multiplier, self.delta, self.schema, sampling=self.sampling,
-                       accountant=self.accountant)
+                       accountant=self.accountant, count_noise_std=self.count_noise_std)
 
     def epsilon(self) -> float:
-        """ε of the whole run at δ (as planned)."""
+        """ε of the whole run at δ (as planned; with adaptive clipping's count release composed in)."""
         return float(self._accounting.epsilon)
+
+    def rho(self) -> float | None:
+        """ρ-zCDP of the whole run (un-amplified accounting only; None where the accountant is amplified)."""
+        return self._accounting.rho
+
+    @cached_property
+    def _curve(self):
+        from .accounting import epsilon_by_round
+
+        return epsilon_by_round(self.mechanism, self.noise_multiplier, self.delta, self.schema,
+                                sampling=self.sampling, accountant=self.accountant, final=self.epsilon(),
+                                count_noise_std=self.count_noise_std)
 
     @cached_property
     def _epsilon_by_round(self) -> np.ndarray:
@@ -158,11 +183,13 @@ class RunPlan:
         if not self.sampling.has_per_round_curve:
             # no per-round curve for this scheme's accountant: every round is charged the whole run's ε
             return np.full(self.rounds, total)
-        from .accounting import epsilon_by_round
+        return np.minimum(np.asarray(self._curve.epsilons, dtype=np.float64), total)
 
-        curve = epsilon_by_round(self.mechanism, self.noise_multiplier, self.delta, self.schema,
-                                 sampling=self.sampling, accountant=self.accountant, final=total)
-        return np.minimum(np.asarray(curve.epsilons, dtype=np.float64), total)
+    def rho_after(self, t: int) -> float | None:
+        """Planned ρ-zCDP once round t is done (None where the accountant is amplified)."""
+        if self.rho() is None:
+            return None
+        return float(min(self._curve.rhos[t], self.rho()))
 
     def epsilon_by_round(self) -> np.ndarray:
         """ε spent after rounds 0..t for every t (planned; non-decreasing, ends at ``epsilon()``)."""
@@ -251,5 +278,11 @@ class RunPlan:
 
     def summary(self) -> dict[str, Any]:
         """The plan with its derived values (for logs, metrics and the CLI)."""
-        return {**self.to_dict(), "sensitivity": self.sensitivity.value, "sensitivity_exact": self.sensitivity.exact,
-                "noise_std": self.noise_std, "epsilon": self.epsilon(), "fingerprint": self.fingerprint}
+        out = {**self.to_dict(), "sensitivity": self.sensitivity.value, "sensitivity_exact": self.sensitivity.exact,
+               "noise_std": self.noise_std, "epsilon": self.epsilon(), "rho": self.rho(),
+               "fingerprint": self.fingerprint}
+        if self.rho() is None:
+            out["rho_note"] = self._accounting.details["rho_note"]
+        if "privacy_split" in self._accounting.details:
+            out["privacy_split"] = self._accounting.details["privacy_split"]  # fractions of μ²: MF vs the count
+        return out

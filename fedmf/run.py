@@ -294,7 +294,7 @@ class PrivateRun:
             return None
         plan = self.plan
         return account_observed(plan.mechanism, plan.noise_multiplier, plan.delta, observed, plan.schema,
-                                accountant=plan.accountant).epsilon
+                                accountant=plan.accountant, count_noise_std=plan.count_noise_std).epsilon
 
     # ---- the round ---------------------------------------------------------------------
     def guard(self, observed: bool = False) -> None:

@@ -127,6 +127,8 @@ class SimulationResult:
     seconds: float
     history: list[dict[str, Any]] = field(default_factory=list)
     plot: str | None = None
+    #: ρ-zCDP spent so far as planned (un-amplified accounting; None where the accountant is amplified)
+    rho: float | None = None
 
     def audit_command(self) -> str:
         """``fedmf audit`` as the auditor runs it (``fedmf.auditor``: never the server's role or password)."""
@@ -163,8 +165,15 @@ def simulate(config: RunConfig, *, model, users, local_update=None, local_update
     accuracy = next((h["metrics"].get("accuracy") for h in reversed(history) if "accuracy" in h["metrics"]), None)
     out = SimulationResult(config.run_dir, result.ledger, result.run_id, result.rounds_done, result.stopped,
                            plan.epsilon_after(result.rounds_done - 1) if result.rounds_done else 0.0, plan.delta,
-                           plan.noise_multiplier, accuracy, time.perf_counter() - started, history)
+                           plan.noise_multiplier, accuracy, time.perf_counter() - started, history,
+                           rho=rho_spent(plan, result.rounds_done))
     return write_outputs(out, config.run_dir, plot)
+
+
+def rho_spent(plan, rounds_done: int) -> float | None:
+    """The planned ρ-zCDP after ``rounds_done`` rounds (None where the accountant is amplified)."""
+    rho = plan.rho_after(rounds_done - 1) if rounds_done else 0.0
+    return None if plan.rho() is None else rho
 
 
 def run_history(config: RunConfig, plan, run_id: int) -> list[dict[str, Any]]:

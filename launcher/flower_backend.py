@@ -22,7 +22,7 @@ from fedmf.errors import ConfigError, FedmfError, OutcomeError
 from fedmf.files import atomic_write
 from fedmf.ledger.db import public_url
 from fedmf.outcome import OUTCOME_FILE, clear_outcome, read_outcome
-from fedmf.simulate import SimulationResult, run_history, write_outputs
+from fedmf.simulate import SimulationResult, rho_spent, run_history, write_outputs
 from fedmf.tasks import Task
 
 from . import processes
@@ -86,7 +86,7 @@ def flower_result(config: RunConfig, *, model, evaluate, seconds: float = 0.0, p
         history[-1]["metrics"] = {**history[-1]["metrics"], **scores}
     out = SimulationResult(str(directory), public_url(ledger), run_id, done, outcome.stopped,
                            plan.epsilon_after(done - 1) if done else 0.0, plan.delta, plan.noise_multiplier,
-                           scores.get("accuracy"), seconds, history)
+                           scores.get("accuracy"), seconds, history, rho=rho_spent(plan, done))
     return write_outputs(out, config.run_dir, plot)
 
 

@@ -116,6 +116,9 @@ class DPMFStrategy(Strategy):
         metrics = {"epsilon": record.epsilon, "selected": record.selected, "received": len(received.updates),
                    "rejected": record.rejected, "clipped": record.clipped, "zeroed": record.zeroed,
                    "dropped": record.dropped, **record.metrics}
+        rho = self.run.plan.rho_after(record.round)  # ρ-zCDP as planned; none for amplified accounting
+        if rho is not None:
+            metrics["rho"] = rho
         if self.observed_metric:
             try:
                 worst = self.run.observed_epsilon()

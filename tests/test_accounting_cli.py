@@ -112,6 +112,11 @@ def test_text_output(capsys, mechanism_file):
     ("epsilon", "--noise-multiplier", "1", "--delta", "1e-3", "--sampling", "bminsep:0.1", "--samples", "10"),
     ("calibrate", "--epsilon", "1", "--delta", "1e-3", "--sampling", "bminsep:0.1", "--samples", "10"),
     ("epsilon", "--noise-multiplier", "1", "--delta", "1e-6", "--accountant", "rdp", "--sampling", "poisson:0.1"),
+    ("epsilon", "--noise-multiplier", "1", "--delta", "1e-6", "--count-noise-std", "0"),
+    ("epsilon", "--noise-multiplier", "1", "--delta", "1e-6", "--count-noise-std", "inf"),
+    ("epsilon", "--noise-multiplier", "1", "--delta", "1e-6", "--count-noise-std", "5", "--sampling", "bminsep:0.1"),
+    ("calibrate", "--epsilon", "0.5", "--delta", "1e-6", "--count-noise-std", "0.5"),
+    ("epsilon", "--noise-multiplier", "1", "--delta", "1e-12", "--sampling", "bminsep:0.1"),
 ])
 def test_bad_input_exits_2_with_one_line(capsys, mechanism_file, argv):
     rc, out, err = run(capsys, *argv[:1], "--mechanism", mechanism_file, *argv[1:])
@@ -119,6 +124,23 @@ def test_bad_input_exits_2_with_one_line(capsys, mechanism_file, argv):
     assert out == ""
     assert err.startswith("fedmf: error: ") and len(err.strip().splitlines()) == 1
     assert "Traceback" not in err
+
+
+def test_count_noise_std_and_rho(capsys, mechanism_file):
+    plain = run_json(capsys, "epsilon", "--mechanism", mechanism_file, "--noise-multiplier", "1.5", "--delta", "1e-12")
+    assert plain["rho"] == pytest.approx(0.5 / 1.5**2, rel=1e-12) and "privacy_split" not in plain
+    report = run_json(capsys, "epsilon", "--mechanism", mechanism_file, "--noise-multiplier", "1.5",
+                      "--delta", "1e-12", "--count-noise-std", "4")
+    # k = 4 counts, each of sensitivity 1 and std 4: 1/z_eff² = 1/1.5² + 4/16 (GDP composition)
+    assert report["epsilon"] == gaussian.epsilon((1 / 1.5**2 + 0.25) ** -0.5, 1e-12)
+    assert report["rho"] == pytest.approx(0.5 / 1.5**2 + 4 / 32, rel=1e-12)
+    assert report["privacy_split"]["count"] == pytest.approx(0.25 / (1 / 1.5**2 + 0.25), rel=1e-12)
+    cal = run_json(capsys, "calibrate", "--mechanism", mechanism_file, "--epsilon", str(report["epsilon"]),
+                   "--delta", "1e-12", "--count-noise-std", "4")
+    assert cal["noise_multiplier"] == pytest.approx(1.5, rel=1e-9)
+    amplified = run_json(capsys, "epsilon", "--mechanism", mechanism_file, "--noise-multiplier", "1.5",
+                         "--delta", "1e-6", "--sampling", "cyclic-poisson:0.5", "--count-noise-std", "4")
+    assert amplified["rho"] is None and amplified["rho_note"]
 
 
 def test_not_a_mechanism_file(capsys, tmp_path):

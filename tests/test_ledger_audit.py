@@ -133,6 +133,10 @@ def test_worst_pattern_reproduces_the_reference_gaussian_epsilon(ledger_url, tmp
     assert [x["max_participations"] for x in report.rounds] == [1, 1, 1, 2, 2, 2, 3, 3, 3, 4, 4, 4]
     assert r["rounds_committed"] == 12 and r["last_committed_round"] == 11 and r["flagged_users"] == 0
     assert r["client_state_consistent"] is True
+    # ρ-zCDP beside ε (Bun & Steinke 2016, Prop. 1.6): multiplier 10 for the plan and the worst user
+    assert report.planned["rho"] == pytest.approx(0.5 / 10**2, rel=1e-12)
+    assert r["rho_worst_user_at_end"] == pytest.approx(0.5 / 10**2, rel=1e-12)
+    assert "ρ-zCDP = 0.005" in "\n".join(report.lines())
 
 
 def test_a_client_state_that_disagrees_with_the_participations_is_reported(tmp_path):
@@ -388,3 +392,21 @@ def test_rounds_carry_the_checkpoint_hash_and_the_absolute_noise_std(tmp_path):
         rows = list(csv.DictReader(f))
     assert [r["checkpoint_sha256"] for r in rows] == [digest, ""]
     assert "norm_max" not in rows[0] and "clipped" not in rows[0]  # no diagnostics recorded: none exported
+
+
+def test_an_adaptively_clipped_round_is_checked_against_its_own_clip_norm(tmp_path):
+    # σₜ = z · ζₜ · sens: a round clipped at ζₜ = ζ₀/2 is noised at half the plan's σ (for ζ₀) and is not
+    # below its plan; without rounds.clip_norm the same σ is below the plan's
+    url = str(tmp_path / "l.db")
+    path = mechanism_file(tmp_path, kind="dp-sgd", rounds=8, schema=MinSep(2, 4))
+    with Ledger.open(url, secret=SECRET) as ledger:
+        run = ledger.create_run(path, noise_multiplier=2.0, clip_norm=0.5, delta=1e-6)
+        for t, client in enumerate(["a", "b"]):
+            run.open_round(t)
+            run.record_selection(t, [client])
+            run.record_contribution(t, client, 0.3)
+            run.commit_round(t, noise_std=2.0 * 0.25 * 2.0)  # z · ζₜ · sqrt(k), ζₜ = 0.25
+        assert audit(url).realized["rounds_below_planned_noise"] == [0, 1]
+        with ledger.engine.begin() as conn:
+            conn.execute(text("UPDATE rounds SET clip_norm = 0.25 WHERE round_index = 0"))
+        assert audit(url).realized["rounds_below_planned_noise"] == [1]

@@ -152,3 +152,13 @@ def test_bad_replies_are_rejected_recorded_and_never_aggregated(tmp_path):
         assert reasons[user] and all(fragment in r for r in reasons[user]), (user, reasons[user])
     assert any("not selected" in r for r in reasons["outsider"])
     assert "u10" not in reasons  # silent: dropped, not rejected
+
+
+def test_round_metrics_carry_the_planned_rho(tmp_path):
+    plan = task.plan(rounds=4)
+    with PrivateRun.open(task.Tiny(), plan, tmp_path, population=task.users(), repeatable_noise=True) as run:
+        result = DPMFStrategy(run, CONFIG).start(LocalGrid(_nodes()))
+    rhos = [result.train_metrics_clientapp[t + 1]["rho"] for t in range(4)]
+    assert rhos == [plan.rho_after(t) for t in range(4)] and rhos == sorted(rhos)
+    # un-amplified: ρ = 1/(2z²) at the end (Bun & Steinke 2016, Prop. 1.6)
+    assert rhos[-1] == pytest.approx(0.5 / 0.8**2, rel=1e-12)

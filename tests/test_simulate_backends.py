@@ -86,7 +86,7 @@ def test_both_backends_with_the_same_secrets_give_the_same_model(tmp_path, capsy
         assert torch.equal(a[name], b[name]), name
     # the same summary, read back from the Flower run's ledger and final model
     assert set(flower) == set(local)
-    for key in ("rounds_done", "stopped", "epsilon", "delta", "noise_multiplier", "accuracy", "run_id"):
+    for key in ("rounds_done", "stopped", "epsilon", "rho", "delta", "noise_multiplier", "accuracy", "run_id"):
         assert flower[key] == local[key], key
     assert flower["rounds_done"] == 2 and flower["stopped"] == "horizon"
     assert flower["audit"] == f"fedmf audit --ledger {flower_dir / 'ledger.db'} --run {flower['run_id']}"

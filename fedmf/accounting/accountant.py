@@ -64,12 +64,35 @@ class Accounting:
     seconds: float
     details: dict[str, Any] = field(default_factory=dict)
     epsilon_by_round: list[float] | None = None
+    #: ρ-zCDP of the un-amplified (Gaussian) run, None where the accountant is amplified (``rho_note`` says why)
+    rho: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         if out["epsilon_by_round"] is None:
             del out["epsilon_by_round"]
         return out
+
+
+def _rho(sampling: Sampling, details: dict[str, Any]) -> float | None:
+    """ρ = 1/(2 z_eff²) of an un-amplified run (Bun & Steinke 2016, Prop. 1.6; composition adds, which
+    z_eff already holds); None with a note in ``details`` for amplified accounting (no zCDP bound)."""
+    from . import count_release
+
+    if sampling.amplified or "effective_noise_multiplier" not in details:
+        details["rho_note"] = count_release.RHO_AMPLIFIED_NOTE
+        return None
+    return count_release.rho(details["effective_noise_multiplier"])
+
+
+def _count_noise_std(sampling: Sampling, count_noise_std: float | None) -> float | None:
+    """Check σ_b (None: no adaptive clipping) and that ``sampling``'s accountant composes the count."""
+    from . import count_release
+
+    count_noise_std = count_release.check_count_noise_std(count_noise_std)
+    if count_noise_std is not None:
+        count_release.check_sampling(sampling)
+    return count_noise_std
 
 
 def schema_sensitivity(mechanism: "Mechanism", schema: "Schema"):
@@ -90,14 +113,16 @@ def _sens_details(sens) -> dict[str, Any]:
 def epsilon(mechanism: "Mechanism", noise_multiplier: float, delta: float, schema: "Schema", *,
             sampling: Sampling | str | None = None, accountant: str = "pld",
             noise_sensitivity: float | None = None, per_round: bool = False,
-            monte_carlo: MonteCarloOptions = MonteCarloOptions()) -> Accounting:
+            monte_carlo: MonteCarloOptions = MonteCarloOptions(), count_noise_std: float | None = None) -> Accounting:
     """epsilon at ``delta`` of a run of ``mechanism`` with noise multiplier z under
-    ``schema`` and ``sampling``. See the module docstring for the noise convention."""
+    ``schema`` and ``sampling``. See the module docstring for the noise convention.
+    ``count_noise_std``: σ_b of adaptive clipping's count release, composed in (``count_release``)."""
     started = time.perf_counter()
     z = checks.positive("noise multiplier", noise_multiplier)
     delta = checks.open_unit("delta", delta)
     gaussian.check_accountant(accountant)
     sampling = parse_sampling(sampling)
+    count_noise_std = _count_noise_std(sampling, count_noise_std)
     if per_round and not sampling.has_per_round_curve:
         raise ConfigError(f"per-round spend is not available for {sampling.kind} sampling")
     sens = schema_sensitivity(mechanism, schema)
@@ -110,12 +135,13 @@ def epsilon(mechanism: "Mechanism", noise_multiplier: float, delta: float, schem
         details["noise_sensitivity"] = noise_sens
     eps, name, guarantee, more = sampling.epsilon(
         mechanism, schema, sens, noise_multiplier=z, std_per_clip=std_per_clip, delta=delta, accountant=accountant,
-        noise_sensitivity=noise_sensitivity, monte_carlo=monte_carlo)
+        noise_sensitivity=noise_sensitivity, monte_carlo=monte_carlo, count_noise_std=count_noise_std)
     details.update(more)
     result = Accounting(eps, delta, z, sens.value, std_per_clip, name, guarantee, str(sampling), 0.0, details)
+    result.rho = _rho(sampling, details)
     if per_round:
         by_round = epsilon_by_round(mechanism, z, delta, schema, sampling=sampling, accountant=accountant,
-                                    noise_sensitivity=noise_sensitivity, final=eps)
+                                    noise_sensitivity=noise_sensitivity, final=eps, count_noise_std=count_noise_std)
         result.epsilon_by_round = by_round.epsilons.tolist()
         result.details["per_round_method"] = by_round.method
         result.details["per_round_exact"] = bool(by_round.exact.all())
@@ -125,14 +151,16 @@ def epsilon(mechanism: "Mechanism", noise_multiplier: float, delta: float, schem
 
 def calibrate(mechanism: "Mechanism", epsilon: float, delta: float, schema: "Schema", *,
               sampling: Sampling | str | None = None, accountant: str = "pld", per_round: bool = False,
-              monte_carlo: MonteCarloOptions = MonteCarloOptions()) -> Accounting:
+              monte_carlo: MonteCarloOptions = MonteCarloOptions(), count_noise_std: float | None = None) -> Accounting:
     """The smallest noise multiplier z (noise std = z·ζ·sens_schema) whose run is
-    (epsilon, delta)-DP. Cached for the analytic accountants; b-min-sep runs EVR."""
+    (epsilon, delta)-DP. Cached for the analytic accountants; b-min-sep runs EVR.
+    ``count_noise_std``: σ_b of adaptive clipping's count release; z is solved with it composed in."""
     started = time.perf_counter()
     epsilon = checks.positive("epsilon", epsilon)
     delta = checks.open_unit("delta", delta)
     gaussian.check_accountant(accountant)
     sampling = parse_sampling(sampling)
+    count_noise_std = _count_noise_std(sampling, count_noise_std)
     sampling.check_calibrate()
     if per_round and not sampling.has_per_round_curve:
         raise ConfigError(f"per-round spend is not available for {sampling.kind} sampling")
@@ -141,11 +169,16 @@ def calibrate(mechanism: "Mechanism", epsilon: float, delta: float, schema: "Sch
         raise ConfigError("the mechanism has zero sensitivity under this schema")
     details: dict[str, Any] = _sens_details(sens)
     z, name, guarantee, more = sampling.calibrate(mechanism, schema, sens, epsilon=epsilon, delta=delta,
-                                                  accountant=accountant, monte_carlo=monte_carlo)
+                                                  accountant=accountant, monte_carlo=monte_carlo,
+                                                  count_noise_std=count_noise_std)
     details.update(more)
+    if not sampling.amplified and "effective_noise_multiplier" not in details:
+        details["effective_noise_multiplier"] = z
     out = Accounting(epsilon, delta, z, sens.value, z * sens.value, name, guarantee, str(sampling), 0.0, details)
+    out.rho = _rho(sampling, details)
     if per_round:
-        by_round = epsilon_by_round(mechanism, z, delta, schema, sampling=sampling, accountant=accountant)
+        by_round = epsilon_by_round(mechanism, z, delta, schema, sampling=sampling, accountant=accountant,
+                                    count_noise_std=count_noise_std)
         out.epsilon_by_round = by_round.epsilons.tolist()
         out.details["per_round_method"] = by_round.method
         out.details["per_round_exact"] = bool(by_round.exact.all())
@@ -156,17 +189,19 @@ def calibrate(mechanism: "Mechanism", epsilon: float, delta: float, schema: "Sch
 def epsilon_by_round(mechanism: "Mechanism", noise_multiplier: float, delta: float, schema: "Schema", *,
                      sampling: Sampling | str | None = None, accountant: str = "pld",
                      noise_sensitivity: float | None = None, final: float | None = None,
-                     max_points: int = 64) -> "ByRound":
+                     max_points: int = 64, count_noise_std: float | None = None) -> "ByRound":
     """epsilon after each round (``per_round``: un-amplified or cyclic-Poisson). ``final``: the
-    planned epsilon when already known (the curve ends exactly there)."""
+    planned epsilon when already known (the curve ends exactly there). ``count_noise_std``: σ_b of
+    adaptive clipping's count release, composed in."""
     z = checks.positive("noise multiplier", noise_multiplier)
     delta = checks.open_unit("delta", delta)
     gaussian.check_accountant(accountant)
     sampling = parse_sampling(sampling)
+    count_noise_std = _count_noise_std(sampling, count_noise_std)
     max_points = checks.positive_int("max_points", max_points)
     planned = mechanism.sensitivity(schema)
     noise_sens = planned.value if noise_sensitivity is None else checks.positive("noise sensitivity",
                                                                                   noise_sensitivity)
     return sampling.epsilon_by_round(mechanism, schema, planned, noise_multiplier=z, std_per_clip=z * noise_sens,
                                      delta=delta, accountant=accountant, noise_sensitivity=noise_sensitivity,
-                                     final=final, max_points=max_points)
+                                     final=final, max_points=max_points, count_noise_std=count_noise_std)

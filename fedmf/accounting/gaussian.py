@@ -30,7 +30,7 @@ from scipy import optimize, special
 from .. import checks
 from ..errors import ConfigError
 
-__all__ = ["ACCOUNTANTS", "delta_for_epsilon", "epsilon", "epsilons", "calibrate", "check_accountant"]
+__all__ = ["ACCOUNTANTS", "delta_for_epsilon", "epsilon", "epsilons", "calibrate", "check_accountant", "meets"]
 
 ACCOUNTANTS = ("pld", "rdp")
 
@@ -146,6 +146,16 @@ def _calibrate_cached(epsilon: float, delta: float, accountant: str) -> float:
     while GaussianPrivacyLoss(z, sensitivity=1.0).get_delta_for_epsilon(epsilon) > delta:
         z *= 1 + 1e-13  # conservative side of the root
     return z
+
+
+def meets(noise_multiplier: float, epsilon: float, delta: float, accountant: str = "pld") -> bool:
+    """Whether the Gaussian with this multiplier is (epsilon, delta)-DP by the criterion ``calibrate``
+    solves: dp_accounting's exact delta(epsilon) for "pld", the RDP epsilon for "rdp"."""
+    if accountant == "rdp":
+        return _epsilon_cached(noise_multiplier, delta, accountant) <= epsilon
+    from dp_accounting.pld.privacy_loss_mechanism import GaussianPrivacyLoss
+
+    return GaussianPrivacyLoss(noise_multiplier, sensitivity=1.0).get_delta_for_epsilon(epsilon) <= delta
 
 
 def calibrate(epsilon: float, delta: float, accountant: str = "pld") -> float:

@@ -50,6 +50,7 @@ class ByRound:
     sensitivities: np.ndarray | None  # sens_t (un-amplified) or None
     method: str
     exact: np.ndarray  # per round: True where epsilon_t is the value itself, False where an upper bound
+    rhos: np.ndarray | None = None  # ρ-zCDP after rounds 1 … n (un-amplified curves only)
 
     def to_dict(self) -> dict:
         return {"epsilon_by_round": self.epsilons.tolist(), "per_round_method": self.method,
@@ -214,9 +215,12 @@ def cyclic_poisson_curve(rounds: int, min_sep: int, probability: float, step_noi
 
 def unamplified_curve(mechanism: "Mechanism", schema: "Schema", planned: "Sensitivity", *, noise_multiplier: float,
                       std_per_clip: float, delta: float, accountant: str, noise_sensitivity: float | None,
-                      final: float | None, max_points: int) -> ByRound:
+                      final: float | None, max_points: int, count_noise_std: float | None = None) -> ByRound:
     """epsilon after t = 1 … n rounds of the un-amplified run: the Gaussian mechanism with
-    sensitivity sens_t at noise std ``std_per_clip`` (module docstring); ``planned``: sens_n."""
+    sensitivity sens_t at noise std ``std_per_clip`` (module docstring); ``planned``: sens_n.
+    ``count_noise_std``: adaptive clipping's count release composed in with the k_t = min(k, ceil(t/b))
+    counts a user can have had by then (``count_release`` (1); each part at its own worst pattern,
+    an upper bound that is the planned value at t = n)."""
     z, sens = noise_multiplier, planned.value
     sens_t, method, exact = _prefix_sensitivities(mechanism, schema, max_points)
     exact = exact & (sens_t <= sens)  # where capped at the planned sensitivity, that one decides
@@ -225,8 +229,17 @@ def unamplified_curve(mechanism: "Mechanism", schema: "Schema", planned: "Sensit
     exact[-1] = planned.exact
     with np.errstate(divide="ignore"):
         multipliers = np.where(sens_t > 0, std_per_clip / np.maximum(sens_t, 1e-300), np.inf)
+    z_final = z if noise_sensitivity is None else std_per_clip / sens
+    if count_noise_std is not None:
+        from . import count_release
+
+        n = mechanism.rounds
+        k_t = [count_release.participations(schema, t) for t in range(1, n + 1)]
+        multipliers = np.array([count_release.compose(float(m), count_noise_std, k)
+                                for m, k in zip(multipliers.tolist(), k_t)])
+        z_final = count_release.compose(z_final, count_noise_std, k_t[-1])
     if final is None:
-        final = gaussian.epsilon(z if noise_sensitivity is None else std_per_clip / sens, delta, accountant)
+        final = gaussian.epsilon(z_final, delta, accountant)
     if accountant == "pld":
         eps = gaussian.epsilons(multipliers, delta)
     else:
@@ -234,5 +247,8 @@ def unamplified_curve(mechanism: "Mechanism", schema: "Schema", planned: "Sensit
         eps = np.array([0.0 if not np.isfinite(m) else cache.setdefault(m, gaussian.epsilon(m, delta, accountant))
                         for m in multipliers])
     curve = _monotone(eps, final)
+    # ρ_t = 1/(2 z_t²) (Bun & Steinke 2016, Prop. 1.6), made monotone and capped like ε
+    with np.errstate(divide="ignore"):
+        rhos = _monotone(0.5 / np.square(multipliers), 0.5 / z_final**2)
     # the running maximum / final cap replaces a value only by an upper bound of it
-    return ByRound(curve, sens_t, method, exact & np.isclose(curve, eps, rtol=1e-12, atol=0.0))
+    return ByRound(curve, sens_t, method, exact & np.isclose(curve, eps, rtol=1e-12, atol=0.0), rhos)

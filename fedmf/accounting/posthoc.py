@@ -22,6 +22,9 @@ the smaller of (1) and ``fedmf.sensitivity.pattern_sensitivity`` on the Gram blo
 where that one is). A strategy too large to hold densely is handled user by user
 (``fedmf.sensitivity.observed``), without the per-round curve.
 
+With adaptive clipping (``count_noise_std`` σ_b) each user's own k_u released counts are composed in:
+1/z_u² = s_u²/(z·sens_noise)² + k_u/σ_b² (``count_release`` (1)).
+
 Users whose rounds break the planned schema (too many, too close, outside their slot, or a
 sensitivity above the planned one) are flagged and accounted with their own, larger
 sensitivity — never with the planned one. The run's guarantee is the worst user's epsilon.
@@ -47,7 +50,7 @@ if TYPE_CHECKING:
     from ..participation import Schema
 
 __all__ = ["UserAccount", "PosthocReport", "ObservedSensitivities", "account_observed", "account_contributions",
-           "observed_sensitivities", "breaks_schema", "release_rows", "MAX_DENSE_ENTRIES"]
+           "observed_sensitivities", "breaks_schema", "release_rows", "user_multipliers", "MAX_DENSE_ENTRIES"]
 
 MAX_DENSE_ENTRIES = 100_000_000  # C (rows x rounds) is handled densely up to this size: about 800 MB
 _USER_CHUNK = 2048
@@ -245,13 +248,28 @@ def observed_sensitivities(mechanism: "Mechanism", users: np.ndarray, rounds: np
     return ObservedSensitivities(values, exact, worst)
 
 
-def _epsilons(sens: np.ndarray, std_over_clip: float, delta: float, accountant: str) -> np.ndarray:
-    """ε of a Gaussian with multiplier std_over_clip / sens, for each sensitivity (0: ε = 0)."""
+def user_multipliers(sens: np.ndarray, std_over_clip: float, counts: np.ndarray | None,
+                     count_noise_std: float | None) -> np.ndarray:
+    """The Gaussian multiplier std_over_clip / sens for each sensitivity (0: inf), composed with the
+    ``counts`` count releases of adaptive clipping when ``count_noise_std`` is set (``count_release`` (1))."""
     sens = np.asarray(sens, dtype=np.float64)
-    if sens.size == 0:
-        return np.zeros(0)
     with np.errstate(divide="ignore"):
         multipliers = np.where(sens > 0, std_over_clip / np.maximum(sens, 1e-300), np.inf)
+    if count_noise_std is None:
+        return multipliers
+    from . import count_release
+
+    return np.array([count_release.compose(z, count_noise_std, float(k))
+                     for z, k in zip(multipliers.tolist(), np.asarray(counts).tolist())])
+
+
+def _epsilons(sens: np.ndarray, std_over_clip: float, delta: float, accountant: str,
+              counts: np.ndarray | None = None, count_noise_std: float | None = None) -> np.ndarray:
+    """ε of a Gaussian with multiplier std_over_clip / sens, for each sensitivity (0: ε = 0), with
+    ``counts`` count releases composed in when ``count_noise_std`` is set."""
+    if np.asarray(sens).size == 0:
+        return np.zeros(0)
+    multipliers = user_multipliers(sens, std_over_clip, counts, count_noise_std)
     if accountant == "pld":
         return gaussian.epsilons(multipliers, delta)
     memo: dict[float, float] = {}
@@ -300,12 +318,17 @@ def _suspects(schema: MinSep | FixedEpoch, users: np.ndarray, rounds: np.ndarray
 
 def account_contributions(mechanism: "Mechanism", noise_multiplier: float, delta: float, planned: "Schema",
                           users: np.ndarray, rounds: np.ndarray, labels: Sequence[str], *, accountant: str = "pld",
-                          noise_sensitivity: float | None = None, by_round: bool = False) -> PosthocReport:
+                          noise_sensitivity: float | None = None, by_round: bool = False,
+                          count_noise_std: float | None = None) -> PosthocReport:
     """``account_observed`` on arrays: ``users``/``rounds`` one entry per participation, sorted
     by user then round, users numbered 0 … len(labels)-1 and named by ``labels``. ``by_round``
     adds the worst user's sensitivity and ε after each round (``sensitivity_by_round``,
-    ``epsilon_by_round``)."""
+    ``epsilon_by_round``). ``count_noise_std``: σ_b of adaptive clipping's count release; each user's
+    actual participations k_u add k_u/σ_b² to 1/z² (``count_release`` (1))."""
+    from . import count_release
+
     started = time.perf_counter()
+    count_noise_std = count_release.check_count_noise_std(count_noise_std)
     z = checks.positive("noise multiplier", noise_multiplier)
     delta = checks.open_unit("delta", delta)
     gaussian.check_accountant(accountant)
@@ -320,10 +343,14 @@ def account_contributions(mechanism: "Mechanism", noise_multiplier: float, delta
     planned_sens = plan.value
     noise_sens = planned_sens if noise_sensitivity is None else checks.positive("noise sensitivity", noise_sensitivity)
     std_over_clip = z * noise_sens  # the noise std in units of the clip norm: sigma / clip_norm
-    planned_eps = gaussian.epsilon(std_over_clip / planned_sens, delta, accountant)
-    observed = observed_sensitivities(mechanism, users, rounds, n_users, by_round=by_round)
-    eps = _epsilons(observed.values, std_over_clip, delta, accountant)
     bounds = np.searchsorted(users, np.arange(n_users + 1))
+    counts = np.diff(bounds)
+    planned_z = std_over_clip / planned_sens
+    if count_noise_std is not None:
+        planned_z = count_release.compose(planned_z, count_noise_std, count_release.participations(planned, n))
+    planned_eps = gaussian.epsilon(planned_z, delta, accountant)
+    observed = observed_sensitivities(mechanism, users, rounds, n_users, by_round=by_round)
+    eps = _epsilons(observed.values, std_over_clip, delta, accountant, counts, count_noise_std)
     suspect = _suspects(planned, users, rounds, bounds, n)
     above = observed.values > planned_sens * (1 + _RTOL)
     accounts = []
@@ -340,19 +367,30 @@ def account_contributions(mechanism: "Mechanism", noise_multiplier: float, delta
             e = min(e, planned_eps)
         accounts.append(UserAccount(str(labels[u]), pi, s, bool(observed.exact[u]), e, why))
     worst = observed.worst_by_round
+    extra: dict = {}
+    worst_counts = None
+    if count_noise_std is not None:
+        extra = {"count_noise_std": count_noise_std}
+        if worst is not None:  # the most participations any user had after each round (with the worst
+            worst_counts = np.zeros(n, dtype=np.int64)  # sensitivity: each at its own worst, an upper bound)
+            np.maximum.at(worst_counts, rounds, np.arange(users.size) - bounds[users] + 1)
+            worst_counts = np.maximum.accumulate(worst_counts)
     return PosthocReport(
         delta, z, planned_sens, planned_eps, accounts, f"gaussian-{accountant}", time.perf_counter() - started,
-        planned_sensitivity_method=plan.method, planned_sensitivity_exact=plan.exact,
+        extra=extra, planned_sensitivity_method=plan.method, planned_sensitivity_exact=plan.exact,
         sensitivity_by_round=worst,
-        epsilon_by_round=None if worst is None else _epsilons(worst, std_over_clip, delta, accountant),
+        epsilon_by_round=None if worst is None else _epsilons(worst, std_over_clip, delta, accountant, worst_counts,
+                                                              count_noise_std),
     )
 
 
 def account_observed(mechanism: "Mechanism", noise_multiplier: float, delta: float,
                      observed: Observed | Mapping[str, Iterable[int]], planned: "Schema", *,
-                     accountant: str = "pld", noise_sensitivity: float | None = None) -> PosthocReport:
+                     accountant: str = "pld", noise_sensitivity: float | None = None,
+                     count_noise_std: float | None = None) -> PosthocReport:
     """Per-user epsilon from the observed rounds of every user (see the module docstring).
-    ``noise_sensitivity`` defaults to the planned schema's sensitivity (the noise scale)."""
+    ``noise_sensitivity`` defaults to the planned schema's sensitivity (the noise scale);
+    ``count_noise_std``: σ_b of adaptive clipping's count release, composed with each user's rounds."""
     if not isinstance(observed, Observed):
         observed = Observed.from_mapping(observed)
     observed.validate(mechanism.rounds)
@@ -361,4 +399,5 @@ def account_observed(mechanism: "Mechanism", noise_multiplier: float, delta: flo
     users = np.repeat(np.arange(len(labels), dtype=np.int64), counts)
     rounds = np.fromiter((t for _, r in observed.rounds_by_user for t in r), dtype=np.int64, count=sum(counts))
     return account_contributions(mechanism, noise_multiplier, delta, planned, users, rounds, labels,
-                                 accountant=accountant, noise_sensitivity=noise_sensitivity)
+                                 accountant=accountant, noise_sensitivity=noise_sensitivity,
+                                 count_noise_std=count_noise_std)

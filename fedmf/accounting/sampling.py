@@ -103,26 +103,32 @@ class Sampling(metaclass=_ByParts):
     @abc.abstractmethod
     def epsilon(self, mechanism: "Mechanism", schema: "Schema", sens: "Sensitivity", *, noise_multiplier: float,
                 std_per_clip: float, delta: float, accountant: str, noise_sensitivity: float | None,
-                monte_carlo: "MonteCarloOptions") -> Result:
+                monte_carlo: "MonteCarloOptions", count_noise_std: float | None = None) -> Result:
         """ε at ``delta`` of the run whose noise std is ``std_per_clip`` clip norms."""
 
     def check_calibrate(self) -> None:
         """Refuse calibration where the scheme has no calibrator."""
 
+    def check_delta(self, delta: float) -> None:
+        """Refuse up front a delta the scheme's accountant cannot certify in bounded time."""
+
     @abc.abstractmethod
     def calibrate(self, mechanism: "Mechanism", schema: "Schema", sens: "Sensitivity", *, epsilon: float,
-                  delta: float, accountant: str, monte_carlo: "MonteCarloOptions") -> Result:
+                  delta: float, accountant: str, monte_carlo: "MonteCarloOptions",
+                  count_noise_std: float | None = None) -> Result:
         """The smallest noise multiplier (first item) whose run is (epsilon, delta)-DP."""
 
     def epsilon_by_round(self, mechanism: "Mechanism", schema: "Schema", planned: "Sensitivity", *,
                          noise_multiplier: float, std_per_clip: float, delta: float, accountant: str,
-                         noise_sensitivity: float | None, final: float | None, max_points: int) -> "ByRound":
+                         noise_sensitivity: float | None, final: float | None, max_points: int,
+                         count_noise_std: float | None = None) -> "ByRound":
         """ε after each round: the un-amplified curve of ``per_round``."""
         from .per_round import unamplified_curve
 
         return unamplified_curve(mechanism, schema, planned, noise_multiplier=noise_multiplier,
                                  std_per_clip=std_per_clip, delta=delta, accountant=accountant,
-                                 noise_sensitivity=noise_sensitivity, final=final, max_points=max_points)
+                                 noise_sensitivity=noise_sensitivity, final=final, max_points=max_points,
+                                 count_noise_std=count_noise_std)
 
 
 def _gaussian_guarantee(accountant: str, exact: bool) -> str:
@@ -167,21 +173,39 @@ class NoSampling(Sampling):
 
     def epsilon(self, mechanism: "Mechanism", schema: "Schema", sens: "Sensitivity", *, noise_multiplier: float,
                 std_per_clip: float, delta: float, accountant: str, noise_sensitivity: float | None,
-                monte_carlo: "MonteCarloOptions") -> Result:
+                monte_carlo: "MonteCarloOptions", count_noise_std: float | None = None) -> Result:
         """The Gaussian mechanism's ε at multiplier z·sens/sens_schema (= z when the noise was scaled for it)."""
-        from . import gaussian
+        from . import count_release, gaussian
 
         z_eff = noise_multiplier if noise_sensitivity is None else std_per_clip / sens.value
+        more: dict[str, Any] = {}
+        if count_noise_std is not None:
+            # the MF Gaussian composed with k count releases: 1/z² = 1/z_mf² + k/σ_b² (count_release (1))
+            k = count_release.participations(schema, mechanism.rounds)
+            more = {"count_noise_std": count_noise_std, "count_participations": k,
+                    "mf_noise_multiplier": z_eff,
+                    "privacy_split": count_release.privacy_split(z_eff, count_noise_std, k)}
+            z_eff = count_release.compose(z_eff, count_noise_std, k)
         eps = gaussian.epsilon(z_eff, delta, accountant)
         return (eps, f"gaussian-{accountant}", _gaussian_guarantee(accountant, sens.exact),
-                {"effective_noise_multiplier": z_eff})
+                {"effective_noise_multiplier": z_eff, **more})
 
     def calibrate(self, mechanism: "Mechanism", schema: "Schema", sens: "Sensitivity", *, epsilon: float,
-                  delta: float, accountant: str, monte_carlo: "MonteCarloOptions") -> Result:
-        from . import gaussian
+                  delta: float, accountant: str, monte_carlo: "MonteCarloOptions",
+                  count_noise_std: float | None = None) -> Result:
+        from . import count_release, gaussian
 
         z = gaussian.calibrate(epsilon, delta, accountant)
-        return z, f"gaussian-{accountant}", _gaussian_guarantee(accountant, sens.exact), {}
+        if count_noise_std is None:
+            return z, f"gaussian-{accountant}", _gaussian_guarantee(accountant, sens.exact), {}
+        k = count_release.participations(schema, mechanism.rounds)
+        total = z
+        z = count_release.mf_multiplier(total, count_noise_std, k)  # solve (1) for z_mf at the calibrated total
+        while not gaussian.meets(count_release.compose(z, count_noise_std, k), epsilon, delta, accountant):
+            z *= 1 + 1e-13  # the conservative side of the rounding, by calibrate's own criterion
+        return z, f"gaussian-{accountant}", _gaussian_guarantee(accountant, sens.exact), {
+            "count_noise_std": count_noise_std, "count_participations": k, "effective_noise_multiplier": total,
+            "privacy_split": count_release.privacy_split(z, count_noise_std, k)}
 
 
 @dataclass(frozen=True)
@@ -209,6 +233,17 @@ class _Sampled(Sampling):
     @abc.abstractmethod
     def _sampler(self, schema: "Schema", key: bytes, max_participations: int | None) -> "Scheduler":
         """The scheduler, before any user is added."""
+
+
+#: the most samples the b-min-sep Monte Carlo accountant is asked to draw per verification: it certifies
+#: delta only with more than 1/delta samples (EVR, Thm A.1 of arXiv 2602.09338), so delta below ~1/this is
+#: refused up front instead of running for hours
+MAX_MONTE_CARLO_SAMPLES = 1 << 31
+
+
+def _mc_refusal(delta: float, needed: str) -> str:
+    return (f"delta={delta:g} is too small for bminsep Monte Carlo accounting ({needed} samples needed, at most "
+            f"{MAX_MONTE_CARLO_SAMPLES}): use cyclic-poisson:Q (PLD) or sampling none (un-amplified) for this delta")
 
 
 @dataclass(frozen=True)
@@ -242,17 +277,33 @@ class BMinSepSampling(_Sampled):
         scheme = BMinSep.from_mechanism(mechanism, b, self.probability, self.warm_start)  # ConfigError: e.g. C < 0
         return MonteCarloAccountant(scheme, workers=options.workers, chunk_size=options.chunk_size, keep=options.keep)
 
+    def check_delta(self, delta: float) -> None:
+        self._minimum_samples(delta)
+
     @staticmethod
-    def _samples(options: "MonteCarloOptions", delta: float) -> tuple[int, float]:
+    def _minimum_samples(delta: float) -> int:
+        """The fewest samples that certify ``delta``; a ConfigError when they exceed the cap."""
+        from . import evr
+
+        if delta * MAX_MONTE_CARLO_SAMPLES < 1.0:  # it needs more than 1/delta samples (evr.minimum_samples)
+            raise ConfigError(_mc_refusal(delta, f"more than {1.0 / delta:.3g}"))
+        samples = evr.minimum_samples(delta)
+        if samples > MAX_MONTE_CARLO_SAMPLES:
+            raise ConfigError(_mc_refusal(delta, f"{samples}"))
+        return samples
+
+    def _samples(self, options: "MonteCarloOptions", delta: float) -> tuple[int, float]:
         """Samples per verification and the base delta with which they certify ``delta``."""
         from . import evr
 
-        samples = options.samples or evr.minimum_samples(delta)
+        samples = options.samples or self._minimum_samples(delta)
+        if samples > MAX_MONTE_CARLO_SAMPLES:
+            raise ConfigError(_mc_refusal(delta, f"{samples}"))
         return samples, evr.base_delta(samples, delta)  # a ConfigError when too few samples certify delta
 
     def epsilon(self, mechanism: "Mechanism", schema: "Schema", sens: "Sensitivity", *, noise_multiplier: float,
                 std_per_clip: float, delta: float, accountant: str, noise_sensitivity: float | None,
-                monte_carlo: "MonteCarloOptions") -> Result:
+                monte_carlo: "MonteCarloOptions", count_noise_std: float | None = None) -> Result:
         """MC-verified epsilon at a fixed noise: the smallest eps whose estimate is <= base
         delta in both directions, with base chosen so that overall_delta(s, base) <= delta.
         By monotonicity of the estimate in eps, the probability that this eps is not
@@ -280,7 +331,8 @@ class BMinSepSampling(_Sampled):
                 more)
 
     def calibrate(self, mechanism: "Mechanism", schema: "Schema", sens: "Sensitivity", *, epsilon: float,
-                  delta: float, accountant: str, monte_carlo: "MonteCarloOptions") -> Result:
+                  delta: float, accountant: str, monte_carlo: "MonteCarloOptions",
+                  count_noise_std: float | None = None) -> Result:
         """Estimate-Verify-Release (Thm A.1 of arXiv 2602.09338) with the un-amplified fallback."""
         from . import evr, gaussian
 
@@ -300,7 +352,8 @@ class BMinSepSampling(_Sampled):
 
     def epsilon_by_round(self, mechanism: "Mechanism", schema: "Schema", planned: "Sensitivity", *,
                          noise_multiplier: float, std_per_clip: float, delta: float, accountant: str,
-                         noise_sensitivity: float | None, final: float | None, max_points: int) -> "ByRound":
+                         noise_sensitivity: float | None, final: float | None, max_points: int,
+                         count_noise_std: float | None = None) -> "ByRound":
         raise ConfigError("per-round spend is not available for bminsep sampling (Monte Carlo accounting covers the "
                           "whole run only)")
 
@@ -329,35 +382,59 @@ class CyclicPoissonSampling(_Sampled):
 
     def epsilon(self, mechanism: "Mechanism", schema: "Schema", sens: "Sensitivity", *, noise_multiplier: float,
                 std_per_clip: float, delta: float, accountant: str, noise_sensitivity: float | None,
-                monte_carlo: "MonteCarloOptions") -> Result:
+                monte_carlo: "MonteCarloOptions", count_noise_std: float | None = None) -> Result:
         from . import cyclic_poisson
 
         b, col = self._steps(mechanism, schema)
         count = cyclic_poisson.steps(mechanism.rounds, b)
         z_step = std_per_clip / col
+        more = dict(steps=count, step_noise_multiplier=z_step, max_column_norm=col,
+                    sampling_probability=self.probability)
+        z_step = self._with_count(z_step, count_noise_std, more)
         eps = cyclic_poisson.epsilon(z_step, self.probability, count, delta, accountant)
-        return (eps, f"cyclic-poisson-{accountant}", f"upper bound ({accountant.upper()})",
-                dict(steps=count, step_noise_multiplier=z_step, max_column_norm=col,
-                     sampling_probability=self.probability))
+        return eps, f"cyclic-poisson-{accountant}", f"upper bound ({accountant.upper()})", more
+
+    @staticmethod
+    def _with_count(z_step: float, count_noise_std: float | None, details: dict[str, Any]) -> float:
+        """The step's multiplier with the count composed in: 1/z² = col²/σ_u² + 1/σ_b² (count_release (2))."""
+        if count_noise_std is None:
+            return z_step
+        from . import count_release
+
+        composed = count_release.compose(z_step, count_noise_std, 1.0)
+        details.update(count_noise_std=count_noise_std, composed_step_noise_multiplier=composed,
+                       privacy_split=count_release.privacy_split(z_step, count_noise_std, 1.0))
+        return composed
 
     def calibrate(self, mechanism: "Mechanism", schema: "Schema", sens: "Sensitivity", *, epsilon: float,
-                  delta: float, accountant: str, monte_carlo: "MonteCarloOptions") -> Result:
+                  delta: float, accountant: str, monte_carlo: "MonteCarloOptions",
+                  count_noise_std: float | None = None) -> Result:
         from . import cyclic_poisson
 
         b, col = self._steps(mechanism, schema)
         count = cyclic_poisson.steps(mechanism.rounds, b)
         z_step = cyclic_poisson.calibrate(epsilon, delta, self.probability, count, accountant)
+        if count_noise_std is not None:
+            from . import count_release
+
+            total = z_step
+            z_step = count_release.mf_multiplier(total, count_noise_std, 1.0)  # solve (2) for the MF column's part
+            while cyclic_poisson.epsilon(count_release.compose(z_step, count_noise_std, 1.0), self.probability,
+                                         count, delta, accountant) > epsilon:
+                z_step *= 1 + 1e-12  # the conservative side of the rounding
         return (z_step * col / sens.value, f"cyclic-poisson-{accountant}", f"upper bound ({accountant.upper()})",
                 dict(steps=count, step_noise_multiplier=z_step, max_column_norm=col,
                      sampling_probability=self.probability))
 
     def epsilon_by_round(self, mechanism: "Mechanism", schema: "Schema", planned: "Sensitivity", *,
                          noise_multiplier: float, std_per_clip: float, delta: float, accountant: str,
-                         noise_sensitivity: float | None, final: float | None, max_points: int) -> "ByRound":
+                         noise_sensitivity: float | None, final: float | None, max_points: int,
+                         count_noise_std: float | None = None) -> "ByRound":
         from .per_round import cyclic_poisson_curve
 
         b, col = self._steps(mechanism, schema)
-        return cyclic_poisson_curve(mechanism.rounds, b, self.probability, std_per_clip / col, delta=delta,
+        z_step = self._with_count(std_per_clip / col, count_noise_std, {})
+        return cyclic_poisson_curve(mechanism.rounds, b, self.probability, z_step, delta=delta,
                                     accountant=accountant, final=final, max_points=max_points)
 
 
@@ -393,7 +470,7 @@ class PlainPoissonSampling(_Sampled):
 
     def epsilon(self, mechanism: "Mechanism", schema: "Schema", sens: "Sensitivity", *, noise_multiplier: float,
                 std_per_clip: float, delta: float, accountant: str, noise_sensitivity: float | None,
-                monte_carlo: "MonteCarloOptions") -> Result:
+                monte_carlo: "MonteCarloOptions", count_noise_std: float | None = None) -> Result:
         from . import mmcc
 
         if accountant != "pld":
@@ -408,7 +485,8 @@ class PlainPoissonSampling(_Sampled):
         raise ConfigError(_NO_MMCC_CALIBRATION)
 
     def calibrate(self, mechanism: "Mechanism", schema: "Schema", sens: "Sensitivity", *, epsilon: float,
-                  delta: float, accountant: str, monte_carlo: "MonteCarloOptions") -> Result:
+                  delta: float, accountant: str, monte_carlo: "MonteCarloOptions",
+                  count_noise_std: float | None = None) -> Result:
         raise ConfigError(_NO_MMCC_CALIBRATION)
 
 

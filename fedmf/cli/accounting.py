@@ -1,13 +1,16 @@
 """``fedmf epsilon`` and ``fedmf calibrate``.
 
     fedmf epsilon   --mechanism FILE --noise-multiplier Z --delta D [--participations K --min-sep B]
-                    [--sampling none|bminsep:P[:warm]|cyclic-poisson:Q] [--per-round] [--json]
+                    [--sampling none|bminsep:P[:warm]|cyclic-poisson:Q] [--per-round]
+                    [--count-noise-std S] [--json]
     fedmf calibrate --mechanism FILE --epsilon E --delta D [same options] [--json]
 
 The schema is the one the mechanism file was planned for, unless --participations /
 --min-sep override it (what is not given keeps its planned value). The noise multiplier
 follows the fedmf convention: noise std = Z · clip norm · sensitivity under that schema; the
 JSON's ``noise_std_per_clip_norm`` is Z · sensitivity (the absolute std divided by the clip norm).
+``--count-noise-std`` composes adaptive clipping's count release (``fedmf.accounting.count_release``);
+``rho`` is the run's ρ-zCDP where the accounting is un-amplified (null, with ``rho_note``, otherwise).
 """
 
 from __future__ import annotations
@@ -48,6 +51,9 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--accountant", choices=("pld", "rdp"), default="pld",
                         help="dp_accounting PLD (default) or RDP")
     parser.add_argument("--per-round", action="store_true", help="also epsilon after every round")
+    parser.add_argument("--count-noise-std", type=_positive_float("--count-noise-std"),
+                        help="adaptive clipping: std of the noise on each round's count of unclipped updates "
+                             "(composed with the mechanism; sampling none or cyclic-poisson:Q)")
     mc = parser.add_argument_group("b-min-sep Monte Carlo")
     mc.add_argument("--samples", type=int, help="samples per verification (default: the fewest that certify delta)")
     mc.add_argument("--seed", type=int, help="random seed of the Monte Carlo accountant (default: fresh)")
@@ -117,7 +123,8 @@ def _load(args: argparse.Namespace):
 def _report(result, args, mechanism, schema, checksum, started: float) -> dict[str, Any]:
     out = result.to_dict()
     body: dict[str, Any] = {
-        "epsilon": out.pop("epsilon"), "delta": out.pop("delta"), "noise_multiplier": out.pop("noise_multiplier"),
+        "epsilon": out.pop("epsilon"), "rho": out.pop("rho"), "delta": out.pop("delta"),
+        "noise_multiplier": out.pop("noise_multiplier"),
         "sensitivity": out.pop("sensitivity"), "accountant": out.pop("accountant"),
         "noise_std_per_clip_norm": out.pop("noise_std_per_clip_norm"), "guarantee": out.pop("guarantee"), "sampling": out.pop("sampling"),
         "kind": mechanism.kind, "rounds": mechanism.rounds, "schema": schema.name,
@@ -166,9 +173,11 @@ def _command(args: argparse.Namespace, compute: Callable[..., Any], flag: str, v
     started = time.perf_counter()
     if not value > 0:
         raise UsageError(f"{flag} must be positive, got {value:g}")
+    if args.count_noise_std is not None and not args.count_noise_std > 0:
+        raise UsageError(f"--count-noise-std must be positive, got {args.count_noise_std:g}")
     mechanism, schema, sampling, checksum = _load(args)
     result = compute(mechanism, value, args.delta, schema, sampling=sampling, accountant=args.accountant,
-                     per_round=args.per_round, monte_carlo=_options(args))
+                     per_round=args.per_round, monte_carlo=_options(args), count_noise_std=args.count_noise_std)
     _print(_report(result, args, mechanism, schema, checksum, started), args.json)
     return 0
 

@@ -138,7 +138,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         + (", on the Flower simulation engine" if args.backend == "flower" else ""),
         f"accuracy        {accuracy} (held-out, after the last round)",
         f"privacy         epsilon {result.epsilon:.4g} at delta {result.delta:g} (planned, spent so far); "
-        f"noise multiplier {result.noise_multiplier:.4g}",
+        + ("" if result.rho is None else f"rho-zCDP {result.rho:.4g}; ")
+        + f"noise multiplier {result.noise_multiplier:.4g}",
         f"time            {result.seconds:.1f} s",
         f"output          {result.out_dir} (ledger, checkpoints, results.json"
         + (", final-model.pt, flower.log" if args.backend == "flower" else "")

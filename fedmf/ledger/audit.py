@@ -155,13 +155,16 @@ class AuditReport:
             f"clip {self.run['clip_norm']:g}, δ = {self.run['delta']:g}",
             f"plan                {p['schema']}: min_sep b = {p['min_sep']}, max_participations k = "
             f"{p['max_participations']}, sensitivity {p['sensitivity']:.6g}"
-            f"{'' if p['sensitivity_exact'] else ' (upper bound)'}, ε = {p['epsilon']:.6g}",
+            f"{'' if p['sensitivity_exact'] else ' (upper bound)'}, ε = {p['epsilon']:.6g}, ρ-zCDP = {p['rho']:.6g}"
+            + ("" if p.get("count_noise_std") is None else f" (with the adaptive-clipping count, σ_b = "
+                                                          f"{p['count_noise_std']:g})"),
             f"rounds              {r['rounds_committed']} committed (last {r['last_committed_round']}), "
             f"{r['rounds_aborted']} aborted, {r['rounds_open']} open",
             f"users               {r['users']} ({r['contributions']} contributions)",
             f"realized            min separation {r['min_separation']}, max participations {r['max_participations']}",
             f"ε spent             worst user {_fmt(r['epsilon_worst_user'])} "
-            f"(planned so far {_fmt(r['epsilon_planned_so_far'])}, plan at the end {p['epsilon']:.6g})",
+            f"(planned so far {_fmt(r['epsilon_planned_so_far'])}, plan at the end {p['epsilon']:.6g}); "
+            f"ρ worst user {r['rho_worst_user_at_end']:.6g}",
             "participations      " + ", ".join(f"{c}: {n}" for c, n in sorted(self.histogram.items())),
         ]
         if r["rounds_below_planned_noise"]:
@@ -303,8 +306,10 @@ def _report(ledger: str, version: str, run: Run, records: list, states: list, no
         raise LedgerError(f"run {info.id}: a round lies outside the run's {n} rounds")
     n_users = len(unique)
     z, delta = info.noise_multiplier, info.delta
+    adaptive = (info.plan or {}).get("adaptive_clipping") or {}
     priv = run_privacy(mechanism, schema, z, delta, users, r_sorted, n_users,
-                       labels=[key.tobytes().hex() for key in unique])
+                       labels=[key.tobytes().hex() for key in unique],
+                       count_noise_std=adaptive.get("count_noise_std"))
     s_plan = priv.sensitivity_plan
     upto = (last + 1) if last is not None else 0
 
@@ -383,7 +388,10 @@ def _report(ledger: str, version: str, run: Run, records: list, states: list, no
         "sensitivity": s_plan, "sensitivity_method": priv.sensitivity_plan_method,
         "sensitivity_exact": priv.sensitivity_plan_exact, "curve_method": priv.plan_curve_method,
         "curve_exact": priv.plan_curve_exact, "epsilon": priv.epsilon_plan, "target_epsilon": info.target_epsilon, "noise_std": planned_std,
+        "rho": priv.rho_plan,
     }
+    if adaptive:
+        planned["count_noise_std"] = adaptive.get("count_noise_std")
     realized = {
         "rounds_committed": len(committed), "last_committed_round": last,
         "rounds_aborted": sum(1 for r in rounds if r["status"] == "aborted"),
@@ -396,6 +404,7 @@ def _report(ledger: str, version: str, run: Run, records: list, states: list, no
         "epsilon_worst_user": float(priv.epsilon_worst_by_round[upto - 1]) if upto else None,
         "epsilon_planned_so_far": float(priv.epsilon_plan_by_round[upto - 1]) if upto else None,
         "epsilon_worst_user_at_end": eps_end,
+        "rho_worst_user_at_end": float(priv.rho_user.max()) if n_users else 0.0,
         "flagged_users": len(flagged),
         "rounds_below_planned_noise": below,
         "client_state_consistent": consistent,

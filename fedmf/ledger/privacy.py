@@ -15,7 +15,8 @@ from typing import Sequence
 
 import numpy as np
 
-from ..accounting.posthoc import MAX_DENSE_ENTRIES, PosthocReport, account_contributions, release_rows
+from ..accounting.posthoc import (MAX_DENSE_ENTRIES, PosthocReport, account_contributions, release_rows,
+                                  user_multipliers)
 from ..participation import FixedEpoch, MinSep
 
 __all__ = ["RunPrivacy", "run_privacy", "release_rows", "MAX_DENSE_ENTRIES", "EXACT_CURVE_METHODS"]
@@ -39,20 +40,30 @@ class RunPrivacy:
     epsilon_user: np.ndarray  # (U,)
     observed_exact: bool  # every user's sensitivity is exact (not a bound)
     posthoc: PosthocReport  # every user's account, violators flagged
+    rho_plan: float = 0.0  # ρ-zCDP at the end of the run under the plan (Bun & Steinke 2016, Prop. 1.6)
+    rho_plan_by_round: np.ndarray | None = None  # (n,)
+    rho_user: np.ndarray | None = None  # (U,) each user's ρ from their own rounds (and counts)
 
 
 def run_privacy(mechanism, schema: MinSep | FixedEpoch, noise_multiplier: float, delta: float,
                 users: np.ndarray, rounds: np.ndarray, n_users: int,
-                labels: Sequence[str] | None = None) -> RunPrivacy:
-    """Sensitivities and ε for the audit. ``users``/``rounds``: one entry per contribution,
+                labels: Sequence[str] | None = None, count_noise_std: float | None = None) -> RunPrivacy:
+    """Sensitivities, ε and ρ for the audit. ``users``/``rounds``: one entry per contribution,
     sorted by user then round; ``users`` numbers the users 0 … n_users-1, ``labels`` names
-    them (default: their numbers)."""
+    them (default: their numbers). ``count_noise_std``: σ_b of adaptive clipping's count release,
+    composed with each user's actual participations (and the plan's k for the planned values)."""
     from ..accounting.accountant import epsilon_by_round
 
     if labels is None:
         labels = [str(u) for u in range(n_users)]
-    report = account_contributions(mechanism, noise_multiplier, delta, schema, users, rounds, labels, by_round=True)
-    by_round = epsilon_by_round(mechanism, noise_multiplier, delta, schema)
+    report = account_contributions(mechanism, noise_multiplier, delta, schema, users, rounds, labels, by_round=True,
+                                   count_noise_std=count_noise_std)
+    by_round = epsilon_by_round(mechanism, noise_multiplier, delta, schema, count_noise_std=count_noise_std)
+    counts = np.diff(np.searchsorted(np.asarray(users, dtype=np.int64), np.arange(n_users + 1)))
+    multipliers = user_multipliers(report.sensitivities(), noise_multiplier * report.planned_sensitivity, counts,
+                                   count_noise_std)
+    with np.errstate(divide="ignore"):
+        rho_user = 0.5 / np.square(multipliers)  # Bun & Steinke 2016, Prop. 1.6 (inf multiplier: ρ = 0)
     return RunPrivacy(
         sensitivity_plan=report.planned_sensitivity,
         sensitivity_plan_method=report.planned_sensitivity_method,
@@ -68,4 +79,7 @@ def run_privacy(mechanism, schema: MinSep | FixedEpoch, noise_multiplier: float,
         epsilon_user=report.epsilons(),
         observed_exact=all(u.sensitivity_exact for u in report.users),
         posthoc=report,
+        rho_plan=float(by_round.rhos[-1]),
+        rho_plan_by_round=by_round.rhos,
+        rho_user=rho_user,
     )
