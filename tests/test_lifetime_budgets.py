@@ -271,3 +271,28 @@ def test_budget_cli(tmp_path):
     assert mu_for(2.5, DELTA) < 1 / 0.8
     assert r.returncode == 0, r.stderr
     assert f"budget skips        {11 * ROUNDS} " in r.stdout and f"{ROUNDS - 1}: 11" in r.stdout
+
+
+@pytest.mark.heavy
+def test_readme_budget_block_runs_as_written(tmp_path):
+    """README's "Budgets across runs" block, run with bash (``fedmf`` is this checkout's CLI)."""
+    import os
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    blocks = [b for b in re.findall(r"^```bash\n(.*?)^```", readme, flags=re.M | re.S) if "fedmf budget default" in b]
+    assert len(blocks) == 1
+    script = f'fedmf() {{ "{sys.executable}" -m fedmf.cli "$@"; }}\nset -e\n' + blocks[0]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    r = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    # run b: the 30 users without a budget of their own have no room left, in each of its 20 rounds
+    assert "budget skips        600 " in r.stdout
+    with Ledger.open(tmp_path / "budgets.db") as book:
+        accounts = user_accounts(book.engine)
+    assert sorted(a.runs for a in accounts) == [1] * 30 + [2] * 10
+    assert all(a.remaining_epsilon >= 0 for a in accounts)
+    secret = load_budget_secret(tmp_path / "budget.key")
+    twice = {a.label for a in accounts if a.runs == 2}
+    assert twice == {secret.lifetime_key(str(u)).hex()[:16] for u in range(10)}

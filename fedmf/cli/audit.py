@@ -54,8 +54,9 @@ def cmd_audit(args: argparse.Namespace) -> int:
     else:
         print("\n".join(report.lines()))
         if skips:
-            print(f"budget skips        {sum(skips.values())} (users passed over for their lifetime budget), by round: "
-                  + ", ".join(f"{t}: {n}" for t, n in sorted(skips.items())))
+            total = sum(skips.values())
+            print(f"budget skips        {total} (users passed over for their lifetime budget)"
+                  + (", by round: " + ", ".join(f"{t}: {n}" for t, n in sorted(skips.items())) if total else ""))
         for option, path in (("csv", args.csv), ("plot", args.plot)):
             if path:
                 print(f"{option:<19} {path}")
