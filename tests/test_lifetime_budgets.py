@@ -217,10 +217,10 @@ def test_a_ledger_with_budgets_refuses_a_run_without_its_secret(tmp_path):
     _run(tmp_path, "d", 0.8, str(tmp_path / "bare2.db"), None)  # no budgets, no secret: as before
 
 
-def test_charge_rechecks_the_budget_in_its_transaction(tmp_path):
+def test_charge_rechecks_the_budget_in_its_transaction(ledger_url, tmp_path):
     """Two runs that both found a user admissible: the second charge is refused (no overspending
     by concurrent runs)."""
-    url = str(tmp_path / "ledger.db")
+    url = ledger_url
     key = _setup(url, tmp_path, [1 / 0.64], {})
     secret = load_budget_secret(key)
     plan = _plan(0.8)

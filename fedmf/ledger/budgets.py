@@ -12,7 +12,9 @@ at most, sensitivity 1, std σ_b). When a run first selects a user it inserts a 
 worst-case μ², whatever the run later does (an aborted round, an early stop: conservative). A user is
 admissible in a run if the run has charged them already, or if the sum of their other charges plus
 this run's μ² stays within μ(ε_budget, δ) (Dong et al. Cor. 3.3 composition). The check and the
-charge happen in one write transaction, so concurrent runs cannot overspend a user together.
+charge happen in one write transaction that holds the write lock (SQLite) or an advisory lock
+(PostgreSQL), so concurrent runs cannot overspend a user together: the later one re-checks, finds
+the user full, and its round is aborted before anything is sent (redone, it passes over them).
 Runs that were recorded before budgets were set are not counted: set budgets before the first run.
 """
 
@@ -23,7 +25,7 @@ import os
 from dataclasses import dataclass
 from typing import Hashable, Iterable, Sequence
 
-from sqlalchemy import delete, insert, select, update
+from sqlalchemy import delete, insert, select, text, update
 from sqlalchemy.orm import Session
 
 from .. import checks
@@ -38,6 +40,9 @@ __all__ = ["DEFAULT_LIFETIME_DELTA", "BudgetSettingsInfo", "UserAccount", "RunBu
 
 DEFAULT_LIFETIME_DELTA = 1e-10
 _CHUNK = 5000
+#: PostgreSQL: the transaction-scoped advisory lock that serializes charges of concurrent runs (SQLite:
+#: a writing transaction holds the database's write lock from its start)
+_CHARGE_LOCK = 0x66656462756467  # "fedbudg"
 
 
 @dataclass(frozen=True)
@@ -236,6 +241,8 @@ class RunBudget:
         the same write transaction, and record round t's skip count."""
         keys = list(dict.fromkeys(self._secret.lifetime_key(u) for u in users))
         with self._ledger._errors("cannot write to ledger"), self._ledger.write_engine.begin() as conn:
+            if conn.dialect.name == "postgresql":
+                conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _CHARGE_LOCK})
             if any(self._blocked(conn, keys)):
                 raise LedgerError(f"round {t}: a concurrent run has spent the lifetime budget of a selected user; "
                                   "redo the round")
