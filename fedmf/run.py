@@ -171,9 +171,12 @@ class PrivateRun:
             scheduler = make_scheduler(plan.schema, plan.sampling, key=secrets.schedule_key, rounds=plan.rounds,
                                        users_per_round=users_per_round,
                                        population=population)
+            # before the run is recorded: a ledger with lifetime budgets refuses a run without their secret
+            budget = RunBudget.open(book, None if budget_key is None else load_budget_secret(budget_key), plan)
             run = cls._attach(book, directory, store, secrets, plan, model, privatizer, opt, scheduler, name,
                               NOISE_SALTS[repeatable_noise], ledger_diagnostics)
-            budget = RunBudget.open(book, run.id, None if budget_key is None else load_budget_secret(budget_key), plan)
+            if budget is not None:
+                budget.run_id = run.id
         except BaseException:
             book.close()
             os.close(lock)

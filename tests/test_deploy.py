@@ -202,7 +202,7 @@ def test_server_role_charges_lifetime_budgets_and_cannot_change_them(roles_db, t
     with Ledger.open(roles_db["server_url"], secret=SECRET) as ledger:
         run = ledger.create_run(mechanism_file(tmp_path, kind="dp-sgd", rounds=4, schema=MinSep(1, 4)),
                                 noise_multiplier=1.0, clip_norm=1.0, delta=1e-6)
-        budget = RunBudget.open(ledger, run.id, secret, plan)
+        budget = RunBudget.open(ledger, secret, plan, run.id)
         assert budget.admissible(0, ["alice", "bob"]) == ["alice"] and budget.skipped == 1
         budget.charge(0, ["alice"])
         budget.charge(0, ["alice"])  # a redone round rewrites its skip count

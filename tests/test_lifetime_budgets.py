@@ -208,6 +208,8 @@ def test_a_ledger_with_budgets_refuses_a_run_without_its_secret(tmp_path):
     key = _setup(url, tmp_path, [1.0], {})
     with pytest.raises(ConfigError, match="enforces lifetime budgets"):
         _run(tmp_path, "a", 0.8, url, None)
+    with Ledger.open(url) as book:
+        assert book.runs() == []  # refused before the run was recorded
     other = tmp_path / "other.key"
     with pytest.raises(LedgerError, match="budget secret is not the one"):
         _run(tmp_path, "b", 0.8, url, other if load_budget_secret(other, create=True) else None)
@@ -227,7 +229,7 @@ def test_charge_rechecks_the_budget_in_its_transaction(ledger_url, tmp_path):
     with Ledger.open(url, secret=b"s" * 16) as book:
         ids = [book.create_run(plan.mechanism, noise_multiplier=0.8, clip_norm=1.0, delta=1e-5,
                                schema=plan.schema).id for _ in range(2)]
-        first, second = (RunBudget.open(book, i, secret, plan) for i in ids)
+        first, second = (RunBudget.open(book, secret, plan, i) for i in ids)
         assert first.admissible(0, ["u01", "u02"]) == ["u01", "u02"]
         assert second.admissible(0, ["u01", "u02"]) == ["u01", "u02"]
         first.charge(0, ["u01"])

@@ -167,7 +167,7 @@ def round_skips(engine, run_id: int) -> dict[int, int]:
 class RunBudget:
     """One run's view of the lifetime budgets: which users it may select, and their charges."""
 
-    def __init__(self, ledger, run_id: int, secret: ServerSecret, mu_squared: float, delta: float) -> None:
+    def __init__(self, ledger, run_id: int | None, secret: ServerSecret, mu_squared: float, delta: float) -> None:
         self._ledger, self.run_id, self._secret = ledger, run_id, secret
         self.mu_squared, self.delta = mu_squared, delta
         self.skipped: int | None = None  # the last admissible() call's count
@@ -176,9 +176,10 @@ class RunBudget:
         return f"RunBudget(run={self.run_id}, mu_squared={self.mu_squared:g})"
 
     @classmethod
-    def open(cls, ledger, run_id: int, secret: ServerSecret | None, plan) -> "RunBudget | None":
+    def open(cls, ledger, secret: ServerSecret | None, plan, run_id: int | None = None) -> "RunBudget | None":
         """None when the ledger has no budgets and no secret is given; refuses a ledger with budgets
-        without its secret, and a secret for a ledger without budgets."""
+        without its secret, and a secret for a ledger without budgets. Called before the run is
+        recorded (``run_id`` None: set it once the run exists)."""
         with ledger._errors(), Session(ledger.engine) as session:
             row = _settings_row(session)
             if row is not None and secret is not None:
