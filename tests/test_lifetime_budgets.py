@@ -10,7 +10,6 @@ import math
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 import torch
 from scipy.special import ndtr
