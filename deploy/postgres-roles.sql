@@ -65,6 +65,11 @@ GRANT SELECT, INSERT ON :"schema".runs, :"schema".rounds, :"schema".participatio
 -- what changes during a round
 GRANT SELECT, INSERT, UPDATE ON :"schema".round_state, :"schema".client_state TO :"server_role";
 GRANT SELECT ON :"schema".fedmf_ledger_version TO :"server_role";
+-- lifetime budgets: the operator (the admin role) sets them; the server reads them, charges a user
+-- once per run (appended) and records each round's skip count (rewritten when a round is redone)
+GRANT SELECT ON :"schema".budget_settings, :"schema".user_budgets TO :"server_role";
+GRANT SELECT, INSERT ON :"schema".budget_charges TO :"server_role";
+GRANT SELECT, INSERT, UPDATE ON :"schema".budget_skips TO :"server_role";
 GRANT USAGE ON SEQUENCE :"schema".runs_id_seq TO :"server_role";
 
 GRANT SELECT ON ALL TABLES IN SCHEMA :"schema" TO :"auditor_role";

@@ -124,6 +124,7 @@ def train(
     progress: bool = False,
     repeatable_noise: bool = False,
     ledger_diagnostics: bool = False,
+    budget_key: str | os.PathLike | None = None,
 ) -> TrainResult:
     """Train ``model`` privately under ``plan`` over ``users`` (ids with a stable ``str``).
 
@@ -138,7 +139,8 @@ def train(
     unamplified runs with a target ε) also stops before a round when a user's observed ε,
     accounted from the ledger, exceeds the target. ``repeatable_noise``: tests only, unsafe
     (``PrivateRun.open``). ``ledger_diagnostics``: a new run's ledger also keeps update norms
-    (outside the DP guarantee)."""
+    (outside the DP guarantee). ``budget_key``: the ledger's budget secret file (lifetime budgets,
+    ``PrivateRun.open``)."""
     if (local_update is None) == (local_updates is None):
         raise ConfigError("give exactly one of local_update (one user at a time) and local_updates (a round's users)")
     users = list(users)
@@ -152,7 +154,7 @@ def train(
     try:
         with PrivateRun.open(model, plan, directory, ledger=ledger, server_lr=server_lr, optimizer=optimizer,
                              population=users, on_event=on_event, repeatable_noise=repeatable_noise,
-                             ledger_diagnostics=ledger_diagnostics) as run:
+                             ledger_diagnostics=ledger_diagnostics, budget_key=budget_key) as run:
             history: list[RoundRecord] = []
             bar = _Progress(progress, end)
 

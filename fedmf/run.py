@@ -108,6 +108,7 @@ class PrivateRun:
         self._started = 0.0
         self._broken: str | None = None  # set when an aborted round's state could not be restored
         self._committed_record: RoundRecord | None = None  # the round committed and not yet released
+        self._budget = None  # fedmf.ledger.budgets.RunBudget when the ledger enforces lifetime budgets
         # the last committed checkpoint's hash, kept in memory so that an abort needs no database
         last = run.next_round - 1
         self._last_digest = (run.round(last).checkpoint_sha256 if last >= 0
@@ -119,7 +120,7 @@ class PrivateRun:
              ledger: str | os.PathLike | None = None, server_lr: float = 1.0, optimizer: str = "workload",
              population: Iterable[Hashable] | None = None, on_event: Callable[[str, int], None] | None = None,
              name: str | None = None, repeatable_noise: bool = False,
-             ledger_diagnostics: bool = False) -> "PrivateRun":
+             ledger_diagnostics: bool = False, budget_key: str | os.PathLike | None = None) -> "PrivateRun":
         """Resume the run recorded in ``directory`` (restoring the last committed round's
         checkpoint; the plan must be the same) or start a new one. ``ledger``: a ledger URL
         (default: ``<directory>/ledger.db``). ``population``: the users, for schedulers that
@@ -128,8 +129,10 @@ class PrivateRun:
         ``ledger_diagnostics``: a new run also records each contribution's update norm and whether
         it was clipped (data-dependent, outside the DP guarantee; a resumed run keeps its own setting).
         A population smaller than the plan's expected users per round is refused
-        (``RunPlan.check_population``)."""
+        (``RunPlan.check_population``). ``budget_key``: the ledger's budget secret file, required
+        when the ledger enforces lifetime budgets (``fedmf.ledger.budgets``)."""
         from .ledger import Ledger
+        from .ledger.budgets import RunBudget, load_budget_secret
         from .schedule import make_scheduler
         from .server_optimizer import server_optimizer
 
@@ -168,14 +171,20 @@ class PrivateRun:
             scheduler = make_scheduler(plan.schema, plan.sampling, key=secrets.schedule_key, rounds=plan.rounds,
                                        users_per_round=users_per_round,
                                        population=population)
+            # before the run is recorded: a ledger with lifetime budgets refuses a run without their secret
+            budget = RunBudget.open(book, None if budget_key is None else load_budget_secret(budget_key), plan)
             run = cls._attach(book, directory, store, secrets, plan, model, privatizer, opt, scheduler, name,
                               NOISE_SALTS[repeatable_noise], ledger_diagnostics)
+            if budget is not None:
+                budget.run_id = run.id
         except BaseException:
             book.close()
             os.close(lock)
             raise
-        return cls(model, plan, directory, secrets, store, book, ledger_url, run, privatizer, opt, scheduler, on_event,
-                   lock)
+        out = cls(model, plan, directory, secrets, store, book, ledger_url, run, privatizer, opt, scheduler, on_event,
+                  lock)
+        out._budget = budget
+        return out
 
     @staticmethod
     def _attach(book, directory: Path, store: CheckpointStore, secrets: RunSecrets, plan: RunPlan, model, privatizer,
@@ -312,6 +321,8 @@ class PrivateRun:
             raise RoundOrderError(f"round {self._selection.round} is still open")
         t = self.next_round
         self._started = time.perf_counter()
+        if self._budget is not None:  # users whose lifetime budget forbids this run are not available
+            available = self._budget.admissible(t, available)
         selection = self.scheduler.select(t, available)
         self._selection, self._report = selection, None
         self._event("selected", t)
@@ -320,6 +331,8 @@ class PrivateRun:
             accepted = self._run.record_selection(t, list(selection.selected))
             if len(accepted) != len(selection.selected):
                 raise FedmfError(f"round {t}: the ledger refused users the scheduler selected (a plan mismatch)")
+            if self._budget is not None:
+                self._budget.charge(t, selection.reachable)
         except BaseException:
             self.abort("selection failed")  # restores the scheduler: the redo selects the same users
             raise

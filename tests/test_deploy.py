@@ -18,6 +18,7 @@ import subprocess
 import time
 import urllib.request
 import uuid
+from types import SimpleNamespace
 from pathlib import Path
 
 import pytest
@@ -184,6 +185,38 @@ def test_server_role_writes_rounds_and_cannot_change_the_schema(roles_db, tmp_pa
             with pytest.raises(Exception) as e, engine.begin() as conn:
                 conn.execute(text(stmt))
             assert _sqlstate(e.value) == "42501", (stmt, e.value)  # insufficient_privilege (or not owner)
+    finally:
+        engine.dispose()
+
+
+def test_server_role_charges_lifetime_budgets_and_cannot_change_them(roles_db, tmp_path):
+    """The admin sets the budgets; the server role reads them, charges users and records skips,
+    and may not change a budget or a charge."""
+    from fedmf.ledger.budgets import RunBudget, load_budget_secret, set_default, set_user
+
+    secret = load_budget_secret(tmp_path / "budget.key", create=True)
+    with Ledger.open(roles_db["admin_url"]) as admin:
+        set_default(admin, secret, 50.0)
+        set_user(admin, secret, "bob", 0.0)
+    plan = SimpleNamespace(noise_multiplier=1.0, adaptive_clipping=None)
+    with Ledger.open(roles_db["server_url"], secret=SECRET) as ledger:
+        run = ledger.create_run(mechanism_file(tmp_path, kind="dp-sgd", rounds=4, schema=MinSep(1, 4)),
+                                noise_multiplier=1.0, clip_norm=1.0, delta=1e-6)
+        budget = RunBudget.open(ledger, secret, plan, run.id)
+        assert budget.admissible(0, ["alice", "bob"]) == ["alice"] and budget.skipped == 1
+        budget.charge(0, ["alice"])
+        budget.charge(0, ["alice"])  # a redone round rewrites its skip count
+    engine = create_engine(roles_db["server_url"])
+    try:
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT count(*) FROM budget_charges")).scalar() == 1
+            assert conn.execute(text("SELECT skipped FROM budget_skips")).scalar() == 1
+        for stmt in ("UPDATE budget_settings SET default_epsilon = 1e9", "UPDATE user_budgets SET epsilon = 1e9",
+                     "DELETE FROM user_budgets", "INSERT INTO user_budgets VALUES ('\\x00', 1e9)",
+                     "UPDATE budget_charges SET mu_squared = 0", "DELETE FROM budget_charges"):
+            with pytest.raises(Exception) as e, engine.begin() as conn:
+                conn.execute(text(stmt))
+            assert _sqlstate(e.value) == "42501", (stmt, e.value)
     finally:
         engine.dispose()
 

@@ -69,7 +69,7 @@ def test_migrations_create_exactly_the_models(ledger_url):
     with Ledger.open(ledger_url) as ledger, ledger.engine.connect() as conn:
         context = MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE, "compare_type": True})
         assert compare_metadata(context, Base.metadata) == []
-        assert context.get_current_revision() == head_revision() == "0004"
+        assert context.get_current_revision() == head_revision() == "0005"
         indexes = {ix["name"]: ix["column_names"] for ix in inspect(conn).get_indexes("participations")}
         assert indexes["ix_participations_client"] == ["run_id", "client_key", "status", "round_index"]
     with Ledger.open(ledger_url) as again:  # idempotent: a second open migrates nothing
@@ -80,7 +80,7 @@ def test_newer_schema_version_is_refused_and_nothing_is_written(ledger_url, tmp_
     with Ledger.open(ledger_url) as ledger, ledger.engine.begin() as conn:
         conn.execute(text(f"UPDATE {VERSION_TABLE} SET version_num = '0099'"))
     before = open(ledger_url, "rb").read() if "://" not in ledger_url else None
-    with pytest.raises(LedgerError, match=r"schema version 0099, newer than this fedmf understands \(0004\)") as e:
+    with pytest.raises(LedgerError, match=r"schema version 0099, newer than this fedmf understands \(0005\)") as e:
         Ledger.open(ledger_url, secret=SECRET)
     assert "\n" not in str(e.value)
     if before is not None:
@@ -646,11 +646,11 @@ def test_a_ledger_at_0001_is_upgraded_in_place_with_its_data(ledger_url, tmp_pat
     from fedmf.ledger.audit import audit
 
     keys = _write_at_0001(ledger_url, tmp_path)
-    with pytest.raises(LedgerError, match="schema version 0001, older than this fedmf's 0004"):
+    with pytest.raises(LedgerError, match="schema version 0001, older than this fedmf's 0005"):
         audit(ledger_url)  # the read-only audit never migrates
     with Ledger.open(ledger_url, secret=SECRET) as ledger:
         with ledger.engine.connect() as conn:
-            assert conn.execute(text(f"SELECT version_num FROM {VERSION_TABLE}")).scalar_one() == "0004"
+            assert conn.execute(text(f"SELECT version_num FROM {VERSION_TABLE}")).scalar_one() == "0005"
         (info,) = ledger.runs()
         assert (info.id, info.name, info.config, info.rounds, info.schema) == (1, "old", {"lr": 0.5}, 12, MinSep(3, 4))
         assert (info.plan, info.plan_fingerprint) == (None, None) and ledger.find_runs(FINGERPRINT) == []
@@ -667,7 +667,7 @@ def test_a_ledger_at_0001_is_upgraded_in_place_with_its_data(ledger_url, tmp_pat
     report = audit(ledger_url)
     assert report.realized["contributions"] == 5 and report.realized["client_state_consistent"] is True
     assert [r["checkpoint_sha256"] for r in report.rounds if r["status"] == "committed"] == [None, None, digest]
-    assert report.schema_version == "0004"
+    assert report.schema_version == "0005"
 
 
 def test_migration_0003_is_not_downgraded_and_a_refused_downgrade_changes_nothing(tmp_path):
@@ -750,7 +750,7 @@ def test_a_ledger_at_0002_moves_to_append_only_history_and_verifies(ledger_url, 
     from fedmf.ledger.audit import audit
 
     key = _write_at_0002(ledger_url, tmp_path)
-    with pytest.raises(LedgerError, match="schema version 0002, older than this fedmf's 0004"):
+    with pytest.raises(LedgerError, match="schema version 0002, older than this fedmf's 0005"):
         audit(ledger_url)
     with Ledger.open(ledger_url, secret=SECRET) as ledger:
         info, = ledger.runs()

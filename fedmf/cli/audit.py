@@ -22,6 +22,12 @@ def cmd_audit(args: argparse.Namespace) -> int:
     """``fedmf audit``: recompute a run's privacy from its ledger; print it, optionally CSV and PNG."""
     from ..ledger.audit import ChainBroken, audit
 
+    if args.users:
+        from .budget import account_lines
+
+        lines, data = account_lines(args.ledger)
+        print(json.dumps(data, allow_nan=False) if args.json else "\n".join(lines))
+        return 0
     check_output("--csv", args.csv)
     check_output("--plot", args.plot, ".png")
     try:
@@ -31,6 +37,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
             print(json.dumps({"verify": e.chain.to_dict(), "error": str(e)}, allow_nan=False))
         print(f"fedmf: verification failed: {_where(e.chain)}: {e.chain.reason} ({e})", file=sys.stderr)
         return 1
+    skips = _budget_skips(args.ledger, report.run["id"])
     if args.csv:
         report.write_csv(args.csv)
     if args.plot:
@@ -41,9 +48,15 @@ def cmd_audit(args: argparse.Namespace) -> int:
             out["csv"] = args.csv
         if args.plot:
             out["plot"] = args.plot
+        if skips:
+            out["budget_skips"] = {str(t): n for t, n in sorted(skips.items())}
         print(json.dumps(out, allow_nan=False))
     else:
         print("\n".join(report.lines()))
+        if skips:
+            total = sum(skips.values())
+            print(f"budget skips        {total} (users passed over for their lifetime budget)"
+                  + (", by round: " + ", ".join(f"{t}: {n}" for t, n in sorted(skips.items())) if total else ""))
         for option, path in (("csv", args.csv), ("plot", args.plot)):
             if path:
                 print(f"{option:<19} {path}")
@@ -51,6 +64,14 @@ def cmd_audit(args: argparse.Namespace) -> int:
         print(f"fedmf: verification failed: {_where(report.chain)}: {report.chain.reason}", file=sys.stderr)
         return 1
     return 0
+
+
+def _budget_skips(url: str, run_id: int) -> dict[int, int]:
+    """{round: users skipped for their lifetime budget} of the run (read-only)."""
+    from ..ledger.budgets import round_skips
+    from ..ledger.db import read_snapshot, resolve_url
+
+    return read_snapshot(resolve_url(url), lambda conn: round_skips(conn, run_id))
 
 
 def _where(chain) -> str:
@@ -80,6 +101,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--run", type=_run_id, metavar="ID", help="run id (default: the latest run)")
     p.add_argument("--verify", action="store_true",
                    help="recompute the hash chain; exit 1 naming the first round that does not match")
+    p.add_argument("--users", action="store_true",
+                   help="list every user's lifetime budget: spent and remaining epsilon (pseudonymous; fedmf budget)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--csv", metavar="FILE", help="write the per-round table as CSV")
     p.add_argument("--plot", metavar="FILE.png", help="write ε-vs-round and the participation histogram (PNG)")

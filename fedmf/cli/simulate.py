@@ -20,7 +20,7 @@ def _overrides(args: argparse.Namespace) -> dict:
                         ("sampling", "sampling"), ("server_lr", "server-lr"), ("delta", "delta"),
                         ("bands", "num-bands"), ("min_sep", "min-sep"), ("clip_norm", "clip-norm"),
                         ("adaptive_clipping", "adaptive-clipping"), ("adaptive_clipping_lr", "adaptive-clipping-lr"),
-                        ("adaptive_clipping_count_noise", "adaptive-clipping-count-noise")):
+                        ("adaptive_clipping_count_noise", "adaptive-clipping-count-noise"), ("ledger", "ledger-url")):
         value = getattr(args, option)
         if value is not None:
             values[key] = value
@@ -115,6 +115,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     repeatable = repeatable_noise_from_env()  # the Flower app reads it too (inherited)
     if repeatable:  # even with --quiet / --json: never silent
         print(f"fedmf: warning: {REPEATABLE_NOISE_WARNING}", file=sys.stderr)
+    if args.budget_key is not None and args.backend == "flower":
+        raise ConfigError("--budget-key is for --backend inprocess (the Flower app does not take lifetime budgets yet)")
     if args.backend == "flower":
         result = _backend("flower")(config, values, task, timeout=args.timeout,
                                     echo=None if (args.quiet or args.json) else sys.stderr, plot=not args.no_plot)
@@ -128,7 +130,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         else:
             clients = {"local_update": task.as_local_update(hyper)}
         result = simulate(config, model=task.model(), users=task.users(), **clients, evaluate=task.evaluate,
-                          progress=not (args.quiet or args.json), plot=not args.no_plot, repeatable_noise=repeatable)
+                          progress=not (args.quiet or args.json), plot=not args.no_plot, repeatable_noise=repeatable,
+                          budget_key=args.budget_key)
     if args.json:
         print(json.dumps(result.to_dict(), allow_nan=False))
         return 0
@@ -192,6 +195,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "the same model bit for bit for any value")
     p.add_argument("--timeout", type=float, default=7 * 24 * 3600.0,
                    help="--backend flower: stop the Flower run after this many seconds (default: a week)")
+    p.add_argument("--ledger", metavar="URL",
+                   help="the ledger (a SQLite path or postgresql://…; default: <out>/ledger.db); runs may share one")
+    p.add_argument("--budget-key", metavar="FILE",
+                   help="the ledger's budget secret (fedmf budget); required when the ledger enforces lifetime budgets")
     p.add_argument("--out", default="fedmf-sim", help="output directory (default: ./fedmf-sim)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

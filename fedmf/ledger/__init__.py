@@ -13,6 +13,7 @@
 * ``queries``     the reads: ``RunInfo``, ``RoundSummary``, a run's contributions, the audit's snapshot
 * ``privacy``     the audit's view of ``fedmf.accounting`` (per-round plan curve, post-hoc accounts)
 * ``audit``       the read-only audit behind ``fedmf audit`` (``fedmf.cli.audit``)
+* ``budgets``     lifetime per-user budgets across the runs of one ledger (``fedmf budget``)
 
 Names are imported lazily, so ``import fedmf.ledger`` stays cheap.
 """

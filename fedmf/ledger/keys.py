@@ -3,7 +3,8 @@
 A client identifier never reaches the ledger, a log line or an error message in clear:
 the ledger stores ``HMAC-SHA256(secret, "fedmf-ledger/v1/client" ‖ run ‖ id)`` (32 bytes),
 so the same client has unlinkable keys in two runs, and nobody without the secret can
-test a guess. The secret itself is never stored; a run keeps only a *key check*
+test a guess. Lifetime budgets link a user's runs on purpose, under a separate ledger-wide budget
+secret: ``HMAC-SHA256(budget secret, "fedmf-ledger/v1/lifetime" ‖ id)``. The secret itself is never stored; a run keeps only a *key check*
 (an HMAC of a fixed label under the secret), which tells a resumed server that it was
 given the same secret without revealing anything about it.
 """
@@ -22,6 +23,7 @@ __all__ = ["ServerSecret", "MIN_SECRET_BYTES"]
 MIN_SECRET_BYTES = 16
 _CLIENT_LABEL = b"fedmf-ledger/v1/client\x00"
 _CHECK_LABEL = b"fedmf-ledger/v1/key-check"
+_LIFETIME_LABEL = b"fedmf-ledger/v1/lifetime\x00"
 
 
 class ServerSecret:
@@ -56,6 +58,14 @@ class ServerSecret:
         """The 32-byte pseudonymous key of ``client`` (any str/int/bytes identifier) in one run."""
         mac = self._mac.copy()
         mac.update(_CLIENT_LABEL + run_uid.encode("ascii") + b"\x00" + _id_bytes(client))
+        return mac.digest()
+
+    def lifetime_key(self, client: object) -> bytes:
+        """The 32-byte pseudonymous key of ``client`` that is the same in every run: under the
+        ledger-wide budget secret (never a run's own secret) it links one user's runs for their
+        lifetime budget (``fedmf.ledger.budgets``), and only that."""
+        mac = self._mac.copy()
+        mac.update(_LIFETIME_LABEL + _id_bytes(client))
         return mac.digest()
 
     def client_keys(self, run_uid: str, clients: Iterable[object]) -> list[bytes]:

@@ -46,12 +46,20 @@ __all__ = [
     "PARTICIPATION_STATUSES",
     "VERSION_TABLE",
     "NOISE_STD_COMMENT",
+    "BudgetSettings",
+    "UserBudget",
+    "BudgetCharge",
+    "BudgetSkip",
+    "BUDGET_TABLES",
 ]
 
 VERSION_TABLE = "fedmf_ledger_version"  # Alembic's version table, named so it cannot clash
 ROUND_STATUSES = ("planned", "open", "committed", "aborted")  # "planned": no round_state row yet
 HISTORY_TABLES = ("runs", "rounds", "participations", "update_norms")  # INSERT only
 MUTABLE_TABLES = ("round_state", "client_state")
+#: lifetime budgets (fedmf.ledger.budgets): settings and per-user budgets are the operator's; charges
+#: are only ever inserted; skips are rewritten by a redone round
+BUDGET_TABLES = ("budget_settings", "user_budgets", "budget_charges", "budget_skips")
 PARTICIPATION_STATUSES = ("contributed", "dropped", "rejected")
 NOISE_STD_COMMENT = "absolute noise std sigma = z * clip_norm * sensitivity (not z * sensitivity)"
 
@@ -226,3 +234,57 @@ class ClientState(Base):
     last_round: Mapped[int] = mapped_column(Integer)
 
     __table_args__ = ({"sqlite_with_rowid": False},)
+
+
+class BudgetSettings(Base):
+    """The ledger-wide lifetime budget (one row, id 1): the default ε (None: users without their
+    own budget are not limited), the lifetime δ, and the key check of the budget secret."""
+
+    __tablename__ = "budget_settings"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    default_epsilon: Mapped[Optional[float]] = mapped_column(Float)
+    delta: Mapped[float] = mapped_column(Float)
+    key_check: Mapped[str] = mapped_column(String(64), comment="HMAC of a fixed label under the budget secret")
+
+    __table_args__ = (
+        CheckConstraint("id = 1", name="ck_budget_settings_id"),
+        CheckConstraint("delta > 0 AND delta < 1", name="ck_budget_settings_delta"),
+    )
+
+
+class UserBudget(Base):
+    """A user's own lifetime ε (at the ledger's lifetime δ), keyed by their lifetime key."""
+
+    __tablename__ = "user_budgets"
+
+    lifetime_key: Mapped[bytes] = mapped_column(LargeBinary(32), primary_key=True)
+    epsilon: Mapped[float] = mapped_column(Float)
+
+    __table_args__ = (CheckConstraint("epsilon >= 0", name="ck_user_budgets_epsilon"),)
+
+
+class BudgetCharge(Base):
+    """A run's worst-case charge on a user: μ² of everything the run's schema allows it to take
+    from them, inserted when the run first selects them (never updated)."""
+
+    __tablename__ = "budget_charges"
+
+    lifetime_key: Mapped[bytes] = mapped_column(LargeBinary(32), primary_key=True)
+    run_id: Mapped[int] = mapped_column(
+        ForeignKey("runs.id", ondelete="CASCADE", name="fk_budget_charges_run"), primary_key=True)
+    mu_squared: Mapped[float] = mapped_column(Float)
+    round_index: Mapped[int] = mapped_column(Integer)  # the round that first selected the user
+
+    __table_args__ = ({"sqlite_with_rowid": False},)
+
+
+class BudgetSkip(Base):
+    """How many available users a round passed over because of their lifetime budget (a count only)."""
+
+    __tablename__ = "budget_skips"
+
+    run_id: Mapped[int] = mapped_column(
+        ForeignKey("runs.id", ondelete="CASCADE", name="fk_budget_skips_run"), primary_key=True)
+    round_index: Mapped[int] = mapped_column(Integer, primary_key=True)
+    skipped: Mapped[int] = mapped_column(Integer)
