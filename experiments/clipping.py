@@ -92,13 +92,21 @@ def final_accuracy(record: dict[str, Any]) -> float:
     return accs[-1] if accs and all(a == a for a in accs) else float("-inf")
 
 
+def final_loss(record: dict[str, Any]) -> float:
+    """The last evaluation's held-out loss; +inf for a diverged run."""
+    losses = [h["loss"] for h in record["history"] if h.get("loss") is not None]
+    return losses[-1] if losses and all(x == x for x in losses) else float("inf")
+
+
 def best_zeta(records: list[dict[str, Any]], dataset: str, eps: float) -> float | None:
-    """The fixed ζ with the best final accuracy on seed 0 (ties: the smaller ζ); None before any sweep."""
+    """The fixed ζ with the lowest final held-out loss on seed 0 (ties: the smaller ζ); None before any
+    sweep. Loss, not accuracy: 30 rounds are the early phase, where accuracy first falls below the
+    "always EOS" predictor's (0.0745 on so-small) as a model learns, so the least-trained run would win."""
     runs = [r for r in records if not r["job"].get("adaptive") and r["job"]["dataset"] == dataset
             and r["job"]["epsilon"] == eps and r["job"]["seed"] == 0]
     if not runs:
         return None
-    return max(runs, key=lambda r: (final_accuracy(r), -r["job"]["clip_norm"]))["job"]["clip_norm"]
+    return min(runs, key=lambda r: (final_loss(r), r["job"]["clip_norm"]))["job"]["clip_norm"]
 
 
 def jobs(phase: str, norms: dict[str, Any], records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -295,7 +303,7 @@ def run(phase: str, out: Path = OUT, only: str | None = None, epsilon: float | N
     started = time.perf_counter()
     for job in left:
         record = run_job(job, out)
-        print(f"[{time.perf_counter() - started:6.0f} s] {record['key']}: acc {final_accuracy(record):.4f} "
+        print(f"[{time.perf_counter() - started:6.0f} s] {record['key']}: loss {final_loss(record):.4f} acc {final_accuracy(record):.4f} "
               f"in {record['seconds']:.0f} s (z {record['noise_multiplier']:.4g})", flush=True)
 
 
@@ -322,7 +330,8 @@ def mean_sd(values: list[float]) -> str:
 
 
 def table(records: list[dict[str, Any]], norms: dict[str, Any]) -> str:
-    lines = ["| dataset | ε | arm | ζ (ζ₀) | z | final accuracy (mean ± sd) | seeds |", "|---|---|---|---|---|---|---|"]
+    lines = ["| dataset | ε | arm | ζ (ζ₀) | z | final loss (mean ± sd) | final accuracy (mean ± sd) | seeds |",
+             "|---|---|---|---|---|---|---|---|"]
     for dataset in DATASETS:
         if dataset not in norms:
             continue
@@ -331,6 +340,7 @@ def table(records: list[dict[str, Any]], norms: dict[str, Any]) -> str:
                 zeta = f"{runs[0]['job']['clip_norm']:g}" if runs else "—"
                 z = f"{runs[0]['noise_multiplier']:.4g}" if runs else "—"
                 lines.append(f"| {dataset} | {eps:g} | {arm} | {zeta} | {z} | "
+                             f"{mean_sd([final_loss(r) for r in runs])} | "
                              f"{mean_sd([final_accuracy(r) for r in runs])} | {len(runs)} |")
     return "\n".join(lines)
 
@@ -348,20 +358,21 @@ def sweep_table(records: list[dict[str, Any]], norms: dict[str, Any]) -> str:
             for z in zetas:
                 match = [r for r in records if r["job"] == dict(dataset=dataset, epsilon=eps, adaptive=False,
                                                                 clip_norm=z, seed=0)]
-                cells.append(f"{final_accuracy(match[0]):.4f} (ζ {z:g})" if match else "—")
+                cells.append(f"{final_loss(match[0]):.3f} / {final_accuracy(match[0]):.4f} (ζ {z:g})" if match else "—")
             lines.append(f"| {dataset} | {eps:g} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def report(out: Path = OUT) -> str:
-    """table.md (arms, sweep) and clipping-<dataset>.png (ζₜ and accuracy by round, mean over seeds)."""
+    """table.md (arms, sweep) and clipping-<dataset>.png (ζₜ by round per seed, held-out loss by round
+    as the mean over seeds)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     records, norms = load_records(out), load_norms(out)
-    text = (table(records, norms) + "\n\nFixed-ζ sweep (seed 0, final accuracy):\n\n" + sweep_table(records, norms)
+    text = (table(records, norms) + "\n\nFixed-ζ sweep (seed 0, final held-out loss / accuracy):\n\n" + sweep_table(records, norms)
             + "\n")
     (out / "table.md").write_text(text)
     for dataset in DATASETS:
@@ -377,13 +388,14 @@ def report(out: Path = OUT) -> str:
                     axes[0][col].plot(rounds, [p["clip_norm"] for p in r["per_round"]], alpha=0.7,
                                       color=f"C{list(arms(records, norms, dataset, eps)).index(arm)}",
                                       label=arm if r is runs[0] else None)
-                rounds = [h["round"] for h in runs[0]["history"]]
-                mean = [statistics.mean(r["history"][i]["accuracy"] for r in runs) for i in range(len(rounds))]
+                length = min(len(r["history"]) for r in runs)
+                rounds = [h["round"] for h in runs[0]["history"][:length]]
+                mean = [statistics.mean(r["history"][i]["loss"] for r in runs) for i in range(length)]
                 axes[1][col].plot(rounds, mean, marker="o", label=arm)
             axes[0][col].axhline(norms[dataset]["median"], color="grey", linestyle=":", label="median norm (t = 0)")
             axes[0][col].set_yscale("log")
             axes[0][col].set_title(f"{dataset}, ε = {eps:g}: clip norm ζₜ")
-            axes[1][col].set_title(f"{dataset}, ε = {eps:g}: held-out accuracy (mean over seeds)")
+            axes[1][col].set_title(f"{dataset}, ε = {eps:g}: held-out loss (mean over seeds)")
             axes[1][col].set_xlabel("round")
             for ax in axes[:, col]:
                 ax.grid(alpha=0.3)
