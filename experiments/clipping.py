@@ -109,10 +109,12 @@ def best_zeta(records: list[dict[str, Any]], dataset: str, eps: float) -> float 
     return min(runs, key=lambda r: (final_loss(r), r["job"]["clip_norm"]))["job"]["clip_norm"]
 
 
-def jobs(phase: str, norms: dict[str, Any], records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The runs of one phase, each {dataset, epsilon, clip_norm, seed, adaptive}."""
+def jobs(phase: str, norms: dict[str, Any], records: list[dict[str, Any]], only: str | None = None
+         ) -> list[dict[str, Any]]:
+    """The runs of one phase (of dataset ``only``, default all), each {dataset, epsilon, clip_norm, seed,
+    adaptive}."""
     out: list[dict[str, Any]] = []
-    for dataset in DATASETS:
+    for dataset in [d for d in DATASETS if only is None or d == only]:
         if dataset not in norms:
             raise ExperimentError(f"no update norms for {dataset}: run `python experiments/clipping.py norms` first")
         median = norms[dataset]["median"]
@@ -296,8 +298,7 @@ def _mechanism(dataset: str, config) -> Any:
 
 
 def run(phase: str, out: Path = OUT, only: str | None = None, epsilon: float | None = None) -> None:
-    todo = jobs(phase, load_norms(out), load_records(out))
-    todo = [j for j in todo if (only is None or j["dataset"] == only) and (epsilon is None or j["epsilon"] == epsilon)]
+    todo = [j for j in jobs(phase, load_norms(out), load_records(out), only) if epsilon is None or j["epsilon"] == epsilon]
     left = [j for j in todo if not (out / "runs" / f"{key(j)}.json").exists()]
     print(f"{phase}: {len(todo)} runs, {len(left)} to do", flush=True)
     started = time.perf_counter()

@@ -59,6 +59,14 @@ def test_final_phase_runs_tuned_and_untuned_arms_on_every_seed_once():
     assert len(clipping.jobs("final", NORMS, records)) == 4 * 2 * 3
 
 
+def test_final_phase_of_one_dataset_needs_only_that_datasets_sweep():
+    records = [_record(0.15, 0, 7.0, eps=e) for e in clipping.EPSILONS]  # so-small's sweep only
+    jobs = clipping.jobs("final", NORMS, records, only="so-small")
+    assert {j["dataset"] for j in jobs} == {"so-small"} and len(jobs) == 2 * 3 * 3
+    with pytest.raises(clipping.ExperimentError, match="shakespeare"):
+        clipping.jobs("final", NORMS, records)
+
+
 def test_adaptive_phase_starts_every_seed_at_the_untuned_zeta0():
     jobs = clipping.jobs("adaptive", NORMS, [])
     assert len(jobs) == 4 * 3 and all(j["adaptive"] and j["clip_norm"] == 0.1 for j in jobs)
