@@ -388,11 +388,13 @@ def report(out: Path = OUT) -> str:
                     rounds = [p["round"] for p in r["per_round"]]
                     axes[0][col].plot(rounds, [p["clip_norm"] for p in r["per_round"]], alpha=0.7,
                                       color=f"C{list(arms(records, norms, dataset, eps)).index(arm)}",
-                                      label=arm if r is runs[0] else None)
+                                      label=(f"{arm} = {r['job']['clip_norm']:g}" if arm.startswith("tuned")
+                                             else arm) if r is runs[0] else None)
                 length = min(len(r["history"]) for r in runs)
                 rounds = [h["round"] for h in runs[0]["history"][:length]]
                 mean = [statistics.mean(r["history"][i]["loss"] for r in runs) for i in range(length)]
                 axes[1][col].plot(rounds, mean, marker="o", label=arm)
+            axes[1][col].set_yscale("log")
             axes[0][col].axhline(norms[dataset]["median"], color="grey", linestyle=":", label="median norm (t = 0)")
             axes[0][col].set_yscale("log")
             axes[0][col].set_title(f"{dataset}, ε = {eps:g}: clip norm ζₜ")
