@@ -388,7 +388,8 @@ def test_simulate_with_adaptive_clipping_writes_zeta_to_results_plot_and_ledger(
 
     out = tmp_path / "sim"
     argv = ["simulate", "--preset", "tiny", "--rounds", "5", "--epsilon", "6", "--clip-norm", "0.05",
-            "--adaptive-clipping", "0.5", "--adaptive-clipping-lr", "0.4", "--out", str(out), "--json"]
+            "--adaptive-clipping", "0.5", "--adaptive-clipping-lr", "0.4", "--adaptive-clipping-count-noise", "2",
+            "--out", str(out), "--json"]
     assert main(argv) == 0
     result = json.loads(capsys.readouterr().out)
     zetas = [h["metrics"]["clip-norm"] for h in result["history"]]
