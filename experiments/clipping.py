@@ -16,10 +16,8 @@ experiments/results/clipping/ (one small JSON per run).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
-import os
 import shutil
 import sqlite3
 import statistics
@@ -30,7 +28,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fedmf.errors import ConfigError, FedmfError  # noqa: E402
+from run import _write_secrets  # noqa: E402  (experiments/run.py: fixed secrets, one recipe for every experiment)
 
 #: dataset → (preset, overrides): 30 rounds, min-sep 15 (≤ 2 participations per user), 20 users a round
 #: (sized for 2 shared CPU cores: a so-small run took 155 s at 40 rounds there)
@@ -193,17 +193,6 @@ def measure_norms(out: Path = OUT) -> dict[str, Any]:
     return result
 
 
-def _write_secrets(run_dir: Path, label: str) -> None:
-    """Fixed secrets per run (reproducible experiments; a production run draws them at random)."""
-    directory = run_dir / "secrets"
-    directory.mkdir(mode=0o700, parents=True)
-    os.chmod(run_dir, 0o700)
-    for name in ("noise_seed", "schedule_key", "ledger_secret"):
-        fd = os.open(directory / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        os.write(fd, hashlib.sha256(f"fedmf-experiments/clipping/{label}/{name}".encode()).digest())
-        os.close(fd)
-
-
 def adaptive_plan(fixed_plan, job: dict[str, Any], expected_users: float):
     """The adaptive arm's plan at the fixed arm's total (ε, δ): z calibrated with the count's Gaussian
     release composed in (fedmf.accounting), so z must exceed the fixed plan's z at the same ε."""
@@ -247,7 +236,7 @@ def run_job(job: dict[str, Any], out: Path = OUT) -> dict[str, Any]:
     torch.set_num_threads(1)
     run_dir = out / "tmp" / name
     shutil.rmtree(run_dir, ignore_errors=True)
-    _write_secrets(run_dir, f"{job['dataset']}/{job['epsilon']}/{job['seed']}")
+    _write_secrets(run_dir, f"clipping/{job['dataset']}/{job['epsilon']}/{job['seed']}")
     config = _config(job["dataset"], {"run-dir": str(run_dir), "server-lr": SERVER_LR[job["dataset"], job["epsilon"]],
                                       "clip-norm": job["clip_norm"], "target-epsilon": job["epsilon"],
                                       "noise-multiplier": 0.0})

@@ -75,12 +75,11 @@ def load_budget_secret(path: str | os.PathLike, *, create: bool = False) -> Serv
 def run_mu_squared(plan) -> float:
     """μ² of a run's worst case, unamplified: 1/z² (σ = z·ζ·sens) plus, with adaptive clipping, k/σ_b²
     for k count releases of sensitivity 1 (Dong et al. Cor. 3.3)."""
+    from ..accounting.count_release import participations
+
     mu2 = 1.0 / plan.noise_multiplier ** 2
-    adaptive = getattr(plan, "adaptive_clipping", None)
-    if adaptive is not None:
-        schema = plan.schema
-        k = schema.participations(plan.rounds) if hasattr(schema, "participations") else schema.max_participations
-        mu2 += k / adaptive.count_noise_std ** 2
+    if plan.count_noise_std is not None:
+        mu2 += participations(plan.schema, plan.rounds) / plan.count_noise_std ** 2
     return mu2
 
 
