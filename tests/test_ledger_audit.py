@@ -400,7 +400,9 @@ def test_an_adaptively_clipped_round_is_checked_against_its_own_clip_norm(tmp_pa
     url = str(tmp_path / "l.db")
     path = mechanism_file(tmp_path, kind="dp-sgd", rounds=8, schema=MinSep(2, 4))
     with Ledger.open(url, secret=SECRET) as ledger:
-        run = ledger.create_run(path, noise_multiplier=2.0, clip_norm=0.5, delta=1e-6)
+        adaptive = {"target_quantile": 0.5, "learning_rate": 0.2, "count_noise_std": 1.0}
+        run = ledger.create_run(path, noise_multiplier=2.0, clip_norm=0.5, delta=1e-6,
+                                plan={"adaptive_clipping": adaptive})  # only an adaptive run's ζₜ is read
         for t, client in enumerate(["a", "b"]):
             run.open_round(t)
             run.record_selection(t, [client])

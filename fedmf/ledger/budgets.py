@@ -190,8 +190,7 @@ class RunBudget:
             raise ConfigError("a budget secret was given but this ledger has no lifetime budgets "
                               "(set them first: fedmf budget default)")
         if secret is None:
-            raise ConfigError("this ledger enforces lifetime budgets: give the run its budget secret (budget_key, "
-                              "--budget-key)")
+            raise ConfigError("this ledger enforces lifetime budgets: give the run its budget secret (budget_key)")
         return cls(ledger, run_id, secret, run_mu_squared(plan), delta)
 
     def _blocked(self, conn, keys: Sequence[bytes]) -> list[bool]:
