@@ -52,8 +52,9 @@ SWEEP_MULTIPLES = (0.5, 1.0, 2.0)
 #: the untuned fixed arms: ζ = 0.1 and ζ = 10 × median
 UNTUNED_SMALL = 0.1
 UNTUNED_LARGE_MULTIPLE = 10.0
-#: adaptive arm (Andrew et al. Sec. 3.1 defaults): γ, η, σ_b = m/20 (None), untuned ζ₀
-ADAPTIVE = {"target_quantile": 0.5, "learning_rate": 0.2, "count_noise_std": None, "initial_clip_norm": 0.1}
+#: adaptive arm: γ and η as Andrew et al. Sec. 3.1, untuned ζ₀; σ_b is set so that the count spends
+#: ``count_share`` of the run's μ² (their σ_b = m/20 alone exceeds ε = 2's whole budget at m = 20)
+ADAPTIVE = {"target_quantile": 0.5, "learning_rate": 0.2, "count_share": 0.2, "initial_clip_norm": 0.1}
 #: users whose update norm is measured per dataset (a fixed sample)
 NORM_SAMPLE = 200
 NORM_QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9)
@@ -201,12 +202,21 @@ def adaptive_plan(fixed_plan, job: dict[str, Any], expected_users: float):
 
     rule = AdaptiveClipping.create(ADAPTIVE["target_quantile"], expected_users=expected_users,
                                    learning_rate=ADAPTIVE["learning_rate"],
-                                   count_noise_std=ADAPTIVE["count_noise_std"])
+                                   count_noise_std=count_noise_for_share(fixed_plan, ADAPTIVE["count_share"]))
     plan = RunPlan.create(fixed_plan.mechanism, fixed_plan.schema, clip_norm=job["clip_norm"],
                           delta=fixed_plan.delta, expected_users=expected_users, target_epsilon=job["epsilon"],
                           sampling=fixed_plan.sampling, accountant=fixed_plan.accountant, adaptive_clipping=rule)
     check_count_accounted(plan.noise_multiplier, fixed_plan.noise_multiplier, job["epsilon"])
     return plan
+
+
+def count_noise_for_share(fixed_plan, share: float) -> float:
+    """σ_b whose count release spends ``share`` of the fixed plan's μ² (un-amplified): by
+    count_release's (1), k/σ_b² = share/z², so σ_b = z·√(k/share) and z_mf = z/√(1 − share)."""
+    from fedmf.accounting import count_release
+
+    k = count_release.participations(fixed_plan.schema, fixed_plan.rounds)
+    return fixed_plan.noise_multiplier * math.sqrt(k / share)
 
 
 def check_count_accounted(adaptive_z: float, fixed_z: float, eps: float) -> None:

@@ -111,3 +111,22 @@ def test_report_reads_records_and_plots_the_adaptive_trajectory(tmp_path):
             in text)
     assert (tmp_path / "clipping-so-small.png").stat().st_size > 0
     assert (tmp_path / "table.md").read_text() == text
+
+
+def test_count_share_spends_that_share_of_the_budget_at_equal_epsilon():
+    """σ_b from count_noise_for_share: the adaptive plan, calibrated to the fixed plan's ε, has
+    z_mf = z/√(1 − share) and the count takes exactly ``share`` of μ² (count_release.privacy_split)."""
+    from fedmf import MinSep, Workload
+    from fedmf.accounting import count_release
+    from fedmf.mechanisms import build
+    from fedmf.plan import RunPlan
+
+    schema = MinSep(min_sep=15, max_participations=2)
+    fixed = RunPlan.create(build("bsr", 30, schema, Workload(momentum=0.9), num_bands=15), schema,
+                           clip_norm=0.1, delta=1e-5, expected_users=20, target_epsilon=2.0)
+    share = clipping.ADAPTIVE["count_share"]
+    adaptive = clipping.adaptive_plan(fixed, {"clip_norm": 0.1, "epsilon": 2.0}, 20)
+    assert adaptive.noise_multiplier == pytest.approx(fixed.noise_multiplier / (1 - share) ** 0.5, rel=1e-6)
+    split = count_release.privacy_split(adaptive.noise_multiplier, adaptive.count_noise_std, 2)
+    assert split["count"] == pytest.approx(share, rel=1e-6)
+    assert adaptive.epsilon() == pytest.approx(2.0, rel=1e-6)
