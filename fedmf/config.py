@@ -43,6 +43,8 @@ is a one-line ``ConfigError`` before round 1. ``DEFAULTS`` is the one defaults t
     user-enrollment   ""                          the enrollment file (``fedmf user enroll``); a deployment
                                                   with identity "enrolled" needs it
     identity-timeout  30.0                        seconds to wait for identity replies (then backoff per node)
+    budget-key        ""                          the ledger's budget secret file (``fedmf budget``); needed
+                                                  when the ledger enforces lifetime per-user budgets
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ DEFAULTS: dict[str, Any] = {
     "ledger-diagnostics": False,
     "identity": "enrolled", "user-enrollment": "", "identity-timeout": 30.0,
     "adaptive-clipping": 0.0, "adaptive-clipping-lr": 0.2, "adaptive-clipping-count-noise": 0.0,
+    "budget-key": "",
 }
 
 
@@ -140,6 +143,7 @@ class RunConfig:
     adaptive_clipping: float | None = None  # γ; None: ζ is fixed
     adaptive_clipping_lr: float = 0.2
     adaptive_clipping_count_noise: float | None = None  # σ_b; None: clients-per-round / 20
+    budget_key: str | None = None  # the budget secret file (absolute); None: the ledger has no budgets
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -195,6 +199,7 @@ class RunConfig:
         clip_lr = _float("adaptive-clipping-lr", v["adaptive-clipping-lr"], strict=True)
         count_noise = _float("adaptive-clipping-count-noise", v["adaptive-clipping-count-noise"])
         enrollment = _text("user-enrollment", v["user-enrollment"])
+        budget_key = _text("budget-key", v["budget-key"])
         if enrollment and identity != "enrolled":
             raise ConfigError("user-enrollment is set but identity is declared-insecure: choose one")
         return cls(
@@ -217,6 +222,7 @@ class RunConfig:
             identity_timeout=_float("identity-timeout", v["identity-timeout"], strict=True),
             adaptive_clipping=gamma or None, adaptive_clipping_lr=clip_lr,
             adaptive_clipping_count_noise=count_noise or None,
+            budget_key=str(base / budget_key) if budget_key else None,
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -41,6 +41,7 @@ def flower_run_config(values: Mapping[str, Any], config: RunConfig) -> dict[str,
         out["task-options"] = json.dumps(out["task-options"], sort_keys=True)
     out["run-dir"] = config.run_dir
     out["mechanism"] = config.mechanism  # a mechanism file, resolved from the working directory
+    out["budget-key"] = config.budget_key or ""
     return out
 
 

@@ -98,3 +98,12 @@ def test_bad_combinations_fail_before_round_one():
         RunConfig.from_mapping({**BASE, "mechanism": "no-such-kind"}).build_plan()
     with pytest.raises(ConfigError):
         RunConfig.from_mapping({**BASE, "sampling": "bminsep:2"}).build_plan()
+
+
+def test_budget_key_is_resolved_against_the_base_directory(tmp_path):
+    assert RunConfig.from_mapping(BASE).budget_key is None
+    config = RunConfig.from_mapping({**BASE, "budget-key": "keys/budget.key"}, base_dir=tmp_path)
+    assert config.budget_key == str(tmp_path / "keys" / "budget.key")
+    from launcher.flower_backend import flower_run_config
+
+    assert flower_run_config({**BASE, "budget-key": "keys/budget.key"}, config)["budget-key"] == config.budget_key

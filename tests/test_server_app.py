@@ -76,3 +76,60 @@ def test_a_bad_configuration_fails_before_round_one(tmp_path):
     with pytest.raises(ConfigError):
         run_server(grid, _config(tmp_path, "bad", **{"task-options": '{"num_users": -1}'}))
     assert not grid.sent
+
+
+def _selected(ledger_url, run_dir, index: int) -> dict[int, set[str]]:
+    """round → the users with a participation row in the ledger's ``index``-th run, recorded from ``run_dir`` (keys mapped
+    back with that run's own ledger secret)."""
+    from sqlalchemy import select
+    from sqlalchemy.orm import Session
+
+    from fedmf.ledger import Ledger
+    from fedmf.ledger.models import Participation
+
+    secret = (run_dir / "secrets" / "ledger_secret").read_bytes()
+    with Ledger.open(ledger_url, secret=secret) as book:
+        info = book.runs()[index]
+        run = book.run(info.id)
+        back = {run.key(str(u)): str(u) for u in range(USERS)}
+        with Session(book.engine) as session:
+            rows = session.execute(select(Participation.round_index, Participation.client_key)
+                                   .where(Participation.run_id == info.id)).all()
+    out: dict[int, set[str]] = {}
+    for t, key in rows:
+        out.setdefault(int(t), set()).add(back[bytes(key)])
+    return out
+
+
+def test_the_server_app_enforces_lifetime_budgets_with_its_budget_key(tmp_path):
+    """Two ServerApp runs on one ledger (run-config key budget-key): everyone has room for one run,
+    users 0–5 for two. The second run selects only users the first did not, or users 0–5; without
+    the key the app refuses the ledger before round one."""
+    import math
+
+    from fedmf.accounting.gdp import epsilon_for
+    from fedmf.ledger import Ledger
+    from fedmf.ledger.budgets import load_budget_secret, round_skips, run_mu_squared, set_default, set_user
+
+    ledger_url = f"sqlite:///{tmp_path / 'shared.db'}"
+    key = tmp_path / "budget.key"
+    over = {"rounds": 2, "min-sep": 2, "clients-per-round": 3, "ledger-url": ledger_url, "budget-key": str(key)}
+    mu2 = run_mu_squared(RunConfig.from_mapping(_config(tmp_path, "probe", **over)).build_plan())
+    secret = load_budget_secret(key, create=True)
+    with Ledger.open(ledger_url) as book:
+        set_default(book, secret, epsilon_for(math.sqrt(mu2) * (1 + 1e-6), 1e-10), 1e-10)
+        for u in range(6):
+            set_user(book, secret, str(u), epsilon_for(math.sqrt(2 * mu2) * (1 + 1e-6), 1e-10))
+    with pytest.raises(ConfigError, match="budget secret"):
+        run_server(LocalGrid(_nodes()), _config(tmp_path, "nokey", **{**over, "budget-key": ""}))
+    run_server(LocalGrid(_nodes()), _config(tmp_path, "a", **over))
+    run_server(LocalGrid(_nodes()), _config(tmp_path, "b", **over))
+    first = set().union(*_selected(ledger_url, tmp_path / "a", 0).values())
+    second = _selected(ledger_url, tmp_path / "b", 1)
+    assert len(first) == 6 and sum(len(s) for s in second.values()) == 6
+    again = set().union(*second.values()) & first
+    assert again <= {str(u) for u in range(6)}
+    with Ledger.open(ledger_url) as book:
+        skips = round_skips(book.engine, [r.id for r in book.runs()][-1])
+    # round 0 of run b: every user of run a outside 0–5 is passed over
+    assert skips.get(0, 0) == len(first - {str(u) for u in range(6)})

@@ -110,13 +110,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.data is not None:
         values["task-options"] = json.dumps({k: v for k, v in json.loads(values["task-options"]).items()
                                              if k in ("path", "vocab_path", "max_sentences", "model_size", "seed")})
+    if args.budget_key is not None:
+        values["budget-key"] = args.budget_key
     config = RunConfig.from_mapping(values)
     task = get_task(config.task, **config.task_options)
     repeatable = repeatable_noise_from_env()  # the Flower app reads it too (inherited)
     if repeatable:  # even with --quiet / --json: never silent
         print(f"fedmf: warning: {REPEATABLE_NOISE_WARNING}", file=sys.stderr)
-    if args.budget_key is not None and args.backend == "flower":
-        raise ConfigError("--budget-key is for --backend inprocess (the Flower app does not take lifetime budgets yet)")
     if args.backend == "flower":
         result = _backend("flower")(config, values, task, timeout=args.timeout,
                                     echo=None if (args.quiet or args.json) else sys.stderr, plot=not args.no_plot)
@@ -131,7 +131,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             clients = {"local_update": task.as_local_update(hyper)}
         result = simulate(config, model=task.model(), users=task.users(), **clients, evaluate=task.evaluate,
                           progress=not (args.quiet or args.json), plot=not args.no_plot, repeatable_noise=repeatable,
-                          budget_key=args.budget_key)
+                          budget_key=config.budget_key)
     if args.json:
         print(json.dumps(result.to_dict(), allow_nan=False))
         return 0
