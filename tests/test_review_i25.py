@@ -164,3 +164,22 @@ def test_hostile_clients_cannot_drive_zeta_past_the_model_dtype():
         value = min(2 * privatizer.clip_norm / math.sqrt(d), 3e38)  # ‖·‖₂ = 2ζ, ℓ∞ ≪ 100ζ: clipped, not zeroed
         mean, _ = privatizer.privatize(t, {f"u{i}": {"w": torch.full((d,), value)} for i in range(m)})
         assert bool(torch.isfinite(mean["w"]).all()), (t, privatizer.clip_norm)
+
+
+# ---- BUG 4 (pre-existing, found by the attack): a client's update crashes the server ---------------
+
+@pytest.mark.xfail(strict=True, reason="REVIEW-i25 BUG 4: privatize._norm squares the tail's norm with Python's "
+                                       "float ** 2, which raises OverflowError (not a FedmfError) above 1.34e154: a "
+                                       "float64 model whose size is 1 mod 256 crashes on one hostile finite update")
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_a_finite_float64_update_whose_square_overflows_is_zeroed_or_rejected_not_a_crash(adaptive):
+    schema = MinSep(1, 2)
+    plan = RunPlan.create(build("dp-sgd", 2, schema, Workload()), schema, clip_norm=1.0, delta=1e-5,
+                          expected_users=1, noise_multiplier=1.0,
+                          adaptive_clipping=AdaptiveClipping.create(0.5, expected_users=1) if adaptive else None)
+    layout = {"weight": (256,), "bias": (1,)}  # Linear(256, 1): 257 values, a tail of one
+    privatizer = RoundPrivatizer(plan, layout, dtype=torch.float64, seed=SEED)
+    update = {"weight": torch.zeros(256, dtype=torch.float64), "bias": torch.tensor([1e300], dtype=torch.float64)}
+    mean, report = privatizer.privatize(0, {"u0": update})
+    assert report.users[0].zeroed or report.users[0].status == "rejected"
+    assert all(bool(torch.isfinite(v).all()) for v in mean.values())
