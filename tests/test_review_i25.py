@@ -118,7 +118,7 @@ def test_a_zeroed_update_is_not_counted_as_fitting_under_zeta():
 @pytest.mark.xfail(strict=True, reason="REVIEW-i25 BUG 2: honest clients, ζ₀ under 1/100 of their updates' ℓ∞: every "
                                        "update is zeroed and counted unclipped, so ζ collapses instead of growing")
 def test_honest_clients_pull_a_too_small_initial_zeta_up_to_the_median():
-    rounds, m, d = 60, 20, 100
+    rounds, m, d = 100, 20, 100
     plan = _plan(rounds, m, clip_norm=1e-3)
     privatizer = RoundPrivatizer(plan, {"w": (d,)}, dtype=torch.float32, seed=SEED)
     rng = np.random.default_rng(0)
@@ -129,7 +129,8 @@ def test_honest_clients_pull_a_too_small_initial_zeta_up_to_the_median():
             updates[f"u{i:02d}"] = {"w": torch.tensor(v / np.linalg.norm(v) * math.exp(0.3 * rng.standard_normal()),
                                                       dtype=torch.float32)}
         privatizer.privatize(t, updates)
-    assert 0.5 < privatizer.clip_norm < 2.0  # ζ₀ = 0.01 reaches ≈ 1 within 60 rounds (review measurement)
+    # ζ grows by at most exp(η·γ) = e^0.1 a round: 1e-3 → ≈ 1 takes ≈ 70 rounds (ζ₀ = 0.01 reaches 1.03 in 60)
+    assert 0.5 < privatizer.clip_norm < 2.0
 
 
 # ---- BUG 3: ζ has no floor or ceiling ----------------------------------------------------------------
