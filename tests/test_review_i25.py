@@ -1,0 +1,186 @@
+"""Independent privacy review of issue 25 (adaptive clipping, the count's accounting, budgets).
+
+Tests marked ``xfail(strict=True)`` with a reason starting "REVIEW-i25 BUG" reproduce a bug found by
+the review: they FAIL on the reviewed code (so xfail passes) and will XPASS — failing the suite —
+once the bug is fixed, at which point the marker must be removed. The unmarked tests check, against
+an independent computation, what the review found correct.
+"""
+
+from __future__ import annotations
+
+import math
+import sqlite3
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import norm
+
+from fedmf import MinSep, Workload
+from fedmf.adaptive_clipping import AdaptiveClipping
+from fedmf.federated import train
+from fedmf.mechanisms import build
+from fedmf.participation import FixedEpoch
+from fedmf.plan import RunPlan
+from fedmf.privatize import RoundPrivatizer
+from fedmf.round_log import ROUND_LOG
+
+from . import _federated_task as task
+
+SEED = b"review-i25-seed-0123456789abcdef"
+
+
+def _plan(rounds: int, m: int, *, clip_norm: float, eta: float = 0.2, sigma_b: float = 1.0) -> RunPlan:
+    schema = MinSep(1, rounds)
+    return RunPlan.create(build("dp-sgd", rounds, schema, Workload()), schema, clip_norm=clip_norm, delta=1e-5,
+                          expected_users=m, noise_multiplier=1.0,
+                          adaptive_clipping=AdaptiveClipping.create(0.5, expected_users=m, learning_rate=eta,
+                                                                    count_noise_std=sigma_b))
+
+
+# ---- independent accounting check (passes) ----------------------------------------------------------
+
+def _gdp_delta(mu: float, eps: float) -> float:
+    """Dong, Roth, Su (2022), the μ-GDP curve: δ(ε) = Φ(−ε/μ + μ/2) − e^ε Φ(−ε/μ − μ/2)."""
+    return norm.cdf(-eps / mu + mu / 2) - math.exp(eps) * norm.cdf(-eps / mu - mu / 2)
+
+
+def _gdp_epsilon(mu: float, delta: float) -> float:
+    lo, hi = 0.0, 1.0
+    while _gdp_delta(mu, hi) > delta:
+        hi *= 2
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if _gdp_delta(mu, mid) > delta else (lo, mid)
+    return hi
+
+
+def _max_participations(schema, n: int) -> int:
+    """k by brute force from the schema's definition (earliest packing / the fixed slots)."""
+    if isinstance(schema, FixedEpoch):
+        return max(min(len(range(j, n, schema.min_sep)), schema.max_participations) for j in range(schema.min_sep))
+    t = count = 0
+    while t < n and (schema.max_participations is None or count < schema.max_participations):
+        count, t = count + 1, t + schema.min_sep
+    return count
+
+
+@pytest.mark.parametrize("schema", [MinSep(4, None), MinSep(5, 10), FixedEpoch(3, 8)])
+def test_composed_epsilon_and_rho_match_an_independent_gdp_computation(schema):
+    n, z, sigma_b, delta = 24, 3.0, 2.0, 1e-6
+    mech = build("bsr", n, schema, Workload(), num_bands=4)
+    plan = RunPlan.create(mech, schema, clip_norm=1.0, delta=delta, expected_users=10, noise_multiplier=z,
+                          adaptive_clipping=AdaptiveClipping.create(0.5, expected_users=10, count_noise_std=sigma_b))
+    mu_sq = 1 / z**2 + _max_participations(schema, n) / sigma_b**2
+    assert plan.epsilon() == pytest.approx(_gdp_epsilon(math.sqrt(mu_sq), delta), rel=1e-8)
+    assert plan.rho() == pytest.approx(mu_sq / 2, rel=1e-12)
+
+
+# ---- BUG 1: the raw count is released beside the noisy one ------------------------------------------
+
+@pytest.mark.xfail(strict=True, reason="REVIEW-i25 BUG 1: RoundRecord.clipped (metrics, progress line, rounds.jsonl, "
+                                       "results.json) releases the exact count the σ_b noise is meant to hide: "
+                                       "unclipped = contributed - clipped")
+def test_released_round_records_do_not_reveal_the_raw_unclipped_count(tmp_path):
+    import json
+
+    run = tmp_path / "run"
+    task.write_secrets(run)
+    plan = task.plan(adaptive_clipping=AdaptiveClipping.create(0.5, expected_users=10, learning_rate=0.5))
+    result = train(task.Tiny(), task.users(), plan, task.local_update, checkpoint_dir=run, rounds=6,
+                   ledger_diagnostics=True)
+    with sqlite3.connect(run / "ledger.db") as conn:  # the server-side truth: who was left unclipped
+        raw = dict(conn.execute("SELECT round_index, SUM(1 - clipped) FROM update_norms GROUP BY round_index"))
+    assert len(raw) == 6
+    logged = [json.loads(line)["record"] for line in (run / ROUND_LOG).read_text().splitlines()]
+
+    def released(records):
+        return [None if r["clipped"] is None else r["contributed"] - r["clipped"] for r in records]
+
+    history = [{"clipped": r.clipped, "contributed": r.contributed} for r in result.history]
+    truth = [raw[t] for t in range(6)]
+    assert released(history) != truth and released(logged) != truth
+
+
+# ---- BUG 2: zeroed updates count as "unclipped" ------------------------------------------------------
+
+@pytest.mark.xfail(strict=True, reason="REVIEW-i25 BUG 2: a zeroed update (ℓ∞ > 100·ζₜ, so ‖Δ‖ > ζₜ) counts as "
+                                       "unclipped; Alg. 1's bit is 1[‖Δ‖ ≤ ζₜ] = 0")
+def test_a_zeroed_update_is_not_counted_as_fitting_under_zeta():
+    plan = _plan(2, 10, clip_norm=1.0, sigma_b=1e-9)  # negligible count noise: the count is exact
+    privatizer = RoundPrivatizer(plan, {"w": (4,)}, dtype=torch.float64, seed=SEED)
+    huge = {"w": torch.tensor([1e6, 0.0, 0.0, 0.0], dtype=torch.float64)}  # ℓ∞ = 1e6 > 100·ζ: zeroed
+    _, report = privatizer.privatize(0, {"u0": huge})
+    assert report.counts()["zeroed"] == 1
+    assert report.noisy_unclipped == pytest.approx(0.0, abs=1e-6)
+
+
+@pytest.mark.xfail(strict=True, reason="REVIEW-i25 BUG 2: honest clients, ζ₀ under 1/100 of their updates' ℓ∞: every "
+                                       "update is zeroed and counted unclipped, so ζ collapses instead of growing")
+def test_honest_clients_pull_a_too_small_initial_zeta_up_to_the_median():
+    rounds, m, d = 100, 20, 100
+    plan = _plan(rounds, m, clip_norm=1e-3)
+    privatizer = RoundPrivatizer(plan, {"w": (d,)}, dtype=torch.float32, seed=SEED)
+    rng = np.random.default_rng(0)
+    for t in range(rounds):
+        updates = {}
+        for i in range(m):  # norms log-normal with median 1 (ℓ∞ ≈ 0.3)
+            v = rng.standard_normal(d)
+            updates[f"u{i:02d}"] = {"w": torch.tensor(v / np.linalg.norm(v) * math.exp(0.3 * rng.standard_normal()),
+                                                      dtype=torch.float32)}
+        privatizer.privatize(t, updates)
+    # ζ grows by at most exp(η·γ) = e^0.1 a round: 1e-3 → ≈ 1 takes ≈ 70 rounds (ζ₀ = 0.01 reaches 1.03 in 60)
+    assert 0.5 < privatizer.clip_norm < 2.0
+
+
+# ---- BUG 3: ζ has no floor or ceiling ----------------------------------------------------------------
+
+def _huge(d: int) -> dict[str, torch.Tensor]:
+    v = torch.zeros(d)
+    v[0] = 1e30
+    return {"w": v}
+
+
+@pytest.mark.xfail(strict=True, reason="REVIEW-i25 BUG 3: hostile clients (huge, zeroed updates) drive ζ to 0.0 "
+                                       "(no floor); the checkpoint then cannot be loaded, so the run cannot abort a "
+                                       "round or resume")
+def test_hostile_clients_cannot_drive_zeta_to_zero_and_break_resume():
+    rounds, m = 40, 10
+    plan = _plan(rounds, m, clip_norm=1e-300, eta=5.0)  # a tiny ζ₀ only shortens the walk down
+    privatizer = RoundPrivatizer(plan, {"w": (8,)}, dtype=torch.float32, seed=SEED)
+    for t in range(rounds):
+        privatizer.privatize(t, {f"u{i}": _huge(8) for i in range(m)})
+        assert privatizer.clip_norm > 0.0
+    fresh = RoundPrivatizer(plan, {"w": (8,)}, dtype=torch.float32, seed=SEED)
+    fresh.load_state_dict(privatizer.state_dict())
+
+
+@pytest.mark.xfail(strict=True, reason="REVIEW-i25 BUG 3: hostile clients (spread updates just above ζ) drive ζ up "
+                                       "without a ceiling until ζ/m overflows float32: the released model is inf/NaN")
+def test_hostile_clients_cannot_drive_zeta_past_the_model_dtype():
+    rounds, m, d = 40, 10, 1000
+    plan = _plan(rounds, m, clip_norm=1e30, eta=5.0)  # a large ζ₀ only shortens the walk up
+    privatizer = RoundPrivatizer(plan, {"w": (d,)}, dtype=torch.float32, seed=SEED)
+    for t in range(rounds):
+        value = min(2 * privatizer.clip_norm / math.sqrt(d), 3e38)  # ‖·‖₂ = 2ζ, ℓ∞ ≪ 100ζ: clipped, not zeroed
+        mean, _ = privatizer.privatize(t, {f"u{i}": {"w": torch.full((d,), value)} for i in range(m)})
+        assert bool(torch.isfinite(mean["w"]).all()), (t, privatizer.clip_norm)
+
+
+# ---- BUG 4 (pre-existing, found by the attack): a client's update crashes the server ---------------
+
+@pytest.mark.xfail(strict=True, reason="REVIEW-i25 BUG 4: privatize._norm squares the tail's norm with Python's "
+                                       "float ** 2, which raises OverflowError (not a FedmfError) above 1.34e154: a "
+                                       "float64 model whose size is 1 mod 256 crashes on one hostile finite update")
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_a_finite_float64_update_whose_square_overflows_is_zeroed_or_rejected_not_a_crash(adaptive):
+    schema = MinSep(1, 2)
+    plan = RunPlan.create(build("dp-sgd", 2, schema, Workload()), schema, clip_norm=1.0, delta=1e-5,
+                          expected_users=1, noise_multiplier=1.0,
+                          adaptive_clipping=AdaptiveClipping.create(0.5, expected_users=1) if adaptive else None)
+    layout = {"weight": (256,), "bias": (1,)}  # Linear(256, 1): 257 values, a tail of one
+    privatizer = RoundPrivatizer(plan, layout, dtype=torch.float64, seed=SEED)
+    update = {"weight": torch.zeros(256, dtype=torch.float64), "bias": torch.tensor([1e300], dtype=torch.float64)}
+    mean, report = privatizer.privatize(0, {"u0": update})
+    assert report.users[0].zeroed or report.users[0].status == "rejected"
+    assert all(bool(torch.isfinite(v).all()) for v in mean.values())
