@@ -128,12 +128,14 @@ class Timer:
 
     def __init__(self, obj, name: str) -> None:
         self.seconds = 0.0
+        self.last = None  # the last call's result
         inner = getattr(obj, name)
 
         def timed(*args, **kwargs):
             started = time.perf_counter()
             try:
-                return inner(*args, **kwargs)
+                self.last = inner(*args, **kwargs)
+                return self.last
             finally:
                 self.seconds += time.perf_counter() - started
 
@@ -211,7 +213,7 @@ class FedmfSide:
         out["total"] = out["hooks"] + out["loop"]
         out["bytes"] = float(run.store.last_bytes)
         out["received"] = float(metrics["received"])
-        out["clipped"] = float(metrics["clipped"])
+        out["clipped"] = float(self.noise.last[1].counts()["clipped"])  # the round's own report (not released)
         out["rejected"] = float(metrics["rejected"])
         return out
 

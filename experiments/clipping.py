@@ -265,7 +265,7 @@ def run_job(job: dict[str, Any], out: Path = OUT) -> dict[str, Any]:
     started = time.perf_counter()
     result = train(task.model(), task.users(), plan, None, local_updates=task.as_local_updates(hyper, vectorized=False),
                    server_lr=config.server_lr, checkpoint_dir=run_dir, evaluate=evaluate, observed_guard=False,
-                   repeatable_noise=True)
+                   repeatable_noise=True, ledger_diagnostics=True)  # diagnostics: the clipped count per round
     seconds = time.perf_counter() - started
     trajectory = _ledger_trajectory(run_dir / "ledger.db")
     eps_curve = [float(e) for e in plan.epsilon_by_round()]

@@ -26,7 +26,8 @@ from typing import Any, Mapping
 from . import checks
 from .errors import ConfigError
 
-__all__ = ["AdaptiveClipping", "DEFAULT_LEARNING_RATE", "DEFAULT_COUNT_NOISE_FRACTION", "MAX_LOG_STEP"]
+__all__ = ["AdaptiveClipping", "DEFAULT_LEARNING_RATE", "DEFAULT_COUNT_NOISE_FRACTION", "MAX_LOG_STEP",
+           "CLIP_NORM_RANGE"]
 
 #: η of Andrew et al. (Sec. 3.1: 0.2 works across their tasks)
 DEFAULT_LEARNING_RATE = 0.2
@@ -35,6 +36,9 @@ DEFAULT_COUNT_NOISE_FRACTION = 1.0 / 20.0
 #: |η·(b̃ − γ)| is clamped here so that ζ stays a finite positive float whatever noise the count
 #: draws (post-processing; unreachable unless σ_b/m is huge)
 MAX_LOG_STEP = 30.0
+#: ζₜ stays within [ζ₀ / CLIP_NORM_RANGE, ζ₀ · CLIP_NORM_RANGE]: hostile clients (all far above or
+#: all far below ζ) cannot drive ζ to 0 or past the model's dtype (post-processing: no privacy cost)
+CLIP_NORM_RANGE = 1e6
 
 
 @dataclass(frozen=True)
@@ -58,12 +62,15 @@ class AdaptiveClipping:
             "count_noise_std", count_noise_std)
         return cls(float(gamma), float(eta), float(sigma_b))
 
-    def next_clip_norm(self, clip_norm: float, noisy_unclipped: float, expected_users: float) -> float:
-        """ζₜ₊₁ = ζₜ·exp(−η·(b̃ₜ − γ)) with b̃ₜ = ``noisy_unclipped`` / m (Andrew et al., Alg. 1)."""
+    def next_clip_norm(self, clip_norm: float, noisy_unclipped: float, expected_users: float, *,
+                       initial_clip_norm: float) -> float:
+        """ζₜ₊₁ = ζₜ·exp(−η·(b̃ₜ − γ)) with b̃ₜ = ``noisy_unclipped`` / m (Andrew et al., Alg. 1),
+        kept within ζ₀·[1/CLIP_NORM_RANGE, CLIP_NORM_RANGE] (ζ₀ = ``initial_clip_norm``)."""
         fraction = noisy_unclipped / expected_users
         step = -self.learning_rate * (fraction - self.target_quantile)
         step = min(max(step, -MAX_LOG_STEP), MAX_LOG_STEP)
-        return clip_norm * math.exp(step)
+        low, high = initial_clip_norm / CLIP_NORM_RANGE, initial_clip_norm * CLIP_NORM_RANGE
+        return min(max(clip_norm * math.exp(step), low), high)
 
     def to_dict(self) -> dict[str, Any]:
         return {"target_quantile": self.target_quantile, "learning_rate": self.learning_rate,

@@ -265,17 +265,18 @@ class RoundPrivatizer:
     def _finish_adaptive(self, report: RoundReport) -> tuple[dict[str, torch.Tensor], RoundReport]:
         """Adaptive clipping's end of round t: noise the normalized sum with z·sens·(C⁻¹Z)ₜ, scale back by
         ζₜ and divide by m (post-processing of the normalized mechanism); release the noisy count of
-        the summed updates with norm ≤ ζₜ (a zeroed update sums as 0: unclipped) and set ζₜ₊₁
+        the summed updates with norm ≤ ζₜ (a zeroed update's norm exceeds ζₜ: not counted) and set ζₜ₊₁
         (Andrew et al., NeurIPS 2021, Alg. 1)."""
         t, zeta, m = report.round, self.clip_norm, self.plan.expected_users
         salt = secrets.token_bytes(SALT_BYTES) if self._salted else None
         noise = self.noise.next(out=self._noise_buffer, salt=salt)  # z·sens·(C⁻¹Z)_t
         flat_noise = noise if isinstance(noise, torch.Tensor) else self._noise_buffer
         mean = torch.add(self._sum, flat_noise).mul_(zeta / m)
-        unclipped = sum(1 for u in report.contributed if not u.clipped)
+        # Alg. 1's bit is 1[‖Δ‖ ≤ ζₜ]: a zeroed update (ℓ∞ > threshold ≥ ζₜ, so ‖Δ‖ > ζₜ) counts as clipped
+        unclipped = sum(1 for u in report.contributed if not (u.clipped or u.zeroed))
         noisy = unclipped + count_noise(self._key, t, salt or b"", self.adaptive.count_noise_std)
         report.noisy_unclipped = noisy
-        self.clip_norm = self.adaptive.next_clip_norm(zeta, noisy, m)
+        self.clip_norm = self.adaptive.next_clip_norm(zeta, noisy, m, initial_clip_norm=self.plan.clip_norm)
         self._open = None
         self._selected = None
         return self._unflatten(mean.to(self.dtype)), report
@@ -354,7 +355,8 @@ class RoundPrivatizer:
             norms = torch.linalg.vector_norm(flat[:rows].view(-1, _ROW), dim=1)
             blocked = float(norms.double().square().sum())
         if rows < flat.numel():
-            tail = float(torch.linalg.vector_norm(flat[rows:], dtype=torch.float64)) ** 2
+            tail = float(torch.linalg.vector_norm(flat[rows:], dtype=torch.float64))
+            tail = tail * tail  # inf when it overflows (float ** 2 would raise OverflowError)
         info = torch.finfo(flat.dtype)
         u, u64 = info.eps, 2.0 ** -52
         # relative rounding of the sums of squares, plus their absolute error below the normal range

@@ -75,8 +75,8 @@ class RoundRecord:
     contributed: int
     dropped: int
     rejected: int
-    clipped: int
-    zeroed: int
+    clipped: int | None  # only in runs that record ledger diagnostics: data-dependent, outside the DP guarantee
+    zeroed: int | None  # likewise (the clipped count is what adaptive clipping releases only with noise)
     seconds: float
     checkpoint_bytes: int
     metrics: dict[str, float] = field(default_factory=dict)
@@ -398,7 +398,9 @@ class PrivateRun:
         self._last_digest = digest
         self._event("committed", t)
         self.store.prune(keep=t)
-        counts = report.counts()  # clipped: from the round's own report (the ledger keeps it only as a diagnostic)
+        # clipped / zeroed leave only as diagnostics (outside the DP guarantee, like the ledger's norms): the
+        # exact clipped count would undo adaptive clipping's noisy count
+        counts = report.counts() if self._run.info.diagnostics else {"clipped": None, "zeroed": None}
         record = RoundRecord(t, self.plan.epsilon_after(t), summary.selected, summary.contributed, summary.dropped,
                              summary.rejected, counts["clipped"], counts["zeroed"],
                              time.perf_counter() - self._started, self.store.last_bytes)

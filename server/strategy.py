@@ -114,8 +114,9 @@ class DPMFStrategy(Strategy):
         also join ``record.metrics``."""
         record.metrics.update(received.metrics(str(u.user) for u in report.contributed))
         metrics = {"epsilon": record.epsilon, "selected": record.selected, "received": len(received.updates),
-                   "rejected": record.rejected, "clipped": record.clipped, "zeroed": record.zeroed,
-                   "dropped": record.dropped, **record.metrics}
+                   "rejected": record.rejected, "dropped": record.dropped, **record.metrics}
+        if record.clipped is not None:  # ledger diagnostics only (outside the DP guarantee)
+            metrics.update(clipped=record.clipped, zeroed=record.zeroed)
         rho = self.run.plan.rho_after(record.round)  # ρ-zCDP as planned; none for amplified accounting
         if rho is not None:
             metrics["rho"] = rho
@@ -193,9 +194,11 @@ class DPMFStrategy(Strategy):
     @staticmethod
     def _progress(record: RoundRecord, end: int) -> None:
         extra = "  ".join(f"{k} {v:.4g}" for k, v in record.metrics.items())
-        log.info("fedmf round %d/%d  eps %.4g  users %d/%d  rejected %d  dropped %d  clipped %d  zeroed %d  %s",
+        if record.clipped is not None:  # ledger diagnostics only (outside the DP guarantee)
+            extra = f"clipped {record.clipped}  zeroed {record.zeroed}  {extra}"
+        log.info("fedmf round %d/%d  eps %.4g  users %d/%d  rejected %d  dropped %d  %s",
                  record.round + 1, end, record.epsilon, record.contributed, record.selected, record.rejected,
-                 record.dropped, record.clipped, record.zeroed, extra)
+                 record.dropped, extra)
 
     def _wait_for_users(self, grid: Grid) -> None:
         """Before the first round, wait (up to the reply timeout) until ``min_available`` users

@@ -167,7 +167,7 @@ def test_round_t_clips_and_noises_with_zeta_t_not_zeta_t_plus_1():
         noise = replay.next()["w"]
         unclipped = int(sum(n <= zeta for n in norms))
         noisy = unclipped + count_noise(key_of(SEED), t, b"", rule.count_noise_std)
-        following = rule.next_clip_norm(zeta, noisy, m)
+        following = rule.next_clip_norm(zeta, noisy, m, initial_clip_norm=plan.clip_norm)
 
         def release(clip_at: float, noise_at: float) -> torch.Tensor:
             clipped = sum(u["w"] * min(1.0, clip_at / float(u["w"].norm())) for u in updates.values())

@@ -1,9 +1,8 @@
 """Independent privacy review of issue 25 (adaptive clipping, the count's accounting, budgets).
 
-Tests marked ``xfail(strict=True)`` with a reason starting "REVIEW-i25 BUG" reproduce a bug found by
-the review: they FAIL on the reviewed code (so xfail passes) and will XPASS — failing the suite —
-once the bug is fixed, at which point the marker must be removed. The unmarked tests check, against
-an independent computation, what the review found correct.
+Tests headed "regression: review i25 bug N" reproduce a bug the review found (review/REVIEW-i25.md)
+and failed on the reviewed code; they pass since the fix. The others check, against an independent
+computation, what the review found correct.
 """
 
 from __future__ import annotations
@@ -78,34 +77,34 @@ def test_composed_epsilon_and_rho_match_an_independent_gdp_computation(schema):
 
 # ---- BUG 1: the raw count is released beside the noisy one ------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="REVIEW-i25 BUG 1: RoundRecord.clipped (metrics, progress line, rounds.jsonl, "
-                                       "results.json) releases the exact count the σ_b noise is meant to hide: "
-                                       "unclipped = contributed - clipped")
+# regression: review i25 bug 1 (fixed)
 def test_released_round_records_do_not_reveal_the_raw_unclipped_count(tmp_path):
+    """Without ledger diagnostics no released record (history, metrics, rounds.jsonl) carries the exact
+    clipped / zeroed counts, which would undo the count's noise; with them (outside the guarantee,
+    opted into) the history carries the ledger's own count."""
     import json
 
-    run = tmp_path / "run"
-    task.write_secrets(run)
     plan = task.plan(adaptive_clipping=AdaptiveClipping.create(0.5, expected_users=10, learning_rate=0.5))
-    result = train(task.Tiny(), task.users(), plan, task.local_update, checkpoint_dir=run, rounds=6,
-                   ledger_diagnostics=True)
-    with sqlite3.connect(run / "ledger.db") as conn:  # the server-side truth: who was left unclipped
-        raw = dict(conn.execute("SELECT round_index, SUM(1 - clipped) FROM update_norms GROUP BY round_index"))
-    assert len(raw) == 6
-    logged = [json.loads(line)["record"] for line in (run / ROUND_LOG).read_text().splitlines()]
-
-    def released(records):
-        return [None if r["clipped"] is None else r["contributed"] - r["clipped"] for r in records]
-
-    history = [{"clipped": r.clipped, "contributed": r.contributed} for r in result.history]
-    truth = [raw[t] for t in range(6)]
-    assert released(history) != truth and released(logged) != truth
+    for diagnostics in (False, True):
+        run = tmp_path / f"run{int(diagnostics)}"
+        task.write_secrets(run)
+        result = train(task.Tiny(), task.users(), plan, task.local_update, checkpoint_dir=run, rounds=6,
+                       ledger_diagnostics=diagnostics)
+        logged = [json.loads(line)["record"] for line in (run / ROUND_LOG).read_text().splitlines()]
+        records = [{"clipped": r.clipped, "zeroed": r.zeroed, "metrics": r.metrics} for r in result.history] + logged
+        assert len(records) == 12
+        if not diagnostics:
+            assert all(r["clipped"] is None and r["zeroed"] is None for r in records)
+            assert not any(k in r["metrics"] for r in records for k in ("clipped", "zeroed", "unclipped"))
+        else:
+            with sqlite3.connect(run / "ledger.db") as conn:
+                raw = dict(conn.execute("SELECT round_index, SUM(clipped) FROM update_norms GROUP BY round_index"))
+            assert [r.clipped for r in result.history] == [raw[t] for t in range(6)]
 
 
 # ---- BUG 2: zeroed updates count as "unclipped" ------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="REVIEW-i25 BUG 2: a zeroed update (ℓ∞ > 100·ζₜ, so ‖Δ‖ > ζₜ) counts as "
-                                       "unclipped; Alg. 1's bit is 1[‖Δ‖ ≤ ζₜ] = 0")
+# regression: review i25 bug 2 (fixed)
 def test_a_zeroed_update_is_not_counted_as_fitting_under_zeta():
     plan = _plan(2, 10, clip_norm=1.0, sigma_b=1e-9)  # negligible count noise: the count is exact
     privatizer = RoundPrivatizer(plan, {"w": (4,)}, dtype=torch.float64, seed=SEED)
@@ -115,8 +114,7 @@ def test_a_zeroed_update_is_not_counted_as_fitting_under_zeta():
     assert report.noisy_unclipped == pytest.approx(0.0, abs=1e-6)
 
 
-@pytest.mark.xfail(strict=True, reason="REVIEW-i25 BUG 2: honest clients, ζ₀ under 1/100 of their updates' ℓ∞: every "
-                                       "update is zeroed and counted unclipped, so ζ collapses instead of growing")
+# regression: review i25 bug 2 (fixed)
 def test_honest_clients_pull_a_too_small_initial_zeta_up_to_the_median():
     rounds, m, d = 100, 20, 100
     plan = _plan(rounds, m, clip_norm=1e-3)
@@ -141,9 +139,7 @@ def _huge(d: int) -> dict[str, torch.Tensor]:
     return {"w": v}
 
 
-@pytest.mark.xfail(strict=True, reason="REVIEW-i25 BUG 3: hostile clients (huge, zeroed updates) drive ζ to 0.0 "
-                                       "(no floor); the checkpoint then cannot be loaded, so the run cannot abort a "
-                                       "round or resume")
+# regression: review i25 bug 3 (fixed)
 def test_hostile_clients_cannot_drive_zeta_to_zero_and_break_resume():
     rounds, m = 40, 10
     plan = _plan(rounds, m, clip_norm=1e-300, eta=5.0)  # a tiny ζ₀ only shortens the walk down
@@ -155,8 +151,7 @@ def test_hostile_clients_cannot_drive_zeta_to_zero_and_break_resume():
     fresh.load_state_dict(privatizer.state_dict())
 
 
-@pytest.mark.xfail(strict=True, reason="REVIEW-i25 BUG 3: hostile clients (spread updates just above ζ) drive ζ up "
-                                       "without a ceiling until ζ/m overflows float32: the released model is inf/NaN")
+# regression: review i25 bug 3 (fixed)
 def test_hostile_clients_cannot_drive_zeta_past_the_model_dtype():
     rounds, m, d = 40, 10, 1000
     plan = _plan(rounds, m, clip_norm=1e30, eta=5.0)  # a large ζ₀ only shortens the walk up
@@ -169,9 +164,7 @@ def test_hostile_clients_cannot_drive_zeta_past_the_model_dtype():
 
 # ---- BUG 4 (pre-existing, found by the attack): a client's update crashes the server ---------------
 
-@pytest.mark.xfail(strict=True, reason="REVIEW-i25 BUG 4: privatize._norm squares the tail's norm with Python's "
-                                       "float ** 2, which raises OverflowError (not a FedmfError) above 1.34e154: a "
-                                       "float64 model whose size is 1 mod 256 crashes on one hostile finite update")
+# regression: review i25 bug 4 (fixed)
 @pytest.mark.parametrize("adaptive", [False, True])
 def test_a_finite_float64_update_whose_square_overflows_is_zeroed_or_rejected_not_a_crash(adaptive):
     schema = MinSep(1, 2)

@@ -267,7 +267,7 @@ def _rounds_view(records: list, states: list, norms: dict[int, list] | None) -> 
 
 def clip_norm_violations(adaptive: Any, clip_norm: float, expected_users: Any, committed: list) -> list[int]:
     """The committed rounds whose recorded ζₜ does not follow adaptive clipping's rule: ζ₀ = the plan's
-    clip norm, ζₜ₊₁ = next_clip_norm(ζₜ, b̃ₜ, m) from the recorded noisy counts (Andrew et al., Alg. 1);
+    clip norm, ζₜ₊₁ = next_clip_norm(ζₜ, b̃ₜ, m) (within ζ₀'s range) from the recorded noisy counts (Andrew et al., Alg. 1);
     a round without its ζₜ or b̃ₜ, or a plan whose rule cannot be read, violates it."""
     from ..adaptive_clipping import AdaptiveClipping
     from ..errors import FedmfError
@@ -284,7 +284,7 @@ def clip_norm_violations(adaptive: Any, clip_norm: float, expected_users: Any, c
             bad.append(t)
         if zeta is None or noisy is None:
             break  # the rest of the sequence cannot be followed
-        expected = rule.next_clip_norm(zeta, noisy, m)
+        expected = rule.next_clip_norm(zeta, noisy, m, initial_clip_norm=float(clip_norm))
     return bad
 
 
