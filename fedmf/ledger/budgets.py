@@ -239,7 +239,12 @@ class RunBudget:
         """Charge this run's μ² to each of ``users`` it has not charged yet, re-checking their budgets in
         the same write transaction, and record round t's skip count."""
         keys = list(dict.fromkeys(self._secret.lifetime_key(u) for u in users))
-        with self._ledger._errors("cannot write to ledger"), self._ledger.write_engine.begin() as conn:
+        engine = self._ledger.write_engine
+        if engine.dialect.name == "postgresql":
+            # READ COMMITTED whatever the server's default: each statement after the lock sees every charge
+            # committed before it (a REPEATABLE READ snapshot would predate the lock and miss them)
+            engine = engine.execution_options(isolation_level="READ COMMITTED")
+        with self._ledger._errors("cannot write to ledger"), engine.begin() as conn:
             if conn.dialect.name == "postgresql":
                 conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _CHARGE_LOCK})
             if any(self._blocked(conn, keys)):
