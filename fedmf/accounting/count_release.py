@@ -16,7 +16,9 @@ JRSS-B 2022; arXiv 1905.02383, Cor. 3.3); equivalently ρ = 1/(2z²)-zCDP compos
 with z_mf the MF mechanism's own multiplier, col = max_j ‖C e_j‖ and σ_u the noise std per clip norm
 (z·sens): in a cyclic-Poisson step a sampled user's update enters one column of C and one count, under
 the same sampling decision, so the step is one Poisson-subsampled Gaussian whose mean shift has the
-norm of (2) in units of the noise ("Scaling up BandMF", Prop. 2.1, with the count as extra rows).
+norm of (2) in units of the noise (the per-step Poisson-subsampled Gaussian of "Scaling up BandMF",
+Prop. 2.1; adding the count as extra rows of that Gaussian is fedmf's own extension, checked by the
+issue-25 review against a direct dp_accounting composition).
 Other samplers (b-min-sep Monte Carlo, MMCC) are not composed with the count here and are refused.
 """
 
@@ -50,7 +52,7 @@ def check_sampling(sampling: "Sampling") -> None:
     """Refuse a sampler whose accountant does not compose the count release."""
     if sampling.kind not in SUPPORTED:
         raise ConfigError(f"adaptive clipping's count release is accounted with sampling none (un-amplified) or "
-                          f"cyclic-poisson:Q (PLD) only, not {sampling}")
+                          f"cyclic-poisson:Q only, not {sampling}")
 
 
 def participations(schema: "Schema", rounds: int) -> int:
