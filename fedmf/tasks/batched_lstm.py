@@ -175,8 +175,9 @@ def _run_chunk(task: SupervisedTask, state: Mapping[str, torch.Tensor], params: 
     total = torch.zeros(num_users, dtype=torch.float64, device=device)
     lr = hyper.client_lr
     with one_thread(device):
+        # a copy per user (clone: a chunk of one must not alias, and then step, the template)
         p = {k: state[k].to(device=device, dtype=torch.float32).unsqueeze(0)
-             .expand(num_users, *state[k].shape).contiguous() for k in WEIGHTS}
+             .expand(num_users, *state[k].shape).clone(memory_format=torch.contiguous_format) for k in WEIGHTS}
         for s in range(steps):
             k = active[s]
             idx = index[s, :k]
