@@ -170,7 +170,7 @@ def _run_chunk(task: SupervisedTask, state: Mapping[str, torch.Tensor], params: 
             index[s, slot, :len(batch)] = batch
             sizes[s, slot] = len(batch)
             active[s] = slot + 1
-    xs, ys, index = xs.to(device), ys.to(device), index.to(device)
+    xs, ys, index, weights = xs.to(device), ys.to(device), index.to(device), sizes.double().to(device)
     rows = torch.arange(num_users, device=device).unsqueeze(1)
     total = torch.zeros(num_users, dtype=torch.float64, device=device)
     lr = hyper.client_lr
@@ -182,16 +182,20 @@ def _run_chunk(task: SupervisedTask, state: Mapping[str, torch.Tensor], params: 
             k = active[s]
             idx = index[s, :k]
             loss = _sgd_step(p, k, xs[rows[:k], idx], ys[rows[:k], idx], lr, pad)
-            total[:k] += loss.double() * sizes[s, :k].to(device)
+            total[:k] += loss.double() * weights[s, :k]
     seen = sizes.sum(dim=0)
     total = total.cpu()
-    p = {k: v.to(params[k].device) for k, v in p.items()}  # one transfer per tensor, not per user
+    updates: list[dict[str, torch.Tensor]] = [{} for _ in users]
+    for name, old in params.items():  # one transfer per tensor, not per user; one chunk-sized copy at a time
+        delta = p.pop(name).to(device=old.device, dtype=old.dtype)
+        delta.sub_(old.detach().unsqueeze(0))
+        for slot in range(num_users):
+            updates[slot][name] = delta[slot].clone()
+        del delta
     out: dict[str, LocalResult] = {}
     for slot, u in enumerate(order):
-        user = users[u]
-        update = {name: p[name][slot].to(old.dtype) - old.detach() for name, old in params.items()}
-        out[user] = LocalResult(update=update, num_examples=len(data[u][1]),
-                                metrics={"train-loss": float(total[slot]) / int(seen[slot])})
+        out[users[u]] = LocalResult(update=updates[slot], num_examples=len(data[u][1]),
+                                    metrics={"train-loss": float(total[slot]) / int(seen[slot])})
     return out
 
 
