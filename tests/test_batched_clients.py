@@ -44,8 +44,8 @@ def _sizes_cover_the_cases(task, users, batch_size):
     assert any((task.user_data(u)[1] == 0).any() for u in users)  # padded targets
 
 
-@pytest.mark.parametrize("hyper", [ClientHyper(1.0, 2, 8), ClientHyper(0.5, 1, 5)])
-def test_so_synthetic_batched_equals_sequential(hyper):
+@pytest.mark.parametrize("hyper, chunks", [(ClientHyper(1.0, 2, 8), (3, 1)), (ClientHyper(0.5, 1, 5), ())])
+def test_so_synthetic_batched_equals_sequential(hyper, chunks):
     task = get_task("so-synthetic", **SMALL_SYN)
     assert supports_batched(task)
     users = task.users()[:8]
@@ -55,9 +55,9 @@ def test_so_synthetic_batched_equals_sequential(hyper):
     bat = batched_local_updates(task, params, users, 1, hyper)
     _assert_close(seq, bat, users)
     assert all(float(r.update["output.weight"].abs().max()) > 1e-3 for r in bat.values())  # they trained
-    # chunks smaller than the cohort (and not dividing it) give the same result
-    _assert_close(seq, batched_local_updates(task, params, users, 1, hyper, chunk_users=3), users)
-    _assert_close(seq, batched_local_updates(task, params, users, 1, hyper, chunk_users=1), users)
+    # chunks smaller than the cohort (and not dividing it; of one user) give the same result
+    for chunk in chunks:
+        _assert_close(seq, batched_local_updates(task, params, users, 1, hyper, chunk_users=chunk), users)
     assert all(torch.equal(v, params[k]) for k, v in _params(task).items())  # the inputs are not touched
 
 
@@ -198,3 +198,34 @@ def test_paper_model_batched_equals_sequential():
     seq = task.local_updates(params, users, 0, hyper)
     bat = batched_local_updates(task, params, users, 0, hyper, chunk_users=2)
     _assert_close(seq, bat, users)
+
+
+@pytest.mark.heavy
+def test_simulate_so_tiny_vectorized_equals_one_at_a_time(tmp_path, capsys, monkeypatch):
+    """`fedmf simulate --preset so-tiny --vectorized --chunk-users 3`: with the same secrets, the
+    final model equals the one-at-a-time run's within float tolerance."""
+    import json
+
+    from fedmf.cli import main
+    from fedmf.run import REPEATABLE_NOISE_ENV
+    from tests._federated_task import share_secrets
+
+    monkeypatch.setenv(REPEATABLE_NOISE_ENV, "1")
+    argv = ["simulate", "--preset", "so-tiny", "--rounds", "3", "--clients-per-round", "8", "--epsilon", "8",
+            "--json", "--no-plot"]
+    assert main([*argv, "--out", str(tmp_path / "seq"), "--workers", "1"]) == 0
+    share_secrets(tmp_path / "seq", tmp_path / "vec")
+    assert main([*argv, "--out", str(tmp_path / "vec"), "--vectorized", "--chunk-users", "3"]) == 0
+    seq_out, vec_out = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert seq_out["rounds_done"] == vec_out["rounds_done"] == 3
+    a = torch.load(tmp_path / "seq" / "final-model.pt")
+    b = torch.load(tmp_path / "vec" / "final-model.pt")
+    assert list(a) == list(b)
+    from fedmf.config import RunConfig
+    from fedmf.simulate import preset_values
+
+    config = RunConfig.from_mapping(preset_values("so-tiny", {"run-dir": "x"}))
+    initial = get_task(config.task, **config.task_options).model().state_dict()
+    assert any(float((a[k] - initial[k]).abs().max()) > 1e-3 for k in a)  # it trained
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-5)
