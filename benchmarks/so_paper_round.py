@@ -14,8 +14,8 @@ Timed on ``--device``, medians over ``--repeats`` (after one untimed warm-up of 
   batched     ``batched_local_updates(..., chunk_users=chunk, device=)`` over ``--users`` users
               (fedmf/tasks/batched_lstm.py: what ``--vectorized`` runs for the text tasks): the
               first chunk tried is ``--max-chunk``; on ``torch.cuda.OutOfMemoryError`` it halves
-  one-vmap    ``task.local_updates([user], vectorized=True, device=)``, one user per call: the
-              engine's only client path that trains on a device (one at a time)
+  one-vmap    ``vectorized_local_updates(task, params, [user], device=)``, one user per call (what
+              ``task.local_updates([user], vectorized=True)`` ran before the batched path)
   one-module  the task's own ``nn.Module`` (cuDNN ``nn.LSTM`` on CUDA) moved to the device, trained
               user after user by the same local SGD as ``SupervisedTask.local_update`` (same batch
               schedule, ``task.train_loss``, ``torch.optim.SGD``): this benchmark's loop, not an
@@ -286,9 +286,11 @@ def main(argv: list[str] | None = None) -> int:
         started = time.perf_counter()
         try:
             if path == "one-vmap":
+                from fedmf.tasks.vectorized import vectorized_local_updates
+
                 def run(users):
                     for user in users:
-                        task.local_updates(params, [user], 0, hyper, vectorized=True, device=device)
+                        vectorized_local_updates(task, params, [user], 0, hyper, device=device)
                 result = time_one(path, run, cohort[:args.one_users], warm, args.repeats, meter)
             elif path == "one-module":
                 work = task.model().to(device)
