@@ -88,6 +88,25 @@ def test_shakespeare_batched_equals_sequential_in_chunks(tmp_path):
         _assert_close(seq, batched_local_updates(task, params, users, 2, hyper, chunk_users=chunk), users)
 
 
+def test_stackoverflow_file_batched_equals_sequential(tmp_path):
+    """TFF's StackOverflow file format (the ``stackoverflow`` task), users of 1 to 14 sentences."""
+    from tests.test_tasks_text import _so_db
+
+    words = ["how", "to", "the", "a", "is", "sql", "python", "zebra"]
+    rows = [("train", f"u{u}", " ".join(words[(u + j * m) % len(words)] for m in range(1 + (u * 5 + j * 3) % 24)))
+            for u, n in enumerate((1, 5, 9, 14)) for j in range(n)]
+    db = _so_db(tmp_path / "stackoverflow.sqlite", rows + [("heldout", "h", "a is")])
+    vocab = tmp_path / "stackoverflow.word_count"
+    vocab.write_text("".join(f"{w} {100 - i}\n" for i, w in enumerate(words[:6])))
+    task = get_task("stackoverflow", path=db, vocab_path=str(vocab), vocab_size=6, model_size="small")
+    users = task.users()
+    hyper = ClientHyper(0.7, 2, 4)
+    _sizes_cover_the_cases(task, users, hyper.batch_size)
+    params = _params(task)
+    _assert_close(task.local_updates(params, users, 4, hyper),
+                  task.local_updates(params, users, 4, hyper, vectorized=True, chunk_users=3), users)
+
+
 def test_vectorized_selects_the_batched_path_for_text_and_keeps_vmap(monkeypatch):
     task = get_task("so-synthetic", **SMALL_SYN)
     users = task.users()[:4]
