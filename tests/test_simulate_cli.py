@@ -70,7 +70,7 @@ def test_a_presets_bands_give_way_to_another_mechanism_or_geometry():
     ["--backend", "flower", "--timeout", "0"], ["--backend", "flower", "--delta", "0.9"],
     ["--device", "cpu"], ["--vectorized", "--backend", "flower"], ["--vectorized", "--device", "tpu"],
     ["--workers", "0"], ["--workers", "2", "--vectorized"], ["--workers", "2", "--backend", "flower"],
-    ["--workers", "two"],
+    ["--workers", "two"], ["--chunk-users", "2"], ["--vectorized", "--chunk-users", "0"],
 ])
 def test_bad_arguments_exit_2_with_one_line(tmp_path, argv):
     done = subprocess.run([sys.executable, "-m", "fedmf.cli", "simulate", "--preset", "tiny", "--out",

@@ -100,6 +100,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         raise ConfigError("--vectorized is for --backend inprocess (on Flower every user is its own SuperNode)")
     if args.device is not None:
         _check_device(args.device)
+    if args.chunk_users is not None:
+        if not args.vectorized:
+            raise ConfigError("--chunk-users needs --vectorized (users trained together, this many at a time)")
+        if args.chunk_users < 1:
+            raise ConfigError(f"--chunk-users must be an integer >= 1, got {args.chunk_users}")
     if args.workers is not None:
         if args.vectorized or args.backend == "flower":
             raise ConfigError("--workers is for one-at-a-time clients in process (not --vectorized, not "
@@ -124,7 +129,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         hyper = ClientHyper(config.client_lr, config.local_epochs, config.batch_size)
         workers = default_workers() if args.workers is None else args.workers
         if args.vectorized:
-            clients = {"local_updates": task.as_local_updates(hyper, device=args.device)}
+            clients = {"local_updates": task.as_local_updates(hyper, device=args.device, chunk_users=args.chunk_users)}
         elif workers > 1:  # the same bits as one at a time (each update depends on its own inputs only)
             clients = {"local_updates": task.as_local_updates(hyper, vectorized=False, workers=workers)}
         else:
@@ -187,8 +192,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="inprocess (default) or flower: the Flower app on the Flower simulation engine, from the "
                         "source tree fedmf was installed from")
     p.add_argument("--vectorized", action="store_true",
-                   help="train each round's users together (torch.func.vmap; in process only; equal to the "
+                   help="train each round's users together (the text tasks' LSTM: batched matrix products over "
+                        "per-user weights; other tasks: torch.func.vmap; in process only; equal to the "
                         "one-at-a-time clients within float tolerance, not bit for bit)")
+    p.add_argument("--chunk-users", type=int,
+                   help="--vectorized: users trained together at most (default: as many as fit 80%% of a CUDA "
+                        "device's free memory, or 4 GiB on the CPU, for the text tasks; all for vmap)")
     p.add_argument("--device", help="where --vectorized clients train: cpu, cuda or cuda:N (default: cpu)")
     p.add_argument("--workers", type=int,
                    help="users trained at a time in process, one thread each (default: the CPUs available); "

@@ -141,18 +141,23 @@ class Task(ABC):
 
     def local_updates(self, params: Mapping[str, torch.Tensor], users: Sequence[str], round: int,
                       hyper: ClientHyper, *, vectorized: bool = False,
-                      device: str | torch.device | None = None, workers: int = 1) -> dict[str, LocalResult]:
+                      device: str | torch.device | None = None, workers: int = 1,
+                      chunk_users: int | None = None) -> dict[str, LocalResult]:
         """``local_update`` of every user in ``users``: {user: result}, in ``users``' order.
 
         ``workers`` > 1 runs that many users at a time on as many threads (each update on one
         intra-op thread, as always): the same bits as one after another, since every update depends
-        only on its own inputs. ``vectorized=True`` asks for the task's batched path
-        (:mod:`fedmf.tasks.vectorized`), equal to the sequential one within float tolerance (not
-        bit for bit), trained on ``device`` (default: the parameters'); a task without one loops (on
-        the CPU: ``device`` must then be None or cpu)."""
+        only on its own inputs. ``vectorized=True`` asks for the task's batched path (the text
+        tasks' LSTM: :mod:`fedmf.tasks.batched_lstm`; other supported tasks:
+        :mod:`fedmf.tasks.vectorized`), equal to the sequential one within float tolerance (not
+        bit for bit), trained on ``device`` (default: the parameters') ``chunk_users`` users at a
+        time (default: the path's own; memory); a task without one loops (on the CPU: ``device``
+        must then be None or cpu)."""
         checks.integer("workers", workers, minimum=1, maximum=MAX_WORKERS)
+        if chunk_users is not None:
+            checks.integer("chunk_users", chunk_users, minimum=1)
         if vectorized:
-            batched = self.vectorized_updates(params, users, round, hyper, device=device)
+            batched = self.vectorized_updates(params, users, round, hyper, device=device, chunk_users=chunk_users)
             if batched is not None:
                 return batched
         if device is not None and torch.device(device).type != "cpu":
@@ -175,11 +180,12 @@ class Task(ABC):
         return dict(zip(users, results))
 
     def vectorized_updates(self, params: Mapping[str, torch.Tensor], users: Sequence[str], round: int,
-                           hyper: ClientHyper, *, device: str | torch.device | None = None
-                           ) -> dict[str, LocalResult] | None:
+                           hyper: ClientHyper, *, device: str | torch.device | None = None,
+                           chunk_users: int | None = None) -> dict[str, LocalResult] | None:
         """The task's batched path for ``local_updates(vectorized=True)``: {user: result}, or None
         when it has none (``local_updates`` then loops). None here;
-        :class:`~fedmf.tasks.supervised.SupervisedTask` has one (:mod:`fedmf.tasks.vectorized`)."""
+        :class:`~fedmf.tasks.supervised.SupervisedTask` has one (:mod:`fedmf.tasks.vectorized`),
+        :class:`~fedmf.tasks.text.TextTask` another (:mod:`fedmf.tasks.batched_lstm`)."""
         return None
 
     def vectorized_pad_label(self) -> int | None:
@@ -188,12 +194,14 @@ class Task(ABC):
         return None
 
     def as_local_updates(self, hyper: ClientHyper, *, vectorized: bool = True,
-                         device: str | torch.device | None = None, workers: int = 1
-                         ) -> Callable[[Mapping[str, torch.Tensor], Sequence[Hashable], int], dict[Hashable, Any]]:
+                         device: str | torch.device | None = None, workers: int = 1,
+                         chunk_users: int | None = None) -> Callable[[Mapping[str, torch.Tensor], Sequence[Hashable], int], dict[Hashable, Any]]:
         """``local_updates`` in the shape ``fedmf.federated.train(local_updates=...)`` calls:
         (params, users, t) -> {user: delta}, the round's users trained together (``vectorized``)
-        or ``workers`` at a time."""
+        or ``workers`` at a time (``chunk_users``: see ``local_updates``)."""
         checks.integer("workers", workers, minimum=1, maximum=MAX_WORKERS)
+        if chunk_users is not None and not vectorized:
+            raise ConfigError("chunk_users is for vectorized clients: give vectorized=True with chunk_users")
         if vectorized and workers > 1:
             raise ConfigError("workers is for one-at-a-time clients: give vectorized=False with workers > 1")
 
@@ -201,7 +209,7 @@ class Task(ABC):
                           ) -> dict[Hashable, Any]:
             names = {str(user): user for user in users}
             results = self.local_updates(params, list(names), t, hyper, vectorized=vectorized, device=device,
-                                         workers=workers)
+                                         workers=workers, chunk_users=chunk_users)
             return {names[name]: result.update for name, result in results.items()}
 
         return local_updates

@@ -43,11 +43,11 @@ class SupervisedTask(Task):
         return self.load(params, into=model)
 
     def vectorized_updates(self, params: Mapping[str, torch.Tensor], users: Sequence[str], round: int,
-                           hyper: ClientHyper, *, device: str | torch.device | None = None
-                           ) -> dict[str, LocalResult] | None:
+                           hyper: ClientHyper, *, device: str | torch.device | None = None,
+                           chunk_users: int | None = None) -> dict[str, LocalResult] | None:
         if not supports_vectorized(self):
             return None
-        return vectorized_local_updates(self, params, users, round, hyper, device=device)
+        return vectorized_local_updates(self, params, users, round, hyper, device=device, max_users=chunk_users)
 
     def vectorized_pad_label(self) -> int | None:
         """torch's ignore index for the default cross-entropy; None for another loss or a

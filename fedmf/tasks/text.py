@@ -24,7 +24,8 @@ from ..errors import ConfigError
 from ..threads import one_thread
 
 from .. import checks
-from .base import stable_seed
+from .base import ClientHyper, LocalResult, stable_seed
+from .batched_lstm import batched_local_updates, supports_batched
 from .losses import softmax_cross_entropy
 from .models import MODEL_SIZES, WordLSTM, empty_word_model, make_word_model
 from .supervised import SupervisedTask
@@ -169,6 +170,16 @@ class TextTask(SupervisedTask):
         if type(self).criterion is TextTask.criterion and type(self).local_update is SupervisedTask.local_update:
             return PAD
         return super().vectorized_pad_label()
+
+    def vectorized_updates(self, params: Mapping[str, torch.Tensor], users: Sequence[str], round: int,
+                           hyper: ClientHyper, *, device: str | torch.device | None = None,
+                           chunk_users: int | None = None) -> dict[str, LocalResult] | None:
+        """The batched LSTM path (:mod:`fedmf.tasks.batched_lstm`) for this class's loss, local SGD
+        and a :class:`WordLSTM`; otherwise :class:`SupervisedTask`'s (``torch.func.vmap``)."""
+        if self.vectorized_pad_label() == PAD and type(self).train_loss is TextTask.train_loss \
+                and supports_batched(self):
+            return batched_local_updates(self, params, users, round, hyper, device=device, chunk_users=chunk_users)
+        return super().vectorized_updates(params, users, round, hyper, device=device, chunk_users=chunk_users)
 
     def train_loss(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``criterion(model(x), y)``'s value and gradient, computed on the non-pad targets only:

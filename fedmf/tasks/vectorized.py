@@ -24,7 +24,10 @@ Supported: :class:`SupervisedTask` subclasses whose ``criterion`` is the default
 :class:`TextTask`'s pad-masked one, whose model has no buffers, trained by plain SGD (as
 ``local_update``). The text tasks' ``WordLSTM`` runs through a functional LSTM written here (the
 same gate equations as ``nn.LSTM``: i, f, g, o), because ``vmap`` has no batching rule for the
-fused ``aten::lstm``.
+fused ``aten::lstm``. ``local_updates(vectorized=True)`` on a text task takes
+:mod:`fedmf.tasks.batched_lstm` instead (explicit batched matrix products, a written-out backward
+pass: less memory per user and faster); this path stays for the other tasks and for comparison
+(``benchmarks/so_paper_round.py``).
 """
 
 from __future__ import annotations
