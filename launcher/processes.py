@@ -607,8 +607,9 @@ def run_simulation(app: Path | str, *, num_supernodes: int, run_config: Mapping 
     ``client_num_cpus=1`` lets two ClientApp actors run on a 2-core box (Flower's default is 2 CPUs per
     actor -> one actor); ``client_num_gpus`` is each actor's fraction of a GPU (None: none).
     ``ray_address``: the GCS ``HOST:PORT`` of an existing Ray cluster to run the ClientApp actors on
-    (None: a fresh local Ray; :mod:`launcher.ray_cluster`). ``tmp_path``: where ``FLWR_HOME`` and the logs go (default: a temporary
-    directory, removed afterwards). ``env``: a :func:`flower_env` environment (default: a new one).
+    (None: a fresh local Ray; :mod:`launcher.ray_cluster`). ``tmp_path``: where ``FLWR_HOME`` and the
+    logs go (default: a temporary directory, removed afterwards). ``env``: a :func:`flower_env`
+    environment (default: a new one).
     ``echo``: a text stream that gets the run's output (ServerApp logs) line by line as it comes.
     Raises :class:`LeftoverProcessesError` if teardown fails."""
     own_tmp = None

@@ -300,7 +300,8 @@ def test_so_tiny_on_a_two_node_ray_cluster_trains_on_both_nodes_and_matches_in_p
 
         def as_run(argv: list[str]) -> list[str]:  # the README's line, on loopback
             assert argv[:2] == ["ray", "start"]
-            return [_ray_exe(), *[a.replace("HEAD_IP", "127.0.0.1").replace("6379", str(port)) for a in argv[2:]]]
+            return [_ray_exe(), "start",
+                    *[a.replace("HEAD_IP", "127.0.0.1").replace("6379", str(port)) for a in argv[2:]]]
 
         head = tracker.spawn("head", [*as_run(readme["head"]), "--include-dashboard=false", "--dashboard-port",
                                       str(launcher.free_port()), "--ray-client-server-port", str(launcher.free_port()),
@@ -348,10 +349,13 @@ def test_so_tiny_on_a_two_node_ray_cluster_trains_on_both_nodes_and_matches_in_p
         for key in ("rounds_done", "stopped", "epsilon", "accuracy", "run_id"):
             assert flower[key] == local[key], key
         assert [h["contributed"] for h in flower["history"]] == [h["contributed"] for h in local["history"]] == [8, 8]
-        print(f"cluster up {cluster_s:.1f} s, flower on it {flower_s:.1f} s, total {time.perf_counter() - started:.1f} s")
+        print(f"cluster up {cluster_s:.1f} s, flower on it {flower_s:.1f} s, "
+              f"with the in-process run {time.perf_counter() - started:.1f} s")
     finally:
+        t_stop = time.perf_counter()
         try:
             tracker.cleanup(grace=15.0)  # SIGTERM: `ray start --block` stops its node; SIGKILL what is left
+            print(f"cluster stopped in {time.perf_counter() - t_stop:.1f} s")
         finally:
             left = [p for p in launcher._all_pids() if str(root) in launcher._cmdline(p)]
             shutil.rmtree(root, ignore_errors=True)

@@ -101,7 +101,8 @@ def _ray_options(args: argparse.Namespace) -> dict:
                               f"--port`), not a URL: got {args.ray_address!r}")
         out["ray_address"] = checks.host_port("--ray-address", args.ray_address)
     if args.client_cpus is not None:
-        if not (math.isfinite(args.client_cpus) and args.client_cpus >= 1 and args.client_cpus == int(args.client_cpus)):
+        cpus = args.client_cpus
+        if not (math.isfinite(cpus) and cpus >= 1 and cpus == int(cpus)):
             raise ConfigError(f"--client-cpus must be a whole number of CPUs >= 1 (Flower 1.41 counts a client's "
                               f"CPUs in whole CPUs), got {args.client_cpus:g}")
         out["client_cpus"] = int(args.client_cpus)
