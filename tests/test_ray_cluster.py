@@ -12,6 +12,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -284,7 +285,21 @@ def _tagged(pid: int, tag: str) -> bool:
         return False
 
 
-@pytest.mark.heavy  # about 2 min on 2 loaded cores: two Ray nodes, a Flower run, the in-process run
+def _stop_nodes(tracker, timeout_s: float = 30.0) -> None:
+    """SIGTERM each `ray start --block` by its PID (it stops its node's processes, as `ray stop` would,
+    in about 2 s; a SIGTERM to every process at once instead leaves some waiting on the others), wait
+    for every process of the cluster (its environment tag) to exit, then the tracker's teardown: it
+    SIGKILLs whatever is left and raises if anything survives."""
+    for proc in tracker.procs:
+        if proc.poll() is None and proc.args[1:2] == ["start"]:
+            os.kill(proc.pid, signal.SIGTERM)
+    end = time.monotonic() + timeout_s
+    while tracker.live_pids() and time.monotonic() < end:
+        time.sleep(0.2)
+    tracker.cleanup()
+
+
+@pytest.mark.heavy  # 70-100 s on 2 loaded cores: two Ray nodes, a Flower run on them, the in-process run
 def test_so_tiny_on_a_two_node_ray_cluster_trains_on_both_nodes_and_matches_in_process(tmp_path, capsys, launches,
                                                                                       monkeypatch):
     monkeypatch.setenv(REPEATABLE_NOISE_ENV, "1")  # tests only: the same noise in both backends' runs
@@ -354,7 +369,7 @@ def test_so_tiny_on_a_two_node_ray_cluster_trains_on_both_nodes_and_matches_in_p
     finally:
         t_stop = time.perf_counter()
         try:
-            tracker.cleanup(grace=15.0)  # SIGTERM: `ray start --block` stops its node; SIGKILL what is left
+            _stop_nodes(tracker)
             print(f"cluster stopped in {time.perf_counter() - t_stop:.1f} s")
         finally:
             left = [p for p in launcher._all_pids() if str(root) in launcher._cmdline(p)]
