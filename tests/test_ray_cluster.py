@@ -324,7 +324,8 @@ def test_so_tiny_on_a_two_node_ray_cluster_trains_on_both_nodes_and_matches_in_p
         _wait_started(tracker, "head", head)
         node = tracker.spawn("node", [*as_run(readme["node"]), *_node_flags(root, "n")])
         _wait_started(tracker, "node", node)
-        probe = ("import ray; ray.init(address=%r, include_dashboard=False); "
+        probe = ("import ray, time; ray.init(address=%r, include_dashboard=False); end = time.time() + 60\n"
+                 "while sum(n['Alive'] for n in ray.nodes()) < 2 and time.time() < end: time.sleep(0.5)\n"
                  "print('NODES', sum(n['Alive'] for n in ray.nodes()), ray.cluster_resources().get('CPU'))" % address)
         rc, out, err, _ = tracker.run([sys.executable, "-c", probe], timeout=120)
         assert rc == 0 and "NODES 2 2.0" in out, (out + err)[-3000:]
