@@ -18,7 +18,7 @@ from .errors import CheckpointError, ConfigError, ConfigTypeError, FedmfError
 
 __all__ = [
     "number", "positive", "non_negative", "integer", "positive_int", "interval", "probability", "open_unit",
-    "one_of",
+    "one_of", "host_port",
     "FLOATING_DTYPES", "floating_dtypes", "is_floating", "layout", "state_format", "refuse_pickle", "load_tensors",
 ]
 
@@ -110,6 +110,22 @@ def one_of(name: str, value: object, choices: Iterable[Any]) -> Any:
     if _is_bool(value) or value not in choices:
         raise ConfigError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
     return value
+
+
+def host_port(name: str, value: object) -> str:
+    """``value`` as a network address ``HOST:PORT`` (``[IPv6]:PORT`` for an IPv6 host): a host of
+    letters, digits, ``.``, ``-``, ``_`` (or an IPv6 address in brackets) and a port in [1, 65535].
+    No scheme (``ray://``, ``http://``), no path, no whitespace."""
+    if not isinstance(value, str):
+        raise ConfigTypeError(f"{name} must be an address HOST:PORT, got {value!r}")
+    host, sep, port = value.rpartition(":")
+    ipv6 = host.startswith("[") and host.endswith("]") and len(host) > 2 and \
+        all(c in "0123456789abcdefABCDEF:." for c in host[1:-1])
+    named = bool(host) and all(c.isascii() and (c.isalnum() or c in ".-_") for c in host) and \
+        not host.startswith(("-", "."))
+    if not sep or not (ipv6 or named) or not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
+        raise ConfigError(f"{name} must be an address HOST:PORT with a port in [1, 65535], got {value!r}")
+    return f"{host}:{int(port)}"
 
 
 def floating_dtypes() -> tuple[Any, ...]:

@@ -25,7 +25,7 @@ from fedmf.outcome import OUTCOME_FILE, clear_outcome, read_outcome
 from fedmf.simulate import SimulationResult, rho_spent, run_history, write_outputs
 from fedmf.tasks import Task
 
-from . import processes
+from . import processes, ray_cluster
 
 __all__ = ["simulate_flower", "flower_run_config", "flower_population", "flower_result"]
 
@@ -92,14 +92,21 @@ def flower_result(config: RunConfig, *, model, evaluate, seconds: float = 0.0, p
 
 
 def simulate_flower(config: RunConfig, values: Mapping[str, Any], task: Task, *, timeout: float,
-                    echo: TextIO | None = None, plot: bool = True) -> SimulationResult:
+                    echo: TextIO | None = None, plot: bool = True, ray_address: str | None = None,
+                    client_cpus: int = 1, client_gpus: float | None = None) -> SimulationResult:
     """Run ``config`` (built from the preset ``values``) as the Flower app on the Flower simulation
     engine, one SuperNode per user of ``task``, stopped after ``timeout`` seconds; the Flower
     processes' output to ``echo``; the result read back from the run directory (its log in
-    ``flower.log``). A failed run is a one-line FedmfError with the run's status."""
+    ``flower.log``). A failed run is a one-line FedmfError with the run's status.
+
+    ``ray_address``: the GCS ``HOST:PORT`` of an existing Ray cluster that runs the ClientApp actors
+    (None: a fresh local Ray); ``client_cpus`` (whole CPUs) and ``client_gpus`` (a fraction of a GPU,
+    None: none) are each virtual client's Ray resources (:mod:`launcher.ray_cluster`)."""
     num_supernodes = flower_population(config.task, list(task.users()))
     # a plan that cannot be built, or that no round can reach, fails here in one line before any Flower process
     config.build_plan().check_population(num_supernodes)
+    if ray_address is not None:
+        ray_cluster.check_reachable(ray_address)
     try:
         root = processes.app_dir()
     except processes.AppDirError as e:
@@ -112,7 +119,9 @@ def simulate_flower(config: RunConfig, values: Mapping[str, Any], task: Task, *,
     started = time.perf_counter()
     try:
         res = processes.run_simulation(root, num_supernodes=num_supernodes,
-                                       run_config=flower_run_config(values, config), timeout=timeout, echo=echo)
+                                       run_config=flower_run_config(values, config), timeout=timeout, echo=echo,
+                                       ray_address=ray_address, client_num_cpus=client_cpus,
+                                       client_num_gpus=client_gpus)
     except processes.LeftoverProcessesError as e:
         raise FedmfError(f"the Flower run's processes could not all be stopped: {e}") from None
     except (RuntimeError, TimeoutError) as e:  # the SuperLink did not start

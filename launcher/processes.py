@@ -20,6 +20,8 @@ Recipe (flwr 1.41.0, verified):
   --host 127.0.0.1 --port P`` on a free loopback port, a ``config.toml`` connection ``[superlink.sim]
   address="127.0.0.1:P" insecure=true``, then ``flwr run <app> sim --stream --federation-config
   "num-supernodes=N client-resources-num-cpus=1" --run-config <file.toml>``.
+* Ray: the SuperLink's environment carries ``RAY_ADDRESS`` (``local``: a fresh local Ray; or an existing
+  cluster's ``HOST:PORT``), which the simulation engine's ``ray.init()`` reads (:mod:`launcher.ray_cluster`).
 * ``flwr run`` exits 0 even when the ServerApp raised; the run's real outcome is
   ``flwr ls <conn> --run-id ID --format json`` -> ``runs[0].status`` (``finished:completed`` /
   ``finished:failed`` / ``finished:stopped``) and ``status-details``; :class:`FlowerResult` folds it in.
@@ -54,6 +56,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping, TextIO
+
+from .ray_cluster import client_resources, ray_environment
 
 __all__ = [
     "TAG_VAR",
@@ -591,7 +595,8 @@ def superlink_argv(port: int, database: Path | None, *, simulation: bool, extra:
 
 
 def run_simulation(app: Path | str, *, num_supernodes: int, run_config: Mapping | None = None,
-                   timeout: float = 300, tmp_path: Path | str | None = None, client_num_cpus: float = 1,
+                   timeout: float = 300, tmp_path: Path | str | None = None, client_num_cpus: int = 1,
+                   client_num_gpus: float | None = None, ray_address: str | None = None,
                    federation_config: Mapping | None = None, env: Mapping[str, str] | None = None,
                    echo: TextIO | None = None, ready_timeout: float = 60) -> FlowerResult:
     """``flwr run <app> sim --stream`` on the simulation engine (Ray) against a private ``--simulation``
@@ -600,8 +605,11 @@ def run_simulation(app: Path | str, *, num_supernodes: int, run_config: Mapping 
 
     ``run_config``: the run's configuration (written to a TOML file, ``--run-config <file>``).
     ``client_num_cpus=1`` lets two ClientApp actors run on a 2-core box (Flower's default is 2 CPUs per
-    actor -> one actor). ``tmp_path``: where ``FLWR_HOME`` and the logs go (default: a temporary
-    directory, removed afterwards). ``env``: a :func:`flower_env` environment (default: a new one).
+    actor -> one actor); ``client_num_gpus`` is each actor's fraction of a GPU (None: none).
+    ``ray_address``: the GCS ``HOST:PORT`` of an existing Ray cluster to run the ClientApp actors on
+    (None: a fresh local Ray; :mod:`launcher.ray_cluster`). ``tmp_path``: where ``FLWR_HOME`` and the
+    logs go (default: a temporary directory, removed afterwards). ``env``: a :func:`flower_env`
+    environment (default: a new one).
     ``echo``: a text stream that gets the run's output (ServerApp logs) line by line as it comes.
     Raises :class:`LeftoverProcessesError` if teardown fails."""
     own_tmp = None
@@ -613,9 +621,10 @@ def run_simulation(app: Path | str, *, num_supernodes: int, run_config: Mapping 
     tracker = None
     try:
         env = dict(env) if env is not None else flower_env(tmp_path)
+        env.update(ray_environment(ray_address))  # inherited by the SuperExec's flwr-simulation
         home = Path(env["FLWR_HOME"])
         tracker = ProcessTracker(env, tmp_path / "flwr-logs")
-        fed = {"num-supernodes": int(num_supernodes), "client-resources-num-cpus": client_num_cpus}
+        fed = {"num-supernodes": int(num_supernodes), **client_resources(client_num_cpus, client_num_gpus)}
         fed.update(federation_config or {})
         with _sigterm_raises():
             port = free_port()

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
+from .. import checks
 from ..errors import ConfigError
 
 __all__ = ["register", "cmd_simulate", "BACKENDS_GROUP"]
@@ -82,6 +84,39 @@ def _check_device(device: str) -> None:
         raise ConfigError(f"--device {device}: CUDA is not available on this machine")
 
 
+def _ray_options(args: argparse.Namespace) -> dict:
+    """``--ray-address``, ``--client-cpus``, ``--client-gpus`` checked, as the Flower backend's keyword
+    arguments ({} when none was given); one-line ConfigErrors, and refused for --backend inprocess."""
+    given = [f"--{o.replace('_', '-')}" for o in ("ray_address", "client_cpus", "client_gpus")
+             if getattr(args, o) is not None]
+    if not given:
+        return {}
+    if args.backend != "flower":
+        raise ConfigError(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for --backend flower "
+                          "(the in-process backend runs no Ray)")
+    out: dict = {}
+    if args.ray_address is not None:
+        if "://" in args.ray_address:
+            raise ConfigError(f"--ray-address takes the cluster's GCS address HOST:PORT (the head's `ray start "
+                              f"--port`), not a URL: got {args.ray_address!r}")
+        out["ray_address"] = checks.host_port("--ray-address", args.ray_address)
+    if args.client_cpus is not None:
+        cpus = args.client_cpus
+        if not (math.isfinite(cpus) and cpus >= 1 and cpus == int(cpus)):
+            raise ConfigError(f"--client-cpus must be a whole number of CPUs >= 1 (Flower 1.41 counts a client's "
+                              f"CPUs in whole CPUs), got {args.client_cpus:g}")
+        out["client_cpus"] = int(args.client_cpus)
+    if args.client_gpus is not None:
+        out["client_gpus"] = checks.interval("--client-gpus", args.client_gpus, 0, math.inf)
+        if out["client_gpus"] > 0 and args.ray_address is None:
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ConfigError(f"--client-gpus {args.client_gpus:g}: CUDA is not available on this machine "
+                                  "(the local Ray would place no client)")
+    return out
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     """Run the preset (with overrides) in process or on the Flower simulation engine; print the
     summary (or one JSON object)."""
@@ -105,6 +140,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             raise ConfigError("--chunk-users needs --vectorized (users trained together, this many at a time)")
         if args.chunk_users < 1:
             raise ConfigError(f"--chunk-users must be an integer >= 1, got {args.chunk_users}")
+    ray_options = _ray_options(args)
     if args.workers is not None:
         if args.vectorized or args.backend == "flower":
             raise ConfigError("--workers is for one-at-a-time clients in process (not --vectorized, not "
@@ -124,7 +160,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         print(f"fedmf: warning: {REPEATABLE_NOISE_WARNING}", file=sys.stderr)
     if args.backend == "flower":
         result = _backend("flower")(config, values, task, timeout=args.timeout,
-                                    echo=None if (args.quiet or args.json) else sys.stderr, plot=not args.no_plot)
+                                    echo=None if (args.quiet or args.json) else sys.stderr, plot=not args.no_plot,
+                                    **ray_options)
     else:
         hyper = ClientHyper(config.client_lr, config.local_epochs, config.batch_size)
         workers = default_workers() if args.workers is None else args.workers
@@ -143,7 +180,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     accuracy = "n/a" if result.accuracy is None else f"{result.accuracy:.4f}"
     lines = [
         f"preset          {args.preset} ({config.task}), {result.rounds_done} rounds ({result.stopped})"
-        + (", on the Flower simulation engine" if args.backend == "flower" else ""),
+        + (", on the Flower simulation engine" if args.backend == "flower" else "")
+        + (f" (Ray cluster {ray_options['ray_address']})" if "ray_address" in ray_options else ""),
         f"accuracy        {accuracy} (held-out, after the last round)",
         f"privacy         epsilon {result.epsilon:.4g} at delta {result.delta:g} (planned, spent so far); "
         + ("" if result.rho is None else f"rho-zCDP {result.rho:.4g}; ")
@@ -202,6 +240,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=int,
                    help="users trained at a time in process, one thread each (default: the CPUs available); "
                         "the same model bit for bit for any value")
+    p.add_argument("--ray-address", metavar="HOST:PORT",
+                   help="--backend flower: run the virtual clients on this existing Ray cluster (the GCS address "
+                        "of its head, `ray start --head --port PORT`; run fedmf on one of its nodes) instead of "
+                        "a fresh local Ray")
+    p.add_argument("--client-cpus", type=float, metavar="N",
+                   help="--backend flower: whole CPUs Ray reserves for each virtual client (default 1)")
+    p.add_argument("--client-gpus", type=float, metavar="FRACTION",
+                   help="--backend flower: the fraction of a GPU Ray reserves for each virtual client, e.g. 0.25 "
+                        "(default: none)")
     p.add_argument("--timeout", type=float, default=7 * 24 * 3600.0,
                    help="--backend flower: stop the Flower run after this many seconds (default: a week)")
     p.add_argument("--ledger", metavar="URL",
