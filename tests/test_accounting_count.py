@@ -135,7 +135,8 @@ def test_per_round_curve_composes_the_counts_so_far(bsr):
 
 
 # ---- cyclic Poisson: per step 1/z_step² = col²/σ_u² + 1/σ_b² ------------------------------------------
-@pytest.mark.parametrize("delta", [1e-6, 1e-10, 1e-12])
+@pytest.mark.parametrize("delta", [pytest.param(1e-6, marks=pytest.mark.heavy),
+                                   pytest.param(1e-10, marks=pytest.mark.heavy), 1e-12])
 def test_cyclic_poisson_composes_the_count_per_step(bsr, delta):
     z, sigma_b, q = 1.0, 5.0, 0.25
     result = epsilon(bsr, z, delta, CYCLIC, sampling=f"cyclic-poisson:{q}", count_noise_std=sigma_b)
@@ -159,7 +160,7 @@ def test_cyclic_poisson_calibration_with_the_count(bsr):
 
 
 # ---- δ down to 1e-12 without the count -------------------------------------------------------------
-@pytest.mark.parametrize("delta", [1e-10, 1e-12])
+@pytest.mark.parametrize("delta", [pytest.param(1e-10, marks=pytest.mark.heavy), 1e-12])
 def test_small_delta_unamplified_and_cyclic(bsr, delta):
     assert epsilon(bsr, 1.1, delta, SCHEMA).epsilon == pytest.approx(analytic_epsilon(1 / 1.1, delta), rel=1e-9)
     z = calibrate(bsr, 4.0, delta, SCHEMA).noise_multiplier

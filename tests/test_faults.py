@@ -241,13 +241,14 @@ def _child(values: dict, log: Path, kill: str) -> subprocess.CompletedProcess:
 
 # (kill specs run one after the other, the round t, round t's ledger status after the kills)
 POINTS = [
-    pytest.param("checkpoint-temp:2", 2, "open", id="checkpoint-temp-written-not-renamed"),
+    pytest.param("checkpoint-temp:2", 2, "open", id="checkpoint-temp-written-not-renamed", marks=pytest.mark.heavy),
     pytest.param("noise-write:0", 0, "open", id="noise-tensor-half-written"),
     pytest.param("ledger-commit:4", 4, "open", id="ledger-rows-inserted-before-COMMIT"),
-    pytest.param("final-write", ROUNDS - 1, "committed", id="final-model-temp-written-not-renamed"),
-    pytest.param("checkpoint-dirsync:3", 3, "open", id="checkpoint-renamed-before-dir-fsync"),
+    pytest.param("final-write", ROUNDS - 1, "committed", id="final-model-temp-written-not-renamed",
+                 marks=pytest.mark.heavy),
+    pytest.param("checkpoint-dirsync:3", 3, "open", id="checkpoint-renamed-before-dir-fsync", marks=pytest.mark.heavy),
     pytest.param("after-select:1", 1, "open", id="configure_train-after-select"),
-    pytest.param("evaluate:5", 5, "committed", id="inside-evaluate"),
+    pytest.param("evaluate:5", 5, "committed", id="inside-evaluate", marks=pytest.mark.heavy),
     pytest.param("event:committed:2+query:4", 2, "committed", id="resumed-server-during-QUERY-exchange",
                  marks=pytest.mark.heavy),
     pytest.param("event:selected:0", 0, "planned", id="event-selected", marks=pytest.mark.heavy),

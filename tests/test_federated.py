@@ -187,7 +187,7 @@ def uninterrupted(tmp_path_factory):
 
 
 @pytest.mark.parametrize("event, t", [
-    ("updates", 3),        # inside the round, before the noise
+    pytest.param("updates", 3, marks=pytest.mark.heavy),  # inside the round, before the noise
     ("checkpointed", 5),   # after the noise draw and the checkpoint, before the ledger commit
     ("committed", 6),      # after the commit, before the release and the pruning
     pytest.param("selected", 0, marks=pytest.mark.heavy),

@@ -58,6 +58,7 @@ def _committed(run_dir: Path) -> list[int]:
         return [t for t in range(run.info.rounds) if run.round(t).status == "committed"]
 
 
+@pytest.mark.heavy  # CI keeps fedmf simulate --backend flower's twin (test_simulate_backends) and flwr run on a SuperLink
 def test_flwr_run_simulation_matches_the_in_process_loop(tmp_path):
     values = _values(tmp_path / "sim", users=20, rounds=5, per_round=5)
     result = run_simulation(ROOT, num_supernodes=20, run_config=values, timeout=400, tmp_path=tmp_path / "flwr")
@@ -97,7 +98,8 @@ _SERVER_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("kill_at", ["noised:1", "checkpointed:2", "committed:3"])
+@pytest.mark.parametrize("kill_at", ["noised:1", pytest.param("checkpointed:2", marks=pytest.mark.heavy),
+                                     pytest.param("committed:3", marks=pytest.mark.heavy)])
 def test_a_sigkilled_server_resumes_bit_identically(tmp_path, kill_at):
     """The ServerApp's code path (configuration, strategy, PrivateRun) SIGKILLed at a point of a
     round and started again with the same configuration ends with the uninterrupted model."""
