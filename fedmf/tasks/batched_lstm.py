@@ -41,7 +41,7 @@ from ..errors import ConfigError
 from ..threads import one_thread
 from .base import ClientHyper, LocalResult
 from .models import WordLSTM
-from .vectorized import batch_schedule
+from .vectorized import batch_schedule, users_data
 
 if TYPE_CHECKING:  # types only: text.py imports this module
     from .supervised import SupervisedTask
@@ -143,12 +143,7 @@ def batched_local_updates(task: SupervisedTask, params: Mapping[str, torch.Tenso
 def _run_chunk(task: SupervisedTask, state: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor],
                users: list[str], round: int, hyper: ClientHyper, device: torch.device, pad: int
                ) -> dict[str, LocalResult]:
-    data = []
-    for user in users:
-        x, y = task.user_data(user)
-        if len(y) == 0:
-            raise ConfigError(f"user {user!r} holds no data")
-        data.append((x, y))
+    data = users_data(task, users)
     schedules = [batch_schedule(task, user, len(y), round, hyper) for user, (_, y) in zip(users, data)]
     # longest first (stable): the users still training at step s are a prefix of the chunk
     order = sorted(range(len(users)), key=lambda u: -len(schedules[u]))

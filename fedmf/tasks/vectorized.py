@@ -160,16 +160,22 @@ def _compute_device(device: str | torch.device | None, params: Mapping[str, torc
     return out
 
 
-def _run(task: SupervisedTask, template: torch.nn.Module, params: Mapping[str, torch.Tensor], users: list[str],
-         round: int, hyper: ClientHyper, device: torch.device) -> dict[str, LocalResult]:
-    ignore = task.vectorized_pad_label()
-    assert ignore is not None
+def users_data(task: "SupervisedTask", users: Sequence[str]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(x, y) of each user, in order; a one-line ConfigError for a user without data."""
     data = []
     for user in users:
         x, y = task.user_data(user)
         if len(y) == 0:
             raise ConfigError(f"user {user!r} holds no data")
         data.append((x, y))
+    return data
+
+
+def _run(task: SupervisedTask, template: torch.nn.Module, params: Mapping[str, torch.Tensor], users: list[str],
+         round: int, hyper: ClientHyper, device: torch.device) -> dict[str, LocalResult]:
+    ignore = task.vectorized_pad_label()
+    assert ignore is not None
+    data = users_data(task, users)
     num_users, b = len(users), hyper.batch_size
     n_max = max(len(y) for _, y in data)
     # every user's data padded to n_max + 1 rows; row n_max (and beyond a user's n) is the pad row
