@@ -221,3 +221,12 @@ def test_large_batches_keep_float_tolerance():
     bat = batched_local_updates(task, params, [user], 0, hyper)[user].update
     worst = max(float((bat[k] - seq[k]).abs().max()) / float(seq[k].abs().max()) for k in seq)
     assert worst < 1e-4, worst
+
+
+def test_parameters_in_another_order_keep_their_order():
+    task = get_task("so-synthetic", **SMALL_SYN)
+    params = dict(reversed(list(_params(task).items())))
+    users, hyper = ["0", "7"], ClientHyper(0.5, 1, 8)
+    bat = batched_local_updates(task, params, users, 0, hyper)
+    assert all(list(r.update) == list(params) for r in bat.values())
+    _assert_close(task.local_updates(params, users, 0, hyper), bat, users)
