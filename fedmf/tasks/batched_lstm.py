@@ -9,7 +9,8 @@ The same local SGD as :meth:`~fedmf.tasks.supervised.SupervisedTask.local_update
 
 * every user's batches are those of the sequential path (:func:`~fedmf.tasks.vectorized.batch_schedule`:
   one ``randperm`` per epoch from ``stable_seed(seed, "train", user, round)``, batches of
-  ``batch_size``, the last one partial), padded to ``batch_size`` with all-pad rows (no target);
+  ``batch_size``, the last one partial), padded with all-pad rows (no target) to the chunk's largest
+  batch (at most ``batch_size``; ids outside the embedding refused: one flat table holds the chunk's);
 * a chunk of users is sorted by step count (longest first), so the users still training at step
   ``s`` are a prefix of the chunk: step ``s`` runs on that prefix only, nothing is masked;
 * per step: embedding rows gathered from the flattened (users·ids, embed) table; the LSTM's input
@@ -120,6 +121,8 @@ def batched_local_updates(task: SupervisedTask, params: Mapping[str, torch.Tenso
     if pad is None or not supports_batched(task):
         raise ConfigError(f"task {task.name!r} has no batched LSTM local update")
     compute = _compute_device(device, params)
+    if compute.type not in ("cpu", "cuda"):
+        raise ConfigError(f"batched LSTM clients train on cpu or cuda, got device {str(compute)!r}")
     if chunk_users is not None:
         checks.integer("chunk_users", chunk_users, minimum=1)
     if budget_bytes is not None:
@@ -147,9 +150,10 @@ def _run_chunk(task: SupervisedTask, state: Mapping[str, torch.Tensor], params: 
     schedules = [batch_schedule(task, user, len(y), round, hyper) for user, (_, y) in zip(users, data)]
     # longest first (stable): the users still training at step s are a prefix of the chunk
     order = sorted(range(len(users)), key=lambda u: -len(schedules[u]))
-    num_users, b = len(users), hyper.batch_size
     n_max = max(len(y) for _, y in data)
-    seq_len = data[0][0].shape[1]
+    # no batch is longer than its user's data: pad to the longest one, not to batch_size
+    num_users, b = len(users), min(hyper.batch_size, n_max)
+    seq_len = _check_ids(users, data, state["embedding.weight"].shape[0])
     # every user's rows, padded to n_max + 1: row n_max (and beyond a user's n) is an all-pad row
     xs = torch.full((num_users, n_max + 1, seq_len), pad, dtype=torch.int64)
     ys = torch.full((num_users, n_max + 1, seq_len), pad, dtype=torch.int64)
@@ -159,8 +163,8 @@ def _run_chunk(task: SupervisedTask, state: Mapping[str, torch.Tensor], params: 
     active = [0] * steps  # users training at step s
     for slot, u in enumerate(order):
         x, y = data[u]
-        xs[slot, :len(y)] = x
-        ys[slot, :len(y)] = y
+        xs[slot, :len(y), :x.shape[1]] = x  # shorter rows: pad columns (no target; the LSTM is causal)
+        ys[slot, :len(y), :y.shape[1]] = y
         for s, batch in enumerate(schedules[u]):
             index[s, slot, :len(batch)] = batch
             sizes[s, slot] = len(batch)
@@ -192,6 +196,20 @@ def _run_chunk(task: SupervisedTask, state: Mapping[str, torch.Tensor], params: 
         out[users[u]] = LocalResult(update=updates[slot], num_examples=len(data[u][1]),
                                     metrics={"train-loss": float(total[slot]) / int(seen[slot])})
     return out
+
+
+def _check_ids(users: list[str], data: list[tuple[torch.Tensor, torch.Tensor]], num_ids: int) -> int:
+    """The longest row of ``data``; a one-line ConfigError for an id outside [0, num_ids) (the chunk's
+    embedding tables are one flat table: such an id would read, and step, another user's rows)."""
+    for user, (x, y) in zip(users, data):
+        if x.ndim != 2 or x.shape != y.shape:
+            raise ConfigError(f"user {user!r}: inputs and targets must be (sentences, length) of one shape, "
+                              f"got {tuple(x.shape)} and {tuple(y.shape)}")
+        for what, ids in (("input", x), ("target", y)):
+            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_ids):
+                raise ConfigError(f"user {user!r}: {what} ids must lie in [0, {num_ids}), got "
+                                  f"[{int(ids.min())}, {int(ids.max())}]")
+    return max(x.shape[1] for x, _ in data)
 
 
 def _sgd_step(p: Mapping[str, torch.Tensor], k: int, x: torch.Tensor, y: torch.Tensor, lr: float,
@@ -242,7 +260,8 @@ def _sgd_step(p: Mapping[str, torch.Tensor], k: int, x: torch.Tensor, y: torch.T
     width = max(1, int(counts.max()))
     pack = torch.argsort((~target).to(torch.int8), dim=1, stable=True)[:, :width]
     valid = torch.arange(width, device=x.device).unsqueeze(0) < counts.unsqueeze(1)
-    weight = valid.float() / counts.unsqueeze(1).float()  # 1/targets; a user without targets: NaN, as sequential
+    # 1/targets; a user without targets takes no step (as sequential: the masked mean's gradient is 0)
+    weight = valid.float() / counts.clamp(min=1).unsqueeze(1).float()
     hsel = hs.view(k, positions, hidden).gather(1, pack.unsqueeze(2).expand(k, width, hidden))
     ysel = y.view(k, positions).gather(1, pack)
     dense = torch.baddbmm(b_d.unsqueeze(1), hsel, w_d.transpose(1, 2))
@@ -252,6 +271,7 @@ def _sgd_step(p: Mapping[str, torch.Tensor], k: int, x: torch.Tensor, y: torch.T
     grad.sub_(top).exp_()
     norm = grad.sum(dim=2, keepdim=True)
     loss = ((norm.log() + top - picked).squeeze(2) * weight).sum(dim=1)
+    loss.masked_fill_(counts == 0, float("nan"))  # the mean of no targets, as sequential
     grad.div_(norm)
     grad.scatter_add_(2, ysel.unsqueeze(2), torch.full_like(picked, -1.0))
     grad.mul_(weight.unsqueeze(2))
