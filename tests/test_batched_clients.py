@@ -181,6 +181,9 @@ def test_memory_formula_and_chunk_for_the_paper_model():
     assert bytes_per_user(v, e, h, b, t) == want
     assert 36e6 < want < 37e6  # about 36 MB per user: the paper's LSTM, batch 16
     assert chunk_for_budget(80 * 10**9, want) == 80 * 10**9 // want
+    wide = bytes_per_user(v, e, h, 32, t)  # 640 positions: the largest weight's gradient is formed first
+    n = 32 * t
+    assert wide == 4 * (params + n * (e + 6 * h) + n * (h + e + v) + n * h + n * e + 4 * h * h) + 24 * n
     assert chunk_for_budget(10, want) == 1
     assert default_budget_bytes(torch.device("cpu")) == CPU_BUDGET_BYTES
     # the default chunk splits a cohort that does not fit the budget, with the same result

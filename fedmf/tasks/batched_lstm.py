@@ -24,7 +24,9 @@ The same local SGD as :meth:`~fedmf.tasks.supervised.SupervisedTask.local_update
   by the chain rule: Hochreiter & Schmidhuber 1997 / Graves 2012 §4.6) and every weight takes its
   SGD step ``w ← w − lr·∇w`` as soon as its gradient is formed and no later product needs it
   (``baddbmm_(…, alpha=−lr)``; the embedding by ``index_add_`` of its rows' gradients): no
-  gradient buffer the size of the weights is kept.
+  gradient buffer the size of the weights is kept — except for steps wider than
+  ``EXACT_STEP_POSITIONS`` positions, whose gradients are formed and then added once (float
+  accuracy; one weight-sized buffer at a time).
 
 Equal to the sequential path within float tolerance (other summation orders), not bit for bit.
 Float32 throughout. Memory per user is :func:`bytes_per_user` (a formula, see there); users are
@@ -58,6 +60,11 @@ CPU_BUDGET_BYTES = 4 * 2**30
 #: default budget of one chunk on CUDA: this fraction of the device's free memory
 CUDA_BUDGET_FRACTION = 0.8
 _FLOAT = 4  # bytes of a float32
+#: above this many positions per step a weight's gradient is formed (bmm) and added once: an in-place
+#: ``baddbmm_`` lets a CPU BLAS add each block of positions to the float32 weight separately, one
+#: rounding at the weight's magnitude per block (~400 positions), so the update's error grows with the
+#: positions (3.6e-4 of the update at batch 256, 3e-6 at the default 16 = 320 positions)
+EXACT_STEP_POSITIONS = 320
 
 
 def supports_batched(task: SupervisedTask) -> bool:
@@ -78,7 +85,8 @@ def bytes_per_user(num_ids: int, embed: int, hidden: int, batch_size: int, seq_l
     4·[P (the user's weights) + N·(E + 4H + 2H) (embedded inputs; gates, cell and hidden states
     kept for the backward pass) + K·(H + E + V) (packed hidden states, dense outputs, logits that
     become the softmax gradient) + N·H (hidden-state gradient) + N·E (input gradient)] + 2·8·N
-    (the ids and targets of one batch, int64) + 8·N (the packing order)."""
+    (the ids and targets of one batch, int64) + 8·N (the packing order); with N above
+    ``EXACT_STEP_POSITIONS``, plus the largest weight (its gradient is formed before the step)."""
     for name, value in (("num_ids", num_ids), ("embed", embed), ("hidden", hidden), ("batch_size", batch_size),
                         ("seq_len", seq_len)):
         checks.integer(name, value, minimum=1)
@@ -86,6 +94,8 @@ def bytes_per_user(num_ids: int, embed: int, hidden: int, batch_size: int, seq_l
     params = v * e + 4 * h * e + 4 * h * h + 8 * h + h * e + e + e * v + v
     n = batch_size * seq_len
     floats = params + n * (e + 6 * h) + n * (h + e + v) + n * h + n * e
+    if n > EXACT_STEP_POSITIONS:  # the largest weight's gradient, formed before it is added
+        floats += max(v * e, 4 * h * h, 4 * h * e)
     return _FLOAT * floats + 3 * 8 * n
 
 
@@ -278,12 +288,21 @@ def _sgd_step(p: Mapping[str, torch.Tensor], k: int, x: torch.Tensor, y: torch.T
     del top, picked, norm
 
     # backward, each weight stepped once no later product needs it
+    exact = positions > EXACT_STEP_POSITIONS
+
+    def step(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+        """w ← w − lr·(a @ b): in place, or (wide steps) with the gradient formed first, added once."""
+        if exact:
+            w.add_(torch.bmm(a, b), alpha=-lr)
+        else:
+            w.baddbmm_(a, b, alpha=-lr)
+
     d_dense = torch.bmm(grad, w_o)
-    w_o.baddbmm_(grad.transpose(1, 2), dense, alpha=-lr)
+    step(w_o, grad.transpose(1, 2), dense)
     b_o.add_(grad.sum(dim=1), alpha=-lr)
     del grad
     d_hsel = torch.bmm(d_dense, w_d)
-    w_d.baddbmm_(d_dense.transpose(1, 2), hsel, alpha=-lr)
+    step(w_d, d_dense.transpose(1, 2), hsel)
     b_d.add_(d_dense.sum(dim=1), alpha=-lr)
     del d_dense, hsel, dense
     d_hs = torch.zeros(k, positions, hidden, device=x.device)
@@ -314,9 +333,8 @@ def _sgd_step(p: Mapping[str, torch.Tensor], k: int, x: torch.Tensor, y: torch.T
     d_gates = gates.view(k, positions, 4 * hidden)
     d_xe = torch.bmm(d_gates, w_ih)
     if steps > 1:  # h_{-1} = 0: step 0's gates have no recurrent term
-        w_hh.baddbmm_(d_gates[:, batch:].transpose(1, 2), hs[:, :-1].reshape(k, positions - batch, hidden),
-                      alpha=-lr)
-    w_ih.baddbmm_(d_gates.transpose(1, 2), xe, alpha=-lr)
+        step(w_hh, d_gates[:, batch:].transpose(1, 2), hs[:, :-1].reshape(k, positions - batch, hidden))
+    step(w_ih, d_gates.transpose(1, 2), xe)
     d_bias = d_gates.sum(dim=1)
     b_ih.add_(d_bias, alpha=-lr)
     b_hh.add_(d_bias, alpha=-lr)
