@@ -139,14 +139,13 @@ class SimulationResult:
 
 
 def simulate(config: RunConfig, *, model, users, local_update=None, local_updates=None, evaluate,
-             progress: bool = True, plot: bool = True, repeatable_noise: bool = False,
-             budget_key: str | None = None) -> SimulationResult:
+             progress: bool = True, plot: bool = True, repeatable_noise: bool = False) -> SimulationResult:
     """Train ``model`` privately under ``config`` in process over ``users`` with ``local_update``
     (``fedmf.federated.LocalUpdate``, one user at a time) or ``local_updates`` (a round's users
     together: vectorized clients) and server-side ``evaluate(model)``; resumes from
     ``config.run_dir``. The caller (the CLI) takes these from a task of ``fedmf.tasks``.
-    ``repeatable_noise``: tests only, unsafe (``fedmf.run.PrivateRun.open``). ``budget_key``: the
-    ledger's budget secret file (lifetime budgets)."""
+    ``repeatable_noise``: tests only, unsafe (``fedmf.run.PrivateRun.open``). The ledger's budget
+    secret file (lifetime budgets) is ``config.budget_key``."""
     from .federated import train
 
     started = time.perf_counter()
@@ -154,7 +153,7 @@ def simulate(config: RunConfig, *, model, users, local_update=None, local_update
     result = train(model, users, plan, local_update, local_updates=local_updates, server_lr=config.server_lr,
                    checkpoint_dir=config.run_dir,
                    ledger=config.ledger_url, evaluate=evaluate, progress=progress, repeatable_noise=repeatable_noise,
-                   ledger_diagnostics=config.ledger_diagnostics, budget_key=budget_key)
+                   ledger_diagnostics=config.ledger_diagnostics, budget_key=config.budget_key)
     import torch
 
     # the final model, as the Flower ServerApp writes it (both backends leave the same files)

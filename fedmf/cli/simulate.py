@@ -172,8 +172,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         else:
             clients = {"local_update": task.as_local_update(hyper)}
         result = simulate(config, model=task.model(), users=task.users(), **clients, evaluate=task.evaluate,
-                          progress=not (args.quiet or args.json), plot=not args.no_plot, repeatable_noise=repeatable,
-                          budget_key=config.budget_key)
+                          progress=not (args.quiet or args.json), plot=not args.no_plot, repeatable_noise=repeatable)
     if args.json:
         print(json.dumps(result.to_dict(), allow_nan=False))
         return 0

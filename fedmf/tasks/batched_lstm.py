@@ -44,7 +44,7 @@ from ..errors import ConfigError
 from ..threads import one_thread
 from .base import ClientHyper, LocalResult
 from .models import WordLSTM
-from .vectorized import batch_schedule, users_data
+from .vectorized import _compute_device, batch_schedule, users_data  # one device parser for both paths
 
 if TYPE_CHECKING:  # types only: text.py imports this module
     from .supervised import SupervisedTask
@@ -122,8 +122,6 @@ def batched_local_updates(task: SupervisedTask, params: Mapping[str, torch.Tenso
     :func:`bytes_per_user`; default budget :func:`default_budget_bytes`) on ``device`` (default:
     the parameters'). Within float tolerance of the sequential results; the updates come back on
     the parameters' device, in their dtypes, in ``users``' order (repeats dropped)."""
-    from .vectorized import _compute_device  # one device parser for both batched paths
-
     checks.integer("round", round, minimum=0)
     if not isinstance(hyper, ClientHyper):
         raise ConfigError(f"hyper must be a ClientHyper, got {type(hyper).__name__}")
