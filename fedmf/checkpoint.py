@@ -48,7 +48,7 @@ import torch
 
 from . import checks
 from .errors import CheckpointError
-from .files import check_private
+from .files import check_private, check_private_path
 
 __all__ = ["CheckpointStore", "load_or_create_secret", "RunSecrets", "BINDING_BYTES"]
 
@@ -102,7 +102,11 @@ def load_or_create_secret(path: str | os.PathLike, nbytes: int = 32, *, bindable
     A file readable by group or others is refused: the secret may have leaked. ``bindable``:
     the file may also hold a binding (``BINDING_BYTES`` after the secret), returned with it."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError as e:
+        raise CheckpointError(f"cannot create the directory of secret file {str(path)!r}: {e.strerror or e}") from None
+    check_private_path(path, "secret file", CheckpointError)  # every directory and link on the way to it
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
@@ -139,6 +143,7 @@ class RunSecrets:
         try:
             directory.mkdir(parents=True, exist_ok=True, mode=0o700)
             check_private(directory, "secrets directory", CheckpointError)
+            check_private_path(directory, "secrets directory", CheckpointError)  # and the way to it
         except OSError as e:
             raise CheckpointError(f"cannot create secrets directory {str(directory)!r}: {e.strerror or e}") from None
         self._noise_seed_file = directory / "noise_seed"
@@ -171,6 +176,7 @@ class CheckpointStore:
             self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
             # checkpoints hold noise tensors and who was sampled: as secret as the seed
             check_private(self.directory, "run directory", CheckpointError)
+            check_private_path(self.directory, "run directory", CheckpointError)
         except OSError as e:
             raise CheckpointError(f"cannot create checkpoint directory {str(directory)!r}: {e.strerror or e}") from None
         if clean:

@@ -36,7 +36,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from .errors import ConfigError
-from .files import atomic_write
+from .files import atomic_write, check_private_path
 
 __all__ = ["Enrollment", "EnrollmentFile", "check_user_id", "new_challenge", "proof_message", "sign_proof",
            "verify_proof", "check_public_key", "generate_key_pair", "load_private_key", "read_public_key",
@@ -225,6 +225,7 @@ def load_private_key(path: str | os.PathLike) -> Ed25519PrivateKey:
     """The user's private key from ``path``; refused (one line, never its contents) unless it is a
     regular file owned by this user that group and others can neither read nor write."""
     where = f"user key {str(path)!r}"
+    check_private_path(path, "user key", ConfigError)
     fd, info = _open_own_file(path, where)
     try:
         if stat.S_IMODE(info.st_mode) & 0o077:
@@ -252,17 +253,6 @@ def read_public_key(path: str | os.PathLike) -> bytes:
 
 
 # ---- the enrollment file ---------------------------------------------------------------------
-def _check_directory(directory: Path, where: str) -> None:
-    """Refuse a directory others may write without the sticky bit: they could replace the file in it."""
-    try:
-        info = os.stat(directory)
-    except OSError as e:
-        raise ConfigError(f"{where}: its directory: {e.strerror or e}") from None
-    if stat.S_IMODE(info.st_mode) & 0o022 and not info.st_mode & stat.S_ISVTX:
-        raise ConfigError(f"{where} is in a directory writable by group or others "
-                          f"(mode {stat.S_IMODE(info.st_mode):04o}); chmod go-w it")
-
-
 @dataclass(frozen=True)
 class Enrollment:
     """Enrolled users: user id → raw 32-byte Ed25519 public key (ids and keys each unique)."""
@@ -306,7 +296,7 @@ class Enrollment:
         try:
             if stat.S_IMODE(info.st_mode) & 0o022:
                 raise ConfigError(f"{where} is writable by group or others (mode {stat.S_IMODE(info.st_mode):04o})")
-            _check_directory(Path(path).absolute().parent, where)
+            check_private_path(path, "enrollment file", ConfigError)  # its directories: no one else's to change
             data = _read_fd(fd, where)
         finally:
             os.close(fd)

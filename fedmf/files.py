@@ -1,9 +1,10 @@
 """Atomic file writes (a reader sees the old file or the whole new one, never a part), the
-check that a run's directories and files are private to the user running the server, and the
-lock that keeps a run directory to one server."""
+checks that a run's directories and files, and every directory and link on the way to them, are
+private to the user running the server, and the lock that keeps a run directory to one server."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import stat
@@ -11,10 +12,77 @@ import tempfile
 from pathlib import Path
 from typing import IO, Any, Callable
 
-__all__ = ["atomic_write", "check_private", "lock_directory", "LOCK_FILE"]
+from .errors import ConfigError
+
+__all__ = ["atomic_write", "check_private", "check_private_path", "lock_directory", "LOCK_FILE"]
 
 #: the lock file in a run directory, held (flock) by the server using it
 LOCK_FILE = "run.lock"
+#: symbolic links followed at most on the way to one path (Linux's limit, MAXSYMLINKS)
+_MAX_LINKS = 40
+
+
+def check_private_path(path: str | os.PathLike, what: str, error: Callable[[str], Exception] = ConfigError) -> None:
+    """Raise ``error(one line)`` unless every directory and symbolic link on the way to ``path``
+    is safe from other users: each directory traversed (``/`` first, then each component, and
+    through each link to its target, as the kernel resolves the path) and each link is owned by
+    this process's user or root, and no traversed directory is writable by group or others
+    unless it has the sticky bit (as ``/tmp``: others cannot rename or remove what they do not
+    own in it). Otherwise another local user could swap the file, or a link to it, under the
+    server. ``path`` itself, once resolved, is the caller's to check (``check_private``, or an
+    ``fstat`` of what it opened); components that do not exist yet end the walk (the caller
+    creates them, in a directory that passed)."""
+    shown = str(os.fspath(path))
+    me = os.geteuid()
+
+    def refuse(reason: str) -> None:
+        raise error(f"{what} {shown!r} cannot be trusted: {reason}; another user could replace it")
+
+    def check_directory(directory: str) -> None:
+        try:
+            info = os.stat(directory)
+        except OSError as e:
+            raise error(f"{what} {shown!r}: the directory {directory!r} on its path: {e.strerror or e}") from None
+        mode = stat.S_IMODE(info.st_mode)
+        if info.st_uid not in (me, 0):
+            refuse(f"the directory {directory!r} on its path is owned by uid {info.st_uid}, neither the user "
+                   f"running fedmf (uid {me}) nor root")
+        if mode & 0o022 and not mode & stat.S_ISVTX:
+            refuse(f"{directory!r} on its path is a directory writable by group or others without the sticky bit "
+                   f"(mode {mode:04o}; chmod go-w it)")
+
+    pending = [part for part in os.path.join(os.getcwd(), os.fspath(path)).split("/") if part]
+    current, links = "/", 0
+    check_directory(current)
+    while pending:
+        name = pending.pop(0)
+        if name == ".":
+            continue
+        if name == "..":  # the parent of a directory reached (and checked) on the way
+            current = os.path.dirname(current)
+            continue
+        candidate = os.path.join(current, name)
+        try:
+            info = os.lstat(candidate)
+        except OSError as e:
+            if e.errno in (errno.ENOENT, errno.ENOTDIR) and not os.path.lexists(candidate):
+                return  # does not exist yet: created by the caller inside ``current``, which passed
+            raise error(f"{what} {shown!r}: {candidate!r} on its path: {e.strerror or e}") from None
+        if stat.S_ISLNK(info.st_mode):
+            links += 1
+            if links > _MAX_LINKS:
+                raise error(f"{what} {shown!r}: too many levels of symbolic links")
+            if info.st_uid not in (me, 0):
+                refuse(f"the symbolic link {candidate!r} on its path is owned by uid {info.st_uid}, neither the user "
+                       f"running fedmf (uid {me}) nor root")
+            target = os.readlink(candidate)
+            if target.startswith("/"):
+                current = "/"
+            pending[:0] = [part for part in target.split("/") if part]
+            continue
+        current = candidate
+        if pending and stat.S_ISDIR(info.st_mode):  # a directory the path goes through
+            check_directory(current)
 
 
 def check_private(path: str | os.PathLike, what: str, error: Callable[[str], Exception], *,

@@ -49,7 +49,7 @@ from sqlalchemy.orm import Session
 
 from .. import checks
 from ..errors import ConfigError
-from ..files import check_private
+from ..files import check_private, check_private_path
 from ..participation import FixedEpoch, MinSep, Observed
 from .chain import genesis_sha256, round_sha256
 from .db import WRITE, LedgerError, database_errors, display_url, resolve_url, upgrade, writer_engine
@@ -84,10 +84,12 @@ _SECRET_WORDS = ("secret", "seed")  # a plan's keys that would put a secret into
 def _private_sqlite_file(url: URL) -> None:
     """A local SQLite ledger is created 0600 (its participation log is confidential; SQLite gives
     its -wal and -shm files the database file's mode); one owned by another user or writable by
-    group or others is refused (``fedmf.files.check_private``)."""
+    group or others is refused (``fedmf.files.check_private``), as is one reached through a
+    directory or link another user could change (``fedmf.files.check_private_path``)."""
     path = url.database if url.get_backend_name() == "sqlite" else None
     if not path or path == ":memory:" or path.startswith("file:"):
         return
+    check_private_path(path, "SQLite ledger", LedgerError)  # the directories and links on the way to it
     try:
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
     except FileExistsError:
