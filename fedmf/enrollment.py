@@ -38,7 +38,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from .errors import ConfigError
 from .files import atomic_write, check_private_path
 
-__all__ = ["Enrollment", "EnrollmentFile", "check_user_id", "new_challenge", "proof_message", "sign_proof",
+__all__ = ["Enrollment", "EnrollmentFile", "EnrolledKey", "check_user_id", "new_challenge", "proof_message", "sign_proof",
            "verify_proof", "check_public_key", "generate_key_pair", "load_private_key", "read_public_key",
            "fingerprint", "CHALLENGE_BYTES", "SIGNATURE_BYTES", "MAX_USER_ID"]
 
@@ -80,17 +80,47 @@ def sign_proof(key: Ed25519PrivateKey, run: str, round_: int, node_id: int, chal
     return key.sign(proof_message(run, round_, node_id, challenge, user))
 
 
-def verify_proof(public_key: bytes, signature: bytes, run: str, round_: int, node_id: int, challenge: bytes,
-                 user: str) -> bool:
-    """Whether ``signature`` is ``user``'s signature (under the raw 32-byte ``public_key``) of exactly these fields."""
-    if not isinstance(signature, bytes) or len(signature) != SIGNATURE_BYTES or check_public_key(public_key):
-        return False  # (a small-order key would accept signatures made without its private key)
-    try:
-        Ed25519PublicKey.from_public_bytes(public_key).verify(
-            signature, proof_message(run, round_, node_id, challenge, user))
-    except (InvalidSignature, ValueError):
+class EnrolledKey:
+    """A public key validated once (``check_public_key``: a point, canonical, not of small order)
+    and loaded for verification: what an ``Enrollment`` holds for each user, so that checking a
+    proof costs one signature verification, not the key's validation again (about 9 modular
+    exponentiations in Python; issue 34)."""
+
+    __slots__ = ("raw", "_key")
+
+    def __init__(self, raw: bytes, *, validated: bool = False) -> None:
+        """``validated``: ``check_public_key(raw)`` has just been called (this module only)."""
+        problem = None if validated else check_public_key(raw)
+        if problem is not None:
+            raise ConfigError(f"the public key is {problem}")
+        self.raw = bytes(raw)
+        self._key = Ed25519PublicKey.from_public_bytes(self.raw)
+
+    def verify(self, signature: bytes, message: bytes) -> bool:
+        """Whether ``signature`` is a valid Ed25519 signature of ``message`` under this key."""
+        try:
+            self._key.verify(signature, message)
+        except (InvalidSignature, ValueError):
+            return False
+        return True
+
+    def __repr__(self) -> str:
+        return f"EnrolledKey({fingerprint(self.raw)})"
+
+
+def verify_proof(public_key: bytes | EnrolledKey, signature: bytes, run: str, round_: int, node_id: int,
+                 challenge: bytes, user: str) -> bool:
+    """Whether ``signature`` is ``user``'s signature of exactly these fields under ``public_key``:
+    an ``EnrolledKey`` (validated when it was loaded: one signature verification), or raw 32 bytes
+    (validated here first, on every call)."""
+    if not isinstance(signature, bytes) or len(signature) != SIGNATURE_BYTES:
         return False
-    return True
+    if not isinstance(public_key, EnrolledKey):
+        try:  # (a small-order key would accept signatures made without its private key)
+            public_key = EnrolledKey(public_key)
+        except (ConfigError, TypeError, ValueError):
+            return False
+    return public_key.verify(signature, proof_message(run, round_, node_id, challenge, user))
 
 
 # ---- key files -------------------------------------------------------------------------------
@@ -152,7 +182,7 @@ def check_public_key(raw: bytes) -> str | None:
     return None
 
 
-def _parse_public(text: object, where: str) -> bytes:
+def _parse_public(text: object, where: str) -> EnrolledKey:
     try:
         raw = base64.b64decode(str(text).strip(), validate=True) if isinstance(text, str) else b""
     except (binascii.Error, ValueError):
@@ -162,7 +192,7 @@ def _parse_public(text: object, where: str) -> bytes:
     problem = check_public_key(raw)
     if problem is not None:
         raise ConfigError(f"{where}: {problem}")
-    return raw
+    return EnrolledKey(raw, validated=True)
 
 
 def generate_key_pair(private_path: str | os.PathLike) -> bytes:
@@ -249,28 +279,39 @@ def read_public_key(path: str | os.PathLike) -> bytes:
         text = Path(path).read_text(encoding="ascii")
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"public key {str(path)!r}: {getattr(e, 'strerror', None) or e}") from None
-    return _parse_public(text, f"public key {str(path)!r}")
+    return _parse_public(text, f"public key {str(path)!r}").raw
 
 
 # ---- the enrollment file ---------------------------------------------------------------------
 @dataclass(frozen=True)
 class Enrollment:
-    """Enrolled users: user id → raw 32-byte Ed25519 public key (ids and keys each unique)."""
+    """Enrolled users: user id → raw 32-byte Ed25519 public key (ids and keys each unique). Given
+    raw bytes, each key is validated here; given an ``EnrolledKey``, it was validated already. Either
+    way a proof is then checked by one signature verification (``verifier``)."""
 
     users: Mapping[str, bytes]
 
     def __post_init__(self) -> None:
-        users = {check_user_id(u, "enrolled user id"): bytes(k) for u, k in dict(self.users).items()}
-        for user, key in users.items():
-            problem = check_public_key(key)
-            if problem is not None:
-                raise ConfigError(f"enrollment: the public key of user {user!r} is {problem}")
+        verifiers: dict[str, EnrolledKey] = {}
+        for user, key in dict(self.users).items():  # each key validated once, here, not on every proof
+            user = check_user_id(user, "enrolled user id")
+            try:
+                verifiers[user] = key if isinstance(key, EnrolledKey) else EnrolledKey(bytes(key))
+            except ConfigError as e:
+                raise ConfigError(f"enrollment: {str(e).replace('the public key', f'the public key of user {user!r}')}") \
+                    from None
+        users = {user: key.raw for user, key in verifiers.items()}
         if len(set(users.values())) != len(users):
             raise ConfigError("enrollment: one public key is enrolled for two users")
         object.__setattr__(self, "users", users)
+        object.__setattr__(self, "_verifiers", verifiers)
 
     def key(self, user: str) -> bytes | None:
         return self.users.get(user)
+
+    def verifier(self, user: str) -> EnrolledKey | None:
+        """``user``'s enrolled key, validated when the enrollment was loaded (None: not enrolled)."""
+        return self._verifiers.get(user)
 
     def with_user(self, user: str, public_key: bytes, *, replace: bool = False) -> "Enrollment":
         """Enroll ``user`` (``replace``: rotate the key of an enrolled user; required then, refused otherwise)."""
@@ -280,13 +321,13 @@ class Enrollment:
         owner = next((u for u, k in self.users.items() if k == public_key and u != user), None)
         if owner is not None or (replace and self.users[user] == public_key):
             raise ConfigError(f"this public key is already enrolled (fingerprint {fingerprint(public_key)})")
-        return Enrollment({**self.users, user: public_key})
+        return Enrollment({**self._verifiers, user: public_key})
 
     def without_user(self, user: str) -> "Enrollment":
         """Revoke ``user``."""
         if user not in self.users:
             raise ConfigError(f"user {user!r} is not enrolled")
-        return Enrollment({u: k for u, k in self.users.items() if u != user})
+        return Enrollment({u: k for u, k in self._verifiers.items() if u != user})
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Enrollment":

@@ -7,7 +7,8 @@ Each round t is ``fedmf.round_loop``'s, the Flower strategy's too, with local up
 cohort step: guard → select → open + record selection → local updates → validate, zero, clip,
 sum → noise → divide by the planned expected users → server optimizer (exactly the workload A) →
 checkpoint → ledger commit (naming the checkpoint's hash) → only then release (evaluation,
-progress, callbacks).
+progress, callbacks). A round whose lifetime-budget charge loses to a concurrent run
+(``ConcurrentChargeError``) is redone as the Flower strategy redoes it (``fedmf.ledger_retry``).
 
 Started again with the same plan and directory, ``train`` resumes after the last committed
 round, whose noise it reproduces exactly; a round that was not committed is redone with the
@@ -27,7 +28,9 @@ import torch
 
 from .auditor import audit_command
 from .errors import ConfigError
+from .ledger.budgets import ConcurrentChargeError
 from .ledger.db import public_url
+from .ledger_retry import ledger_retry
 from .plan import RunPlan
 from .round_loop import CohortStep, Contributions, run_rounds
 from .run import EVENTS, PrivateRun, RoundRecord
@@ -167,7 +170,7 @@ def train(
                 ended = run_rounds(run, end, (lambda t: users) if available is None else available,
                                    _local_cohort(run, local_update, local_updates), observed=observed_guard,
                                    history=history, evaluate=None if evaluate is None else lambda _: evaluate(model),
-                                   on_round=released)
+                                   on_round=released, retry=ledger_retry((ConcurrentChargeError,)))
             finally:
                 bar.close()
             return TrainResult(run.run_id, public_url(run.ledger_url), run.next_round, ended.stopped, history,

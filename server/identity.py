@@ -112,6 +112,7 @@ class NodeDirectory:
         self._proven_key: dict[int, bytes | None] = {}  # node → the enrolled key it proved (None: not enrolled mode)
         self._sequence = 0
         self._retry: dict[int, tuple[float, float]] = {}  # node → (ask again at, current backoff)
+        self._train_backoff: dict[int, float] = {}  # node → its backoff after its last missed TRAIN reply
         self._reported: set[int] = set()  # nodes whose failure was logged
         self._gone_since: dict[int, float] = {}  # backed-off node → when it was first seen disconnected
         self._timeout_step: int | None = None  # the backoff_s step in which an exchange last timed out
@@ -155,6 +156,8 @@ class NodeDirectory:
             self._retry.pop(node, None)
             self._gone_since.pop(node, None)
         self._reported &= live | set(self._retry)
+        for node in [n for n in self._train_backoff if n not in live and n not in self._retry]:
+            del self._train_backoff[node]
 
     def _step(self, now: float) -> int:
         return math.floor((now - self._epoch) / self.backoff_s)
@@ -224,7 +227,8 @@ class NodeDirectory:
             return None, "a user id outside the task's population"
         if self.policy.mode != "enrolled":
             return user, ""
-        key = self._enrolled_key(user)
+        source = self.policy.enrollment
+        key = None if source is None else source.enrollment.verifier(user)  # validated once, at load
         if key is None:
             return None, "a user id that is not enrolled"
         if not verify_proof(key, record.get("signature"), self.run, round_, node, challenge, user):
@@ -238,8 +242,9 @@ class NodeDirectory:
     def _forget(self, node: int) -> None:
         del self._user_of[node], self._proven_at[node], self._proven_key[node]
 
-    def _failed(self, node: int, reason: str) -> None:
-        _, previous = self._retry.get(node, (0.0, 0.0))
+    def _failed(self, node: int, reason: str) -> float:
+        """Put ``node`` on the retry schedule with its next backoff (returned), logged once."""
+        previous = max(self._retry.get(node, (0.0, 0.0))[1], self._train_backoff.get(node, 0.0))
         backoff = min(self.backoff_max_s, previous * 2) if previous else self.backoff_s
         # on a multiple of its own backoff, so that failing nodes are asked again together (module docstring)
         self._retry[node] = (self._multiple_from(self.clock() + backoff, backoff), backoff)
@@ -247,6 +252,32 @@ class NodeDirectory:
             self._reported.add(node)
             log.warning("fedmf: node %d not identified (%s); not selectable, asked again after a backoff", node,
                         reason)
+        return backoff
+
+    # ---- TRAIN replies -------------------------------------------------------------------
+    def missed(self, nodes: Iterable[int], timeout_s: float) -> None:
+        """``nodes`` did not answer a TRAIN message within ``timeout_s`` (the reply timeout): each one
+        is treated as a node that failed an identity exchange — no longer identified, so its user is
+        not reachable, and asked to prove its identity again after the same backoff (30 s, doubling
+        up to 16 min, on the common clock). Its backoff keeps growing across new proofs until it
+        answers a TRAIN message (``answered``), so a node that proves but never trains costs one
+        reply timeout per backoff, not one per round. Not in-process (Flower's simulation engine):
+        its nodes are local, and a simulation stays bit-identical to the in-process loop."""
+        if self.policy.mode == "in-process":
+            return
+        for node in nodes:
+            if node in self._user_of:
+                self._forget(node)
+            self._reported.add(node)  # logged here, not again as "not identified"
+            backoff = self._failed(node, "")
+            self._train_backoff[node] = backoff
+            log.warning("fedmf: node %d did not answer its TRAIN message within %g s; not selectable, asked to "
+                        "prove its identity again after a backoff of %g s", node, timeout_s, backoff)
+
+    def answered(self, nodes: Iterable[int]) -> None:
+        """``nodes`` answered their TRAIN message (accepted or not): their TRAIN backoff ends."""
+        for node in nodes:
+            self._train_backoff.pop(node, None)
 
     def _reload_enrollment(self) -> None:
         source = self.policy.enrollment

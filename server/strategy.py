@@ -31,8 +31,9 @@ from flwr.serverapp.strategy import Result, Strategy
 from fedmf.auditor import audit_command
 from fedmf.config import RunConfig
 from fedmf.ledger.db import LedgerError, public_url
+from fedmf.ledger_retry import ledger_retry
 from fedmf.privatize import RoundReport
-from fedmf.round_loop import GUARD, ROUND, Contributions, observed_accounting, run_rounds, settle
+from fedmf.round_loop import Contributions, observed_accounting, run_rounds, settle
 from fedmf.run import PrivateRun, RoundRecord
 from fedmf.schedule import Selection
 
@@ -45,8 +46,6 @@ log = logging.getLogger("fedmf.server")
 T = TypeVar("T")
 #: a round whose ledger write fails is redone after 1, 2, 4, … s (at most 30 s), up to 8 times
 LEDGER_RETRIES, LEDGER_BACKOFF_S, LEDGER_BACKOFF_MAX_S = 8, 1.0, 30.0
-#: what a ledger failure at each stage of the round loop left, for the retry's log line
-_GIVEN_UP = {GUARD: "the round has not started", ROUND: "the round was aborted and nothing of it was released"}
 
 
 class DPMFStrategy(Strategy):
@@ -100,12 +99,19 @@ class DPMFStrategy(Strategy):
                         dst_node_id=node, message_type=MessageType.TRAIN)
                 for user, node in self._replies.expected.items()]
 
-    def _validate(self, replies: Iterable[Message]) -> RoundReplies:
-        """The replies to the open round's messages, validated as Flower messages (``server.replies``)."""
+    def _validate(self, replies: Iterable[Message], timeout: float | None = None) -> RoundReplies:
+        """The replies to the open round's messages, validated as Flower messages (``server.replies``).
+        The nodes that sent nothing within ``timeout`` (default: the reply timeout) back off
+        (``NodeDirectory.missed``): their users are not reachable, so not sent a message, until
+        they prove their identity again."""
         received, self._replies = self._replies, None
         if received is None:
             raise RuntimeError("aggregate_train before configure_train")
         received.read(replies, self.run.privatizer.layout)
+        heard = {user for user in received.expected if user in received.updates or user in received.rejected}
+        self.nodes.answered(node for user, node in received.expected.items() if user in heard)
+        self.nodes.missed([node for user, node in received.expected.items() if user not in heard],
+                          self.config.reply_timeout if timeout is None else timeout)
         return received
 
     def _round_metrics(self, record: RoundRecord, report: RoundReport, received: RoundReplies) -> MetricRecord:
@@ -177,19 +183,10 @@ class DPMFStrategy(Strategy):
 
     # ---- start: the round loop ---------------------------------------------------------------
     def _with_retries(self, t: int, step: Callable[[], T], stage: str) -> T:
-        """``step()``; when the ledger fails, retried after 1, 2, 4, … s (``stage``: the round
-        loop's, naming what the failure left in the log line)."""
-        for attempt in range(LEDGER_RETRIES + 1):
-            try:
-                return step()
-            except LedgerError as e:
-                if attempt == LEDGER_RETRIES:
-                    raise
-                wait = min(LEDGER_BACKOFF_MAX_S, LEDGER_BACKOFF_S * 2 ** attempt)
-                log.warning("fedmf round %d: the ledger failed (%s); %s; retry %d/%d in %.3g s", t, e,
-                            _GIVEN_UP[stage], attempt + 1, LEDGER_RETRIES, wait)
-                time.sleep(wait)
-        raise AssertionError("unreachable")
+        """``step()``; when the ledger fails (any ``LedgerError``), retried after 1, 2, 4, … s
+        (``fedmf.ledger_retry``, with this module's constants)."""
+        return ledger_retry((LedgerError,), retries=LEDGER_RETRIES, backoff_s=LEDGER_BACKOFF_S,
+                            backoff_max_s=LEDGER_BACKOFF_MAX_S, log=log)(t, step, stage)
 
     @staticmethod
     def _progress(record: RoundRecord, end: int) -> None:
@@ -229,7 +226,7 @@ class DPMFStrategy(Strategy):
             nonlocal received
             self.run.global_params()  # raises if the state in memory is not the committed one (nothing is sent)
             messages = self._messages(selection, ArrayRecord(self.run.model.state_dict()))
-            received = self._validate(grid.send_and_receive(messages, timeout=timeout))
+            received = self._validate(grid.send_and_receive(messages, timeout=timeout), timeout)
             return received.updates, received.rejected
 
         def committed(record: RoundRecord, report: RoundReport) -> None:

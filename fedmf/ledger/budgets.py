@@ -35,7 +35,7 @@ from .db import LedgerError
 from .keys import ServerSecret
 from .models import BudgetCharge, BudgetSettings, BudgetSkip, UserBudget
 
-__all__ = ["DEFAULT_LIFETIME_DELTA", "BudgetSettingsInfo", "UserAccount", "RunBudget", "load_budget_secret",
+__all__ = ["ConcurrentChargeError", "DEFAULT_LIFETIME_DELTA", "BudgetSettingsInfo", "UserAccount", "RunBudget", "load_budget_secret",
            "set_default", "set_user", "settings", "user_accounts", "run_mu_squared", "round_skips"]
 
 DEFAULT_LIFETIME_DELTA = 1e-10
@@ -43,6 +43,11 @@ _CHUNK = 5000
 #: PostgreSQL: the transaction-scoped advisory lock that serializes charges of concurrent runs (SQLite:
 #: a writing transaction holds the database's write lock from its start)
 _CHARGE_LOCK = 0x66656462756467  # "fedbudg"
+
+
+class ConcurrentChargeError(LedgerError):
+    """A concurrent run spent the lifetime budget of a user this round selected: the round is
+    aborted before anything is sent, and redone (both drivers retry it: ``fedmf.ledger_retry``)."""
 
 
 @dataclass(frozen=True)
@@ -248,8 +253,8 @@ class RunBudget:
             if conn.dialect.name == "postgresql":
                 conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _CHARGE_LOCK})
             if any(self._blocked(conn, keys)):
-                raise LedgerError(f"round {t}: a concurrent run has spent the lifetime budget of a selected user; "
-                                  "redo the round")
+                raise ConcurrentChargeError(f"round {t}: a concurrent run has spent the lifetime budget of a selected "
+                                            "user; redo the round")
             charged = {bytes(k) for k in conn.execute(select(BudgetCharge.lifetime_key).where(
                 BudgetCharge.run_id == self.run_id, BudgetCharge.lifetime_key.in_(keys))).scalars()} if keys else set()
             new = [{"lifetime_key": k, "run_id": self.run_id, "mu_squared": self.mu_squared, "round_index": t}
