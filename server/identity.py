@@ -25,6 +25,15 @@ until it has been gone for 16 min, and one away at its retry time is treated as 
 a node that keeps reconnecting costs no more than one that stays. A user proven on two live
 nodes is selected on the most recently proven one only (one log line naming the pseudonymous user
 and the nodes).
+
+A node that does not answer a TRAIN message within the reply timeout (``missed``) is treated as one
+that failed an identity exchange — no longer identified, asked again after the same backoff — and
+its backoff keeps doubling across new proofs until it answers a TRAIN message (``answered``): a node
+that proves but never trains costs one reply timeout per backoff, not one per round. This changes
+only who is reachable (what the scheduler is given as available), never how it samples. Not for
+in-process nodes (Flower's simulation engine), so that a simulation stays the in-process loop's.
+Enrolled keys are validated once, when the enrollment is loaded (``fedmf.enrollment.EnrolledKey``):
+checking a proof costs one Ed25519 signature verification.
 """
 
 from __future__ import annotations
