@@ -38,8 +38,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from .errors import ConfigError
 from .files import atomic_write, check_private_path
 
-__all__ = ["Enrollment", "EnrollmentFile", "EnrolledKey", "check_user_id", "new_challenge", "proof_message", "sign_proof",
-           "verify_proof", "check_public_key", "generate_key_pair", "load_private_key", "read_public_key",
+__all__ = ["Enrollment", "EnrollmentFile", "EnrolledKey", "check_user_id", "new_challenge", "proof_message",
+           "sign_proof", "verify_proof", "check_public_key", "generate_key_pair", "load_private_key", "read_public_key",
            "fingerprint", "CHALLENGE_BYTES", "SIGNATURE_BYTES", "MAX_USER_ID"]
 
 FORMAT, VERSION = "fedmf-user-enrollment", 1
@@ -298,8 +298,8 @@ class Enrollment:
             try:
                 verifiers[user] = key if isinstance(key, EnrolledKey) else EnrolledKey(bytes(key))
             except ConfigError as e:
-                raise ConfigError(f"enrollment: {str(e).replace('the public key', f'the public key of user {user!r}')}") \
-                    from None
+                problem = str(e).removeprefix("the public key is ")
+                raise ConfigError(f"enrollment: the public key of user {user!r} is {problem}") from None
         users = {user: key.raw for user, key in verifiers.items()}
         if len(set(users.values())) != len(users):
             raise ConfigError("enrollment: one public key is enrolled for two users")
