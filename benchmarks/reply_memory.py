@@ -147,14 +147,18 @@ def run_case(case: str, factor: float, work: Path, timeout: float) -> dict:
         finally:
             poller.stop.set()
             poller.join()
-    out = result.output + "".join(getattr(result, "logs", {}).values())
+    import sqlite3
+
+    db = sqlite3.connect(work / "run" / "ledger.db")
+    statuses = sorted(db.execute("SELECT status, reason FROM participations").fetchall(), key=str)
+    db.close()
     at_exit = {p.name: int(p.read_text() or 0) for p in hwm_dir.glob("flwr-serverapp-*.kib")}
     peak = max(list(at_exit.values()) + list(poller.peak_kib.values()) + [0])
     return {"case": case, "rc": result.rc, "wall_s": round(time.monotonic() - started, 1),
             "serverapp_vmhwm_mib": round(peak / 1024, 1), "serverapp_vmhwm_at_exit_kib": at_exit,
             "serverapp_vmhwm_polled_kib": poller.peak_kib, "pad_bytes": hostile.get("bench-pad-bytes", 0),
             "model_float32_bytes": model_bytes,
-            "rejected_unexpected_record": "unexpected record" in out,
+            "ledger_participations": statuses,  # (status, reason): the hostile TRAIN reply is rejected
             "output_tail": None if result.rc == 0 else result.output[-3000:]}
 
 
