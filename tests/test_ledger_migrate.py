@@ -194,3 +194,25 @@ def test_an_empty_password_on_stdin_creates_nothing(owner_db, pg_admin):
         assert conn.execute(text("SELECT count(*) FROM pg_roles WHERE rolname = :r"), {"r": owner_db["role"]}).scalar() == 0
         assert conn.execute(text("SELECT count(*) FROM pg_database WHERE datname = :d"),
                             {"d": owner_db["database"]}).scalar() == 0
+
+
+def test_deploy_readme_step_1_is_the_tested_sequence_and_never_prompts():
+    """deploy/README.md step 1's block: the owner role by postgres-owner.sql with the password on stdin,
+    the schema by `fedmf ledger migrate --password-file`, then postgres-roles.sql; no interactive
+    `--pwprompt`, no Python one-liner, no password on a command line."""
+    import re
+
+    text = (ROOT / "deploy" / "README.md").read_text(encoding="utf-8")
+    step = text[text.index("## 1. PostgreSQL"):text.index("## 2.")]
+    block = re.search(r"```bash\n(.*?)```", step, flags=re.S).group(1).replace("\\\n", " ")
+    assert "--pwprompt" not in block and "python -c" not in block and "createuser" not in block
+    owner = next(ln for ln in block.splitlines() if "postgres-owner.sql" in ln)
+    assert owner.startswith("sudo cat /etc/fedmf/pg/owner.pw | sudo -u postgres psql ")
+    assert set(re.findall(r"-v (\w+)=", owner)) == {"ON_ERROR_STOP", "owner_role", "database"}
+    sql = OWNER_SQL.read_text(encoding="utf-8")
+    assert set(re.findall(r":[\"']?(\w+)", sql.split("\n\n", 1)[1])) >= {"owner_role", "database", "owner_password"}
+    migrate = next(ln for ln in block.splitlines() if "ledger migrate" in ln)
+    assert re.search(r"fedmf ledger migrate --url postgresql://fedmf_owner@\S+ +--password-file /etc/fedmf/pg/owner.pw",
+                     migrate), migrate
+    order = [block.index(s) for s in ("postgres-owner.sql", "ledger migrate", "postgres-roles.sql")]
+    assert order == sorted(order)
