@@ -34,6 +34,27 @@ class ServerAppError(RuntimeError):
     """The ServerApp stopped on a user-facing error (already logged as one line)."""
 
 
+class _NoTracebackForServerAppError(logging.Filter):
+    """Flower logs the exception that ends a ServerApp with its traceback ("ServerApp raised an
+    exception", "Simulation raised an exception"); a ``ServerAppError`` was already logged as one
+    line, so its record keeps one line and loses the traceback. The run still ends as failed."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, ServerAppError):
+            record.exc_info = None
+            record.exc_text = None
+            record.msg, record.args = "%s stopped: %s", (str(record.args[0]) if record.args else "ServerApp", error)
+        return True
+
+
+def _quiet_flower_tracebacks() -> None:
+    """Install ``_NoTracebackForServerAppError`` on Flower's logger (once per process)."""
+    flower = logging.getLogger("flwr")
+    if not any(isinstance(f, _NoTracebackForServerAppError) for f in flower.filters):
+        flower.addFilter(_NoTracebackForServerAppError())
+
+
 def _fault_injection():
     """``FEDMF_KILL_AT=EVENT:ROUND`` (fault-injection tests only): SIGKILL this process at that
     point of that round (events: ``fedmf.run.EVENTS``)."""
@@ -131,6 +152,7 @@ def main(grid: Grid, context: Context) -> None:
         log.addHandler(handler)
         log.setLevel(logging.INFO)
         log.propagate = False
+    _quiet_flower_tracebacks()
     try:
         run_server(grid, dict(context.run_config))
     except FedmfError as e:

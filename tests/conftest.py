@@ -17,6 +17,19 @@ import pytest
 PG_URL = os.environ.get("FEDMF_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _private_cache_dir(tmp_path_factory):
+    """fedmf's on-disk cache (fedmf.accounting.disk_cache) in a directory of this test session, for
+    the tests and every process they start, never the user's ~/.cache/fedmf."""
+    before = os.environ.get("FEDMF_CACHE_DIR")
+    os.environ["FEDMF_CACHE_DIR"] = str(tmp_path_factory.mktemp("fedmf-cache"))
+    yield
+    if before is None:
+        os.environ.pop("FEDMF_CACHE_DIR", None)
+    else:
+        os.environ["FEDMF_CACHE_DIR"] = before
+
+
 @pytest.fixture(scope="session")
 def pg_admin():
     """An AUTOCOMMIT engine on the test PostgreSQL server (skip, or fail under CI, when unreachable)."""

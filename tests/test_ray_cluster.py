@@ -39,16 +39,36 @@ _BLOCKS = re.findall(r"^```bash\n(.*?)^```", (ROOT / "README.md").read_text(enco
 
 
 def _readme_ray_lines() -> dict[str, list[str]]:
-    """The README's Ray cluster block: its `ray start` lines (head, other nodes) and `fedmf simulate` line."""
+    """The README's Ray cluster block: its `ray start` lines (head, other nodes; each `--block &`, its
+    PID kept and killed, never `ray stop`) and `fedmf simulate` line, without `--block &`."""
     found = [b for b in _BLOCKS if "--ray-address" in b]
     assert len(found) == 1, f"README.md has {len(found)} bash blocks with --ray-address"
     lines = [ln.strip() for ln in found[0].splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    assert "ray stop" not in found[0] and "pkill" not in found[0], "stop Ray by PID, never by name"
     out = {"head": [ln for ln in lines if ln.startswith("ray start --head")],
            "node": [ln for ln in lines if ln.startswith("ray start --address")],
            "fedmf": [ln for ln in lines if ln.startswith("fedmf simulate")],
-           "stop": [ln for ln in lines if ln == "ray stop"]}
-    assert all(len(v) == 1 for v in out.values()) and len(lines) == 4, lines
+           "stop": [ln for ln in lines if ln == "kill $ray_pid"]}
+    assert all(len(v) == 1 for v in out.values()) and len(lines) == 7, lines
+    for key in ("head", "node"):
+        assert out[key][0].endswith(" --block &"), out[key]
+        assert lines[lines.index(out[key][0]) + 1] == "ray_pid=$!", lines
+        out[key] = [out[key][0].removesuffix(" --block &")]
+    assert lines[0].startswith("port=$(python3 -c ") and "--port $port" in out["head"][0], lines
     return {k: shlex.split(v[0]) for k, v in out.items()}
+
+
+def test_the_readme_port_line_prints_a_free_port():
+    """The block's first line, run by bash: a port nobody listens on (Ray's 6379 may be taken)."""
+    import subprocess
+
+    block = next(b for b in _BLOCKS if "--ray-address" in b)
+    line = next(ln for ln in block.splitlines() if ln.startswith("port=$("))
+    done = subprocess.run(["bash", "-c", f"{line}\necho $port"], capture_output=True, text=True, timeout=60)
+    port = int(done.stdout.strip())
+    assert 1024 <= port <= 65535
+    with socket.socket() as s:
+        assert s.connect_ex(("127.0.0.1", port)) != 0
 
 
 # ---- no process needed ---------------------------------------------------------------------------
@@ -134,7 +154,7 @@ def test_the_readme_command_parses_to_the_documented_options(tmp_path, monkeypat
 
     monkeypatch.setattr("fedmf.cli.simulate._backend", lambda name: backend)
     monkeypatch.setattr("fedmf.tasks.get_task", lambda *a, **k: _NoTask())
-    argv = _readme_ray_lines()["fedmf"]
+    argv = [a.replace("$port", "6379") for a in _readme_ray_lines()["fedmf"]]  # the head's port, as bash gives it
     assert argv[:2] == ["fedmf", "simulate"]
     monkeypatch.chdir(tmp_path)
     assert main(argv[1:]) == 2
@@ -315,8 +335,8 @@ def test_so_tiny_on_a_two_node_ray_cluster_trains_on_both_nodes_and_matches_in_p
 
         def as_run(argv: list[str]) -> list[str]:  # the README's line, on loopback
             assert argv[:2] == ["ray", "start"]
-            return [_ray_exe(), "start",
-                    *[a.replace("HEAD_IP", "127.0.0.1").replace("6379", str(port)) for a in argv[2:]]]
+            return [_ray_exe(), "start", *[a.replace("HEAD_IP", "127.0.0.1").replace("$port", str(port))
+                                           .replace("PORT", str(port)) for a in argv[2:]]]
 
         head = tracker.spawn("head", [*as_run(readme["head"]), "--include-dashboard=false", "--dashboard-port",
                                       str(launcher.free_port()), "--ray-client-server-port", str(launcher.free_port()),

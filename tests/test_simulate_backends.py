@@ -112,6 +112,8 @@ def test_a_failed_flower_run_is_one_line_and_exit_2(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("fedmf: error: Flower run "), done.stderr[-3000:]
     assert "run.json" in lines[0] and "damaged" in lines[0] and str(out / "flower.log") in lines[0]
     assert done.stdout == ""
+    log = (out / "flower.log").read_text(errors="replace")  # Flower's own record of the stop: one line too
+    assert "Simulation stopped: fedmf: error: " in log and "Traceback" not in log, log[-3000:]
 
 
 @pytest.mark.heavy  # two Flower runs, about 50 s

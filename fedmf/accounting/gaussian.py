@@ -16,7 +16,8 @@ Adjacency is add-or-remove (zero-out), dp_accounting's default. Accountants:
         delta(eps) = Phi(1/(2z) - eps·z) - e^eps · Phi(-1/(2z) - eps·z).
     It is exact (no discretization); dp_accounting's PLDAccountant agrees to ~1e-9.
   * "rdp": dp_accounting's RdpAccountant (looser; for comparison).
-Results are cached: repeated calls with the same arguments are instant.
+Results are cached: repeated calls with the same arguments are instant; calibrations are also
+kept on disk across processes (``disk_cache``) and verified before use.
 """
 
 from __future__ import annotations
@@ -115,8 +116,37 @@ def epsilon(noise_multiplier: float, delta: float, accountant: str = "pld") -> f
     return _epsilon_cached(z, delta, check_accountant(accountant))
 
 
+#: a cached calibration is used only if it meets the target and this much less noise would not
+MINIMAL_REL = 1e-6
+
+
 @functools.lru_cache(maxsize=4096)
 def _calibrate_cached(epsilon: float, delta: float, accountant: str) -> float:
+    """The calibration, from this process's memory, else from the disk cache (``disk_cache``) once
+    verified — it meets (epsilon, delta) and a multiplier ``MINIMAL_REL`` smaller would not — else
+    searched and stored there."""
+    from . import disk_cache
+
+    key = {"epsilon": epsilon, "delta": delta, "accountant": accountant}
+    z = disk_cache.load("gaussian-calibrate", key)
+    if z is not None and z > 0 and _verified(z, epsilon, delta, accountant):
+        return z
+    z = _calibrate_search(epsilon, delta, accountant)
+    disk_cache.store("gaussian-calibrate", key, z)
+    return z
+
+
+def _verified(z: float, epsilon: float, delta: float, accountant: str) -> bool:
+    """Whether ``z`` is a calibration for (epsilon, delta): it meets the target, and a multiplier
+    ``MINIMAL_REL`` smaller does not. For "pld" by the exact closed form ``delta_for_epsilon``
+    (Balle & Wang 2018, Thm 8; no dp_accounting import, which costs more than the search)."""
+    smaller = z * (1 - MINIMAL_REL)
+    if accountant == "pld":
+        return delta_for_epsilon(z, epsilon) <= delta < delta_for_epsilon(smaller, epsilon)
+    return meets(z, epsilon, delta, accountant) and not meets(smaller, epsilon, delta, accountant)
+
+
+def _calibrate_search(epsilon: float, delta: float, accountant: str) -> float:
     if accountant == "rdp":
         import dp_accounting
 
@@ -160,7 +190,7 @@ def meets(noise_multiplier: float, epsilon: float, delta: float, accountant: str
 
 def calibrate(epsilon: float, delta: float, accountant: str = "pld") -> float:
     """The smallest noise multiplier whose Gaussian mechanism is (epsilon, delta)-DP.
-    Cached: repeated calls are instant."""
+    Cached in memory and, verified on reuse, on disk (``disk_cache``)."""
     epsilon = checks.positive("epsilon", epsilon)
     delta = checks.open_unit("delta", delta)
     return _calibrate_cached(epsilon, delta, check_accountant(accountant))

@@ -19,7 +19,7 @@ from .common import Parser, one_line
 __all__ = ["main", "build_parser", "COMMANDS"]
 
 #: command modules, in the order ``fedmf --help`` lists them
-COMMANDS = ("mechanism", "accounting", "audit", "audit_empirical", "simulate", "user", "budget")
+COMMANDS = ("mechanism", "accounting", "audit", "audit_empirical", "simulate", "user", "budget", "ledger")
 
 
 def build_parser() -> argparse.ArgumentParser:

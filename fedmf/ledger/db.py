@@ -385,13 +385,14 @@ def check_version(connection: Connection, url: URL, *, allow_empty: bool, allow_
     if revision != head and not allow_older:
         raise LedgerError(
             f"ledger {display_url(url)} has schema version {revision}, older than this fedmf's {head}; "
-            "open it once with the server (fedmf.ledger.Ledger.open) to migrate it"
+            "migrate it as its owner: fedmf ledger migrate --url URL"
         )
     return revision
 
 
-def upgrade(engine: Engine, url: URL) -> str:
-    """Create or migrate the ledger to the head revision in one transaction; returns it."""
+def upgrade(engine: Engine, url: URL) -> tuple[str | None, str]:
+    """Create or migrate the ledger to the head revision in one transaction; returns the revision
+    it had (None: an empty database) and the head."""
     from alembic import command
 
     with database_errors(url, "cannot open ledger"), engine.connect() as connection:
@@ -411,7 +412,7 @@ def upgrade(engine: Engine, url: URL) -> str:
                     command.upgrade(_alembic_config(connection), "head")
                     if sqlite and connection.exec_driver_sql("PRAGMA foreign_key_check").first() is not None:
                         raise LedgerError(f"cannot migrate ledger {display_url(url)}: it breaks a foreign key")
-                return head
+                return revision, head
         finally:
             if sqlite:
                 connection.connection.dbapi_connection.execute("PRAGMA foreign_keys = ON")

@@ -58,7 +58,7 @@ from .models import ClientState, Participation, Round, RoundState, Run, UpdateNo
 from .queries import RoundSummary, RunInfo, get_run, round_summary
 from .queries import observed_pattern as _observed_pattern
 
-__all__ = ["Ledger", "RunLedger"]
+__all__ = ["Ledger", "RunLedger", "migrate"]
 
 _IN_CHUNK = 5000  # keys per IN (...) list
 _HISTORY_SQL = "SELECT client_key, contributions, last_round FROM client_state WHERE run_id = %s AND client_key {}"
@@ -97,6 +97,20 @@ def _private_sqlite_file(url: URL) -> None:
     except OSError:
         return  # an unwritable place: opening the ledger reports it in one line
     check_private(path, "SQLite ledger", LedgerError, others_may_read=True)
+
+
+def migrate(url: str | os.PathLike | URL) -> tuple[str | None, str]:
+    """Create or migrate the ledger at ``url`` to this fedmf's schema, as ``Ledger.open`` does first,
+    and close it; returns the schema revision it had (None: a new or empty database) and the one
+    it has now. A ledger from a newer fedmf is refused (``LedgerError``)."""
+    resolved = url if isinstance(url, URL) else resolve_url(url)
+    _private_sqlite_file(resolved)
+    with database_errors(resolved, "cannot open ledger"):
+        engine = writer_engine(resolved)
+    try:
+        return upgrade(engine, resolved)
+    finally:
+        engine.dispose()
 
 
 def _now() -> dt.datetime:
