@@ -105,7 +105,7 @@ def register(sub: Any) -> None:
     common(q)
     q.set_defaults(func=cmd_default)
     q = commands.add_parser("set", help="set one user's own lifetime budget")
-    q.add_argument("user", metavar="USER")
+    q.add_argument("user", metavar="USER", help="the user's id, as the runs know it")
     q.add_argument("epsilon", type=_epsilon, metavar="EPS", help="lifetime epsilon, or 'none' (back to the default)")
     common(q)
     q.set_defaults(func=cmd_set)
