@@ -293,4 +293,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="no progress (default: a live bar with rounds per second and time left on a terminal, one "
                         "plain line per round on a pipe or in a log)")
     p.add_argument("--no-plot", action="store_true", help="do not write progress.png")
+    for key, flag in (("target-epsilon", "--epsilon"), ("target_epsilon", "--epsilon"), ("num-bands", "--bands"),
+                      ("num_bands", "--bands"), ("ledger-url", "--ledger"), ("ledger_url", "--ledger"),
+                      ("run-dir", "--out"), ("run_dir", "--out")):
+        p.alias(key, flag)
     p.set_defaults(func=cmd_simulate)
