@@ -25,7 +25,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from .auditor import audit_command
 from .config import DEFAULTS, RunConfig
 from .errors import ConfigError
 from .files import atomic_write
@@ -150,6 +149,8 @@ class SimulationResult:
 
     def audit_command(self) -> str:
         """``fedmf audit`` as the auditor runs it (``fedmf.auditor``: never the server's role or password)."""
+        from .auditor import audit_command  # here: the CLI reads PRESETS without loading the ledger's SQL
+
         return audit_command(self.ledger, self.run_id)
 
     def to_dict(self) -> dict[str, Any]:
