@@ -6,7 +6,6 @@ from __future__ import annotations
 import io
 import math
 
-import numpy as np
 import pytest
 
 from fedmf.cli import main
