@@ -104,11 +104,21 @@ def _entries(directory: Path) -> set[str] | None:
     return names
 
 
-def _remove_created(directory: Path, existed: set[str] | None) -> None:
+def _missing_dirs(directory: Path) -> set[Path]:
+    """``directory`` and those of its parents that do not exist yet (what a ``mkdir -p`` makes)."""
+    out, path = set(), directory.absolute()
+    while not path.exists() and path != path.parent:
+        out.add(path)
+        path = path.parent
+    return out
+
+
+def _remove_created(directory: Path, existed: set[str] | None, made: set[Path] = frozenset()) -> None:
     """After a refused start (the run lock held): remove the files and directories this start created
     in ``directory`` that ``existed`` did not list (the directory too, if it created it), unless a new
     run was already started from its noise seed (``noise_seed.used``: that state must stay, and a
-    retry is refused with the way out). Nothing that was there before is touched."""
+    retry is refused with the way out). ``made``: the directories (``_missing_dirs``) that did not exist
+    before; the empty ones are removed. Nothing that was there before is touched."""
     try:
         now = _entries(directory) or set()
         before = existed or set()
@@ -122,8 +132,12 @@ def _remove_created(directory: Path, existed: set[str] | None) -> None:
                     path.rmdir()
             else:
                 path.unlink(missing_ok=True)
-        if existed is None and not any(directory.iterdir()):
-            directory.rmdir()
+        if existed is None:  # this start made the directory, and any missing parent of it: empty ones go
+            start = directory.absolute()
+            for path in (start, *start.parents):
+                if path not in made or not path.is_dir() or any(path.iterdir()):
+                    break
+                path.rmdir()
     except OSError:
         pass  # best effort: the refusal itself is the error to report
 
@@ -182,6 +196,7 @@ class PrivateRun:
             plan.check_population(len(population))  # before anything is written
         directory = Path(directory)
         existed = _entries(directory)  # a refused start removes what it created, and only that
+        made = _missing_dirs(directory)
         store = CheckpointStore(directory, clean=False)  # another server's temporary files stay
         lock = lock_directory(directory, CheckpointError)  # held until close (or the process dies)
         try:
@@ -190,7 +205,7 @@ class PrivateRun:
             ledger_url = str(ledger) if ledger is not None else str(directory / "ledger.db")
             book = Ledger.open(ledger_url, secret=secrets.ledger_secret)
         except BaseException:
-            _remove_created(directory, existed)
+            _remove_created(directory, existed, made)
             os.close(lock)
             raise
         try:
@@ -216,7 +231,7 @@ class PrivateRun:
                 budget.run_id = run.id
         except BaseException:
             book.close()
-            _remove_created(directory, existed)
+            _remove_created(directory, existed, made)
             os.close(lock)
             raise
         out = cls(model, plan, directory, secrets, store, book, ledger_url, run, privatizer, opt, scheduler, on_event,

@@ -98,6 +98,11 @@ def test_a_refused_start_leaves_nothing_behind_and_names_the_flag(tmp_path, caps
     err = capsys.readouterr().err
     assert "--budget-key" in err and "budget_key" not in err
     assert not out.exists()
+    # and the parents it had to make for a nested --out
+    nested = tmp_path / "a" / "b" / "run"
+    assert main(argv[:-3] + ["--out", str(nested), "--quiet"]) == 2
+    capsys.readouterr()
+    assert not (tmp_path / "a").exists()
     # a directory that was there keeps what it held, and only that
     out.mkdir(mode=0o700)
     (out / "notes.txt").write_text("mine")
