@@ -186,6 +186,9 @@ def register(sub: "argparse._SubParsersAction") -> None:
     mech.add_argument("--save-unconverged", action="store_true", help="save even if the optimizer did not converge")
     mech.add_argument("--out", help="save the mechanism to this file")
     mech.add_argument("--json", action="store_true", help="print one JSON object")
+    for name, flag in (("num_bands", "--bands"), ("num_buffers", "--buffers"), ("max_participations",
+                                                                                 "--participations")):
+        mech.alias(name, flag)  # the engine's names for these options (errors name the flag)
     mech.set_defaults(func=cmd_mechanism)
 
     ev = sub.add_parser("evaluate", help="evaluate a saved mechanism under another schema")
