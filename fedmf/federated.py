@@ -150,9 +150,11 @@ def train(
                              population=users, on_event=on_event, repeatable_noise=repeatable_noise,
                              ledger_diagnostics=ledger_diagnostics, budget_key=budget_key) as run:
             history: list[RoundRecord] = []
-            bar = ProgressBar("fedmf", unit="rounds", every_s=None) if progress is True else (progress or None)
-            if isinstance(bar, ProgressBar) and not bar.live:
-                bar.every_s = 0.0  # a plain line for every round on a pipe or in a log
+            bar = progress or None
+            if progress is True:
+                bar = ProgressBar("fedmf", unit="rounds")
+                if not bar.live:
+                    bar.every_s = 0.0  # a plain line for every round on a pipe or in a log
             first = run.next_round
             if bar is not None and first < end:
                 bar(Step(first, end, note="starting" if first == 0 else f"resuming at round {first}", start=first))
@@ -169,7 +171,7 @@ def train(
                                    history=history, evaluate=None if evaluate is None else lambda _: evaluate(model),
                                    on_round=released)
             finally:
-                if isinstance(bar, ProgressBar):
+                if progress is True:
                     bar.close()
             return TrainResult(run.run_id, public_url(run.ledger_url), run.next_round, ended.stopped, history,
                                plan.to_dict())
