@@ -134,7 +134,8 @@ def test_errors_name_the_flags_the_user_typed(tmp_path, capsys):
         "give the run its budget secret (--budget-key)"
     assert name_flags("set noise-multiplier or target-epsilon (both are 0)", flags) == \
         "set --noise-multiplier or --epsilon (both are 0)"
-    assert name_flags("rounds must be an integer in [1, 9], got 0", flags) == "--rounds must be an integer in [1, 9], got 0"
+    assert name_flags("rounds must be an integer in [1, 9], got 0", flags) == \
+        "--rounds must be an integer in [1, 9], got 0"
     # prose keeps its words; a flag already named stays as it is
     assert name_flags("the run's 20 rounds are done; --budget-key given", flags) == \
         "the run's 20 rounds are done; --budget-key given"

@@ -115,8 +115,8 @@ def test_many_supernodes_against_one_superlink(tmp_path):
     # the ServerApp's progress lines: "fedmf round t (t+1/R done) ... users contributed/selected rejected r dropped d"
     text = result.output + "".join(result.logs.values())
     progress = {int(m[1]): (int(m[2]), int(m[3]), int(m[4]), int(m[5]))
-                for m in re.finditer(r"fedmf round (\d+) \(\d+/\d+ done\) .*?users (\d+)/(\d+)\s+rejected (\d+)\s+dropped (\d+)",
-                                     text)}
+                for m in re.finditer(r"fedmf round (\d+) \(\d+/\d+ done\) .*?users (\d+)/(\d+)\s+rejected (\d+)"
+                                     r"\s+dropped (\d+)", text)}
 
     db = sqlite3.connect(tmp_path / "run" / "ledger.db")
     (run_id,) = db.execute("SELECT max(id) FROM runs").fetchone()

@@ -30,7 +30,8 @@ from .models import Run
 from .privacy import run_privacy
 from .queries import RunInfo, norm_summary, participation_rows, read_run
 
-__all__ = ["AuditReport", "audit", "ROUND_COLUMNS", "RECORDED_WORST_COLUMN", "DIAGNOSTIC_COLUMNS", "ADAPTIVE_COLUMNS", "ChainBroken",
+__all__ = ["AuditReport", "audit", "ROUND_COLUMNS", "RECORDED_WORST_COLUMN", "DIAGNOSTIC_COLUMNS", "ADAPTIVE_COLUMNS",
+           "ChainBroken",
            "clip_norm_violations"]
 
 ROUND_COLUMNS = [
@@ -75,7 +76,8 @@ class AuditReport:
         """The CSV's columns: the diagnostics only where the run recorded them, and no column that would
         be empty in every row."""
         recorded = any(row.get(RECORDED_WORST_COLUMN) is not None for row in self.rounds)
-        return (ROUND_COLUMNS + ([RECORDED_WORST_COLUMN] if recorded else []) + (ADAPTIVE_COLUMNS if "clip_norm_rule" in self.realized else [])
+        return (ROUND_COLUMNS + ([RECORDED_WORST_COLUMN] if recorded else [])
+                + (ADAPTIVE_COLUMNS if "clip_norm_rule" in self.realized else [])
                 + (DIAGNOSTIC_COLUMNS if self.run.get("diagnostics") else []))
 
     def to_dict(self) -> dict[str, Any]:

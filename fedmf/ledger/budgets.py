@@ -36,7 +36,8 @@ from .keys import ServerSecret
 from .models import BudgetCharge, BudgetSettings, BudgetSkip, UserBudget
 
 __all__ = ["DEFAULT_LIFETIME_DELTA", "BudgetSettingsInfo", "UserAccount", "RunBudget", "load_budget_secret",
-           "set_default", "set_user", "set_users", "user_account", "settings", "user_accounts", "run_mu_squared", "round_skips"]
+           "set_default", "set_user", "set_users", "user_account", "settings", "user_accounts", "run_mu_squared",
+           "round_skips"]
 
 DEFAULT_LIFETIME_DELTA = 1e-10
 _CHUNK = 5000
