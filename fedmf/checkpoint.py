@@ -44,8 +44,6 @@ import stat
 from pathlib import Path
 from typing import Any, Mapping
 
-import torch
-
 from . import checks
 from .errors import CheckpointError
 from .files import check_private, check_private_path
@@ -83,6 +81,8 @@ def _atomic_bytes(path: Path, data: bytes) -> None:
 
 
 def _serialize(obj: Any) -> bytes:
+    import torch  # here, not at the top: the secrets' readers (fedmf budget) need no torch
+
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     return buffer.getvalue()
@@ -296,6 +296,8 @@ class CheckpointStore:
     def _internalize(self, privatizer: Mapping[str, Any]) -> dict[str, Any]:
         privatizer = dict(privatizer)
         noise = dict(privatizer["noise"])
+        import torch
+
         structure, known = {}, self._known_noise()
         labels = noise.get("structure_rounds", {})
         for name, items in noise.get("structure", {}).items():

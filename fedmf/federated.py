@@ -19,7 +19,6 @@ same selection and fresh noise (fedmf.run). With deterministic local updates and
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
@@ -32,6 +31,7 @@ from .ledger.budgets import ConcurrentChargeError
 from .ledger.db import public_url
 from .ledger_retry import ledger_retry
 from .plan import RunPlan
+from .progress import ProgressBar, ProgressCallback, Step
 from .round_loop import CohortStep, Contributions, run_rounds
 from .run import EVENTS, PrivateRun, RoundRecord
 from .schedule import Selection
@@ -62,21 +62,13 @@ class TrainResult:
         return audit_command(self.ledger, self.run_id)
 
 
-class _Progress:
-    def __init__(self, enabled: bool, total: int) -> None:
-        self.enabled, self.total = enabled and total > 0, total
-
-    def show(self, record: RoundRecord) -> None:
-        if not self.enabled:
-            return
-        metrics = " ".join(f"{k} {v:.4g}" for k, v in record.metrics.items())
-        sys.stderr.write(f"\rround {record.round + 1}/{self.total}  eps {record.epsilon:.4g}  users "
-                         f"{record.contributed}/{record.selected}  {metrics}".ljust(79))
-        sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\n")
+def round_progress(record: RoundRecord, total: int, start: int) -> Step:
+    """The progress report of committed round ``record``: rounds done of ``total`` (a count), the
+    round by its 0-based index (ARCHITECTURE.md, Names), ε spent, users and released metrics."""
+    metrics = "  ".join(f"{k} {v:.4g}" for k, v in record.metrics.items())
+    return Step(record.round + 1, total, note=f"round {record.round}: eps {record.epsilon:.4g}  users "
+                f"{record.contributed}/{record.selected}" + (f"  {metrics}" if metrics else ""),
+                final=record.round + 1 >= total, start=start)
 
 
 def _local_cohort(run: PrivateRun, local_update: LocalUpdate | None,
@@ -124,7 +116,7 @@ def train(
     on_event: Callable[[str, int], None] | None = None,
     on_round: Callable[[RoundRecord], None] | None = None,
     observed_guard: bool | None = None,
-    progress: bool = False,
+    progress: bool | ProgressCallback = False,
     repeatable_noise: bool = False,
     ledger_diagnostics: bool = False,
     budget_key: str | os.PathLike | None = None,
@@ -138,7 +130,9 @@ def train(
     in total (default: the plan's horizon). ``checkpoint_dir``: checkpoints, secrets (0600) and
     by default the SQLite ledger; the run resumes from it (default: a temporary directory, no
     resume). ``available(t)``: the users reachable in round t (default: all). ``evaluate(model)``
-    runs after each commit (server-side held-out data). ``observed_guard`` (default: on for
+    runs after each commit (server-side held-out data). ``progress``: a callback that gets a
+    ``fedmf.progress.Step`` when the run starts and after each released round (``round_progress``),
+    or True for a ``ProgressBar`` on stderr. ``observed_guard`` (default: on for
     unamplified runs with a target ε) also stops before a round when a user's observed ε,
     accounted from the ledger, exceeds the target. ``repeatable_noise``: tests only, unsafe
     (``PrivateRun.open``). ``ledger_diagnostics``: a new run's ledger also keeps update norms
@@ -159,10 +153,18 @@ def train(
                              population=users, on_event=on_event, repeatable_noise=repeatable_noise,
                              ledger_diagnostics=ledger_diagnostics, budget_key=budget_key) as run:
             history: list[RoundRecord] = []
-            bar = _Progress(progress, end)
+            bar = progress or None
+            if progress is True:
+                bar = ProgressBar("fedmf", unit="rounds")
+                if not bar.live:
+                    bar.every_s = 0.0  # a plain line for every round on a pipe or in a log
+            first = run.next_round
+            if bar is not None and first < end:
+                bar(Step(first, end, note="starting" if first == 0 else f"resuming at round {first}", start=first))
 
             def released(record: RoundRecord) -> None:
-                bar.show(record)
+                if bar is not None:
+                    bar(round_progress(record, end, first))
                 if on_round is not None:
                     on_round(record)
 
@@ -172,7 +174,8 @@ def train(
                                    history=history, evaluate=None if evaluate is None else lambda _: evaluate(model),
                                    on_round=released, retry=ledger_retry((ConcurrentChargeError,)))
             finally:
-                bar.close()
+                if progress is True:
+                    bar.close()
             return TrainResult(run.run_id, public_url(run.ledger_url), run.next_round, ended.stopped, history,
                                plan.to_dict())
     finally:

@@ -93,6 +93,55 @@ def _param_dtype(params: Mapping[str, torch.Tensor]) -> tuple[torch.dtype, torch
     return dtype, devices.pop()
 
 
+def _entries(directory: Path) -> set[str] | None:
+    """The names in ``directory`` and in its ``secrets/`` (None: no directory)."""
+    if not directory.is_dir():
+        return None
+    names = {p.name for p in directory.iterdir()}
+    secrets = directory / "secrets"
+    if secrets.is_dir():
+        names |= {f"secrets/{p.name}" for p in secrets.iterdir()}
+    return names
+
+
+def _missing_dirs(directory: Path) -> set[Path]:
+    """``directory`` and those of its parents that do not exist yet (what a ``mkdir -p`` makes)."""
+    out, path = set(), directory.absolute()
+    while not path.exists() and path != path.parent:
+        out.add(path)
+        path = path.parent
+    return out
+
+
+def _remove_created(directory: Path, existed: set[str] | None, made: set[Path] = frozenset()) -> None:
+    """After a refused start (the run lock held): remove the files and directories this start created
+    in ``directory`` that ``existed`` did not list (the directory too, if it created it), unless a new
+    run was already started from its noise seed (``noise_seed.used``: that state must stay, and a
+    retry is refused with the way out). ``made``: the directories (``_missing_dirs``) that did not exist
+    before; the empty ones are removed. Nothing that was there before is touched."""
+    try:
+        now = _entries(directory) or set()
+        before = existed or set()
+        created = now - before
+        if "secrets/noise_seed.used" in created or _RUN_FILE in created:
+            return
+        for name in sorted(created, key=lambda n: -n.count("/")):  # files in secrets/ before secrets/
+            path = directory / name
+            if path.is_dir() and not path.is_symlink():
+                if not any(path.iterdir()):
+                    path.rmdir()
+            else:
+                path.unlink(missing_ok=True)
+        if existed is None:  # this start made the directory, and any missing parent of it: empty ones go
+            start = directory.absolute()
+            for path in (start, *start.parents):
+                if path not in made or not path.is_dir() or any(path.iterdir()):
+                    break
+                path.rmdir()
+    except OSError:
+        pass  # best effort: the refusal itself is the error to report
+
+
 class PrivateRun:
     """One private run of ``plan`` on ``model`` with its durable state in ``directory``."""
 
@@ -146,14 +195,17 @@ class PrivateRun:
             population = list(population)
             plan.check_population(len(population))  # before anything is written
         directory = Path(directory)
+        existed = _entries(directory)  # a refused start removes what it created, and only that
+        made = _missing_dirs(directory)
         store = CheckpointStore(directory, clean=False)  # another server's temporary files stay
-        secrets = RunSecrets(directory / "secrets")  # (a new secret is created O_EXCL: no race)
         lock = lock_directory(directory, CheckpointError)  # held until close (or the process dies)
         try:
+            secrets = RunSecrets(directory / "secrets")  # (a new secret is created O_EXCL: no race)
             store.clean()
             ledger_url = str(ledger) if ledger is not None else str(directory / "ledger.db")
             book = Ledger.open(ledger_url, secret=secrets.ledger_secret)
         except BaseException:
+            _remove_created(directory, existed, made)
             os.close(lock)
             raise
         try:
@@ -179,6 +231,7 @@ class PrivateRun:
                 budget.run_id = run.id
         except BaseException:
             book.close()
+            _remove_created(directory, existed, made)
             os.close(lock)
             raise
         out = cls(model, plan, directory, secrets, store, book, ledger_url, run, privatizer, opt, scheduler, on_event,

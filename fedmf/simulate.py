@@ -18,17 +18,20 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import secrets
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from .auditor import audit_command
 from .config import DEFAULTS, RunConfig
 from .errors import ConfigError
 from .files import atomic_write
+from .progress import ProgressCallback
 
-__all__ = ["PRESETS", "preset_values", "simulate", "SimulationResult", "run_history", "write_outputs"]
+__all__ = ["PRESETS", "PRESET_COST", "preset_values", "simulate", "SimulationResult", "run_history", "write_outputs",
+           "record_elapsed", "ELAPSED_FILE"]
 
 #: preset → what it changes in ``DEFAULTS`` (kebab-case RunConfig keys; a changed task brings its own
 #: ``task-options``, which replace the table's). Every preset calibrates z for its target ε
@@ -59,6 +62,17 @@ PRESETS: dict[str, dict[str, Any]] = {
     "shakespeare": {"task": "shakespeare", "task-options": {"model_size": "small"}, "rounds": 40, "min-sep": 10,
                     "clients-per-round": 20, "noise-multiplier": 0.0, "target-epsilon": 8.0, "server-momentum": 0.9,
                     "client-lr": 0.5},
+}
+
+
+#: preset → its expected cost on 2 CPU cores, in process (``fedmf simulate --help`` shows it; README's
+#: table of times says how each was measured). Keep it next to the preset's numbers when they change.
+PRESET_COST: dict[str, str] = {
+    "tiny": "seconds",
+    "so-tiny": "about 1 minute",
+    "so-small": "tens of minutes",
+    "shakespeare": "about 10-20 minutes",
+    "so-paper": "days (the paper's geometry: for a large machine with a GPU)",
 }
 
 
@@ -129,9 +143,14 @@ class SimulationResult:
     plot: str | None = None
     #: ρ-zCDP spent so far as planned (un-amplified accounting; None where the accountant is amplified)
     rho: float | None = None
+    #: wall-clock seconds of every invocation of this run directory so far, this one included
+    #: (``ELAPSED_FILE``); ``seconds`` is this invocation's
+    seconds_total: float | None = None
 
     def audit_command(self) -> str:
         """``fedmf audit`` as the auditor runs it (``fedmf.auditor``: never the server's role or password)."""
+        from .auditor import audit_command  # here: the CLI reads PRESETS without loading the ledger's SQL
+
         return audit_command(self.ledger, self.run_id)
 
     def to_dict(self) -> dict[str, Any]:
@@ -139,19 +158,27 @@ class SimulationResult:
 
 
 def simulate(config: RunConfig, *, model, users, local_update=None, local_updates=None, evaluate,
-             progress: bool = True, plot: bool = True, repeatable_noise: bool = False) -> SimulationResult:
+             progress: bool | ProgressCallback = True, plot: bool = True, repeatable_noise: bool = False,
+             plan_progress: ProgressCallback | None = None) -> SimulationResult:
     """Train ``model`` privately under ``config`` in process over ``users`` with ``local_update``
     (``fedmf.federated.LocalUpdate``, one user at a time) or ``local_updates`` (a round's users
     together: vectorized clients) and server-side ``evaluate(model)``; resumes from
     ``config.run_dir``. The caller (the CLI) takes these from a task of ``fedmf.tasks``.
     ``repeatable_noise``: tests only, unsafe (``fedmf.run.PrivateRun.open``). The ledger's budget
-    secret file (lifetime budgets) is ``config.budget_key``."""
+    secret file (lifetime budgets) is ``config.budget_key``. ``progress``: the rounds' progress
+    (``fedmf.federated.train``); ``plan_progress``: the mechanism optimizer's, when the plan needs one.
+    The run directory's ``ELAPSED_FILE`` adds this invocation's time after every round."""
     from .federated import train
 
     started = time.perf_counter()
-    plan = config.build_plan()
+    token = secrets.token_hex(8)  # this invocation's entry in ELAPSED_FILE
+    plan = config.build_plan(config.build_mechanism(progress=plan_progress))
+
+    def on_round(record) -> None:
+        record_elapsed(config.run_dir, token, time.perf_counter() - started)
+
     result = train(model, users, plan, local_update, local_updates=local_updates, server_lr=config.server_lr,
-                   checkpoint_dir=config.run_dir,
+                   checkpoint_dir=config.run_dir, on_round=on_round,
                    ledger=config.ledger_url, evaluate=evaluate, progress=progress, repeatable_noise=repeatable_noise,
                    ledger_diagnostics=config.ledger_diagnostics, budget_key=config.budget_key)
     import torch
@@ -168,7 +195,7 @@ def simulate(config: RunConfig, *, model, users, local_update=None, local_update
                            plan.epsilon_after(result.rounds_done - 1) if result.rounds_done else 0.0, plan.delta,
                            plan.noise_multiplier, accuracy, time.perf_counter() - started, history,
                            rho=rho_spent(plan, result.rounds_done))
-    return write_outputs(out, config.run_dir, plot)
+    return write_outputs(out, config.run_dir, plot, token=token)
 
 
 def rho_spent(plan, rounds_done: int) -> float | None:
@@ -210,9 +237,30 @@ def run_history(config: RunConfig, plan, run_id: int) -> list[dict[str, Any]]:
     return history
 
 
-def write_outputs(out: SimulationResult, run_dir: str, plot: bool) -> SimulationResult:
-    """Write ``results.json`` (and ``progress.png`` with ``plot``) of ``out`` into ``run_dir``; ``out``."""
+#: ``<run-dir>/elapsed.json``: wall-clock seconds of each invocation that ran rounds in the directory
+ELAPSED_FILE = "elapsed.json"
+
+
+def record_elapsed(run_dir: str | os.PathLike, token: str, seconds: float) -> float:
+    """Record ``seconds`` as invocation ``token``'s time in ``run_dir``'s ``ELAPSED_FILE`` (replacing its
+    earlier value: an invocation updates its entry after every round, so a killed one keeps the time up
+    to its last round); returns the run's total over every invocation. A damaged file starts over."""
+    path = Path(run_dir) / ELAPSED_FILE
+    try:
+        entries = json.loads(path.read_text(encoding="utf-8"))["invocations"]
+        entries = {str(k): float(v) for k, v in entries.items() if math.isfinite(float(v)) and float(v) >= 0}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        entries = {}
+    entries[token] = float(seconds)
+    atomic_write(path, lambda f: json.dump({"invocations": entries}, f), text=True, mode=0o600)
+    return sum(entries.values())
+
+
+def write_outputs(out: SimulationResult, run_dir: str, plot: bool, token: str | None = None) -> SimulationResult:
+    """Write ``results.json`` (and ``progress.png`` with ``plot``) of ``out`` into ``run_dir``; ``out``,
+    with ``seconds_total`` (``out.seconds`` recorded as invocation ``token``, default a new one)."""
     directory = Path(run_dir)
+    out.seconds_total = record_elapsed(run_dir, token or secrets.token_hex(8), out.seconds)
     if plot and out.history:
         out.plot = str(directory / "progress.png")
         _plot(out.history, out.plot)
@@ -227,14 +275,14 @@ def _plot(history: list[dict[str, Any]], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rounds = [h["round"] + 1 for h in history]
+    rounds = [h["round"] for h in history]  # 0-based, as the ledger numbers them (ARCHITECTURE.md, Names)
     zetas = [h["metrics"].get("clip-norm", math.nan) for h in history]
     adaptive = any(not math.isnan(z) for z in zetas)  # adaptive clipping: a panel for ζₜ below
     if adaptive:
         fig, (left, lower) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, gridspec_kw={"height_ratios": [2, 1]})
         lower.plot(rounds, zetas, color="tab:green", drawstyle="steps-mid")
         lower.set_yscale("log")
-        lower.set_xlabel("round")
+        lower.set_xlabel("round (0-based)")
         lower.set_ylabel("clip norm ζ")
         lower.set_title("adaptive clip norm by round")
     else:
@@ -242,7 +290,7 @@ def _plot(history: list[dict[str, Any]], path: str) -> None:
     accuracy = [h["metrics"].get("accuracy", math.nan) for h in history]
     left.plot(rounds, accuracy, color="tab:blue", label="held-out accuracy")
     if not adaptive:  # the ζ panel below carries the round axis
-        left.set_xlabel("round")
+        left.set_xlabel("round (0-based)")
     left.set_ylabel("held-out accuracy", color="tab:blue")
     right = left.twinx()
     right.plot(rounds, [h["epsilon"] for h in history], color="tab:red", label="epsilon spent (planned)")

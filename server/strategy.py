@@ -193,9 +193,10 @@ class DPMFStrategy(Strategy):
         extra = "  ".join(f"{k} {v:.4g}" for k, v in record.metrics.items())
         if record.clipped is not None:  # ledger diagnostics only (outside the DP guarantee)
             extra = f"clipped {record.clipped}  zeroed {record.zeroed}  {extra}"
-        log.info("fedmf round %d/%d  eps %.4g  users %d/%d  rejected %d  dropped %d  %s",
-                 record.round + 1, end, record.epsilon, record.contributed, record.selected, record.rejected,
-                 record.dropped, extra)
+        # rounds are named 0-based, as the ledger stores them; "done/end" counts rounds (ARCHITECTURE.md, Names)
+        log.info("fedmf round %d (%d/%d done)  eps %.4g  users %d/%d  rejected %d  dropped %d  %s",
+                 record.round, record.round + 1, end, record.epsilon, record.contributed, record.selected,
+                 record.rejected, record.dropped, extra)
 
     def _wait_for_users(self, grid: Grid) -> None:
         """Before the first round, wait (up to the reply timeout) until ``min_available`` users

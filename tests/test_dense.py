@@ -13,7 +13,6 @@ import torch
 
 from fedmf.mechanisms.dense import DenseMechanism, corner_signs
 from fedmf.mechanisms.dense_optimize import optimize_dense
-from fedmf.mechanisms.optimize import Progress
 from fedmf.participation import FixedEpoch, MinSep
 from fedmf.sensitivity import fixed_epoch
 from fedmf.workloads import Workload
@@ -155,19 +154,16 @@ def test_not_converged_is_reported():
 
 
 def test_progress_updates():
-    class Recorder(Progress):
-        def __init__(self):
-            super().__init__("dense", interval=0.0)
-            self.calls: list[tuple[int, float]] = []
-
-        def update(self, step, objective, extra="", force=False):
-            self.calls.append((step, objective))
-
-    recorder = Recorder()
-    _, result = optimize_dense(12, FixedEpoch(3, 4), tolerance=1e-6, device="cpu", progress=recorder)
-    steps = [s for s, _ in recorder.calls]
-    assert steps == sorted(steps) and steps[-1] == result.steps
-    assert recorder.calls[-1][1] == pytest.approx(result.objective)
+    steps: list = []
+    _, result = optimize_dense(12, FixedEpoch(3, 4), tolerance=1e-6, device="cpu", progress=steps.append)
+    done = [s.done for s in steps]
+    assert done == sorted(done) and done[-1] == result.steps
+    assert steps[-1].final and steps[-1].converged is result.converged
+    assert steps[-1].objective == pytest.approx(result.objective)
+    # the convergence measure is the relative duality gap, against the tolerance it stops at
+    assert all(s.tolerance == 1e-6 and s.total == 10000 for s in steps[:-1])
+    assert steps[-1].measure == pytest.approx(result.details["relative_duality_gap"]) and steps[-1].measure <= 1e-6
+    assert all(s.measure > 1e-6 for s in steps[:-2])  # it reports each step before it stops at the tolerance
 
 
 # ---- description, determinism -------------------------------------------------------------

@@ -169,7 +169,7 @@ def test_the_chain_is_the_documented_encoding(tmp_path):
         rows = sorted((bytes(k), s, why) for i, k, s, why in parts if i == t)
         data = b"".join([_f("B", bytes.fromhex(previous)), _f("I", t), _f("S", "committed"), _f("I", r["attempts"]),
                          _f("I", r["selected"]), _f("I", r["contributed"]), _f("I", r["dropped"]),
-                         _f("I", r["rejected"]), _f("F", r["noise_std"]), _f("F", r["recorded_epsilon_worst_user"]),
+                         _f("I", r["rejected"]), _f("F", r["noise_std"]), _f("F", r.get("recorded_epsilon_worst_user")),
                          _f("F", r["recorded_epsilon_planned"]), _f("S", r["checkpoint_sha256"]), _f("I", len(rows))])
         data += b"".join(_f("B", k) + _f("S", s) + _f("S", why) for k, s, why in rows)
         previous = hashlib.sha256(b"fedmf-ledger/v1/round\x00" + data).hexdigest()

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 from scipy.special import ndtr
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from tests._federated_task import Tiny, write_secrets
@@ -25,7 +25,7 @@ from fedmf.federated import train
 from fedmf.ledger import Ledger, LedgerError
 from fedmf.ledger.budgets import (RunBudget, load_budget_secret, round_skips, run_mu_squared, set_default, set_user,
                                   user_accounts)
-from fedmf.ledger.models import BudgetCharge, Participation
+from fedmf.ledger.models import BudgetCharge, Participation, UserBudget
 from fedmf.mechanisms import build
 from fedmf.plan import RunPlan
 
@@ -301,3 +301,59 @@ def test_readme_budget_block_runs_as_written(tmp_path):
     secret = load_budget_secret(tmp_path / "budget.key")
     twice = {a.label for a in accounts if a.runs == 2}
     assert twice == {secret.lifetime_key(str(u)).hex()[:16] for u in range(10)}
+
+
+def test_budget_set_many_users_in_one_call_and_look_one_up_by_id(tmp_path, capsys):
+    """``fedmf budget set`` takes several ids and a file of them (own ε per line), in one transaction;
+    ``fedmf budget show --user ID --key FILE`` finds that user's account, the same as the pseudonymous
+    listing's row under their lifetime key, after a run charged them."""
+    import json
+
+    from fedmf.cli import main
+
+    url, key = str(tmp_path / "ledger.db"), str(tmp_path / "budget.key")
+    assert main(["budget", "default", "2.5", "--ledger", url, "--key", key]) == 0
+    users_file = tmp_path / "users.txt"
+    users_file.write_text("# id [eps]\nu02\nu03, 9.5\n\nu04 none\nu05\t8.5\n")
+    assert main(["budget", "set", "u00", "u01", "9", "--users-file", str(users_file), "--ledger", url,
+                 "--key", key]) == 0
+    assert "lifetime budgets of 6 users set" in capsys.readouterr().out
+    secret = load_budget_secret(key)
+    own = {"u00": 9.0, "u01": 9.0, "u02": 9.0, "u03": 9.5, "u05": 8.5}  # u04: back to the default
+    with Ledger.open(url) as book, Session(book.engine) as session:
+        stored = {bytes(k): e for k, e in session.execute(select(UserBudget.lifetime_key, UserBudget.epsilon))}
+    assert stored == {secret.lifetime_key(u): e for u, e in own.items()}
+    # all or none: a bad line anywhere sets nobody
+    users_file.write_text("u06 1\nu07 -3\n")
+    assert main(["budget", "set", "u08", "1", "--users-file", str(users_file), "--ledger", url, "--key", key]) == 2
+    assert "line 2" in capsys.readouterr().err
+    with Ledger.open(url) as book, Session(book.engine) as session:
+        assert session.scalar(select(func.count()).select_from(UserBudget)) == len(own)
+
+    _run(tmp_path, "run0", 0.8, url, key)  # charges the users it selects
+    capsys.readouterr()
+    assert main(["budget", "show", "--ledger", url, "--json"]) == 0
+    listing = {u["label"]: u for u in json.loads(capsys.readouterr().out)["users"]}
+    assert main(["budget", "show", "--ledger", url, "--key", key, "--user", "u03", "--user", "u04", "--user",
+                 "nobody", "--json"]) == 0
+    found = json.loads(capsys.readouterr().out)["users"]
+    assert [u["user"] for u in found] == ["u03", "u04", "nobody"]
+    for u in found:
+        label = secret.lifetime_key(u["user"]).hex()[:16]
+        assert u["label"] == label
+        if label in listing:
+            assert {k: v for k, v in u.items() if k != "user"} == listing[label]
+    assert found[0]["budget_epsilon"] == 9.5 and found[1]["budget_epsilon"] == 2.5
+    assert found[2] == {"user": "nobody", "label": secret.lifetime_key("nobody").hex()[:16], "runs": 0, "mu": 0.0,
+                        "spent_epsilon": 0.0, "budget_epsilon": 2.5, "remaining_epsilon": 2.5}
+    # ε 9.5 admits one run's μ = 1.25 at δ = 1e-10, the default 2.5 does not: u03 was charged, u04 never
+    assert mu_for(9.5, DELTA) > 1 / 0.8 > mu_for(2.5, DELTA)
+    assert found[0]["runs"] == 1 and found[0]["spent_epsilon"] == epsilon_for(1 / 0.8, DELTA)
+    assert found[0]["remaining_epsilon"] == 9.5 - found[0]["spent_epsilon"] and found[1]["runs"] == 0
+    # the lookup needs the ledger's own budget secret
+    other = str(tmp_path / "other.key")
+    assert main(["budget", "default", "1", "--ledger", str(tmp_path / "other.db"), "--key", other]) == 0
+    assert main(["budget", "show", "--ledger", url, "--key", other, "--user", "u03"]) == 2
+    assert "not the one" in capsys.readouterr().err
+    assert main(["budget", "show", "--ledger", url, "--user", "u03"]) == 2
+    assert "--user needs --key" in capsys.readouterr().err

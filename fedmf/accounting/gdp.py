@@ -16,9 +16,6 @@ from __future__ import annotations
 
 import math
 
-from scipy.optimize import brentq
-from scipy.special import log_ndtr, ndtr
-
 from .. import checks
 
 __all__ = ["delta_for", "epsilon_for", "mu_for", "compose", "MU_MAX"]
@@ -33,6 +30,8 @@ def delta_for(mu: float, epsilon: float) -> float:
     """δ(ε) of a μ-GDP mechanism (Dong et al. Cor. 2.13), computed as Φ(a) − exp(ε + log Φ(b))."""
     if mu <= 0:
         return 0.0
+    from scipy.special import log_ndtr, ndtr  # here: `fedmf budget set` computes no δ and loads no scipy
+
     a = -epsilon / mu + mu / 2.0
     b = -epsilon / mu - mu / 2.0
     return max(float(ndtr(a) - math.exp(epsilon + float(log_ndtr(b)))), 0.0)
@@ -47,6 +46,8 @@ def epsilon_for(mu: float, delta: float) -> float:
     high = max(1.0, mu * mu)
     while delta_for(mu, high) > delta:
         high *= 2.0
+    from scipy.optimize import brentq
+
     epsilon = float(brentq(lambda e: delta_for(mu, e) - delta, 0.0, high, xtol=_XTOL, rtol=_RTOL))
     while delta_for(mu, epsilon) > delta:  # the root may sit a rounding error below: stay on the safe side
         epsilon += _XTOL + _RTOL * epsilon
@@ -62,6 +63,8 @@ def mu_for(epsilon: float, delta: float) -> float:
     low, high = 0.0, 1.0
     while delta_for(high, epsilon) <= delta:
         low, high = high, 2.0 * high
+    from scipy.optimize import brentq
+
     mu = float(brentq(lambda m: delta_for(m, epsilon) - delta, low, high, xtol=_XTOL, rtol=_RTOL))
     while mu > 0 and delta_for(mu, epsilon) > delta:  # the root may sit a rounding error above: stay inside
         mu = max(mu - _XTOL - _RTOL * mu, 0.0)

@@ -14,7 +14,7 @@ import sys
 from typing import Sequence
 
 from ..errors import FedmfError
-from .common import Parser, one_line
+from .common import Parser, name_flags, one_line
 
 __all__ = ["main", "build_parser", "COMMANDS"]
 
@@ -31,13 +31,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _named(message: str, args: argparse.Namespace | None) -> str:
+    parser = getattr(args, "cli_parser", None)
+    return message if parser is None else name_flags(message, parser.flags())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``fedmf`` with ``argv`` (default: ``sys.argv[1:]``); returns the exit code."""
+    args = None
     try:
         args = build_parser().parse_args(argv)
         return args.func(args)
-    except FedmfError as e:
-        print(f"fedmf: error: {one_line(e)}", file=sys.stderr)
+    except FedmfError as e:  # named by the flags the user typed, not the engine's parameter names
+        print(f"fedmf: error: {_named(one_line(e), args)}", file=sys.stderr)
         return 2
     except OSError as e:
         print(f"fedmf: error: {e.strerror or e}{(': ' + e.filename) if getattr(e, 'filename', None) else ''}",

@@ -95,19 +95,23 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "that holds with the given confidence (Steinke, Nasr and Jagielski 2023, one-run "
                                    "auditing), beside the accounted epsilon. A bound above the accounted epsilon is "
                                    "evidence of a privacy bug.")
-    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
+                   help="the task the canaries join (default: tiny, seconds; see fedmf simulate --help for the "
+                        "others' cost)")
     p.add_argument("--canaries", type=int, default=200, help="canary users added to the population (default 200)")
     p.add_argument("--epsilon", type=float, help="target epsilon (calibrates the noise multiplier)")
-    p.add_argument("--noise-multiplier", type=float)
-    p.add_argument("--delta", type=float)
-    p.add_argument("--rounds", type=int)
-    p.add_argument("--min-sep", type=int)
+    p.add_argument("--noise-multiplier", type=float,
+                   help="a fixed noise multiplier z instead of a target --epsilon")
+    p.add_argument("--delta", type=float, help="delta of the accounted (epsilon, delta) (default: the preset's)")
+    p.add_argument("--rounds", type=int, help="rounds in the run (default: the preset's)")
+    p.add_argument("--min-sep", type=int,
+                   help="least rounds between two participations of one user (default: the preset's)")
     p.add_argument("--clients-per-round", type=float, default=40.0,
                    help="users per round, canaries included (default 40); with --sampling the expected "
                         "number planned for (the real mean grows with the canaries)")
     p.add_argument("--mechanism", help="mechanism kind or a mechanism file (default: the preset's)")
     p.add_argument("--sampling", help="none, bminsep:P, cyclic-poisson:Q or poisson:P")
-    p.add_argument("--server-lr", type=float)
+    p.add_argument("--server-lr", type=float, help="the server optimizer's learning rate (default: the preset's)")
     p.add_argument("--seed", type=int, help="the audit's seed: canary directions and coins (default: random; "
                                             "never printed)")
     p.add_argument("--confidence", type=float, default=0.95, help="confidence of the lower bound (default 0.95)")

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import TYPE_CHECKING
+import re
+from typing import TYPE_CHECKING, Mapping
 
 from ..errors import ConfigError
 
 if TYPE_CHECKING:
     from ..participation import FixedEpoch, MinSep
 
-__all__ = ["UsageError", "Parser", "one_line", "minsep_schema", "fixed_epoch_schema", "check_output"]
+__all__ = ["UsageError", "Parser", "one_line", "name_flags", "minsep_schema", "fixed_epoch_schema", "check_output"]
 
 
 class UsageError(ConfigError):
@@ -19,10 +20,49 @@ class UsageError(ConfigError):
 
 
 class Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors raise ``UsageError`` (one line, exit 2) instead of exiting."""
+    """An ArgumentParser whose errors raise ``UsageError`` (one line, exit 2) instead of exiting.
+
+    It also knows its options' flags by the names the engine gives the same parameters (``budget_key``,
+    ``budget-key`` → ``--budget-key``; ``alias`` adds a configuration key spelled otherwise) and leaves
+    itself in the parsed arguments as ``cli_parser`` (a sub-command's replaces its parent's): ``main``
+    rewrites an engine error with ``name_flags(message, parser.flags())`` so that it names the flag the
+    user typed."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._aliases: dict[str, str] = {}
+        self.set_defaults(cli_parser=self)
+
+    def flags(self) -> dict[str, str]:
+        """Engine name → flag, for every long option (argument groups included) and alias."""
+        out: dict[str, str] = {}
+        for action in self._actions:
+            long = [o for o in action.option_strings if o.startswith("--")]
+            if long and action.dest != "help":
+                out.setdefault(action.dest, long[0])
+                out.setdefault(action.dest.replace("_", "-"), long[0])
+        return {**out, **self._aliases}
+
+    def alias(self, name: str, flag: str) -> None:
+        """The engine's ``name`` (a configuration key, a parameter) is the option ``flag`` here."""
+        self._aliases[name] = flag
 
     def error(self, message: str) -> None:  # type: ignore[override]
         raise UsageError(message)
+
+
+def name_flags(message: str, flags: Mapping[str, str]) -> str:
+    """``message`` with the engine's parameter names replaced by the command's flags: a name with a
+    ``_`` or ``-`` wherever it stands as a word; a plain word only where it opens the message as its
+    subject (``rounds must be …``), so that prose keeps its words."""
+    names = sorted((n for n in flags if "_" in n or "-" in n), key=len, reverse=True)
+    if names:
+        pattern = re.compile(r"(?<![\w-])(" + "|".join(re.escape(n) for n in names) + r")(?![\w-])")
+        message = pattern.sub(lambda m: flags[m.group(1)], message)
+    first = re.match(r"([a-z]+)(?= (?:must|is|needs|should|=|:))", message)
+    if first and first.group(1) in flags:
+        message = flags[first.group(1)] + message[first.end():]
+    return message
 
 
 def one_line(error: BaseException) -> str:

@@ -67,7 +67,7 @@ def cmd_mechanism(args: argparse.Namespace) -> int:
     """``fedmf mechanism KIND …``: build or optimize a mechanism, print its error, optionally save it."""
     from ..mechanisms import KINDS, plan
     from ..mechanisms.io import save
-    from ..mechanisms.optimize import Progress
+    from ..progress import ProgressBar
     from ..workloads import parse_workload
 
     started = time.perf_counter()
@@ -102,7 +102,7 @@ def cmd_mechanism(args: argparse.Namespace) -> int:
         schema = minsep_schema(args.rounds, args.participations, args.min_sep)
     if args.kind in ("banded-toeplitz", "banded") and args.bands is not None and args.bands > schema.min_sep:
         raise UsageError(f"{args.kind} needs --bands p <= --min-sep b under MinSep (got {args.bands} > {schema.min_sep})")
-    progress = None if args.quiet else Progress(f"fedmf {args.kind}")
+    progress = None if args.quiet else ProgressBar(f"fedmf mechanism {args.kind}", unit="steps")
     mechanism, result = plan(
         args.kind, args.rounds, schema, workload,
         num_bands=args.bands, gamma=args.gamma, error=args.error, num_buffers=args.buffers,
@@ -180,10 +180,15 @@ def register(sub: "argparse._SubParsersAction") -> None:
     mech.add_argument("--tolerance", type=float, help="optimizer stopping tolerance (kind-specific default)")
     mech.add_argument("--max-steps", type=int, help="optimizer step limit")
     mech.add_argument("--device", help="dense: torch device (default cuda when available)")
-    mech.add_argument("--quiet", action="store_true", help="no progress line on stderr")
+    mech.add_argument("--quiet", action="store_true",
+                      help="no progress on stderr (default: a live bar with the time left on a terminal, a plain "
+                           "line every 10 s on a pipe or in a log)")
     mech.add_argument("--save-unconverged", action="store_true", help="save even if the optimizer did not converge")
     mech.add_argument("--out", help="save the mechanism to this file")
     mech.add_argument("--json", action="store_true", help="print one JSON object")
+    for name, flag in (("num_bands", "--bands"), ("num_buffers", "--buffers"), ("max_participations",
+                                                                                 "--participations")):
+        mech.alias(name, flag)  # the engine's names for these options (errors name the flag)
     mech.set_defaults(func=cmd_mechanism)
 
     ev = sub.add_parser("evaluate", help="evaluate a saved mechanism under another schema")

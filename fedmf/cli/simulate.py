@@ -124,6 +124,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from fedmf.tasks.base import MAX_WORKERS, default_workers
 
     from ..config import RunConfig
+    from ..progress import ProgressBar
     from ..run import REPEATABLE_NOISE_WARNING, repeatable_noise_from_env
     from ..simulate import preset_values, simulate
 
@@ -171,8 +172,17 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             clients = {"local_updates": task.as_local_updates(hyper, vectorized=False, workers=workers)}
         else:
             clients = {"local_update": task.as_local_update(hyper)}
-        result = simulate(config, model=task.model(), users=task.users(), **clients, evaluate=task.evaluate,
-                          progress=not (args.quiet or args.json), plot=not args.no_plot, repeatable_noise=repeatable)
+        shown = not (args.quiet or args.json)
+        bar = ProgressBar("fedmf simulate", unit="rounds", enabled=shown)
+        if not bar.live:
+            bar.every_s = 0.0  # one plain line per round on a pipe or in a log
+        plan_bar = ProgressBar(f"fedmf simulate: planning {config.mechanism}", unit="steps", enabled=shown)
+        try:
+            result = simulate(config, model=task.model(), users=task.users(), **clients, evaluate=task.evaluate,
+                              progress=bar if shown else False, plot=not args.no_plot, repeatable_noise=repeatable,
+                              plan_progress=plan_bar if shown else None)
+        finally:
+            bar.close()
     if args.json:
         print(json.dumps(result.to_dict(), allow_nan=False))
         return 0
@@ -185,7 +195,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         f"privacy         epsilon {result.epsilon:.4g} at delta {result.delta:g} (planned, spent so far); "
         + ("" if result.rho is None else f"rho-zCDP {result.rho:.4g}; ")
         + f"noise multiplier {result.noise_multiplier:.4g}",
-        f"time            {result.seconds:.1f} s",
+        f"time            {_time_line(result.seconds, result.seconds_total)}",
         f"output          {result.out_dir} (ledger, checkpoints, results.json"
         + (", final-model.pt, flower.log" if args.backend == "flower" else "")
         + (", progress.png)" if result.plot else ")"),
@@ -193,6 +203,20 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     ]
     print("\n".join(lines))
     return 0
+
+
+def _time_line(seconds: float, total: float | None) -> str:
+    """The summary's time: the whole run over every invocation, and this invocation's share."""
+    if total is None or abs(total - seconds) < 0.05:
+        return f"{seconds:.1f} s"
+    return f"{total:.1f} s in all invocations of this run ({seconds:.1f} s this one)"
+
+
+def preset_help() -> str:
+    """Each preset and its expected cost (``fedmf.simulate.PRESET_COST``), for ``--help``."""
+    from ..simulate import PRESET_COST, PRESETS
+
+    return "; ".join(f"{name}: {PRESET_COST.get(name, 'cost not measured')}" for name in PRESETS)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -203,18 +227,27 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "server runs) or, with --backend flower, as the Flower app on the Flower "
                                    "simulation engine (Ray, one SuperNode per user); write the ledger, checkpoints, "
                                    "results.json and a plot, and print the summary with the audit command. Running "
-                                   "it again with the same --out resumes.")
-    p.add_argument("--preset", choices=sorted(PRESETS), default="so-tiny")
+                                   "it again with the same --out resumes. Rounds are numbered from 0, as the "
+                                   "ledger stores them. Expected time on 2 CPU cores, in process: "
+                                   + preset_help() + ".")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="so-tiny",
+                   help="the task, its size and its privacy settings (default: so-tiny); time on 2 cores: "
+                        + preset_help().replace("%", "%%"))
     p.add_argument("--mechanism", help="mechanism kind or a mechanism file (default: the preset's)")
     p.add_argument("--bands", type=int, help="bands of banded mechanisms")
     p.add_argument("--epsilon", type=float, help="target epsilon (calibrates the noise multiplier)")
-    p.add_argument("--delta", type=float)
-    p.add_argument("--noise-multiplier", type=float)
+    p.add_argument("--delta", type=float, help="delta of the (epsilon, delta) guarantee (default: the preset's)")
+    p.add_argument("--noise-multiplier", type=float,
+                   help="a fixed noise multiplier z instead of a target --epsilon (sigma = z x clip norm x "
+                        "sensitivity)")
     p.add_argument("--sampling", help="none, bminsep:P, cyclic-poisson:Q or poisson:P")
-    p.add_argument("--rounds", type=int)
-    p.add_argument("--min-sep", type=int)
-    p.add_argument("--clients-per-round", type=float)
-    p.add_argument("--server-lr", type=float)
+    p.add_argument("--rounds", type=int, help="rounds in the run, the mechanism's horizon (default: the preset's)")
+    p.add_argument("--min-sep", type=int,
+                   help="least rounds between two participations of one user (default: the preset's, at most "
+                        "--rounds)")
+    p.add_argument("--clients-per-round", type=float,
+                   help="users per round (with sampling: the expected number; default: the preset's)")
+    p.add_argument("--server-lr", type=float, help="the server optimizer's learning rate (default: the preset's)")
     p.add_argument("--clip-norm", type=float, help="ℓ2 clip norm ζ (with --adaptive-clipping: ζ₀)")
     p.add_argument("--adaptive-clipping", type=float, metavar="QUANTILE",
                    help="let ζ follow this quantile in (0, 1) of the update norms (Andrew et al. 2021)")
@@ -256,6 +289,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the ledger's budget secret (fedmf budget); required when the ledger enforces lifetime budgets")
     p.add_argument("--out", default="fedmf-sim", help="output directory (default: ./fedmf-sim)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress (default: a live bar with rounds per second and time left on a terminal, one "
+                        "plain line per round on a pipe or in a log)")
     p.add_argument("--no-plot", action="store_true", help="do not write progress.png")
+    for key, flag in (("target-epsilon", "--epsilon"), ("target_epsilon", "--epsilon"), ("num-bands", "--bands"),
+                      ("num_bands", "--bands"), ("ledger-url", "--ledger"), ("ledger_url", "--ledger"),
+                      ("run-dir", "--out"), ("run_dir", "--out")):
+        p.alias(key, flag)
     p.set_defaults(func=cmd_simulate)

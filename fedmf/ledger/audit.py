@@ -30,15 +30,19 @@ from .models import Run
 from .privacy import run_privacy
 from .queries import RunInfo, norm_summary, participation_rows, read_run
 
-__all__ = ["AuditReport", "audit", "ROUND_COLUMNS", "DIAGNOSTIC_COLUMNS", "ADAPTIVE_COLUMNS", "ChainBroken",
+__all__ = ["AuditReport", "audit", "ROUND_COLUMNS", "RECORDED_WORST_COLUMN", "DIAGNOSTIC_COLUMNS", "ADAPTIVE_COLUMNS",
+           "ChainBroken",
            "clip_norm_violations"]
 
 ROUND_COLUMNS = [
     "round", "status", "attempts", "selected", "contributed", "dropped", "rejected",
     "noise_std", "sensitivity_worst_user", "epsilon_worst_user", "sensitivity_planned", "epsilon_planned",
-    "recorded_epsilon_worst_user", "recorded_epsilon_planned", "min_separation", "max_participations",
+    "recorded_epsilon_planned", "min_separation", "max_participations",
     "checkpoint_sha256", "chain_sha256",
 ]
+#: the worst user's ε as the writer recorded it in the ledger: fedmf's server does not record it (the
+#: audit recomputes it, ``epsilon_worst_user``), so the column appears only for a ledger that has it
+RECORDED_WORST_COLUMN = "recorded_epsilon_worst_user"
 #: diagnostics (outside the DP guarantee): in the rows and the CSV only for runs that record them
 DIAGNOSTIC_COLUMNS = ["clipped", "norm_min", "norm_median", "norm_mean", "norm_max"]
 #: adaptive clipping's per-round ζₜ and released noisy count: in the rows and the CSV only for adaptive runs
@@ -69,8 +73,11 @@ class AuditReport:
 
     @property
     def columns(self) -> list[str]:
-        """The CSV's columns: the diagnostics only where the run recorded them."""
-        return (ROUND_COLUMNS + (ADAPTIVE_COLUMNS if "clip_norm_rule" in self.realized else [])
+        """The CSV's columns: the diagnostics only where the run recorded them, and no column that would
+        be empty in every row."""
+        recorded = any(row.get(RECORDED_WORST_COLUMN) is not None for row in self.rounds)
+        return (ROUND_COLUMNS + ([RECORDED_WORST_COLUMN] if recorded else [])
+                + (ADAPTIVE_COLUMNS if "clip_norm_rule" in self.realized else [])
                 + (DIAGNOSTIC_COLUMNS if self.run.get("diagnostics") else []))
 
     def to_dict(self) -> dict[str, Any]:
@@ -111,8 +118,8 @@ class AuditReport:
                 label="planned: worst pattern the plan allows", zorder=2)
         ax.plot(t, [r["epsilon_worst_user"] for r in committed], color="tab:red", lw=1.4,
                 label="worst recorded user", zorder=3)
-        rec = [(r["round"], r["recorded_epsilon_worst_user"]) for r in committed
-               if r.get("recorded_epsilon_worst_user") is not None]
+        rec = [(r["round"], r[RECORDED_WORST_COLUMN]) for r in committed
+               if r.get(RECORDED_WORST_COLUMN) is not None]
         if rec:
             ax.plot(*zip(*rec), ls="none", marker=".", ms=3, color="black", label="recorded by the server",
                     zorder=4)
@@ -372,7 +379,7 @@ def _report(ledger: str, version: str, run: Run, records: list, states: list, no
             "epsilon_worst_user": float(priv.epsilon_worst_by_round[t]) if done else None,
             "sensitivity_planned": float(priv.plan_by_round[t]) if done else None,
             "epsilon_planned": float(priv.epsilon_plan_by_round[t]) if done else None,
-            "recorded_epsilon_worst_user": r["epsilon_worst_user"],
+            RECORDED_WORST_COLUMN: r["epsilon_worst_user"],
             "recorded_epsilon_planned": r["epsilon_planned"],
             "min_separation": None if min_gap_by_round[t] == big else int(min_gap_by_round[t]),
             "max_participations": int(max_part_by_round[t]),
@@ -381,6 +388,9 @@ def _report(ledger: str, version: str, run: Run, records: list, states: list, no
             **({c: r.get(c) for c in DIAGNOSTIC_COLUMNS} if info.diagnostics else {}),
         })
 
+    if all(row[RECORDED_WORST_COLUMN] is None for row in rows):  # never recorded: no always-empty column
+        for row in rows:
+            del row[RECORDED_WORST_COLUMN]
     realized_gap = int(user_min_gap.min()) if n_users and user_min_gap.min() != big else None
     hist = {int(c): int(v) for c, v in enumerate(np.bincount(counts)) if c > 0 and v > 0} if n_users else {}
     planned = {

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import Hashable, Iterable, Sequence
+from typing import Hashable, Iterable, Mapping, Sequence
 
 from sqlalchemy import delete, insert, select, text, update
 from sqlalchemy.orm import Session
@@ -35,8 +35,9 @@ from .db import LedgerError
 from .keys import ServerSecret
 from .models import BudgetCharge, BudgetSettings, BudgetSkip, UserBudget
 
-__all__ = ["ConcurrentChargeError", "DEFAULT_LIFETIME_DELTA", "BudgetSettingsInfo", "UserAccount", "RunBudget", "load_budget_secret",
-           "set_default", "set_user", "settings", "user_accounts", "run_mu_squared", "round_skips"]
+__all__ = ["ConcurrentChargeError", "DEFAULT_LIFETIME_DELTA", "BudgetSettingsInfo", "UserAccount", "RunBudget",
+           "load_budget_secret", "set_default", "set_user", "set_users", "user_account", "settings", "user_accounts",
+           "run_mu_squared", "round_skips"]
 
 DEFAULT_LIFETIME_DELTA = 1e-10
 _CHUNK = 5000
@@ -120,16 +121,46 @@ def set_default(ledger, secret: ServerSecret, epsilon: float | None, delta: floa
 
 def set_user(ledger, secret: ServerSecret, user: object, epsilon: float | None) -> None:
     """Set ``user``'s own lifetime ε (None: back to the default). Needs budgets set up (``set_default``)."""
-    eps = None if epsilon is None else checks.non_negative("epsilon", epsilon)
-    key = secret.lifetime_key(user)
+    set_users(ledger, secret, {user: epsilon})
+
+
+def set_users(ledger, secret: ServerSecret, budgets: Mapping[object, float | None]) -> int:
+    """Set each user's own lifetime ε (None: back to the default) in one transaction: all or none.
+    Needs budgets set up (``set_default``). Returns the number of users set."""
+    rows = {}
+    for user, epsilon in budgets.items():
+        rows[secret.lifetime_key(user)] = None if epsilon is None else checks.non_negative("epsilon", epsilon)
+    keys = list(rows)
     with ledger._errors("cannot write to ledger"), Session(ledger.write_engine) as session, session.begin():
         row = _settings_row(session)
         if row is None:
             raise ConfigError("this ledger has no lifetime budgets yet: set a default first (fedmf budget default)")
         _check_key(row, secret)
-        session.execute(delete(UserBudget).where(UserBudget.lifetime_key == key))
-        if eps is not None:
-            session.add(UserBudget(lifetime_key=key, epsilon=eps))
+        for i in range(0, len(keys), _CHUNK):
+            session.execute(delete(UserBudget).where(UserBudget.lifetime_key.in_(keys[i:i + _CHUNK])))
+        own = [{"lifetime_key": k, "epsilon": e} for k, e in rows.items() if e is not None]
+        for i in range(0, len(own), _CHUNK):
+            session.execute(insert(UserBudget), own[i:i + _CHUNK])
+    return len(rows)
+
+
+def user_account(engine, secret: ServerSecret, user: object) -> UserAccount | None:
+    """One user's lifetime account, looked up by their id: the lifetime key under ``secret`` (which
+    must be this ledger's budget secret) selects their charges and own budget. None: no budgets."""
+    key = secret.lifetime_key(user)
+    with Session(engine) as session:
+        row = _settings_row(session)
+        if row is None:
+            return None
+        _check_key(row, secret)
+        charges = [float(m) for m in session.scalars(select(BudgetCharge.mu_squared)
+                                                     .where(BudgetCharge.lifetime_key == key))]
+        own = session.scalar(select(UserBudget.epsilon).where(UserBudget.lifetime_key == key))
+        default, delta = row.default_epsilon, row.delta
+    mu = compose(charges)
+    spent = epsilon_for(mu, delta)
+    budget = default if own is None else float(own)
+    return UserAccount(key.hex()[:16], len(charges), mu, spent, budget, None if budget is None else budget - spent)
 
 
 def settings(engine) -> BudgetSettingsInfo | None:

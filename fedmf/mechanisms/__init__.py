@@ -18,7 +18,7 @@ from .toeplitz import (
     BandedToeplitz,
     optimal_gamma,
 )
-from .optimize import OptimizationResult, Progress
+from .optimize import OptimizationResult, ProgressCallback
 from .robust import RobustToeplitz
 from .tree import TreeAggregation
 
@@ -150,7 +150,7 @@ def plan(
     tolerance: float | None = None,
     max_steps: int | None = None,
     device: str | None = None,
-    progress: Progress | None = None,
+    progress: ProgressCallback | None = None,
 ) -> tuple[Mechanism, OptimizationResult | None]:
     """Build (closed forms) or optimize (the other kinds) a mechanism for ``schema``.
 

@@ -25,7 +25,7 @@ from ..participation import MinSep
 from ..workloads import Workload
 from ..errors import ConfigError
 from .base import Mechanism
-from .optimize import OptimizationResult, Progress, lbfgs
+from .optimize import OptimizationResult, ProgressCallback, lbfgs
 from .streaming import Iir
 
 __all__ = ["ColumnNormalizedBanded", "BandedObjective", "optimize_banded"]
@@ -245,7 +245,7 @@ def optimize_banded(
     *,
     tolerance: float = 1e-10,
     max_steps: int = 500,
-    progress: Progress | None = None,
+    progress: ProgressCallback | None = None,
 ) -> tuple[ColumnNormalizedBanded, OptimizationResult]:
     """Column-normalized banded C with p <= b bands minimizing ||A C^{-1}||_F^2 (so the
     loss k·||A C^{-1}||_F^2 / n under MinSep(b, k)). L-BFGS on log F, started from the

@@ -21,7 +21,7 @@ from ..filters import series_inverse, toeplitz_solve
 from ..participation import MinSep
 from ..workloads import Workload
 from ..errors import ConfigError
-from .optimize import OptimizationResult, Progress, grid_then_golden, lbfgs
+from .optimize import OptimizationResult, ProgressCallback, Step, grid_then_golden, lbfgs
 from .toeplitz import BandedToeplitz, fractional_power_coefficients
 
 __all__ = ["ToeplitzObjective", "optimize_banded_toeplitz", "reciprocal_plus_constant"]
@@ -129,7 +129,7 @@ def optimize_banded_toeplitz(
     error: str = "mean",
     tolerance: float = 1e-12,
     max_steps: int = 2000,
-    progress: Progress | None = None,
+    progress: ProgressCallback | None = None,
 ) -> tuple[BandedToeplitz, OptimizationResult]:
     """The banded-Toeplitz C with ``num_bands`` <= b bands minimizing the loss under
     MinSep(b, k). L-BFGS on log(loss) from two deterministic starts — banded square root
@@ -151,15 +151,18 @@ def optimize_banded_toeplitz(
     starts = [fractional_power_coefficients(-0.5, num_bands), reciprocal_plus_constant(num_bands, objective)]
     best: tuple[np.ndarray, OptimizationResult] | None = None
     total_steps = 0
-    for start in starts:
+    for i, start in enumerate(starts):
         theta, result = lbfgs(
             objective.log_loss, start / np.linalg.norm(start), max_steps=max_steps, rtol=tolerance, gtol=1e-9,
-            progress=progress, report=report,
+            progress=progress, report=report, close_progress=False, note=f"start {i + 1}/{len(starts)}",
         )
         total_steps += result.steps
         if best is None or result.objective < best[1].objective:
             best = (theta, result)
     theta, result = best
     result.steps = total_steps
+    if progress is not None:
+        progress(Step(total_steps, max_steps * len(starts), result.objective, None, tolerance, "both starts",
+                      final=True, converged=result.converged))
     theta = theta / np.linalg.norm(theta)
     return BandedToeplitz(rounds, theta, workload), result

@@ -34,7 +34,7 @@ from .blt import (
     single_sensitivity_sq,
     workload_error_sq,
 )
-from .optimize import OptimizationResult, Progress, lbfgs
+from .optimize import OptimizationResult, ProgressCallback, Step, lbfgs
 
 __all__ = ["optimize_blt", "AUTO_BUFFER_GAIN"]
 
@@ -116,13 +116,13 @@ def _projected_gradient(x: np.ndarray, g: np.ndarray, lo: float, hi: float) -> f
 
 
 def _lbfgs(objective: _Objective, rates0: np.ndarray, tolerance: float, max_steps: int,
-           progress: Progress | None) -> tuple[np.ndarray, float, OptimizationResult]:
+           progress: ProgressCallback | None, note: str = "") -> tuple[np.ndarray, float, OptimizationResult]:
     """Box-constrained L-BFGS (``optimize.lbfgs``) on the log gaps from ``rates0``;
     converged by this optimizer's own rule (``_STATIONARY``)."""
     lo, hi = objective.bounds
     x0 = np.clip(_gaps_from_rates(rates0), lo, hi)
     x, result = lbfgs(objective, x0, max_steps=max_steps, rtol=tolerance, gtol=1e-10, progress=progress,
-                      report=lambda f: math.sqrt(math.exp(f)), bounds=(lo, hi), close_progress=False)
+                      report=lambda f: math.sqrt(math.exp(f)), bounds=(lo, hi), close_progress=False, note=note)
     f, g = objective(x)
     stationary = _projected_gradient(x, g, lo, hi) <= _STATIONARY
     result.converged = bool(np.isfinite(f) and stationary and result.steps < max_steps)
@@ -142,11 +142,13 @@ class _Fit:
 
 
 def _fit(objective: _Objective, num_buffers: int, previous: np.ndarray | None, tolerance: float, max_steps: int,
-         progress: Progress | None) -> _Fit:
+         progress: ProgressCallback | None) -> _Fit:
     """The best of the L-BFGS runs from each deterministic start for m buffers."""
     best: _Fit | None = None
-    for name, rates0 in _starts(num_buffers, objective.n, previous).items():
-        rates, loss, result = _lbfgs(objective, rates0, tolerance, max_steps, progress)
+    starts = _starts(num_buffers, objective.n, previous)
+    for i, (name, rates0) in enumerate(starts.items()):
+        note = f"{num_buffers} buffers, start {i + 1}/{len(starts)}"
+        rates, loss, result = _lbfgs(objective, rates0, tolerance, max_steps, progress, note)
         if best is None or loss < best.loss:
             blt = BufferedLinearToeplitz(objective.n, rates[0::2], rates[1::2], objective.workload)
             best = _Fit(blt, rates, loss, result, name)
@@ -172,7 +174,7 @@ def optimize_blt(
     error: str = "mean",
     tolerance: float = 1e-10,
     max_steps: int = 1000,
-    progress: Progress | None = None,
+    progress: ProgressCallback | None = None,
 ) -> tuple[BufferedLinearToeplitz, OptimizationResult]:
     """The BLT minimizing error^2 x sens^2 under MinSep(b, k) for ``workload``.
 
@@ -206,7 +208,7 @@ def optimize_blt(
 
 
 def _optimize(objective: _Objective, num_buffers: int | None, max_buffers: int, tolerance: float, max_steps: int,
-              progress: Progress | None) -> tuple[BufferedLinearToeplitz, OptimizationResult]:
+              progress: ProgressCallback | None) -> tuple[BufferedLinearToeplitz, OptimizationResult]:
     started = time.perf_counter()
     counts = [num_buffers] if num_buffers is not None else range(1, max_buffers + 1)
     fits: list[_Fit] = []
@@ -222,7 +224,8 @@ def _optimize(objective: _Objective, num_buffers: int | None, max_buffers: int, 
     result.converged = all(f.result.converged for f in fits)
     result.seconds = time.perf_counter() - started
     if progress is not None:
-        progress.close(result.steps, result.objective, "converged" if result.converged else "NOT converged")
+        progress(Step(result.steps, max_steps, result.objective, None, tolerance,
+                      f"{chosen.blt.num_buffers} buffers", final=True, converged=result.converged))
     result.details = {
         "num_buffers": chosen.blt.num_buffers,
         "loss": chosen.loss,

@@ -32,7 +32,7 @@ from .dense import (
     _Singular,
     _solve_threads,
 )
-from .optimize import OptimizationResult, Progress
+from .optimize import OptimizationResult, ProgressCallback, Step
 
 __all__ = ["optimize_dense"]
 
@@ -116,7 +116,7 @@ def optimize_dense(
     tolerance: float = 1e-3,
     max_steps: int = 10000,
     device: str | None = None,
-    progress: Progress | None = None,
+    progress: ProgressCallback | None = None,
 ) -> tuple[DenseMechanism, OptimizationResult]:
     """The loss-optimal factorization for FixedEpoch(k, b) by maximizing the dual g(v).
 
@@ -151,9 +151,9 @@ def optimize_dense(
 
 def _result(converged, steps, primal, dual, gap, rel, rounds, tolerance, message, started, hvps, dev, progress,
             **extra) -> OptimizationResult:
-    """The optimizer's report (values per round); closes the progress line."""
+    """The optimizer's report (values per round); reports the final step to ``progress``."""
     if progress is not None:
-        progress.close(steps, primal / rounds, "converged" if converged else "NOT converged")
+        progress(Step(steps, None, primal / rounds, rel, tolerance, final=True, converged=converged))
     return OptimizationResult(
         converged=converged, steps=steps, objective=primal / rounds, tolerance=tolerance, message=message,
         seconds=time.perf_counter() - started,
@@ -188,7 +188,7 @@ def _trust_region(
     problem: _Dual,
     tolerance: float,
     max_steps: int,
-    progress: Progress | None,
+    progress: ProgressCallback | None,
     start: torch.Tensor | None = None,
     evaluations: int = 0,
 ):
@@ -209,7 +209,9 @@ def _trust_region(
     hvps = 0
     while True:
         if progress is not None:
-            progress.update(tracker.evaluations, tracker.best.primal / problem.n, f"gap {tracker.relative_gap:.2e}")
+            # the convergence measure: the relative duality gap
+            progress(Step(tracker.evaluations, max_steps, tracker.best.primal / problem.n, tracker.relative_gap,
+                          tolerance))
         if tracker.relative_gap <= tolerance:
             return tracker, hvps, "relative duality gap below tolerance"
         if tracker.evaluations >= max_steps:
@@ -304,7 +306,7 @@ def _optimize_blocks(
     tolerance: float,
     max_steps: int,
     dev: torch.device,
-    progress: Progress | None,
+    progress: ProgressCallback | None,
     started: float,
 ) -> tuple[DenseMechanism, OptimizationResult]:
     """optimize_dense for k > MAX_PARTICIPATIONS: maximize the concave g(U) over the PSD pattern
@@ -332,7 +334,7 @@ def _optimize_blocks(
         while True:
             rel = (best.primal - dual) / best.primal if math.isfinite(best.primal) else math.inf
             if progress is not None:
-                progress.update(evaluations, best.primal / rounds, f"gap {rel:.2e}")
+                progress(Step(evaluations, max_steps, best.primal / rounds, rel, tolerance))
             if rel <= tolerance:
                 message = "relative duality gap below tolerance"
                 break

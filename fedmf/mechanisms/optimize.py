@@ -1,5 +1,5 @@
 """Shared optimization machinery: deterministic 1-D search, L-BFGS with a stated stopping
-rule, and a progress line on stderr.
+rule that reports each step to a progress callback (``fedmf.progress``).
 
 Every optimizer in fedmf is deterministic: the same inputs give the same coefficients
 (no random restarts; fixed initializations; single-threaded reductions where it matters).
@@ -8,14 +8,15 @@ Every optimizer in fedmf is deterministic: the same inputs give the same coeffic
 from __future__ import annotations
 
 import math
-import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, TextIO
+from typing import Any, Callable
 
 import numpy as np
 
-__all__ = ["grid_then_golden", "Progress", "OptimizationResult", "lbfgs"]
+from ..progress import ProgressCallback, Step
+
+__all__ = ["grid_then_golden", "OptimizationResult", "lbfgs", "ProgressCallback", "Step"]
 
 _INV_PHI = (math.sqrt(5) - 1) / 2
 
@@ -48,44 +49,6 @@ def grid_then_golden(
     return best_x, best_f
 
 
-class Progress:
-    """A one-line progress display on stderr: ``label  step N  objective V`` (rewritten in
-    place on a terminal, one line per update at most every ``interval`` seconds otherwise).
-    Silent when ``enabled`` is False."""
-
-    def __init__(self, label: str, enabled: bool = True, stream: TextIO | None = None, interval: float = 0.5) -> None:
-        self.label = label
-        self.enabled = enabled
-        self.stream = stream if stream is not None else sys.stderr
-        self.interval = interval
-        self._last = 0.0
-        self._tty = bool(getattr(self.stream, "isatty", lambda: False)())
-        self._shown = False
-
-    def update(self, step: int, objective: float, extra: str = "", force: bool = False) -> None:
-        if not self.enabled:
-            return
-        now = time.monotonic()
-        if not force and now - self._last < self.interval:
-            return
-        self._last = now
-        text = f"{self.label}  step {step:>5d}  objective {objective:.10g}{('  ' + extra) if extra else ''}"
-        if self._tty:
-            self.stream.write("\r\x1b[K" + text)
-        else:
-            self.stream.write(text + "\n")
-        self.stream.flush()
-        self._shown = True
-
-    def close(self, step: int, objective: float, extra: str = "") -> None:
-        if not self.enabled:
-            return
-        self.update(step, objective, extra, force=True)
-        if self._tty:
-            self.stream.write("\n")
-            self.stream.flush()
-
-
 @dataclass
 class OptimizationResult:
     """What an optimizer reports beside the mechanism it found."""
@@ -116,10 +79,11 @@ def lbfgs(
     max_steps: int = 1000,
     rtol: float = 1e-10,
     gtol: float = 1e-8,
-    progress: Progress | None = None,
+    progress: ProgressCallback | None = None,
     report: Callable[[float], float] = lambda f: f,
     bounds: tuple[float, float] | None = None,
     close_progress: bool = True,
+    note: str = "",
 ) -> tuple[np.ndarray, OptimizationResult]:
     """L-BFGS (scipy's L-BFGS-B) on a smooth objective, unbounded or in the box
     ``bounds`` = (lo, hi) on every coordinate.
@@ -128,13 +92,15 @@ def lbfgs(
     or the largest gradient entry is below ``gtol`` (converged), or after ``max_steps``
     (not converged). Non-finite objective values are treated as +inf so line searches
     back off from unstable regions. ``report`` maps the objective to the value shown.
-    Returns the best point evaluated. ``close_progress=False`` leaves the progress line
-    open for a caller that runs several searches under one line.
+    Returns the best point evaluated. ``progress`` gets each step (of ``max_steps``, with the
+    relative decrease as the convergence measure against ``rtol``, and ``note``) and, unless
+    ``close_progress=False`` (a caller that runs several searches and reports their end itself),
+    the final one.
     """
     from scipy.optimize import minimize
 
     started = time.perf_counter()
-    state = {"step": 0, "best": math.inf, "x": np.array(x0, dtype=np.float64)}
+    state = {"step": 0, "best": math.inf, "x": np.array(x0, dtype=np.float64), "previous": math.inf}
 
     def wrapped(x: np.ndarray) -> tuple[float, np.ndarray]:
         f, g = fun_and_grad(x)
@@ -147,7 +113,11 @@ def lbfgs(
     def callback(xk: np.ndarray) -> None:
         state["step"] += 1
         if progress is not None:
-            progress.update(state["step"], report(state["best"]))
+            # L-BFGS-B's ftol rule: (f_prev - f) / max(|f_prev|, |f|, 1) <= rtol
+            f, previous = state["best"], state["previous"]
+            measure = ((previous - f) / max(abs(previous), abs(f), 1.0)) if math.isfinite(previous) else None
+            state["previous"] = f
+            progress(Step(state["step"], max_steps, report(f), measure, rtol, note))
 
     res = minimize(
         wrapped,
@@ -166,7 +136,7 @@ def lbfgs(
         "ABNORMAL" in message.upper() and state["step"] > 0 and np.max(np.abs(wrapped(x)[1])) < 1e-4
     )
     if progress is not None and close_progress:
-        progress.close(state["step"], report(f), "converged" if converged else "NOT converged")
+        progress(Step(state["step"], max_steps, report(f), None, rtol, note, final=True, converged=converged))
     return x, OptimizationResult(
         converged=converged,
         steps=state["step"],

@@ -24,7 +24,7 @@ from ..sensitivity import is_nonnegative_nonincreasing
 from ..workloads import Workload
 from ..errors import ConfigError
 from .banded_toeplitz import ToeplitzObjective, optimize_banded_toeplitz
-from .optimize import OptimizationResult, Progress, lbfgs
+from .optimize import OptimizationResult, ProgressCallback, lbfgs
 from .toeplitz import BandedToeplitz
 
 __all__ = ["separation_grid", "taper", "optimize_robust", "rmse_by_min_sep"]
@@ -79,7 +79,7 @@ def optimize_robust(
     max_steps: int = 3000,
     grid_points: int = 9,
     starts: list[np.ndarray] | None = None,
-    progress: Progress | None = None,
+    progress: ProgressCallback | None = None,
 ) -> tuple["RobustToeplitz", OptimizationResult]:
     """Banded Toeplitz C (p bands, default b1) minimizing the worst-case (``weighting=
     "worst"``) or mean (``"mean"``) loss over separations in [b0, b1], k = ``participations``
