@@ -11,7 +11,10 @@ I/O as its cohort step. Each round, in ``fedmf.round_loop.run_rounds``:
                  the model goes out in the next round's messages and in ``start``'s Result
 
 What is the strategy's own: the Flower I/O, the ledger retries (a guard or a round that the ledger
-fails is redone after a backoff; an aborted round released nothing) and the round's metrics.
+fails is redone after a backoff; an aborted round released nothing) and the round's metrics. The
+metrics clients report (training loss, example counts) are never published as sent: with
+``client-metrics = "private"`` the engine releases the training loss clipped, summed and noised
+(``fedmf.client_metrics``), otherwise nothing of them.
 ``configure_train`` / ``aggregate_train`` (abstract in Flower's ``Strategy``) are not used by
 ``start``: they are the two halves of one round for a caller that drives the hooks itself.
 """
@@ -108,11 +111,16 @@ class DPMFStrategy(Strategy):
         received.read(replies, self.run.privatizer.layout)
         return received
 
+    def _values(self, received: RoundReplies) -> dict | None:
+        """The clients' reported training loss for the engine's private release (``fedmf.client_metrics``),
+        only when the plan has one; nothing a client reports is ever published as sent."""
+        return received.losses() if self.run.plan.client_metrics is not None else None
+
     def _round_metrics(self, record: RoundRecord, report: RoundReport, received: RoundReplies) -> MetricRecord:
-        """The committed round's metrics: its counts, ε, the contributors' reported training
-        metrics and (unamplified runs) the worst user's observed ε; the reply metrics and that ε
-        also join ``record.metrics``."""
-        record.metrics.update(received.metrics(str(u.user) for u in report.contributed))
+        """The committed round's metrics: its counts, ε, the released metrics of ``record.metrics``
+        (adaptive clipping's ζₜ and noisy fraction, the private client-metric release when planned) and
+        (unamplified runs) the worst user's observed ε, which also joins ``record.metrics``. No
+        client-reported value is among them as sent."""
         metrics = {"epsilon": record.epsilon, "selected": record.selected, "received": len(received.updates),
                    "rejected": record.rejected, "dropped": record.dropped, **record.metrics}
         if record.clipped is not None:  # ledger diagnostics only (outside the DP guarantee)
@@ -151,7 +159,7 @@ class DPMFStrategy(Strategy):
         the round's metrics, the record joining ``history``. The caller releases it
         (``run.released``); no retry."""
         received = self._validate(replies)
-        record, report = settle(self.run, received.updates, received.rejected)  # then the model may leave
+        record, report = settle(self.run, received.updates, received.rejected, self._values(received))
         self.history.append(record)
         return ArrayRecord(self.run.model.state_dict()), self._round_metrics(record, report, received)
 
@@ -230,7 +238,7 @@ class DPMFStrategy(Strategy):
             self.run.global_params()  # raises if the state in memory is not the committed one (nothing is sent)
             messages = self._messages(selection, ArrayRecord(self.run.model.state_dict()))
             received = self._validate(grid.send_and_receive(messages, timeout=timeout))
-            return received.updates, received.rejected
+            return received.updates, received.rejected, self._values(received)
 
         def committed(record: RoundRecord, report: RoundReport) -> None:
             nonlocal received

@@ -73,13 +73,14 @@ def load_budget_secret(path: str | os.PathLike, *, create: bool = False) -> Serv
 
 
 def run_mu_squared(plan) -> float:
-    """μ² of a run's worst case, unamplified: 1/z² (σ = z·ζ·sens) plus, with adaptive clipping, k/σ_b²
-    for k count releases of sensitivity 1 (Dong et al. Cor. 3.3)."""
+    """μ² of a run's worst case, unamplified: 1/z² (σ = z·ζ·sens) plus, with extra Gaussian releases
+    (adaptive clipping's count, the private client-metric release), k/σ_unit² for k participations'
+    releases (σ_unit: ``fedmf.accounting.releases`` (R); σ_b with the count alone; Dong et al. Cor. 3.3)."""
     from ..accounting.count_release import participations
 
     mu2 = 1.0 / plan.noise_multiplier ** 2
-    if plan.count_noise_std is not None:
-        mu2 += participations(plan.schema, plan.rounds) / plan.count_noise_std ** 2
+    if plan.extra_noise_std is not None:
+        mu2 += participations(plan.schema, plan.rounds) / plan.extra_noise_std ** 2
     return mu2
 
 
