@@ -82,7 +82,7 @@ def settle(run: PrivateRun, updates: Mapping[Hashable, Any], rejected: Mapping[H
            values: Mapping[Hashable, Any] | None = None) -> tuple[RoundRecord, RoundReport]:
     """Aggregate the open round's contributions (validate, zero, clip, sum, noise, ÷ planned
     users, optimizer step: ``PrivateRun.aggregate``), then commit it (``PrivateRun.commit``)."""
-    report = run.aggregate(updates, rejected, values)
+    report = run.aggregate(updates, rejected) if values is None else run.aggregate(updates, rejected, values)
     return run.commit(), report
 
 
