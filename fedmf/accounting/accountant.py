@@ -193,7 +193,7 @@ def calibrate(mechanism: "Mechanism", epsilon: float, delta: float, schema: "Sch
     except ConfigError as e:
         if releases is None or releases.count_only or "alone spends" not in str(e):
             raise
-        raise ConfigError(f"{releases.what()} alone spend the whole privacy budget (epsilon {epsilon:g}): raise "
+        raise ConfigError(f"{releases.what()} alone would spend the whole privacy budget (epsilon {epsilon:g}): raise "
                           "client-metrics-noise (or adaptive-clipping-count-noise) or the target epsilon") from None
     details.update(more)
     if releases is not None:
