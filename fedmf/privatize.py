@@ -18,6 +18,10 @@ the normalized sum Σ clip(Δᵢ, ζₜ)/ζₜ (sensitivity 1 per participation)
 (``plan.std_per_clip``), then scales back by ζₜ (post-processing): the released noise is
 ζₜ·z·sens·(C⁻¹Z)ₜ/m. It also releases the count of summed updates with norm ≤ ζₜ plus
 N(0, σ_b²) (``fedmf.count_noise``) and moves to ζₜ₊₁ = ``next_clip_norm(ζₜ, count, m)``.
+
+With a private client-metric release (``plan.client_metrics``, ``fedmf.client_metrics``) round t also
+releases (Σ clip(vᵢ, 0, L) + N(0, σ_m²)) / m over the contributed users' reported values, its noise
+from its own keyed stream under the round's salt (``fedmf.count_noise.metric_noise``).
 """
 
 from __future__ import annotations

@@ -189,7 +189,9 @@ class RoundReplies:
         self.updates.add(user, arrays)
         metrics = content.metric_records.get("metrics")
         if metrics is not None and "train-loss" in metrics:
-            self._losses[user] = metrics.get("train-loss")  # num-examples is never read: no weighting
+            value = metrics.get("train-loss")  # num-examples is never read: no weighting
+            # a number as sent (a list, say, is kept as None: it counts as 0 in the private release)
+            self._losses[user] = value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
         return None
 
     def losses(self) -> dict[str, Any]:

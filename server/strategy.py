@@ -174,11 +174,19 @@ class DPMFStrategy(Strategy):
         return None
 
     def summary(self) -> None:
-        """Log the plan and the reply bound (two lines); ``start`` calls it first."""
+        """Log the plan, what is published of the client metrics and the reply bound (three lines); ``start``
+        calls it first."""
         plan = self.run.plan
         log.info("fedmf DP-MF strategy: %s mechanism, %d rounds, %s, sampling %s, clip %g, z %.4g, noise std %.4g, "
                  "epsilon %.4g at delta %g", plan.mechanism.kind, plan.rounds, plan.schema.name, plan.sampling,
                  plan.clip_norm, plan.noise_multiplier, plan.noise_std, plan.epsilon(), plan.delta)
+        metrics = plan.client_metrics
+        if metrics is None:
+            log.info("fedmf: client metrics: none published (client-metrics = \"none\")")
+        else:
+            log.info("fedmf: client metrics: the training loss released privately, clipped to [0, %g], noise std "
+                     "%g on the sum, %.3g of the privacy spent", metrics.clip, metrics.noise_std,
+                     plan.summary()["privacy_split"]["client-metrics"])
         log.info("fedmf: a reply holds the records arrays, config and metrics only, its arrays at most %d bytes "
                  "(the model in float64 as .npy); anything else is rejected",
                  max_update_bytes(self.run.privatizer.layout))
