@@ -349,3 +349,49 @@ def test_the_server_apps_private_release_ignores_num_examples_and_hides_the_secr
         if secret.is_file():
             data = secret.read_bytes()
             assert data.hex() not in text and data[:16].hex() not in text
+
+
+# ---- configuration and CLI -----------------------------------------------------------------------------
+def test_config_keys_build_the_release_and_refuse_bad_values():
+    config = RunConfig.from_mapping({"client-metrics": "private", "client-metrics-clip": 3.0,
+                                     "client-metrics-noise": 0.4, "rounds": 4})
+    plan = config.build_plan()
+    assert plan.client_metrics == ClientMetricRelease(3.0, 0.4)
+    default = RunConfig.from_mapping({"client-metrics": "private", "rounds": 4}).build_plan()
+    assert default.client_metrics == ClientMetricRelease(10.0, 10.0 * 5 / 20)  # L = 10, σ_m = L·m/20
+    assert RunConfig.from_mapping({"rounds": 4}).build_plan().client_metrics is None  # the default: none
+    for bad in ({"client-metrics": "exact"}, {"client-metrics-clip": 0.0}, {"client-metrics-noise": -1.0},
+                {"client-metrics-clip": "inf"}):
+        with pytest.raises(ConfigError) as info:
+            RunConfig.from_mapping(bad)
+        assert "client-metrics" in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("argv", [["--client-metrics", "exact"], ["--client-metrics-clip", "2"],
+                                  ["--client-metrics", "private", "--client-metrics-noise", "0"],
+                                  ["--client-metrics", "private", "--client-metrics-clip", "-1"]])
+def test_bad_client_metric_flags_exit_2_with_one_line(tmp_path, argv, capsys):
+    from fedmf.cli import main
+
+    try:
+        code = main(["simulate", "--preset", "tiny", "--out", str(tmp_path / "o"), *argv])
+    except SystemExit as e:  # argparse: a choice it does not know
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert (err.startswith("fedmf: error:") and len(err.strip().splitlines()) == 1) or "usage:" in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_simulate_with_private_client_metrics_writes_only_the_noisy_value(tmp_path, capsys):
+    from fedmf.cli import main
+
+    out = tmp_path / "o"
+    assert main(["simulate", "--preset", "tiny", "--rounds", "4", "--out", str(out), "--no-plot", "--quiet",
+                 "--client-metrics", "private", "--client-metrics-clip", "3", "--client-metrics-noise", "0.5"]) == 0
+    history = json.loads((out / "results.json").read_text())["history"]
+    assert len(history) == 4
+    for h in history:
+        assert "noisy-train-loss" in h["metrics"] and "train-loss" not in h["metrics"]
+    report = audit(str(out / "ledger.db"), 1)
+    assert report.planned["extra_releases"] == [{"name": CLIENT_METRICS, "sensitivity": 3.0, "noise_std": 0.5}]
