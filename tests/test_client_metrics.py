@@ -35,7 +35,7 @@ from fedmf.run import REPEATABLE_NOISE_ENV
 from fedmf.tasks.base import LocalResult
 
 from . import _federated_task as task
-from .test_accounting_count import analytic_epsilon, check_cyclic
+from .test_accounting_count import analytic_epsilon, check_cyclic, pld_of
 
 SCHEMA = MinSep(8, 4)  # k = 4 participations in n = 64 rounds
 CYCLIC = MinSep(16, 4)
@@ -93,17 +93,31 @@ def test_the_count_alone_is_unchanged_through_the_description(bsr):
     assert a.noise_multiplier == b.noise_multiplier
 
 
-def test_cyclic_poisson_composes_the_metric_per_step(bsr):
-    z, clip, sigma_m, sigma_b, q, delta = 1.0, 2.0, 10.0, 5.0, 0.25, 1e-12
+def _cyclic_case(bsr):
+    """Our cyclic-Poisson ε with the count and the metric release, and the per-step event built here:
+    PoissonSampled(q, Gaussian(z_step)) with 1/z_step² = col²/σ_u² + 1/σ_b² + L²/σ_m²."""
+    z, clip, sigma_m, sigma_b, q, delta = 1.0, 2.0, 10.0, 5.0, 0.25, 1e-6
     releases = ExtraReleases.of(GaussianRelease(COUNT, 1.0, sigma_b), metric(clip, sigma_m))
     result = epsilon(bsr, z, delta, CYCLIC, sampling=f"cyclic-poisson:{q}", releases=releases)
     c = bsr.strategy_matrix()
     col = float(np.sqrt((c**2).sum(axis=0)).max())
     std = z * bsr.sensitivity(CYCLIC).value
     z_step = 1 / math.sqrt(col**2 / std**2 + 1 / sigma_b**2 + clip**2 / sigma_m**2)
-    step = dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z_step))
-    check_cyclic(result.epsilon, step, 4, delta)
+    return result, dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z_step)), delta
+
+
+def test_cyclic_poisson_composes_the_metric_per_step(bsr):
+    result, step, delta = _cyclic_case(bsr)
+    # dp_accounting's PLD of the step composed with itself over the 4 steps (the full check_cyclic of
+    # test_accounting_count — step by step and RDP too — is the heavy variant below)
+    assert result.epsilon == pytest.approx(pld_of([dp_accounting.SelfComposedDpEvent(step, 4)], delta), rel=1e-9)
     assert result.rho is None
+
+
+@pytest.mark.heavy
+def test_cyclic_poisson_composes_the_metric_per_step_in_full(bsr):
+    result, step, delta = _cyclic_case(bsr)
+    check_cyclic(result.epsilon, step, 4, delta)
 
 
 def test_calibration_inverts_epsilon_with_the_metric_release(bsr):
@@ -388,10 +402,10 @@ def test_simulate_with_private_client_metrics_writes_only_the_noisy_value(tmp_pa
 
     out = tmp_path / "o"
     assert main(["simulate", "--preset", "tiny", "--rounds", "4", "--out", str(out), "--no-plot", "--quiet",
-                 "--client-metrics", "private", "--client-metrics-clip", "3", "--client-metrics-noise", "0.5"]) == 0
+                 "--client-metrics", "private", "--client-metrics-clip", "3", "--client-metrics-noise", "6"]) == 0
     history = json.loads((out / "results.json").read_text())["history"]
     assert len(history) == 4
     for h in history:
         assert "noisy-train-loss" in h["metrics"] and "train-loss" not in h["metrics"]
     report = audit(str(out / "ledger.db"), 1)
-    assert report.planned["extra_releases"] == [{"name": CLIENT_METRICS, "sensitivity": 3.0, "noise_std": 0.5}]
+    assert report.planned["extra_releases"] == [{"name": CLIENT_METRICS, "sensitivity": 3.0, "noise_std": 6.0}]
