@@ -36,6 +36,11 @@ __all__ = ["GaussianRelease", "ExtraReleases", "COUNT", "CLIENT_METRICS"]
 COUNT = "count"
 CLIENT_METRICS = "client-metrics"
 _WHAT = {COUNT: "adaptive clipping's count release", CLIENT_METRICS: "the private client-metric release"}
+#: the run-config keys that set each release's std (for one-line errors)
+_KEY = {COUNT: "adaptive-clipping-count-noise", CLIENT_METRICS: "client-metrics-noise"}
+#: the largest Δ/σ accepted: the formulas square it times k (count_release (1), (2)), which must stay finite in
+#: float64; a release this exact spends ε beyond 1e150 anyway
+MAX_INVERSE_MULTIPLIER = 1e150
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,9 @@ class GaussianRelease:
             raise ConfigError(f"unknown release {self.name!r} (known: {', '.join(_WHAT)})")
         checks.positive(f"{self.name} sensitivity", self.sensitivity)
         checks.positive(f"{self.name} noise std", self.noise_std)
+        if not self.sensitivity / self.noise_std <= MAX_INVERSE_MULTIPLIER:  # also inf: σ/Δ underflows to 0
+            raise ConfigError(f"{_KEY[self.name]}: noise std {self.noise_std:g} is too small for sensitivity "
+                              f"{self.sensitivity:g} (at least {1 / MAX_INVERSE_MULTIPLIER:g} times it)")
 
     @property
     def unit_std(self) -> float:
