@@ -45,6 +45,11 @@ is a one-line ``ConfigError`` before round 1. ``DEFAULTS`` is the one defaults t
     identity-timeout  30.0                        seconds to wait for identity replies (then backoff per node)
     budget-key        ""                          the ledger's budget secret file (``fedmf budget``); needed
                                                   when the ledger enforces lifetime per-user budgets
+    client-metrics    "none" | "private"          what leaves the server of the clients' reported training
+                                                  loss: nothing, or its private release (fedmf.client_metrics:
+                                                  clipped, summed, Gaussian noise, ÷ clients-per-round; accounted)
+    client-metrics-clip 10.0                      L: each client's loss is clipped to [0, L]
+    client-metrics-noise 0.0                      σ_m, std of the noise on the sum (0: L · clients-per-round / 20)
 """
 
 from __future__ import annotations
@@ -73,6 +78,7 @@ DEFAULTS: dict[str, Any] = {
     "identity": "enrolled", "user-enrollment": "", "identity-timeout": 30.0,
     "adaptive-clipping": 0.0, "adaptive-clipping-lr": 0.2, "adaptive-clipping-count-noise": 0.0,
     "budget-key": "",
+    "client-metrics": "none", "client-metrics-clip": 10.0, "client-metrics-noise": 0.0,
 }
 
 
@@ -144,6 +150,9 @@ class RunConfig:
     adaptive_clipping_lr: float = 0.2
     adaptive_clipping_count_noise: float | None = None  # σ_b; None: clients-per-round / 20
     budget_key: str | None = None  # the budget secret file (absolute); None: the ledger has no budgets
+    client_metrics: str = "none"  # "none": nothing of the clients' metrics is published; "private": its release
+    client_metrics_clip: float = 10.0  # L
+    client_metrics_noise: float | None = None  # σ_m; None: L · clients-per-round / 20
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -200,6 +209,13 @@ class RunConfig:
         count_noise = _float("adaptive-clipping-count-noise", v["adaptive-clipping-count-noise"])
         enrollment = _text("user-enrollment", v["user-enrollment"])
         budget_key = _text("budget-key", v["budget-key"])
+        client_metrics = _text("client-metrics", v["client-metrics"])
+        if client_metrics not in ("none", "private"):
+            raise ConfigError(f"client-metrics must be none or private, got {client_metrics!r}")
+        metrics_clip = _float("client-metrics-clip", v["client-metrics-clip"], strict=True)
+        metrics_noise = _float("client-metrics-noise", v["client-metrics-noise"])
+        if not (math.isfinite(metrics_clip) and math.isfinite(metrics_noise)):
+            raise ConfigError("client-metrics-clip and client-metrics-noise must be finite")
         if enrollment and identity != "enrolled":
             raise ConfigError("user-enrollment is set but identity is declared-insecure: choose one")
         return cls(
@@ -223,6 +239,8 @@ class RunConfig:
             adaptive_clipping=gamma or None, adaptive_clipping_lr=clip_lr,
             adaptive_clipping_count_noise=count_noise or None,
             budget_key=str(base / budget_key) if budget_key else None,
+            client_metrics=client_metrics, client_metrics_clip=metrics_clip,
+            client_metrics_noise=metrics_noise or None,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -275,8 +293,14 @@ class RunConfig:
             adaptive = AdaptiveClipping.create(self.adaptive_clipping, expected_users=self.clients_per_round,
                                                learning_rate=self.adaptive_clipping_lr,
                                                count_noise_std=self.adaptive_clipping_count_noise)
+        metrics = None
+        if self.client_metrics == "private":
+            from .client_metrics import ClientMetricRelease
+
+            metrics = ClientMetricRelease.create(self.client_metrics_clip, self.client_metrics_noise,
+                                                 expected_users=self.clients_per_round)
         return RunPlan.create(mechanism, self.participation_schema(), clip_norm=self.clip_norm, delta=self.delta,
                               expected_users=self.clients_per_round, noise_multiplier=self.noise_multiplier,
                               target_epsilon=self.target_epsilon, sampling=self.sampling,
                               zero_threshold=self.zero_threshold, accountant=self.accountant,
-                              adaptive_clipping=adaptive)
+                              adaptive_clipping=adaptive, client_metrics=metrics)

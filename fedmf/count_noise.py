@@ -1,4 +1,5 @@
-"""The Gaussian noise on adaptive clipping's count of unclipped updates: its own stream.
+"""The Gaussian noise on adaptive clipping's count of unclipped updates (and on the private client-metric
+release's sum): each its own stream.
 
 Round t's draw N(0, σ_b²) (Andrew et al., NeurIPS 2021, Alg. 1: b̃ₜ = Σ bᵢ + N(0, σ_b²)) comes from
 ``fedmf.normal`` seeded with a keyed hash of the run's noise secret, the round and the round's
@@ -22,14 +23,27 @@ import torch
 
 from .normal import fill_normal
 
-__all__ = ["count_noise", "PERSON"]
+__all__ = ["count_noise", "metric_noise", "PERSON", "METRIC_PERSON"]
 
 PERSON = b"fedmf-count-v1"
+#: the private client-metric release's stream (``fedmf.client_metrics``): the same construction under
+#: its own personalization, so it never shares a seed with the count or the correlated noise
+METRIC_PERSON = b"fedmf-metric-v1"
+
+
+def _keyed_normal(key: bytes, t: int, salt: bytes, person: bytes) -> float:
+    digest = hashlib.blake2b(struct.pack("<Q", t), key=key, salt=salt, person=person, digest_size=16).digest()
+    out = torch.empty(1, dtype=torch.float64)
+    fill_normal(out, int.from_bytes(digest, "little"))
+    return float(out[0])
 
 
 def count_noise(key: bytes, t: int, salt: bytes, std: float) -> float:
     """Round t's noise on the count of unclipped updates, ``std``·N(0, 1), in float64."""
-    digest = hashlib.blake2b(struct.pack("<Q", t), key=key, salt=salt, person=PERSON, digest_size=16).digest()
-    out = torch.empty(1, dtype=torch.float64)
-    fill_normal(out, int.from_bytes(digest, "little"))
-    return float(std) * float(out[0])
+    return float(std) * _keyed_normal(key, t, salt, PERSON)
+
+
+def metric_noise(key: bytes, t: int, salt: bytes, std: float) -> float:
+    """Round t's noise on the sum of the clipped client metric, ``std``·N(0, 1), in float64 (seed as
+    above with person "fedmf-metric-v1")."""
+    return float(std) * _keyed_normal(key, t, salt, METRIC_PERSON)

@@ -34,6 +34,7 @@ from .plan import RunPlan
 from .progress import ProgressBar, ProgressCallback, Step
 from .round_loop import CohortStep, Contributions, run_rounds
 from .run import EVENTS, PrivateRun, RoundRecord
+from .client_metrics import METRIC as CLIENT_METRIC
 from .schedule import Selection
 
 __all__ = ["train", "TrainResult", "RoundRecord", "LocalUpdate", "LocalUpdates", "EVENTS"]
@@ -71,14 +72,32 @@ def round_progress(record: RoundRecord, total: int, start: int) -> Step:
                 final=record.round + 1 >= total, start=start)
 
 
+def _split(result: Any) -> tuple[Any, Any]:
+    """A local update's result → (update, reported train-loss or None): an update (a mapping), or a
+    task's ``LocalResult`` (``update`` and ``metrics``)."""
+    if result is None or isinstance(result, Mapping) or not hasattr(result, "update"):
+        return result, None
+    metrics = getattr(result, "metrics", None)
+    return result.update, metrics.get(CLIENT_METRIC) if isinstance(metrics, Mapping) else None
+
+
 def _local_cohort(run: PrivateRun, local_update: LocalUpdate | None,
                   local_updates: LocalUpdates | None) -> CohortStep:
     """The in-process cohort step: the selected users who are reachable train on a copy of the
-    committed model (one at a time, or together through ``local_updates``)."""
+    committed model (one at a time, or together through ``local_updates``). A result may be a task's
+    ``LocalResult``: its reported train-loss then goes to the plan's private client-metric release
+    (``fedmf.client_metrics``) and nowhere else."""
 
     def cohort(selection: Selection) -> Contributions:
         t = selection.round
         updates: dict[Hashable, Any] = {}
+        values: dict[Hashable, Any] = {}
+
+        def keep(user: Hashable, result: Any) -> None:
+            update, value = _split(result)
+            if update is not None:
+                updates[user] = update
+                values[user] = value
         if local_updates is not None:
             reachable = list(selection.reachable)
             if reachable:
@@ -88,13 +107,12 @@ def _local_cohort(run: PrivateRun, local_update: LocalUpdate | None,
                 if strays:  # e.g. keys "3" for a user 3: every user would silently drop out
                     raise ConfigError(f"local_updates returned users that were not asked for in round "
                                       f"{t}: {strays[:3]!r}")
-                updates = {user: batch[user] for user in reachable if batch.get(user) is not None}
+                for user in reachable:
+                    keep(user, batch.get(user))
         else:
             for user in selection.reachable:
-                update = local_update(run.global_params(), user, t)
-                if update is not None:
-                    updates[user] = update
-        return updates, None
+                keep(user, local_update(run.global_params(), user, t))
+        return updates, None, values if run.plan.client_metrics is not None else None
 
     return cohort
 

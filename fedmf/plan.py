@@ -24,6 +24,7 @@ import numpy as np
 
 from . import checks
 from .adaptive_clipping import AdaptiveClipping
+from .client_metrics import ClientMetricRelease
 from .accounting.sampling import Sampling, parse_sampling
 from .errors import ConfigError, HorizonReached, PlanMismatch, PrivacyBudgetExceeded
 from .participation import FixedEpoch, MinSep, schema_from_dict
@@ -63,13 +64,17 @@ class RunPlan:
     calibration: dict[str, Any] = field(default_factory=dict, compare=False)
     #: None: ζ is fixed; else ζ₀ = clip_norm adapts each round (fedmf.adaptive_clipping)
     adaptive_clipping: AdaptiveClipping | None = None
+    #: None: nothing of the clients' reported metrics is released; else their private release
+    #: (fedmf.client_metrics), composed into the accounting
+    client_metrics: ClientMetricRelease | None = None
 
     # ---- construction ----------------------------------------------------------------
     @classmethod
     def create(cls, mechanism: "Mechanism", schema: MinSep | FixedEpoch, *, clip_norm: float, delta: float,
                expected_users: float, noise_multiplier: float | None = None, target_epsilon: float | None = None,
                sampling: Sampling | str | None = None, zero_threshold: float | None | str = "default",
-               accountant: str = "pld", adaptive_clipping: AdaptiveClipping | None = None) -> "RunPlan":
+               accountant: str = "pld", adaptive_clipping: AdaptiveClipping | None = None,
+               client_metrics: ClientMetricRelease | None = None) -> "RunPlan":
         """Validate every value once; with ``target_epsilon`` (and no ``noise_multiplier``)
         calibrate z for (ε, δ) with the plan's accountant and sampling (cached by fedmf.accounting)."""
         from .mechanisms.base import Mechanism
@@ -96,12 +101,13 @@ class RunPlan:
         sampling.check_delta(delta)
         if adaptive_clipping is not None and not isinstance(adaptive_clipping, AdaptiveClipping):
             raise ConfigError(f"adaptive_clipping must be an AdaptiveClipping, got {type(adaptive_clipping).__name__}")
-        count_noise_std = None
-        if adaptive_clipping is not None:
+        if client_metrics is not None and not isinstance(client_metrics, ClientMetricRelease):
+            raise ConfigError(f"client_metrics must be a ClientMetricRelease, got {type(client_metrics).__name__}")
+        releases = _extra_releases(adaptive_clipping, client_metrics)
+        if releases is not None:
             from .accounting import count_release
 
-            count_release.check_sampling(sampling)
-            count_noise_std = adaptive_clipping.count_noise_std
+            count_release.check_sampling(sampling, releases)
         calibration: dict[str, Any] = {}
         if z is None:
             if eps is None:
@@ -109,11 +115,11 @@ class RunPlan:
             from .accounting import calibrate
 
             result = calibrate(mechanism, eps, delta, schema, sampling=sampling, accountant=accountant,
-                               count_noise_std=count_noise_std)
+                               releases=releases)
             z = float(result.noise_multiplier)
             calibration = {"accountant": result.accountant, "guarantee": result.guarantee}
         plan = cls(mechanism, schema, sampling, zeta, z, delta, m, threshold, accountant, eps, calibration,
-                   adaptive_clipping)
+                   adaptive_clipping, client_metrics)
         if not plan.sensitivity.value > 0:
             raise ConfigError("the mechanism has zero sensitivity under this schema")
         return plan
@@ -154,12 +160,25 @@ class RunPlan:
         """σ_b of adaptive clipping's count release (None: ζ is fixed, no count is released)."""
         return None if self.adaptive_clipping is None else self.adaptive_clipping.count_noise_std
 
+    @property
+    def extra_releases(self):
+        """The Gaussian releases of each participation besides the MF mechanism (adaptive clipping's
+        count, the private client-metric release) as the accountant reads them
+        (``fedmf.accounting.releases.ExtraReleases``), or None."""
+        return _extra_releases(self.adaptive_clipping, self.client_metrics)
+
+    @property
+    def extra_noise_std(self) -> float | None:
+        """σ_unit of the extra releases (``fedmf.accounting.releases`` (R); σ_b with the count alone), or None."""
+        releases = self.extra_releases
+        return None if releases is None else releases.unit_std
+
     @cached_property
     def _accounting(self):
         from .accounting import epsilon
 
         return epsilon(self.mechanism, self.noise_multiplier, self.delta, self.schema, sampling=self.sampling,
-                       accountant=self.accountant, count_noise_std=self.count_noise_std)
+                       accountant=self.accountant, releases=self.extra_releases)
 
     def epsilon(self) -> float:
         """ε of the whole run at δ (as planned; with adaptive clipping's count release composed in)."""
@@ -175,7 +194,7 @@ class RunPlan:
 
         return epsilon_by_round(self.mechanism, self.noise_multiplier, self.delta, self.schema,
                                 sampling=self.sampling, accountant=self.accountant, final=self.epsilon(),
-                                count_noise_std=self.count_noise_std)
+                                releases=self.extra_releases)
 
     @cached_property
     def _epsilon_by_round(self) -> np.ndarray:
@@ -226,7 +245,8 @@ class RunPlan:
     # ---- serialization ---------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready description; the mechanism appears as its kind and fingerprint (a plan
-        without adaptive clipping has no ``adaptive_clipping`` key: its fingerprint is unchanged)."""
+        without adaptive clipping has no ``adaptive_clipping`` key, one without a client-metric release no
+        ``client_metrics`` key: their fingerprints are unchanged)."""
         out = {
             "format": PLAN_FORMAT,
             "mechanism": {"kind": self.mechanism.kind, "rounds": self.rounds,
@@ -243,6 +263,8 @@ class RunPlan:
         }
         if self.adaptive_clipping is not None:
             out["adaptive_clipping"] = self.adaptive_clipping.to_dict()
+        if self.client_metrics is not None:
+            out["client_metrics"] = self.client_metrics.to_dict()
         return out
 
     @cached_property
@@ -261,11 +283,13 @@ class RunPlan:
             schema = schema_from_dict(data["schema"])
             adaptive = data.get("adaptive_clipping")
             adaptive = None if adaptive is None else AdaptiveClipping.from_dict(adaptive)
+            metrics = data.get("client_metrics")
+            metrics = None if metrics is None else ClientMetricRelease.from_dict(metrics)
             return cls.create(mechanism, schema, clip_norm=data["clip_norm"], delta=data["delta"],
                               expected_users=data["expected_users"], noise_multiplier=data["noise_multiplier"],
                               target_epsilon=data["target_epsilon"], sampling=data["sampling"],
                               zero_threshold=data["zero_threshold"], accountant=data["accountant"],
-                              adaptive_clipping=adaptive)
+                              adaptive_clipping=adaptive, client_metrics=metrics)
         except (KeyError, TypeError) as e:
             raise PlanMismatch(f"malformed run plan (missing or bad field {e})") from None
 
@@ -284,5 +308,13 @@ class RunPlan:
         if self.rho() is None:
             out["rho_note"] = self._accounting.details["rho_note"]
         if "privacy_split" in self._accounting.details:
-            out["privacy_split"] = self._accounting.details["privacy_split"]  # fractions of μ²: MF vs the count
+            # fractions of μ² (of ρ): the MF mechanism, the count, the client-metric release
+            out["privacy_split"] = self._accounting.details["privacy_split"]
         return out
+
+
+def _extra_releases(adaptive: AdaptiveClipping | None, metrics: ClientMetricRelease | None):
+    from .accounting.releases import ExtraReleases, GaussianRelease, COUNT
+
+    count = None if adaptive is None else GaussianRelease(COUNT, 1.0, adaptive.count_noise_std)
+    return ExtraReleases.of(count, None if metrics is None else metrics.release())

@@ -18,6 +18,10 @@ the normalized sum Σ clip(Δᵢ, ζₜ)/ζₜ (sensitivity 1 per participation)
 (``plan.std_per_clip``), then scales back by ζₜ (post-processing): the released noise is
 ζₜ·z·sens·(C⁻¹Z)ₜ/m. It also releases the count of summed updates with norm ≤ ζₜ plus
 N(0, σ_b²) (``fedmf.count_noise``) and moves to ζₜ₊₁ = ``next_clip_norm(ζₜ, count, m)``.
+
+With a private client-metric release (``plan.client_metrics``, ``fedmf.client_metrics``) round t also
+releases (Σ clip(vᵢ, 0, L) + N(0, σ_m²)) / m over the contributed users' reported values, its noise
+from its own keyed stream under the round's salt (``fedmf.count_noise.metric_noise``).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from typing import Any, Collection, Hashable, Iterable, Mapping
 import torch
 
 from . import checks
-from .count_noise import count_noise
+from .count_noise import count_noise, metric_noise
 from .errors import CheckpointError, ConfigError, PlanMismatch, RoundOrderError
 from .noise import SALT_BYTES, NoiseGenerator, key_of
 from .plan import RunPlan
@@ -102,6 +106,9 @@ class RoundReport:
     #: summed updates with norm ≤ ζₜ (released: ζₜ₊₁ follows from it)
     clip_norm: float | None = None
     noisy_unclipped: float | None = None
+    #: the private client-metric release only (else None): (Σ clip(vᵢ, 0, L) + N(0, σ_m²)) / m over the
+    #: contributed users (fedmf.client_metrics)
+    noisy_client_metric: float | None = None
 
     @property
     def contributed(self) -> list[UserReport]:
@@ -158,11 +165,12 @@ class RoundPrivatizer:
         self._salted = not repeatable_noise
         #: ζ of the next round (adaptive clipping: ζ₀ = plan.clip_norm, then the update rule's)
         self.clip_norm = float(plan.clip_norm)
+        # the run's noise key: the correlated noise's, and the scalar releases' streams (fedmf.count_noise)
+        self._key = secrets.token_bytes(32) if seed is None else key_of(seed)
         if self.adaptive is None:
             self.noise = NoiseGenerator(plan.mechanism, self.layout, plan.noise_std, dtype=work, device=device,
-                                        seed=seed, salted=not repeatable_noise)
+                                        seed=self._key, salted=not repeatable_noise)
         else:  # noise on the normalized sum Σ clip(Δ, ζₜ)/ζₜ, whose sensitivity is 1 per participation
-            self._key = secrets.token_bytes(32) if seed is None else key_of(seed)
             self.noise = NoiseGenerator(plan.mechanism, self.layout, plan.std_per_clip, dtype=work, device=device,
                                         seed=self._key, salted=not repeatable_noise)
         self.device, self.dtype, self._work = self.noise.device, dtype, work
@@ -249,26 +257,42 @@ class RoundPrivatizer:
         report.users.append(result)
         return result
 
-    def finish(self) -> tuple[dict[str, torch.Tensor], RoundReport]:
+    def finish(self, values: Mapping[Hashable, Any] | None = None) -> tuple[dict[str, torch.Tensor], RoundReport]:
         """Draw round t's noise (only now: the sum is complete), add it once, divide by the
-        planned expected number of users; returns the mean update in the layout and the report."""
+        planned expected number of users; returns the mean update in the layout and the report.
+        ``values``: user → the client-reported metric, read only by the private client-metric release
+        (``plan.client_metrics``; only the contributed users' values count)."""
         report = self._require_open()
+        salt = secrets.token_bytes(SALT_BYTES) if self._salted else None
+        self._release_client_metric(report, values, salt)
         if self.adaptive is not None:
-            return self._finish_adaptive(report)
-        noise = self.noise.next(out=self._noise_buffer)  # σ·(C⁻¹Z)_t, Multi-Epoch MF Sec. 2
+            return self._finish_adaptive(report, salt)
+        noise = self.noise.next(out=self._noise_buffer, salt=salt)  # σ·(C⁻¹Z)_t, Multi-Epoch MF Sec. 2
         flat_noise = noise if isinstance(noise, torch.Tensor) else self._noise_buffer
         mean = torch.add(self._sum, flat_noise).div_(self.plan.expected_users)
         self._open = None
         self._selected = None
         return self._unflatten(mean.to(self.dtype)), report
 
-    def _finish_adaptive(self, report: RoundReport) -> tuple[dict[str, torch.Tensor], RoundReport]:
+    def _release_client_metric(self, report: RoundReport, values: Mapping[Hashable, Any] | None,
+                               salt: bytes | None) -> None:
+        """The private client-metric release (``fedmf.client_metrics``): each contributed user's value
+        clipped to [0, L] (missing or not finite: 0), summed, N(0, σ_m²) from the round's keyed stream
+        (the round's salt: a redone round draws afresh), ÷ the planned m."""
+        release = self.plan.client_metrics
+        if release is None:
+            return
+        given = {_user_order(u): v for u, v in (values or {}).items()}
+        contributed = [given.get(_user_order(u.user)) for u in report.contributed]
+        noise = metric_noise(self._key, report.round, salt or b"", release.noise_std)
+        report.noisy_client_metric = release.noisy_mean(contributed, noise, self.plan.expected_users)
+
+    def _finish_adaptive(self, report: RoundReport, salt: bytes | None) -> tuple[dict[str, torch.Tensor], RoundReport]:
         """Adaptive clipping's end of round t: noise the normalized sum with z·sens·(C⁻¹Z)ₜ, scale back by
         ζₜ and divide by m (post-processing of the normalized mechanism); release the noisy count of
         the summed updates with norm ≤ ζₜ (a zeroed update's norm exceeds ζₜ: not counted) and set ζₜ₊₁
         (Andrew et al., NeurIPS 2021, Alg. 1)."""
         t, zeta, m = report.round, self.clip_norm, self.plan.expected_users
-        salt = secrets.token_bytes(SALT_BYTES) if self._salted else None
         noise = self.noise.next(out=self._noise_buffer, salt=salt)  # z·sens·(C⁻¹Z)_t
         flat_noise = noise if isinstance(noise, torch.Tensor) else self._noise_buffer
         mean = torch.add(self._sum, flat_noise).mul_(zeta / m)
@@ -286,10 +310,11 @@ class RoundPrivatizer:
         self._open = None
         self._selected = None
 
-    def privatize(self, t: int, updates: Mapping[Hashable, object],
-                  selected: Collection[Hashable] | None = None) -> tuple[dict[str, torch.Tensor], RoundReport]:
+    def privatize(self, t: int, updates: Mapping[Hashable, object], selected: Collection[Hashable] | None = None,
+                  values: Mapping[Hashable, Any] | None = None) -> tuple[dict[str, torch.Tensor], RoundReport]:
         """Round t in one call. Updates are summed in the order of ``str(user)``, so the result
-        does not depend on the order in which they arrived."""
+        does not depend on the order in which they arrived. ``values``: the client-reported metric
+        (``finish``)."""
         self.begin(t, selected)
         try:
             for user in sorted(updates, key=_user_order):
@@ -297,7 +322,7 @@ class RoundPrivatizer:
         except BaseException:
             self.abort()
             raise
-        return self.finish()
+        return self.finish(values)
 
     # ---- checkpointing ---------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

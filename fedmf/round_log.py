@@ -1,9 +1,10 @@
 """The round log: one JSON line per released round, appended only after the round's ledger commit.
 
 ``<run-dir>/rounds.jsonl`` (0600) keeps what each released round reported — the ``RoundRecord``
-with the metrics its driver added (server-side evaluation, the clients' mean training loss) — so that
-``results.json`` and ``progress.png`` can be rebuilt for the whole run by any later process: a re-run,
-a resume after a kill, the other backend's reader. A line holds the run id, the round, the SHA-256 of
+with its released metrics and those its driver added (server-side evaluation; the private client-metric
+release's noisy-train-loss, never a value a client sent) — so that ``results.json`` and ``progress.png``
+can be rebuilt for the whole run by any later process: a re-run, a resume after a kill, the other
+backend's reader. A line holds the run id, the round, the SHA-256 of
 the checkpoint the ledger's commit names, and the record; nothing in it is per user or secret, and it
 is written only once the round may be released (``PrivateRun.released``).
 

@@ -32,8 +32,10 @@ __all__ = ["run_rounds", "play_round", "settle", "LoopEnd", "Contributions", "Co
 
 T = TypeVar("T")
 #: a round's updates, user → update (a mapping name → tensor), and the users whose reply was
-#: refused before it reached the engine, user → reason (None: none)
-Contributions = tuple[Mapping[Hashable, Any], Mapping[Hashable, str] | None]
+#: refused before it reached the engine, user → reason (None: none); optionally third, the users'
+#: reported training loss, user → value (read only by a private client-metric release)
+Contributions = (tuple[Mapping[Hashable, Any], Mapping[Hashable, str] | None]
+                 | tuple[Mapping[Hashable, Any], Mapping[Hashable, str] | None, Mapping[Hashable, Any] | None])
 #: the cohort step: the round's selection → the selected users' contributions
 CohortStep = Callable[[Selection], Contributions]
 #: ``retry(t, step, stage)`` runs ``step()`` for round t, and may run it again after a failure
@@ -76,19 +78,19 @@ class LoopEnd:
         return self.reason if self.stop is None else f"guard: {self.stop}"
 
 
-def settle(run: PrivateRun, updates: Mapping[Hashable, Any],
-           rejected: Mapping[Hashable, str] | None = None) -> tuple[RoundRecord, RoundReport]:
+def settle(run: PrivateRun, updates: Mapping[Hashable, Any], rejected: Mapping[Hashable, str] | None = None,
+           values: Mapping[Hashable, Any] | None = None) -> tuple[RoundRecord, RoundReport]:
     """Aggregate the open round's contributions (validate, zero, clip, sum, noise, ÷ planned
     users, optimizer step: ``PrivateRun.aggregate``), then commit it (``PrivateRun.commit``)."""
-    report = run.aggregate(updates, rejected)
+    report = run.aggregate(updates, rejected) if values is None else run.aggregate(updates, rejected, values)
     return run.commit(), report
 
 
 def play_round(run: PrivateRun, available: Iterable[Hashable], cohort: CohortStep) -> tuple[RoundRecord, RoundReport]:
     """One round up to its commit: select among ``available``, ``cohort(selection)``, ``settle``."""
     selection = run.select(available)
-    updates, rejected = cohort(selection)
-    return settle(run, updates, rejected)
+    updates, rejected, *values = cohort(selection)
+    return settle(run, updates, rejected, values[0] if values else None)
 
 
 def run_rounds(run: PrivateRun, end: int, available: Callable[[int], Iterable[Hashable]], cohort: CohortStep, *,

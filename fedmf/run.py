@@ -37,6 +37,7 @@ from typing import Any, Callable, Hashable, Iterable, Mapping
 import torch
 
 from .checkpoint import CheckpointStore, RunSecrets
+from .client_metrics import RELEASED as CLIENT_METRIC_RELEASED
 from .errors import CheckpointError, ConfigError, FedmfError, RoundOrderError
 from .files import atomic_write, lock_directory
 from .participation import MinSep
@@ -356,7 +357,7 @@ class PrivateRun:
             return None
         plan = self.plan
         return account_observed(plan.mechanism, plan.noise_multiplier, plan.delta, observed, plan.schema,
-                                accountant=plan.accountant, count_noise_std=plan.count_noise_std).epsilon
+                                accountant=plan.accountant, count_noise_std=plan.extra_noise_std).epsilon
 
     # ---- the round ---------------------------------------------------------------------
     def guard(self, observed: bool = False) -> None:
@@ -391,16 +392,17 @@ class PrivateRun:
             raise
         return selection
 
-    def aggregate(self, updates: Mapping[Hashable, Any],
-                  rejected: Mapping[Hashable, str] | None = None) -> RoundReport:
+    def aggregate(self, updates: Mapping[Hashable, Any], rejected: Mapping[Hashable, str] | None = None,
+                  values: Mapping[Hashable, Any] | None = None) -> RoundReport:
         """Privatize the round's updates (summed in ``str(user)`` order) and step the model.
         ``rejected``: users whose reply was refused before it reached the engine (reason).
-        Nothing of this round may be released before ``commit``."""
+        ``values``: the users' reported training loss, read only by the plan's private client-metric
+        release (``fedmf.client_metrics``). Nothing of this round may be released before ``commit``."""
         selection = self._require_open()
         t = selection.round
         self._event("updates", t)
         try:
-            mean, report = self.privatizer.privatize(t, updates, selected=selection.selected)
+            mean, report = self.privatizer.privatize(t, updates, selected=selection.selected, values=values)
             self._event("noised", t)
             self.optimizer.step(mean)
             self._event("stepped", t)
@@ -459,6 +461,8 @@ class PrivateRun:
                              time.perf_counter() - self._started, self.store.last_bytes)
         if report.clip_norm is not None:  # adaptive clipping: ζₜ and the released noisy fraction b̃ₜ/m
             record.metrics.update(adaptive_metrics(report.clip_norm, report.noisy_unclipped, self.plan.expected_users))
+        if report.noisy_client_metric is not None:  # the private client-metric release (fedmf.client_metrics)
+            record.metrics[CLIENT_METRIC_RELEASED] = report.noisy_client_metric
         self._committed_record = record
         return record
 

@@ -3,7 +3,8 @@
 A reply counts only if it comes from the node of a user selected for this round, answers this
 round of this server process (round and nonce), carries no error, is the first from its user,
 holds exactly the records the ClientApp sends (``arrays``, ``config`` with exactly round,
-run-nonce and user-id, optionally ``metrics`` with only num-examples and train-loss), and its
+run-nonce and user-id, optionally ``metrics`` with only num-examples and train-loss: never published
+as sent; see ``losses``), and its
 arrays have the model's names, shapes, a floating dtype and at most the bytes that shape and
 dtype need as ``.npy`` (checked from the metadata, before anything is converted). Anything else
 is rejected with a reason (recorded in the ledger when the sender is a known user) and never
@@ -112,7 +113,7 @@ class RoundReplies:
         self.updates = LazyUpdates()
         self.rejected: dict[str, str] = {}
         self.unknown = 0  # replies from nodes with no known user (not recordable in the ledger)
-        self._losses: dict[str, tuple[float, float]] = {}
+        self._losses: dict[str, Any] = {}  # user → reported train-loss, as sent (the engine clips it)
 
     def read(self, replies: Iterable[Message], layout: Mapping[str, tuple[int, ...]]) -> None:
         """Read the round's replies in order. A list (what ``Grid.send_and_receive`` returns) is
@@ -187,25 +188,17 @@ class RoundReplies:
                 return self._reject(user, f"{name}: {size} bytes, more than the {limit} its shape in {dtype} needs")
         self.updates.add(user, arrays)
         metrics = content.metric_records.get("metrics")
-        if metrics is not None:
-            loss, count = metrics.get("train-loss"), metrics.get("num-examples")
-            try:
-                loss, count = float(loss), float(count)
-            except (TypeError, ValueError, OverflowError):
-                return None
-            if math.isfinite(loss) and math.isfinite(count) and count > 0:
-                self._losses[user] = (loss, count)
+        if metrics is not None and "train-loss" in metrics:
+            value = metrics.get("train-loss")  # num-examples is never read: no weighting
+            # a number as sent (a list, say, is kept as None: it counts as 0 in the private release)
+            self._losses[user] = value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
         return None
 
-    def metrics(self, contributed: Iterable[str]) -> dict[str, float]:
-        """Client-reported training loss of the ``contributed`` users (weighted by examples):
-        outside the DP guarantee, as Flower documents for its metrics."""
-        pairs = [self._losses[u] for u in contributed if u in self._losses]
-        total = math.fsum(c for _, c in pairs)
-        if total <= 0:
-            return {}
-        mean = math.fsum(loss * (c / total) for loss, c in pairs)  # weights ≤ 1: no overflow
-        return {"train-loss": mean} if math.isfinite(mean) else {}
+    def losses(self) -> dict[str, Any]:
+        """The training loss each accepted reply reported, user → value as sent. Never published: only
+        a plan's private client-metric release reads it (``fedmf.client_metrics``: clipped to [0, L],
+        a missing or non-finite value counting as 0, summed, noised, ÷ the planned users)."""
+        return dict(self._losses)
 
 
 def _unexpected_content(content: RecordDict, config: ConfigRecord) -> str | None:

@@ -11,7 +11,10 @@ I/O as its cohort step. Each round, in ``fedmf.round_loop.run_rounds``:
                  the model goes out in the next round's messages and in ``start``'s Result
 
 What is the strategy's own: the Flower I/O, the ledger retries (a guard or a round that the ledger
-fails is redone after a backoff; an aborted round released nothing) and the round's metrics.
+fails is redone after a backoff; an aborted round released nothing) and the round's metrics. The
+metrics clients report (training loss, example counts) are never published as sent: with
+``client-metrics = "private"`` the engine releases the training loss clipped, summed and noised
+(``fedmf.client_metrics``), otherwise nothing of them.
 ``configure_train`` / ``aggregate_train`` (abstract in Flower's ``Strategy``) are not used by
 ``start``: they are the two halves of one round for a caller that drives the hooks itself.
 """
@@ -114,11 +117,16 @@ class DPMFStrategy(Strategy):
                           self.config.reply_timeout if timeout is None else timeout)
         return received
 
+    def _values(self, received: RoundReplies) -> dict | None:
+        """The clients' reported training loss for the engine's private release (``fedmf.client_metrics``),
+        only when the plan has one; nothing a client reports is ever published as sent."""
+        return received.losses() if self.run.plan.client_metrics is not None else None
+
     def _round_metrics(self, record: RoundRecord, report: RoundReport, received: RoundReplies) -> MetricRecord:
-        """The committed round's metrics: its counts, ε, the contributors' reported training
-        metrics and (unamplified runs) the worst user's observed ε; the reply metrics and that ε
-        also join ``record.metrics``."""
-        record.metrics.update(received.metrics(str(u.user) for u in report.contributed))
+        """The committed round's metrics: its counts, ε, the released metrics of ``record.metrics``
+        (adaptive clipping's ζₜ and noisy fraction, the private client-metric release when planned) and
+        (unamplified runs) the worst user's observed ε, which also joins ``record.metrics``. No
+        client-reported value is among them as sent."""
         metrics = {"epsilon": record.epsilon, "selected": record.selected, "received": len(received.updates),
                    "rejected": record.rejected, "dropped": record.dropped, **record.metrics}
         if record.clipped is not None:  # ledger diagnostics only (outside the DP guarantee)
@@ -157,7 +165,7 @@ class DPMFStrategy(Strategy):
         the round's metrics, the record joining ``history``. The caller releases it
         (``run.released``); no retry."""
         received = self._validate(replies)
-        record, report = settle(self.run, received.updates, received.rejected)  # then the model may leave
+        record, report = settle(self.run, received.updates, received.rejected, self._values(received))
         self.history.append(record)
         return ArrayRecord(self.run.model.state_dict()), self._round_metrics(record, report, received)
 
@@ -172,11 +180,19 @@ class DPMFStrategy(Strategy):
         return None
 
     def summary(self) -> None:
-        """Log the plan and the reply bound (two lines); ``start`` calls it first."""
+        """Log the plan, what is published of the client metrics and the reply bound (three lines); ``start``
+        calls it first."""
         plan = self.run.plan
         log.info("fedmf DP-MF strategy: %s mechanism, %d rounds, %s, sampling %s, clip %g, z %.4g, noise std %.4g, "
                  "epsilon %.4g at delta %g", plan.mechanism.kind, plan.rounds, plan.schema.name, plan.sampling,
                  plan.clip_norm, plan.noise_multiplier, plan.noise_std, plan.epsilon(), plan.delta)
+        metrics = plan.client_metrics
+        if metrics is None:
+            log.info("fedmf: client metrics: none published (client-metrics = \"none\")")
+        else:
+            log.info("fedmf: client metrics: the training loss released privately, clipped to [0, %g], noise std "
+                     "%g on the sum, %.3g of the privacy spent", metrics.clip, metrics.noise_std,
+                     plan.summary()["privacy_split"]["client-metrics"])
         log.info("fedmf: a reply holds the records arrays, config and metrics only, its arrays at most %d bytes "
                  "(the model in float64 as .npy); anything else is rejected",
                  max_update_bytes(self.run.privatizer.layout))
@@ -228,7 +244,7 @@ class DPMFStrategy(Strategy):
             self.run.global_params()  # raises if the state in memory is not the committed one (nothing is sent)
             messages = self._messages(selection, ArrayRecord(self.run.model.state_dict()))
             received = self._validate(grid.send_and_receive(messages, timeout=timeout), timeout)
-            return received.updates, received.rejected
+            return received.updates, received.rejected, self._values(received)
 
         def committed(record: RoundRecord, report: RoundReport) -> None:
             nonlocal received

@@ -33,6 +33,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import select
 
+from fedmf.client_metrics import ClientMetricRelease
 from fedmf.config import RunConfig
 from fedmf.ledger.models import Participation, UpdateNorm
 from fedmf.run import PrivateRun
@@ -515,9 +516,8 @@ def test_bad_messages_are_rejected_recorded_never_aggregated_never_fatal(tmp_pat
         assert torch.equal(dirty[name], value), name
     assert result.arrays.to_torch_state_dict().keys() == clean.keys()
     for mine in strategy.history:
-        # NaN, infinite and string metrics never reach the released train-loss (but see
-        # test_a_rejected_reply_does_not_change_the_released_train_loss)
-        assert math.isfinite(mine.metrics["train-loss"])
+        # by default nothing a client reports is published (its private release: the tests below)
+        assert "train-loss" not in mine.metrics and "noisy-train-loss" not in mine.metrics
 
     # (a) rejected with its reason in the ledger (or, for accepted kinds, what happened to it)
     for (user, t), kind_name in sorted(plan.items(), key=lambda item: item[0][1]):
@@ -882,8 +882,12 @@ def _identity_grid(bad_reply: Callable[[Message], Any]) -> tuple[LocalGrid, dict
     return LocalGrid(nodes), nodes
 
 
-def _start_one_round(tmp_path, grid) -> DPMFStrategy:
-    with PrivateRun.open(task.Tiny(), task.plan(rounds=ROUNDS), tmp_path / "run", population=USERS) as run:
+#: the private client-metric release (fedmf.client_metrics): losses clipped to [0, 2], noise std 0.5
+PRIVATE_METRICS = ClientMetricRelease.create(2.0, 0.5, expected_users=10)
+
+
+def _start_one_round(tmp_path, grid, **plan) -> DPMFStrategy:
+    with PrivateRun.open(task.Tiny(), task.plan(rounds=ROUNDS, **plan), tmp_path / "run", population=USERS) as run:
         strategy = DPMFStrategy(run, CONFIG)
         strategy.start(grid, num_rounds=1)
         return strategy
@@ -922,8 +926,9 @@ def test_the_released_train_loss_stays_finite(tmp_path):
         return node
 
     grid = LocalGrid({NODE[u]: node_for(u) for u in USERS})
-    strategy = _start_one_round(tmp_path, grid)
-    assert math.isfinite(strategy.history[0].metrics["train-loss"])
+    strategy = _start_one_round(tmp_path, grid, client_metrics=PRIVATE_METRICS)
+    assert math.isfinite(strategy.history[0].metrics["noisy-train-loss"])
+    assert "train-loss" not in strategy.history[0].metrics
 
 
 def test_an_int_metric_too_large_for_a_float_is_ignored_and_the_update_kept(tmp_path):
@@ -939,9 +944,11 @@ def test_an_int_metric_too_large_for_a_float_is_ignored_and_the_update_kept(tmp_
         return node
 
     grid = LocalGrid({NODE[u]: node_for(u) for u in USERS})
-    strategy = _start_one_round(tmp_path, grid)
+    strategy = _start_one_round(tmp_path, grid, client_metrics=PRIVATE_METRICS)
     record = strategy.history[0]
+    # the update is kept; the value counts as 0 in the private release (a float cannot hold it)
     assert record.contributed >= 1 and "train-loss" not in record.metrics
+    assert math.isfinite(record.metrics["noisy-train-loss"])
 
 
 def test_a_rejected_reply_does_not_change_the_released_train_loss(tmp_path):
@@ -958,10 +965,11 @@ def test_a_rejected_reply_does_not_change_the_released_train_loss(tmp_path):
         task.share_secrets(tmp_path / "probe", tmp_path / name)
         nodes = {NODE[u]: make_node(u, {}, "dirty") for u in USERS}
         nodes[NODE[user]] = make_node(user, {(user, 0): name}, "dirty", {name: Kind(kind, "", None)})
-        with PrivateRun.open(task.Tiny(), task.plan(rounds=ROUNDS), tmp_path / name, population=USERS) as run:
+        with PrivateRun.open(task.Tiny(), task.plan(rounds=ROUNDS, client_metrics=PRIVATE_METRICS), tmp_path / name,
+                             population=USERS, repeatable_noise=True) as run:  # the same noise: compared exactly
             strategy = DPMFStrategy(run, CONFIG)
             strategy.start(LocalGrid(nodes), num_rounds=1)
         records.append(strategy.history[0])
     clean, dirty = records
     assert (dirty.rejected, dirty.dropped) == (clean.rejected + 1, clean.dropped - 1)  # rejected, not silent
-    assert dirty.metrics["train-loss"] == clean.metrics["train-loss"]
+    assert dirty.metrics["noisy-train-loss"] == clean.metrics["noisy-train-loss"]

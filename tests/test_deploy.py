@@ -198,7 +198,7 @@ def test_server_role_charges_lifetime_budgets_and_cannot_change_them(roles_db, t
     with Ledger.open(roles_db["admin_url"]) as admin:
         set_default(admin, secret, 50.0)
         set_user(admin, secret, "bob", 0.0)
-    plan = SimpleNamespace(noise_multiplier=1.0, adaptive_clipping=None, count_noise_std=None)
+    plan = SimpleNamespace(noise_multiplier=1.0, adaptive_clipping=None, count_noise_std=None, extra_noise_std=None)
     with Ledger.open(roles_db["server_url"], secret=SECRET) as ledger:
         run = ledger.create_run(mechanism_file(tmp_path, kind="dp-sgd", rounds=4, schema=MinSep(1, 4)),
                                 noise_multiplier=1.0, clip_norm=1.0, delta=1e-6)

@@ -80,6 +80,12 @@ def test_flwr_run_against_a_superlink_and_two_supernodes(tmp_path):
         result = deployment.run(ROOT, values, timeout=400)
     assert result.rc == 0, result.output[-3000:]
     assert _committed(tmp_path / "deploy") == [0, 1]
+    # by default nothing a client reports leaves the server (issue 34): not in the round log, the outcome or
+    # the ServerApp's output, though every ClientApp sends its train-loss and num-examples
+    published = "".join((tmp_path / "deploy" / f).read_text() for f in ("rounds.jsonl", "outcome.json"))
+    assert "round 2/2" in result.output and "client metrics: none published" in result.output
+    for text in (published, result.output):
+        assert "train-loss" not in text and "num-examples" not in text
     reference = _in_process_reference(values, tmp_path / "deploy", tmp_path / "loop")
     final = torch.load(tmp_path / "deploy" / "final-model.pt", weights_only=True)
     for name, value in reference.items():

@@ -94,7 +94,8 @@ def test_a_round_committed_but_not_released_keeps_the_ledgers_counts(tmp_path, c
 def test_the_server_apps_rounds_survive_its_restart(tmp_path, monkeypatch):
     """The ServerApp's code path (LocalGrid, the real ClientApp) appends the same round log: a run
     interrupted after round 1 and resumed gives flower_result the whole run, equal to an
-    uninterrupted ServerApp run with the same secrets (the clients' train-loss included)."""
+    uninterrupted ServerApp run with the same secrets (the clients' train-loss included, as its private
+    release: client-metrics = "private")."""
     monkeypatch.setenv(REPEATABLE_NOISE_ENV, "1")  # tests only: both runs draw the same (unsalted) noise
     from client.app import app as client_app
     from fedmf.tasks import get_task
@@ -105,7 +106,7 @@ def test_the_server_apps_rounds_survive_its_restart(tmp_path, monkeypatch):
     def values(name):
         return {"task": "tiny", "task-options": '{"num_users": 8}', "rounds": 4, "min-sep": 2,
                 "clients-per-round": 3, "noise-multiplier": 0.7, "client-lr": 0.2, "batch-size": 8,
-                "run-dir": str(tmp_path / name), "reply-timeout": 5.0}
+                "run-dir": str(tmp_path / name), "reply-timeout": 5.0, "client-metrics": "private"}
 
     def serve(name):
         nodes = {100 + i: client_node(client_app, {"partition-id": i}, 100 + i) for i in range(8)}
@@ -122,7 +123,8 @@ def test_the_server_apps_rounds_survive_its_restart(tmp_path, monkeypatch):
             serve("run")
     resumed = serve("run").history
     assert [h["round"] for h in resumed] == [0, 1, 2, 3]
-    assert all("train-loss" in h["metrics"] and "accuracy" in h["metrics"] for h in resumed)
+    assert all("noisy-train-loss" in h["metrics"] and "accuracy" in h["metrics"] for h in resumed)
+    assert not any("train-loss" in h["metrics"] for h in resumed)  # never the clients' values as sent
     assert _without_timing(resumed) == _without_timing(reference)
 
 

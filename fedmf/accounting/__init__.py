@@ -5,7 +5,9 @@
 * ``sampling``        the sampling schemes (none, bminsep, cyclic-poisson, poisson) and how each is accounted
 * ``per_round``       epsilon after each round: the un-amplified and cyclic-Poisson curves
 * ``posthoc``         per-user epsilon from the observed participation pattern
-* ``count_release``   adaptive clipping's noisy count composed with the MF mechanism; ρ-zCDP
+* ``releases``        the round's extra Gaussian releases (the count, the client-metric release), described once
+* ``count_release``   those releases (σ_unit; adaptive clipping's noisy count alone: σ_b) composed with the MF
+                      mechanism; ρ-zCDP
 * ``cyclic_poisson``  amplified BandMF with cyclic Poisson sampling (dp_accounting)
 * ``bminsep``         b-min-sep sampling: the sampled mechanism, its dominating-pair privacy loss
 * ``montecarlo``      the Monte Carlo accountant of b-min-sep sampling (losses, chunks, workers)

@@ -27,6 +27,7 @@ from . import gaussian
 from .sampling import Sampling, parse_sampling
 
 if TYPE_CHECKING:
+    from .releases import ExtraReleases
     from ..mechanisms.base import Mechanism
     from ..participation import Schema
     from .per_round import ByRound
@@ -85,14 +86,25 @@ def _rho(sampling: Sampling, details: dict[str, Any]) -> float | None:
     return count_release.rho(details["effective_noise_multiplier"])
 
 
-def _count_noise_std(sampling: Sampling, count_noise_std: float | None) -> float | None:
-    """Check σ_b (None: no adaptive clipping) and that ``sampling``'s accountant composes the count."""
+def _extra(sampling: Sampling, count_noise_std: float | None,
+           releases: "ExtraReleases | None") -> tuple[float | None, "ExtraReleases | None"]:
+    """The round's extra Gaussian releases (``releases``, or ``count_noise_std``: σ_b of adaptive clipping's
+    count alone; None: none) as σ_unit, the std per unit sensitivity the formulas compose (``releases`` (R)),
+    after checking that ``sampling``'s accountant composes them."""
     from . import count_release
+    from .releases import ExtraReleases
 
     count_noise_std = count_release.check_count_noise_std(count_noise_std)
     if count_noise_std is not None:
-        count_release.check_sampling(sampling)
-    return count_noise_std
+        if releases is not None:
+            raise ConfigError("give count_noise_std or releases, not both")
+        releases = ExtraReleases.count(count_noise_std)
+    if releases is None:
+        return None, None
+    if not isinstance(releases, ExtraReleases):
+        raise ConfigError(f"releases must be an ExtraReleases, got {type(releases).__name__}")
+    count_release.check_sampling(sampling, releases)
+    return releases.unit_std, releases
 
 
 def schema_sensitivity(mechanism: "Mechanism", schema: "Schema"):
@@ -113,16 +125,18 @@ def _sens_details(sens) -> dict[str, Any]:
 def epsilon(mechanism: "Mechanism", noise_multiplier: float, delta: float, schema: "Schema", *,
             sampling: Sampling | str | None = None, accountant: str = "pld",
             noise_sensitivity: float | None = None, per_round: bool = False,
-            monte_carlo: MonteCarloOptions = MonteCarloOptions(), count_noise_std: float | None = None) -> Accounting:
+            monte_carlo: MonteCarloOptions = MonteCarloOptions(), count_noise_std: float | None = None,
+            releases: "ExtraReleases | None" = None) -> Accounting:
     """epsilon at ``delta`` of a run of ``mechanism`` with noise multiplier z under
     ``schema`` and ``sampling``. See the module docstring for the noise convention.
-    ``count_noise_std``: σ_b of adaptive clipping's count release, composed in (``count_release``)."""
+    ``count_noise_std``: σ_b of adaptive clipping's count release, composed in (``count_release``);
+    ``releases``: the round's extra Gaussian releases, composed in (``fedmf.accounting.releases``)."""
     started = time.perf_counter()
     z = checks.positive("noise multiplier", noise_multiplier)
     delta = checks.open_unit("delta", delta)
     gaussian.check_accountant(accountant)
     sampling = parse_sampling(sampling)
-    count_noise_std = _count_noise_std(sampling, count_noise_std)
+    count_noise_std, releases = _extra(sampling, count_noise_std, releases)
     if per_round and not sampling.has_per_round_curve:
         raise ConfigError(f"per-round spend is not available for {sampling.kind} sampling")
     sens = schema_sensitivity(mechanism, schema)
@@ -137,6 +151,8 @@ def epsilon(mechanism: "Mechanism", noise_multiplier: float, delta: float, schem
         mechanism, schema, sens, noise_multiplier=z, std_per_clip=std_per_clip, delta=delta, accountant=accountant,
         noise_sensitivity=noise_sensitivity, monte_carlo=monte_carlo, count_noise_std=count_noise_std)
     details.update(more)
+    if releases is not None:
+        releases.label(details)
     result = Accounting(eps, delta, z, sens.value, std_per_clip, name, guarantee, str(sampling), 0.0, details)
     result.rho = _rho(sampling, details)
     if per_round:
@@ -151,16 +167,18 @@ def epsilon(mechanism: "Mechanism", noise_multiplier: float, delta: float, schem
 
 def calibrate(mechanism: "Mechanism", epsilon: float, delta: float, schema: "Schema", *,
               sampling: Sampling | str | None = None, accountant: str = "pld", per_round: bool = False,
-              monte_carlo: MonteCarloOptions = MonteCarloOptions(), count_noise_std: float | None = None) -> Accounting:
+              monte_carlo: MonteCarloOptions = MonteCarloOptions(), count_noise_std: float | None = None,
+              releases: "ExtraReleases | None" = None) -> Accounting:
     """The smallest noise multiplier z (noise std = z·ζ·sens_schema) whose run is
     (epsilon, delta)-DP. Cached for the analytic accountants; b-min-sep runs EVR.
-    ``count_noise_std``: σ_b of adaptive clipping's count release; z is solved with it composed in."""
+    ``count_noise_std``: σ_b of adaptive clipping's count release; ``releases``: the round's extra
+    Gaussian releases (``fedmf.accounting.releases``); z is solved with them composed in."""
     started = time.perf_counter()
     epsilon = checks.positive("epsilon", epsilon)
     delta = checks.open_unit("delta", delta)
     gaussian.check_accountant(accountant)
     sampling = parse_sampling(sampling)
-    count_noise_std = _count_noise_std(sampling, count_noise_std)
+    count_noise_std, releases = _extra(sampling, count_noise_std, releases)
     sampling.check_calibrate()
     if per_round and not sampling.has_per_round_curve:
         raise ConfigError(f"per-round spend is not available for {sampling.kind} sampling")
@@ -168,10 +186,18 @@ def calibrate(mechanism: "Mechanism", epsilon: float, delta: float, schema: "Sch
     if not sens.value > 0:
         raise ConfigError("the mechanism has zero sensitivity under this schema")
     details: dict[str, Any] = _sens_details(sens)
-    z, name, guarantee, more = sampling.calibrate(mechanism, schema, sens, epsilon=epsilon, delta=delta,
-                                                  accountant=accountant, monte_carlo=monte_carlo,
-                                                  count_noise_std=count_noise_std)
+    try:
+        z, name, guarantee, more = sampling.calibrate(mechanism, schema, sens, epsilon=epsilon, delta=delta,
+                                                      accountant=accountant, monte_carlo=monte_carlo,
+                                                      count_noise_std=count_noise_std)
+    except ConfigError as e:
+        if releases is None or releases.count_only or "alone spends" not in str(e):
+            raise
+        raise ConfigError(f"{releases.what()} alone would spend the whole privacy budget (epsilon {epsilon:g}): raise "
+                          "client-metrics-noise (or adaptive-clipping-count-noise) or the target epsilon") from None
     details.update(more)
+    if releases is not None:
+        releases.label(details)
     if not sampling.amplified and "effective_noise_multiplier" not in details:
         details["effective_noise_multiplier"] = z
     out = Accounting(epsilon, delta, z, sens.value, z * sens.value, name, guarantee, str(sampling), 0.0, details)
@@ -189,15 +215,16 @@ def calibrate(mechanism: "Mechanism", epsilon: float, delta: float, schema: "Sch
 def epsilon_by_round(mechanism: "Mechanism", noise_multiplier: float, delta: float, schema: "Schema", *,
                      sampling: Sampling | str | None = None, accountant: str = "pld",
                      noise_sensitivity: float | None = None, final: float | None = None,
-                     max_points: int = 64, count_noise_std: float | None = None) -> "ByRound":
+                     max_points: int = 64, count_noise_std: float | None = None,
+                     releases: "ExtraReleases | None" = None) -> "ByRound":
     """epsilon after each round (``per_round``: un-amplified or cyclic-Poisson). ``final``: the
     planned epsilon when already known (the curve ends exactly there). ``count_noise_std``: σ_b of
-    adaptive clipping's count release, composed in."""
+    adaptive clipping's count release; ``releases``: the round's extra Gaussian releases; composed in."""
     z = checks.positive("noise multiplier", noise_multiplier)
     delta = checks.open_unit("delta", delta)
     gaussian.check_accountant(accountant)
     sampling = parse_sampling(sampling)
-    count_noise_std = _count_noise_std(sampling, count_noise_std)
+    count_noise_std, _ = _extra(sampling, count_noise_std, releases)
     max_points = checks.positive_int("max_points", max_points)
     planned = mechanism.sensitivity(schema)
     noise_sens = planned.value if noise_sensitivity is None else checks.positive("noise sensitivity",

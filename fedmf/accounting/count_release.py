@@ -20,6 +20,12 @@ norm of (2) in units of the noise (the per-step Poisson-subsampled Gaussian of "
 Prop. 2.1; adding the count as extra rows of that Gaussian is fedmf's own extension, checked by the
 issue-25 review against a direct dp_accounting composition).
 Other samplers (b-min-sep Monte Carlo, MMCC) are not composed with the count here and are refused.
+
+Every other Gaussian release of a participation (the private client-metric release) enters these
+formulas the same way: ``fedmf.accounting.releases`` composes all of a participation's releases into one
+Gaussian of sensitivity 1 and std σ_unit (its (R)), and σ_unit takes σ_b's place below (σ_unit = σ_b
+when the count is the only one). So ``count_noise_std`` in this module and in the sampling schemes'
+accountants is that σ_unit.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from ..errors import ConfigError
 
 if TYPE_CHECKING:
     from ..participation import Schema
+    from .releases import ExtraReleases
     from .sampling import Sampling
 
 __all__ = ["SUPPORTED", "check_count_noise_std", "check_sampling", "compose", "mf_multiplier", "participations",
@@ -48,10 +55,12 @@ def check_count_noise_std(count_noise_std: float | None) -> float | None:
     return None if count_noise_std is None else checks.positive("count_noise_std", count_noise_std)
 
 
-def check_sampling(sampling: "Sampling") -> None:
-    """Refuse a sampler whose accountant does not compose the count release."""
+def check_sampling(sampling: "Sampling", releases: "ExtraReleases | None" = None) -> None:
+    """Refuse a sampler whose accountant does not compose the count release (or ``releases``: the
+    round's extra Gaussian releases, ``fedmf.accounting.releases``)."""
     if sampling.kind not in SUPPORTED:
-        raise ConfigError(f"adaptive clipping's count release is accounted with sampling none (un-amplified) or "
+        what = "adaptive clipping's count release" if releases is None else releases.what()
+        raise ConfigError(f"{what} is accounted with sampling none (un-amplified) or "
                           f"cyclic-poisson:Q only, not {sampling}")
 
 

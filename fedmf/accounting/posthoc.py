@@ -323,8 +323,9 @@ def account_contributions(mechanism: "Mechanism", noise_multiplier: float, delta
     """``account_observed`` on arrays: ``users``/``rounds`` one entry per participation, sorted
     by user then round, users numbered 0 … len(labels)-1 and named by ``labels``. ``by_round``
     adds the worst user's sensitivity and ε after each round (``sensitivity_by_round``,
-    ``epsilon_by_round``). ``count_noise_std``: σ_b of adaptive clipping's count release; each user's
-    actual participations k_u add k_u/σ_b² to 1/z² (``count_release`` (1))."""
+    ``epsilon_by_round``). ``count_noise_std``: σ_b of adaptive clipping's count release, or σ_unit of the
+    round's extra Gaussian releases (``fedmf.accounting.releases``: ``RunPlan.extra_noise_std``); each
+    user's actual participations k_u add k_u/σ² to 1/z² (``count_release`` (1))."""
     from . import count_release
 
     started = time.perf_counter()

@@ -22,7 +22,9 @@ def _overrides(args: argparse.Namespace) -> dict:
                         ("sampling", "sampling"), ("server_lr", "server-lr"), ("delta", "delta"),
                         ("bands", "num-bands"), ("min_sep", "min-sep"), ("clip_norm", "clip-norm"),
                         ("adaptive_clipping", "adaptive-clipping"), ("adaptive_clipping_lr", "adaptive-clipping-lr"),
-                        ("adaptive_clipping_count_noise", "adaptive-clipping-count-noise"), ("ledger", "ledger-url")):
+                        ("adaptive_clipping_count_noise", "adaptive-clipping-count-noise"), ("ledger", "ledger-url"),
+                        ("client_metrics", "client-metrics"), ("client_metrics_clip", "client-metrics-clip"),
+                        ("client_metrics_noise", "client-metrics-noise")):
         value = getattr(args, option)
         if value is not None:
             values[key] = value
@@ -34,6 +36,14 @@ def _overrides(args: argparse.Namespace) -> dict:
         raise ConfigError(f"--adaptive-clipping is a target quantile in (0, 1), got {args.adaptive_clipping:g}")
     if args.adaptive_clipping_count_noise is not None and not args.adaptive_clipping_count_noise > 0:
         raise ConfigError(f"--adaptive-clipping-count-noise must be > 0, got {args.adaptive_clipping_count_noise:g}")
+    if args.client_metrics != "private":
+        for option in ("client_metrics_clip", "client_metrics_noise"):
+            if getattr(args, option) is not None:
+                raise ConfigError(f"--{option.replace('_', '-')} needs --client-metrics private")
+    for option in ("client_metrics_clip", "client_metrics_noise"):
+        value = getattr(args, option)
+        if value is not None and not (value > 0 and math.isfinite(value)):
+            raise ConfigError(f"--{option.replace('_', '-')} must be a positive number, got {value:g}")
     if args.epsilon is not None and args.noise_multiplier is not None:
         raise ConfigError("give --epsilon or --noise-multiplier, not both")
     if args.epsilon is not None:
@@ -166,12 +176,15 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     else:
         hyper = ClientHyper(config.client_lr, config.local_epochs, config.batch_size)
         workers = default_workers() if args.workers is None else args.workers
+        losses = config.client_metrics == "private"  # the clients' loss reaches only its private release
         if args.vectorized:
-            clients = {"local_updates": task.as_local_updates(hyper, device=args.device, chunk_users=args.chunk_users)}
+            clients = {"local_updates": task.as_local_updates(hyper, device=args.device, chunk_users=args.chunk_users,
+                                                              with_metrics=losses)}
         elif workers > 1:  # the same bits as one at a time (each update depends on its own inputs only)
-            clients = {"local_updates": task.as_local_updates(hyper, vectorized=False, workers=workers)}
+            clients = {"local_updates": task.as_local_updates(hyper, vectorized=False, workers=workers,
+                                                              with_metrics=losses)}
         else:
-            clients = {"local_update": task.as_local_update(hyper)}
+            clients = {"local_update": task.as_local_update(hyper, with_metrics=losses)}
         shown = not (args.quiet or args.json)
         bar = ProgressBar("fedmf simulate", unit="rounds", enabled=shown)
         if not bar.live:
@@ -285,6 +298,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="--backend flower: stop the Flower run after this many seconds (default: a week)")
     p.add_argument("--ledger", metavar="URL",
                    help="the ledger (a SQLite path or postgresql://…; default: <out>/ledger.db); runs may share one")
+    p.add_argument("--client-metrics", choices=("none", "private"),
+                   help="what leaves the server of the clients' training loss: nothing (default), or its private "
+                        "release: clipped to [0, L], summed, Gaussian noise, ÷ clients per round; accounted in ε")
+    p.add_argument("--client-metrics-clip", type=float, metavar="L",
+                   help="with --client-metrics private: each client's loss is clipped to [0, L] (default 10)")
+    p.add_argument("--client-metrics-noise", type=float, metavar="STD",
+                   help="with --client-metrics private: std of the noise on the sum (default L x clients per round / 20)")
     p.add_argument("--budget-key", metavar="FILE",
                    help="the ledger's budget secret (fedmf budget); required when the ledger enforces lifetime budgets")
     p.add_argument("--out", default="fedmf-sim", help="output directory (default: ./fedmf-sim)")

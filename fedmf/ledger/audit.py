@@ -164,7 +164,9 @@ class AuditReport:
             f"{p['max_participations']}, sensitivity {p['sensitivity']:.6g}"
             f"{'' if p['sensitivity_exact'] else ' (upper bound)'}, ε = {p['epsilon']:.6g}, ρ-zCDP = {p['rho']:.6g}"
             + ("" if p.get("count_noise_std") is None else f" (with the adaptive-clipping count, σ_b = "
-                                                          f"{p['count_noise_std']:g})"),
+                                                          f"{p['count_noise_std']:g})")
+            + "".join(f" (with the private client-metric release, clip L = {e['sensitivity']:g}, σ_m = "
+                      f"{e['noise_std']:g})" for e in p.get("extra_releases", ()) if e["name"] == "client-metrics"),
             f"rounds              {r['rounds_committed']} committed (last {r['last_committed_round']}), "
             f"{r['rounds_aborted']} aborted, {r['rounds_open']} open",
             f"users               {r['users']} ({r['contributions']} contributions)",
@@ -174,6 +176,9 @@ class AuditReport:
             f"ρ worst user {r['rho_worst_user_at_end']:.6g}",
             "participations      " + ", ".join(f"{c}: {n}" for c, n in sorted(self.histogram.items())),
         ]
+        if "privacy_split" in p:  # the share of μ² (of ρ) each release spends, as planned
+            out.insert(3, "privacy split       " + ", ".join(f"{name} {share:.4g}" for name, share in
+                                                            p["privacy_split"].items()) + " of μ² (ρ)")
         if r["rounds_below_planned_noise"]:
             out.append(f"WARNING             {len(r['rounds_below_planned_noise'])} rounds had noise below the plan's "
                        f"std {p['noise_std']:.6g}: {r['rounds_below_planned_noise'][:10]}")
@@ -272,6 +277,19 @@ def _rounds_view(records: list, states: list, norms: dict[int, list] | None) -> 
     return [view[t] for t in sorted(view)]
 
 
+def _plan_releases(plan: dict):
+    """The run's extra Gaussian releases from its recorded plan (``RunPlan.to_dict``), or None."""
+    from ..accounting.releases import COUNT, ExtraReleases, GaussianRelease
+
+    adaptive = plan.get("adaptive_clipping") or {}
+    metrics = plan.get("client_metrics") or {}
+    count = None if adaptive.get("count_noise_std") is None else GaussianRelease(COUNT, 1.0,
+                                                                                  float(adaptive["count_noise_std"]))
+    metric = None if not metrics else GaussianRelease("client-metrics", float(metrics["clip"]),
+                                                      float(metrics["noise_std"]))
+    return ExtraReleases.of(count, metric)
+
+
 def clip_norm_violations(adaptive: Any, clip_norm: float, expected_users: Any, committed: list) -> list[int]:
     """The committed rounds whose recorded ζₜ does not follow adaptive clipping's rule: ζ₀ = the plan's
     clip norm, ζₜ₊₁ = next_clip_norm(ζₜ, b̃ₜ, m) (within ζ₀'s range) from the recorded noisy counts (Andrew et al., Alg. 1);
@@ -314,9 +332,10 @@ def _report(ledger: str, version: str, run: Run, records: list, states: list, no
     n_users = len(unique)
     z, delta = info.noise_multiplier, info.delta
     adaptive = (info.plan or {}).get("adaptive_clipping") or {}
+    releases = _plan_releases(info.plan or {})
     priv = run_privacy(mechanism, schema, z, delta, users, r_sorted, n_users,
                        labels=[key.tobytes().hex() for key in unique],
-                       count_noise_std=adaptive.get("count_noise_std"))
+                       count_noise_std=None if releases is None else releases.unit_std)
     s_plan = priv.sensitivity_plan
     upto = (last + 1) if last is not None else 0
 
@@ -402,6 +421,12 @@ def _report(ledger: str, version: str, run: Run, records: list, states: list, no
     }
     if adaptive:
         planned["count_noise_std"] = adaptive.get("count_noise_std")
+    if releases is not None and not releases.count_only:
+        # each release's share of the extra releases' part of μ² (= of ρ), and that part's share of the whole
+        planned["extra_releases"] = releases.to_list()
+        extra_share = (k / releases.unit_std**2) / (1.0 / z**2 + k / releases.unit_std**2)
+        planned["privacy_split"] = {"mf": 1.0 - extra_share,
+                                    **{name: extra_share * f for name, f in releases.shares().items()}}
     realized = {
         "rounds_committed": len(committed), "last_committed_round": last,
         "rounds_aborted": sum(1 for r in rounds if r["status"] == "aborted"),

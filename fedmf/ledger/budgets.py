@@ -8,7 +8,8 @@ operator keeps and gives every run; the ledger stores only its key check).
 Accounting in μ-GDP (``fedmf.accounting.gdp``): a run with noise multiplier z is (1/z)-GDP against the
 worst pattern its schema allows, unamplified (valid for every sampler, amplified or not: the
 scheduler never exceeds the schema); with adaptive clipping its count release adds k/σ_b² (k rounds
-at most, sensitivity 1, std σ_b). When a run first selects a user it inserts a *charge*: that full
+at most, sensitivity 1, std σ_b), and a private client-metric release k·L²/σ_m² (together k/σ_unit²,
+``fedmf.accounting.releases``). When a run first selects a user it inserts a *charge*: that full
 worst-case μ², whatever the run later does (an aborted round, an early stop: conservative). A user is
 admissible in a run if the run has charged them already, or if the sum of their other charges plus
 this run's μ² stays within μ(ε_budget, δ) (Dong et al. Cor. 3.3 composition). The check and the
@@ -79,13 +80,14 @@ def load_budget_secret(path: str | os.PathLike, *, create: bool = False) -> Serv
 
 
 def run_mu_squared(plan) -> float:
-    """μ² of a run's worst case, unamplified: 1/z² (σ = z·ζ·sens) plus, with adaptive clipping, k/σ_b²
-    for k count releases of sensitivity 1 (Dong et al. Cor. 3.3)."""
+    """μ² of a run's worst case, unamplified: 1/z² (σ = z·ζ·sens) plus, with extra Gaussian releases
+    (adaptive clipping's count, the private client-metric release), k/σ_unit² for k participations'
+    releases (σ_unit: ``fedmf.accounting.releases`` (R); σ_b with the count alone; Dong et al. Cor. 3.3)."""
     from ..accounting.count_release import participations
 
     mu2 = 1.0 / plan.noise_multiplier ** 2
-    if plan.count_noise_std is not None:
-        mu2 += participations(plan.schema, plan.rounds) / plan.count_noise_std ** 2
+    if plan.extra_noise_std is not None:
+        mu2 += participations(plan.schema, plan.rounds) / plan.extra_noise_std ** 2
     return mu2
 
 

@@ -50,8 +50,9 @@ def run_privacy(mechanism, schema: MinSep | FixedEpoch, noise_multiplier: float,
                 labels: Sequence[str] | None = None, count_noise_std: float | None = None) -> RunPrivacy:
     """Sensitivities, ε and ρ for the audit. ``users``/``rounds``: one entry per contribution,
     sorted by user then round; ``users`` numbers the users 0 … n_users-1, ``labels`` names
-    them (default: their numbers). ``count_noise_std``: σ_b of adaptive clipping's count release,
-    composed with each user's actual participations (and the plan's k for the planned values)."""
+    them (default: their numbers). ``count_noise_std``: σ_b of adaptive clipping's count release (or σ_unit
+    of all the round's extra Gaussian releases, ``fedmf.accounting.releases``), composed with each user's
+    actual participations (and the plan's k for the planned values)."""
     from ..accounting.accountant import epsilon_by_round
 
     if labels is None:

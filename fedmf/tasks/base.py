@@ -195,10 +195,12 @@ class Task(ABC):
 
     def as_local_updates(self, hyper: ClientHyper, *, vectorized: bool = True,
                          device: str | torch.device | None = None, workers: int = 1,
-                         chunk_users: int | None = None) -> Callable[[Mapping[str, torch.Tensor], Sequence[Hashable], int], dict[Hashable, Any]]:
+                         chunk_users: int | None = None, with_metrics: bool = False
+                         ) -> Callable[[Mapping[str, torch.Tensor], Sequence[Hashable], int], dict[Hashable, Any]]:
         """``local_updates`` in the shape ``fedmf.federated.train(local_updates=...)`` calls:
         (params, users, t) -> {user: delta}, the round's users trained together (``vectorized``)
-        or ``workers`` at a time (``chunk_users``: see ``local_updates``)."""
+        or ``workers`` at a time (``chunk_users``: see ``local_updates``). ``with_metrics``: each
+        user's whole ``LocalResult`` (delta and metrics, for a private client-metric release)."""
         checks.integer("workers", workers, minimum=1, maximum=MAX_WORKERS)
         if chunk_users is not None and not vectorized:
             raise ConfigError("chunk_users is for vectorized clients: give vectorized=True with chunk_users")
@@ -210,16 +212,18 @@ class Task(ABC):
             names = {str(user): user for user in users}
             results = self.local_updates(params, list(names), t, hyper, vectorized=vectorized, device=device,
                                          workers=workers, chunk_users=chunk_users)
-            return {names[name]: result.update for name, result in results.items()}
+            return {names[name]: result if with_metrics else result.update for name, result in results.items()}
 
         return local_updates
 
-    def as_local_update(self, hyper: ClientHyper) -> Callable[[Mapping[str, torch.Tensor], Hashable, int],
-                                                               dict[str, torch.Tensor]]:
-        """``local_update`` in the shape ``fedmf.federated.train`` calls: (params, user, t) -> delta."""
+    def as_local_update(self, hyper: ClientHyper, *, with_metrics: bool = False
+                        ) -> Callable[[Mapping[str, torch.Tensor], Hashable, int], Any]:
+        """``local_update`` in the shape ``fedmf.federated.train`` calls: (params, user, t) -> delta
+        (``with_metrics``: the whole ``LocalResult``, delta and metrics)."""
 
-        def local_update(params: Mapping[str, torch.Tensor], user: Hashable, t: int) -> dict[str, torch.Tensor]:
-            return self.local_update(params, str(user), t, hyper).update
+        def local_update(params: Mapping[str, torch.Tensor], user: Hashable, t: int) -> Any:
+            result = self.local_update(params, str(user), t, hyper)
+            return result if with_metrics else result.update
 
         return local_update
 
