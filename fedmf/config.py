@@ -45,6 +45,9 @@ is a one-line ``ConfigError`` before round 1. ``DEFAULTS`` is the one defaults t
     identity-timeout  30.0                        seconds to wait for identity replies (then backoff per node)
     budget-key        ""                          the ledger's budget secret file (``fedmf budget``); needed
                                                   when the ledger enforces lifetime per-user budgets
+    witness           ""                          the release witness's directory (fedmf.witness), on storage
+                                                  other than the run directory's and the ledger's; "": the
+                                                  user's state directory; "off": none (tests only, unsafe)
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ from typing import Any, Mapping
 
 from . import checks
 from .errors import ConfigError, ConfigTypeError
+from .witness import WITNESS_OFF
 
 __all__ = ["RunConfig", "DEFAULTS"]
 
@@ -72,7 +76,7 @@ DEFAULTS: dict[str, Any] = {
     "ledger-diagnostics": False,
     "identity": "enrolled", "user-enrollment": "", "identity-timeout": 30.0,
     "adaptive-clipping": 0.0, "adaptive-clipping-lr": 0.2, "adaptive-clipping-count-noise": 0.0,
-    "budget-key": "",
+    "budget-key": "", "witness": "",
 }
 
 
@@ -144,6 +148,7 @@ class RunConfig:
     adaptive_clipping_lr: float = 0.2
     adaptive_clipping_count_noise: float | None = None  # σ_b; None: clients-per-round / 20
     budget_key: str | None = None  # the budget secret file (absolute); None: the ledger has no budgets
+    witness: str | None = None  # the release witness's directory (absolute), "off", or None: the default one
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -200,6 +205,7 @@ class RunConfig:
         count_noise = _float("adaptive-clipping-count-noise", v["adaptive-clipping-count-noise"])
         enrollment = _text("user-enrollment", v["user-enrollment"])
         budget_key = _text("budget-key", v["budget-key"])
+        witness = _text("witness", v["witness"]).strip()
         if enrollment and identity != "enrolled":
             raise ConfigError("user-enrollment is set but identity is declared-insecure: choose one")
         return cls(
@@ -223,6 +229,7 @@ class RunConfig:
             adaptive_clipping=gamma or None, adaptive_clipping_lr=clip_lr,
             adaptive_clipping_count_noise=count_noise or None,
             budget_key=str(base / budget_key) if budget_key else None,
+            witness=(witness if witness == WITNESS_OFF else str(base / witness)) if witness else None,
         )
 
     def to_dict(self) -> dict[str, Any]:

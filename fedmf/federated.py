@@ -53,6 +53,10 @@ class TrainResult:
     stopped: str
     history: list[RoundRecord]
     plan: dict[str, Any]
+    #: the ledger's chain head at the last committed round, "ROUND:HASH" (record it outside the ledger)
+    head: str = ""
+    #: the release witness file (None: off)
+    witness: str | None = None
 
     def audit_command(self) -> str:
         """``fedmf audit`` as the auditor runs it (``fedmf.auditor``: never the server's role or password)."""
@@ -125,6 +129,7 @@ def train(
     repeatable_noise: bool = False,
     ledger_diagnostics: bool = False,
     budget_key: str | os.PathLike | None = None,
+    witness: str | os.PathLike | None = None,
 ) -> TrainResult:
     """Train ``model`` privately under ``plan`` over ``users`` (ids with a stable ``str``).
 
@@ -140,7 +145,9 @@ def train(
     accounted from the ledger, exceeds the target. ``repeatable_noise``: tests only, unsafe
     (``PrivateRun.open``). ``ledger_diagnostics``: a new run's ledger also keeps update norms
     (outside the DP guarantee). ``budget_key``: the ledger's budget secret file (lifetime budgets,
-    ``PrivateRun.open``)."""
+    ``PrivateRun.open``). ``witness``: the release witness's directory (``PrivateRun.open``; None:
+    the user's state directory). A resumed run says so on stderr with ``progress``; a committed round
+    whose record a stop cut off is recorded (the last one evaluated) before the next round."""
     if (local_update is None) == (local_updates is None):
         raise ConfigError("give exactly one of local_update (one user at a time) and local_updates (a round's users)")
     users = list(users)
@@ -154,9 +161,11 @@ def train(
     try:
         with PrivateRun.open(model, plan, directory, ledger=ledger, server_lr=server_lr, optimizer=optimizer,
                              population=users, on_event=on_event, repeatable_noise=repeatable_noise,
-                             ledger_diagnostics=ledger_diagnostics, budget_key=budget_key) as run:
+                             ledger_diagnostics=ledger_diagnostics, budget_key=budget_key, witness=witness) as run:
             history: list[RoundRecord] = []
             bar = _Progress(progress, end)
+            if progress and run.resumed_from is not None:
+                sys.stderr.write(run.resumed_line() + "\n")
 
             def released(record: RoundRecord) -> None:
                 bar.show(record)
@@ -170,8 +179,10 @@ def train(
                                    on_round=released)
             finally:
                 bar.close()
+            head_round, head = run.head
             return TrainResult(run.run_id, public_url(run.ledger_url), run.next_round, ended.stopped, history,
-                               plan.to_dict())
+                               plan.to_dict(), f"{head_round}:{head}",
+                               None if run.witness_path is None else str(run.witness_path))
     finally:
         if temporary is not None:
             temporary.cleanup()

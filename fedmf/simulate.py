@@ -28,7 +28,7 @@ from .config import DEFAULTS, RunConfig
 from .errors import ConfigError
 from .files import atomic_write
 
-__all__ = ["PRESETS", "preset_values", "simulate", "SimulationResult", "run_history", "write_outputs"]
+__all__ = ["PRESETS", "preset_values", "simulate", "SimulationResult", "run_history", "write_outputs", "chain_head"]
 
 #: preset → what it changes in ``DEFAULTS`` (kebab-case RunConfig keys; a changed task brings its own
 #: ``task-options``, which replace the table's). Every preset calibrates z for its target ε
@@ -129,6 +129,9 @@ class SimulationResult:
     plot: str | None = None
     #: ρ-zCDP spent so far as planned (un-amplified accounting; None where the accountant is amplified)
     rho: float | None = None
+    #: the ledger's chain head at the last committed round, "ROUND:HASH" (ROUND -1: the genesis): record it
+    #: outside the ledger, check it later with ``fedmf audit --verify --head ROUND:HASH``
+    chain_head: str | None = None
 
     def audit_command(self) -> str:
         """``fedmf audit`` as the auditor runs it (``fedmf.auditor``: never the server's role or password)."""
@@ -153,7 +156,8 @@ def simulate(config: RunConfig, *, model, users, local_update=None, local_update
     result = train(model, users, plan, local_update, local_updates=local_updates, server_lr=config.server_lr,
                    checkpoint_dir=config.run_dir,
                    ledger=config.ledger_url, evaluate=evaluate, progress=progress, repeatable_noise=repeatable_noise,
-                   ledger_diagnostics=config.ledger_diagnostics, budget_key=config.budget_key)
+                   ledger_diagnostics=config.ledger_diagnostics, budget_key=config.budget_key,
+                   witness=config.witness)
     import torch
 
     # the final model, as the Flower ServerApp writes it (both backends leave the same files)
@@ -167,8 +171,24 @@ def simulate(config: RunConfig, *, model, users, local_update=None, local_update
     out = SimulationResult(config.run_dir, result.ledger, result.run_id, result.rounds_done, result.stopped,
                            plan.epsilon_after(result.rounds_done - 1) if result.rounds_done else 0.0, plan.delta,
                            plan.noise_multiplier, accuracy, time.perf_counter() - started, history,
-                           rho=rho_spent(plan, result.rounds_done))
+                           rho=rho_spent(plan, result.rounds_done), chain_head=result.head)
     return write_outputs(out, config.run_dir, plot)
+
+
+def chain_head(config: RunConfig, run_id: int) -> str:
+    """Run ``run_id``'s chain head in ``config``'s ledger as "ROUND:HASH" (the last committed round's
+    hash; -1 and the genesis before round 0), read with the run's ledger secret."""
+    from .ledger import Ledger
+
+    directory = Path(config.run_dir)
+    try:
+        secret = (directory / "secrets" / "ledger_secret").read_bytes()
+    except OSError as e:
+        raise ConfigError(f"cannot read the run's ledger secret in {str(directory)!r}: {e.strerror or e}") from None
+    with Ledger.open(config.ledger_url or str(directory / "ledger.db"), secret=secret) as book:
+        run = book.run(run_id)
+        last = run.next_round - 1
+        return f"{last}:{run.round(last).chain_sha256 if last >= 0 else run.info.genesis_sha256}"
 
 
 def rho_spent(plan, rounds_done: int) -> float | None:
