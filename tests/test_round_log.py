@@ -77,18 +77,40 @@ def test_results_cover_the_whole_run_across_a_stop_a_resume_and_a_rerun(tmp_path
     assert (out / ROUND_LOG).read_bytes().startswith(logged) and (out / ROUND_LOG).read_bytes().count(b"\n") == 6
 
 
-def test_a_round_committed_but_not_released_keeps_the_ledgers_counts(tmp_path, capsys, monkeypatch):
-    """Stopped between round 2's commit and its release: round 2 has no log line (it was never
-    released); the rebuilt history still lists it, with the ledger's counts and no metrics."""
-    out = tmp_path / "out"
+def test_a_round_committed_but_not_released_gets_its_record_and_evaluation_on_resume(tmp_path, capsys, monkeypatch):
+    """Stopped between round 2's commit and its release: round 2 has no log line; the resume writes it
+    before round 3, evaluated from round 2's checkpoint (the model a resume loads), so the whole history
+    equals an uninterrupted run's with the same secrets (repeatable noise, tests only). A log that lacks
+    an older round (a run directory from before this recovery) gets that round with the ledger's
+    counts and no metrics; the last round's missing line is evaluated again, to the same values."""
+    from fedmf.run import RECOVERED_EVALUATED, RECOVERED_UNEVALUATED
+
+    monkeypatch.setenv(REPEATABLE_NOISE_ENV, "1")
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    assert main([*SIMULATE, "--no-plot", "--out", str(ref)]) == 0
+    reference = json.loads(capsys.readouterr().out)["history"]
+    task.share_secrets(ref, out)
     with monkeypatch.context() as patch:
         _stop_at(patch, 2, before_release=True)
         assert main([*SIMULATE, "--no-plot", "--out", str(out)]) == 130  # Ctrl-C
+    lines = [json.loads(line) for line in (out / ROUND_LOG).read_text().splitlines()]
+    assert [line["round"] for line in lines] == [0, 1]
     assert main([*SIMULATE, "--no-plot", "--out", str(out)]) == 0
     history = json.loads(capsys.readouterr().out)["history"]
-    assert [h["round"] for h in history] == list(range(6))
-    assert history[2]["metrics"] == {} and history[2]["zeroed"] is None and history[2]["contributed"] == 8
-    assert all("accuracy" in h["metrics"] for i, h in enumerate(history) if i != 2)
+    assert _without_timing(history) == _without_timing(reference)
+    assert history[2]["metrics"]["accuracy"] == reference[2]["metrics"]["accuracy"] and history[2]["seconds"] is None
+    lines = [json.loads(line) for line in (out / ROUND_LOG).read_text().splitlines()]
+    assert [line["round"] for line in lines] == list(range(6))  # round 2 before round 3: written on resume
+    assert [line.get("recovered") for line in lines] == [None, None, RECOVERED_EVALUATED, None, None, None]
+
+    kept = [line for line in (out / ROUND_LOG).read_text().splitlines() if json.loads(line)["round"] not in (0, 5)]
+    (out / ROUND_LOG).write_text("".join(line + "\n" for line in kept))
+    assert main([*SIMULATE, "--no-plot", "--out", str(out)]) == 0  # nothing left to run: the records only
+    history = json.loads(capsys.readouterr().out)["history"]
+    assert history[0]["metrics"] == {} and history[0]["contributed"] == reference[0]["contributed"] == 8
+    assert _without_timing(history[1:]) == _without_timing(reference[1:])  # round 5 evaluated again: equal
+    lines = {json.loads(line)["round"]: json.loads(line) for line in (out / ROUND_LOG).read_text().splitlines()}
+    assert lines[0]["recovered"] == RECOVERED_UNEVALUATED and lines[5]["recovered"] == RECOVERED_EVALUATED
 
 
 def test_the_server_apps_rounds_survive_its_restart(tmp_path, monkeypatch):
