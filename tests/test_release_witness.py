@@ -380,55 +380,69 @@ def test_audit_checks_a_recorded_head(tmp_path, capsys):
                                        "hex digits, got '2:abc'\n")
 
 
-_STOP_AFTER_ROUND_1 = """
-import sys
+_BACK_UP_AFTER_ROUND_1 = """
+import shutil, sqlite3, sys
 from fedmf.cli import main
 from fedmf.run import PrivateRun
 real = PrivateRun.released
 def released(self, t):
     real(self, t)
-    if t == 1:
-        raise KeyboardInterrupt  # Ctrl-C after round 1's release
+    if t == 1:  # the operator's backup, taken while the run goes on: the ledger, and the run directory
+        with sqlite3.connect(sys.argv[-2]) as src, sqlite3.connect(sys.argv[-2] + ".backup") as dst:
+            src.backup(dst)  # SQLite's online backup (the WAL's commits included)
+        shutil.copytree(self.directory, str(self.directory) + ".backup", symlinks=True)
 PrivateRun.released = released
-sys.exit(main(sys.argv[1:]))
+sys.exit(main(sys.argv[1:-2]))
 """
 
 
 def test_fedmf_simulate_refuses_a_restored_ledger_and_a_restored_pair_as_real_processes(tmp_path):
-    """``fedmf simulate`` as processes: interrupted after round 1 (a ledger kept outside the run
-    directory), its ledger and run directory backed up, resumed to the end (it logs the round it
-    resumed from); then the ledger alone restored: refused in one line, exit 2; then both restored:
-    refused by the witness, exit 2; nothing released either time."""
+    """``fedmf simulate`` as processes, a SQLite ledger kept outside the run directory: a run whose
+    ledger and run directory were backed up after round 1; then the ledger alone restored: refused in
+    one line, exit 2; then both restored: refused by the witness, exit 2; nothing released either time
+    (the round log is the restored one)."""
     out, ledger, witness = tmp_path / "out", tmp_path / "ledger.db", tmp_path / "witness"
-    args = ["simulate", "--preset", "tiny", "--rounds", "4", "--epsilon", "6", "--no-plot", "--out", str(out),
-            "--ledger", str(ledger), "--witness", str(witness)]
+    args = ["simulate", "--preset", "tiny", "--rounds", "4", "--noise-multiplier", "0.7", "--no-plot", "--quiet",
+            "--out", str(out), "--ledger", str(ledger), "--witness", str(witness)]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
 
     def fedmf(script=None):
-        command = [sys.executable, "-c", script, *args] if script else [sys.executable, "-m", "fedmf.cli", *args]
-        return subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+        command = [sys.executable, "-c", script, *args, str(ledger), "-"] if script else \
+            [sys.executable, "-m", "fedmf.cli", *args]
+        return subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
 
-    first = fedmf(_STOP_AFTER_ROUND_1)
-    assert first.returncode == 130, first.stderr
-    shutil.copy2(ledger, tmp_path / "ledger-backup.db")
-    shutil.copytree(out, tmp_path / "out-backup", symlinks=True)
+    first = fedmf(_BACK_UP_AFTER_ROUND_1)
+    assert first.returncode == 0, first.stderr
+    assert "ledger head     3:" in first.stdout
+    for suffix in ("-wal", "-shm"):
+        Path(str(ledger) + suffix).unlink(missing_ok=True)
+    shutil.copy2(str(ledger) + ".backup", ledger)
     second = fedmf()
-    assert second.returncode == 0, second.stderr
-    assert "fedmf: resumed run 1 from round 3/4: 2 of 4 rounds were committed before (ledger rounds 0-1)" in \
-        second.stderr
-    assert "ledger head     3:" in second.stdout
-    log = (out / ROUND_LOG).read_bytes()
-
-    shutil.copy2(tmp_path / "ledger-backup.db", ledger)
+    assert second.returncode == 2 and second.stdout == ""
+    assert second.stderr == (f"fedmf: error: run directory {str(out)!r} shows round 3 committed (its round log "
+                             "rounds.jsonl) but the ledger's last committed round is 1 of run 1: the ledger was rolled "
+                             "back; refusing to release rounds again\n")
+    shutil.rmtree(out)
+    shutil.copytree(str(out) + ".backup", out, symlinks=True)
     third = fedmf()
     assert third.returncode == 2 and third.stdout == ""
-    assert third.stderr == (f"fedmf: error: run directory {str(out)!r} shows round 3 committed (its round log "
-                            "rounds.jsonl) but the ledger's last committed round is 1 of run 1: the ledger was rolled "
-                            "back; refusing to release rounds again\n")
-    shutil.rmtree(out)
-    shutil.copytree(tmp_path / "out-backup", out, symlinks=True)
-    fourth = fedmf()
-    assert fourth.returncode == 2 and fourth.stdout == ""
-    assert fourth.stderr.startswith("fedmf: error: the release witness ") and fourth.stderr.count("\n") == 1
-    assert "shows round 3 committed but the ledger's last committed round is 1 of run 1" in fourth.stderr
-    assert (out / ROUND_LOG).read_bytes() == (tmp_path / "out-backup" / ROUND_LOG).read_bytes() != log
+    assert third.stderr.startswith("fedmf: error: the release witness ") and third.stderr.count("\n") == 1
+    assert "shows round 3 committed but the ledger's last committed round is 1 of run 1" in third.stderr
+    assert [json.loads(line)["round"] for line in (out / ROUND_LOG).read_text().splitlines()] == [0, 1]
+
+
+def test_a_resumed_run_says_the_round_it_resumed_from(tmp_path, capsys):
+    """In process with progress (fedmf simulate's path): one line naming the round it goes on with."""
+    run_dir = tmp_path / "run"
+    train(task.Tiny(), task.users(), task.plan(rounds=ROUNDS), task.local_update, checkpoint_dir=run_dir, rounds=2,
+          witness=tmp_path / "w", progress=True)
+    assert "resumed" not in capsys.readouterr().err
+    train(task.Tiny(), task.users(), task.plan(rounds=ROUNDS), task.local_update, checkpoint_dir=run_dir,
+          witness=tmp_path / "w", progress=True)
+    err = capsys.readouterr().err
+    assert err.startswith(f"fedmf: resumed run 1 from round 3/{ROUNDS}: 2 of {ROUNDS} rounds were committed before "
+                          "(ledger rounds 0-1)\n")
+    train(task.Tiny(), task.users(), task.plan(rounds=ROUNDS), task.local_update, checkpoint_dir=run_dir,
+          witness=tmp_path / "w", progress=True)
+    assert capsys.readouterr().err.startswith(f"fedmf: resumed run 1 after its last round: {ROUNDS} of {ROUNDS} "
+                                              "rounds were committed before")
