@@ -208,3 +208,52 @@ def test_train_logs_every_released_round(tmp_path):
         committed = {t: run.round(t).checkpoint_sha256 for t in range(run.next_round)}
     logged = read_rounds(tmp_path, result.run_id, committed)
     assert [logged[t] for t in range(3)] == [asdict(r) for r in result.history]
+
+
+def test_the_server_app_records_a_round_a_stop_cut_off_and_says_it_resumed(tmp_path, monkeypatch, caplog):
+    """The ServerApp's code path stopped between round 1's commit and its release: the restart logs the
+    round it resumed from, writes round 1's record evaluated from its checkpoint (the same evaluation
+    as an uninterrupted run; the clients' train-loss and the strategy's observed-ε metric of that round
+    are lost, the record says so), and
+    logs the ledger head to record."""
+    import logging
+
+    monkeypatch.setenv(REPEATABLE_NOISE_ENV, "1")  # tests only: both runs draw the same (unsalted) noise
+    from client.app import app as client_app
+    from fedmf.run import RECOVERED_EVALUATED
+    from fedmf.tasks import get_task
+    from launcher.flower_backend import flower_result
+    from server.app import run_server
+    from server.local_grid import LocalGrid, client_node
+
+    def values(name):
+        return {"task": "tiny", "task-options": '{"num_users": 8}', "rounds": 3, "min-sep": 2,
+                "clients-per-round": 3, "noise-multiplier": 0.7, "client-lr": 0.2, "batch-size": 8,
+                "run-dir": str(tmp_path / name), "reply-timeout": 5.0}
+
+    def serve(name):
+        nodes = {100 + i: client_node(client_app, {"partition-id": i}, 100 + i) for i in range(8)}
+        run_server(LocalGrid(nodes), values(name))
+        tiny = get_task("tiny", num_users=8)
+        return flower_result(RunConfig.from_mapping(values(name)), model=tiny.model(), evaluate=tiny.evaluate,
+                             plot=False)
+
+    reference = serve("ref").history
+    task.share_secrets(tmp_path / "ref", tmp_path / "run")
+    with monkeypatch.context() as patch:
+        _stop_at(patch, 1, before_release=True)
+        with pytest.raises(KeyboardInterrupt):
+            serve("run")
+    with caplog.at_level(logging.INFO, logger="fedmf.server"):
+        resumed = serve("run")
+    messages = [r.getMessage() for r in caplog.records if r.name == "fedmf.server"]
+    assert "fedmf: resumed run 1 from round 3/3: 2 of 3 rounds were committed before (ledger rounds 0-1)" in messages
+    assert any(m.startswith(f"fedmf: ledger head {resumed.chain_head} (record it outside the ledger") for m in messages)
+    history = resumed.history
+    lost = ("train-loss", "epsilon-worst-user-run")  # the replies' metrics and the strategy's own: not rebuilt
+    assert history[1]["metrics"] == {k: v for k, v in reference[1]["metrics"].items() if k not in lost}
+    assert "accuracy" in history[1]["metrics"] and "train-loss" in reference[1]["metrics"]
+    assert _without_timing(history[::2]) == _without_timing(reference[::2])
+    lines = [json.loads(line) for line in (tmp_path / "run" / ROUND_LOG).read_text().splitlines()]
+    assert [(line["round"], line.get("recovered")) for line in lines] == [(0, None), (1, RECOVERED_EVALUATED),
+                                                                           (2, None)]
