@@ -175,6 +175,7 @@ class PrivateRun:
         if witness_off:
             log.warning("fedmf: warning: %s", _WITNESS_OFF_WARNING)
         resumed = (directory / _RUN_FILE).exists()
+        witness_dir = None if witness_off else Witness.directory(witness)  # checked before anything is written
         store = CheckpointStore(directory, clean=False)  # another server's temporary files stay
         secrets = RunSecrets(directory / "secrets")  # (a new secret is created O_EXCL: no race)
         lock = lock_directory(directory, CheckpointError)  # held until close (or the process dies)
@@ -208,7 +209,7 @@ class PrivateRun:
                 budget.run_id = run.id
             committed = run.next_round
             record = None if witness_off else _check_witness(
-                Witness.open(witness, run_id=run.id, genesis_sha256=run.info.genesis_sha256), run, committed - 1)
+                Witness.open(witness_dir, run_id=run.id, genesis_sha256=run.info.genesis_sha256), run, committed - 1)
         except BaseException:
             book.close()
             os.close(lock)

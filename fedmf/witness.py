@@ -77,12 +77,11 @@ class Witness:
         self._last = max(entries, key=lambda e: e.round, default=None)
         self._by_round = {e.round: e for e in entries}
 
-    @classmethod
-    def open(cls, directory: str | os.PathLike | None, *, run_id: int, genesis_sha256: str) -> "Witness":
-        """The witness of run ``run_id`` (its ledger genesis ``genesis_sha256``) in ``directory``
-        (None: ``default_witness_directory()``), created 0700 if missing; its file is read (absent:
-        no entry). A directory or file another user owns or may write, a symbolic link, or a file
-        holding another run's entries: ``CheckpointError`` (one line)."""
+    @staticmethod
+    def directory(directory: str | os.PathLike | None) -> Path:
+        """The witness directory ``directory`` (None: ``default_witness_directory()``), created 0700
+        if missing and checked: owned by this user, not writable by group or others, not a symbolic
+        link (``CheckpointError``, one line)."""
         where = Path(directory) if directory is not None else default_witness_directory()
         try:
             where.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -93,7 +92,15 @@ class Witness:
             raise CheckpointError(f"the release witness directory {str(where)!r} is a symbolic link: give the "
                                   "directory itself")
         check_private(where, "release witness directory", CheckpointError, others_may_read=True)
-        path = where / witness_key(genesis_sha256, run_id)
+        return where
+
+    @classmethod
+    def open(cls, directory: str | os.PathLike | None, *, run_id: int, genesis_sha256: str) -> "Witness":
+        """The witness of run ``run_id`` (its ledger genesis ``genesis_sha256``) in ``directory``
+        (``Witness.directory``); its file is read (absent: no entry). A directory or file another
+        user owns or may write, a symbolic link, or a file holding another run's entries:
+        ``CheckpointError`` (one line)."""
+        path = cls.directory(directory) / witness_key(genesis_sha256, run_id)
         return cls(path, run_id, genesis_sha256, cls._read(path, run_id, genesis_sha256))
 
     @staticmethod

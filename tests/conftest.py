@@ -74,3 +74,10 @@ def _witness_state_home(tmp_path_factory):
         os.environ.pop("XDG_STATE_HOME", None)
     else:
         os.environ["XDG_STATE_HOME"] = saved
+
+
+@pytest.fixture(autouse=True)
+def _witness_per_test(_witness_state_home, tmp_path_factory, monkeypatch):
+    """Each test its own XDG_STATE_HOME: a test that restores copies of a run a fixture made resumes
+    each copy against its own witness (within one test, the witness sees every copy, as it would)."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path_factory.mktemp("xdg-state")))
