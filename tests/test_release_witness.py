@@ -379,6 +379,18 @@ def test_audit_checks_a_recorded_head(tmp_path, capsys):
     assert capsys.readouterr().err == ("fedmf: error: argument --head: a recorded head is ROUND:HASH or HASH with 64 "
                                        "hex digits, got '2:abc'\n")
 
+    # round 0's record edited in place (its stored hashes kept): round 1's head is still stored, but the
+    # chain recomputed from the rows no longer reaches it
+    from sqlalchemy import text
+
+    with Ledger.open(str(other_ledger)) as book, book.engine.begin() as conn:
+        conn.execute(text("UPDATE rounds SET noise_std = 40.0 WHERE round_index = 0"))
+    other_heads = dict(_ledger_rounds(str(other_ledger), tmp_path / "other"))
+    assert main(["audit", "--ledger", str(other_ledger), "--head", f"1:{other_heads[1]}"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("fedmf: recorded head mismatch: the chain does not verify through round 1: round 0 does "
+                          "not match its hash") and "fedmf: verification failed: round 0" in err
+
 
 _BACK_UP_AFTER_ROUND_1 = """
 import shutil, sqlite3, sys
