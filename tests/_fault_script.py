@@ -66,6 +66,17 @@ def round_status(run_dir: str | os.PathLike, t: int) -> str | None:
     return row[0] if row else None
 
 
+def last_committed(run_dir: str | os.PathLike) -> int | None:
+    """The last committed round in the run directory's SQLite ledger (None: none), read by a separate
+    connection."""
+    con = sqlite3.connect(f"file:{Path(run_dir) / 'ledger.db'}?mode=ro", uri=True, timeout=30)
+    try:
+        (last,) = con.execute("SELECT MAX(round_index) FROM rounds").fetchone()
+    finally:
+        con.close()
+    return last
+
+
 class Recorder:
     """Collects what the server released (in memory and, if ``log`` is given, appended to it)."""
 
@@ -92,6 +103,8 @@ class Recorder:
 
         def evaluate(task, model):
             t = recorder.round
+            if t is None:  # before any broadcast of this process: a resume evaluating the last committed round
+                t = last_committed(recorder.run_dir)  # (a record a stop cut off: fedmf.round_loop.recover_records)
             recorder.write(kind="evaluate", round=t, sha=state_sha(model.state_dict()),
                            status=round_status(recorder.run_dir, t))
             result = original(task, model)
