@@ -11,6 +11,9 @@ Appends are single ``write`` calls of whole lines on a file opened ``O_APPEND``,
 crash mid-write can leave a torn last line: readers ignore it and the next append cuts it off first.
 Readers keep only the lines of rounds the ledger committed, with the same run id and checkpoint hash
 (a line of a rolled-back attempt or of another run is ignored), the last such line of each round.
+A committed round whose line a stop cut off gets one on resume, marked ``"recovered"`` (what its
+metrics are: ``fedmf.round_loop.recover_records``). A line past the ledger's last committed round
+shows a rolled-back ledger: ``PrivateRun.open`` refuses to resume (``logged_rounds``).
 """
 
 from __future__ import annotations

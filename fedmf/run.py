@@ -17,7 +17,10 @@ committed is redone with fresh noise (a new noise salt per attempt, fedmf.noise)
 selection when the same users are available (the scheduler's decisions are a deterministic
 function of its state and the available set); the committed rounds resume bit-exactly (their
 noise is reproduced from the checkpoint's salts). So a run directory restored from a backup
-never releases a round again with the noise it was released with. One server at a time: a
+never releases a round again with the noise it was released with — and a resume is refused when
+the run directory, the ledger and the release witness (``fedmf.witness``, appended after each
+commit, before the release) disagree on the rounds committed (``_refuse_rollback``,
+``_refuse_ledger_rollback``, ``_check_witness``). One server at a time: a
 PrivateRun locks its directory (``run.lock``, flock) until it is closed or its process dies.
 ``repeatable_noise=True`` (tests only, unsafe) leaves the salts out: then the two drivers
 produce bit-identical models for the same plan, secrets, users and (deterministic) local
