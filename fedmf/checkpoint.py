@@ -48,13 +48,18 @@ from . import checks
 from .errors import CheckpointError
 from .files import check_private, check_private_path
 
-__all__ = ["CheckpointStore", "load_or_create_secret", "RunSecrets", "BINDING_BYTES"]
+__all__ = ["CheckpointStore", "load_or_create_secret", "RunSecrets", "BINDING_BYTES", "noise_file_rounds"]
 
 _FORMAT = 1
 #: the noise seed file's binding to its run: this many random bytes after the seed
 BINDING_BYTES = 16
 _NAME = re.compile(r"^round-(\d{6,})\.pt$")
 _TENSOR_NAME = re.compile(r"^noise-([a-z_]+)-r(\d{6,})(-[0-9a-f]{16})?\.pt$")
+
+
+def noise_file_rounds(directory: str | os.PathLike) -> list[tuple[int, str]]:
+    """(round, file name) of every noise tensor file in ``directory``: the round that produced it."""
+    return sorted((int(m.group(2)), p.name) for p in Path(directory).iterdir() if (m := _TENSOR_NAME.match(p.name)))
 
 
 def _fsync_dir(path: Path) -> None:

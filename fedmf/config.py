@@ -50,6 +50,9 @@ is a one-line ``ConfigError`` before round 1. ``DEFAULTS`` is the one defaults t
                                                   clipped, summed, Gaussian noise, ÷ clients-per-round; accounted)
     client-metrics-clip 10.0                      L: each client's loss is clipped to [0, L]
     client-metrics-noise 0.0                      σ_m, std of the noise on the sum (0: L · clients-per-round / 20)
+    witness           ""                          the release witness's directory (fedmf.witness), on storage
+                                                  other than the run directory's and the ledger's; "": the
+                                                  user's state directory; "off": none (tests only, unsafe)
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ from typing import Any, Mapping
 
 from . import checks
 from .errors import ConfigError, ConfigTypeError
+from .witness import WITNESS_OFF
 
 __all__ = ["RunConfig", "DEFAULTS"]
 
@@ -79,6 +83,7 @@ DEFAULTS: dict[str, Any] = {
     "adaptive-clipping": 0.0, "adaptive-clipping-lr": 0.2, "adaptive-clipping-count-noise": 0.0,
     "budget-key": "",
     "client-metrics": "none", "client-metrics-clip": 10.0, "client-metrics-noise": 0.0,
+    "witness": "",
 }
 
 
@@ -153,6 +158,7 @@ class RunConfig:
     client_metrics: str = "none"  # "none": nothing of the clients' metrics is published; "private": its release
     client_metrics_clip: float = 10.0  # L
     client_metrics_noise: float | None = None  # σ_m; None: L · clients-per-round / 20
+    witness: str | None = None  # the release witness's directory (absolute), "off", or None: the default one
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -216,6 +222,7 @@ class RunConfig:
         metrics_noise = _float("client-metrics-noise", v["client-metrics-noise"])
         if not (math.isfinite(metrics_clip) and math.isfinite(metrics_noise)):
             raise ConfigError("client-metrics-clip and client-metrics-noise must be finite")
+        witness = _text("witness", v["witness"]).strip()
         if enrollment and identity != "enrolled":
             raise ConfigError("user-enrollment is set but identity is declared-insecure: choose one")
         return cls(
@@ -241,6 +248,7 @@ class RunConfig:
             budget_key=str(base / budget_key) if budget_key else None,
             client_metrics=client_metrics, client_metrics_clip=metrics_clip,
             client_metrics_noise=metrics_noise or None,
+            witness=(witness if witness == WITNESS_OFF else str(base / witness)) if witness else None,
         )
 
     def to_dict(self) -> dict[str, Any]:

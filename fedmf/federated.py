@@ -19,6 +19,7 @@ same selection and fresh noise (fedmf.run). With deterministic local updates and
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
@@ -57,6 +58,10 @@ class TrainResult:
     stopped: str
     history: list[RoundRecord]
     plan: dict[str, Any]
+    #: the ledger's chain head at the last committed round, "ROUND:HASH" (record it outside the ledger)
+    head: str = ""
+    #: the release witness file (None: off)
+    witness: str | None = None
 
     def audit_command(self) -> str:
         """``fedmf audit`` as the auditor runs it (``fedmf.auditor``: never the server's role or password)."""
@@ -138,6 +143,7 @@ def train(
     repeatable_noise: bool = False,
     ledger_diagnostics: bool = False,
     budget_key: str | os.PathLike | None = None,
+    witness: str | os.PathLike | None = None,
 ) -> TrainResult:
     """Train ``model`` privately under ``plan`` over ``users`` (ids with a stable ``str``).
 
@@ -155,7 +161,9 @@ def train(
     accounted from the ledger, exceeds the target. ``repeatable_noise``: tests only, unsafe
     (``PrivateRun.open``). ``ledger_diagnostics``: a new run's ledger also keeps update norms
     (outside the DP guarantee). ``budget_key``: the ledger's budget secret file (lifetime budgets,
-    ``PrivateRun.open``)."""
+    ``PrivateRun.open``). ``witness``: the release witness's directory (``PrivateRun.open``; None:
+    the user's state directory). A resumed run says so on stderr with ``progress``; a committed round
+    whose record a stop cut off is recorded (the last one evaluated) before the next round."""
     if (local_update is None) == (local_updates is None):
         raise ConfigError("give exactly one of local_update (one user at a time) and local_updates (a round's users)")
     users = list(users)
@@ -169,7 +177,7 @@ def train(
     try:
         with PrivateRun.open(model, plan, directory, ledger=ledger, server_lr=server_lr, optimizer=optimizer,
                              population=users, on_event=on_event, repeatable_noise=repeatable_noise,
-                             ledger_diagnostics=ledger_diagnostics, budget_key=budget_key) as run:
+                             ledger_diagnostics=ledger_diagnostics, budget_key=budget_key, witness=witness) as run:
             history: list[RoundRecord] = []
             bar = progress or None
             if progress is True:
@@ -179,6 +187,11 @@ def train(
             first = run.next_round
             if bar is not None and first < end:
                 bar(Step(first, end, note="starting" if first == 0 else f"resuming at round {first}", start=first))
+            if progress and run.resumed_from is not None:
+                if isinstance(bar, ProgressBar):
+                    bar.message(run.resumed_line())
+                else:
+                    sys.stderr.write(run.resumed_line() + "\n")
 
             def released(record: RoundRecord) -> None:
                 if bar is not None:
@@ -194,8 +207,10 @@ def train(
             finally:
                 if progress is True:
                     bar.close()
+            head_round, head = run.head
             return TrainResult(run.run_id, public_url(run.ledger_url), run.next_round, ended.stopped, history,
-                               plan.to_dict())
+                               plan.to_dict(), f"{head_round}:{head}",
+                               None if run.witness_path is None else str(run.witness_path))
     finally:
         if temporary is not None:
             temporary.cleanup()

@@ -13,7 +13,10 @@ steps, which carries ARCHITECTURE.md's rules, is here once:
 * the round is committed (checkpoint, then ledger) before anything derived from it — metrics,
   evaluation, the model — leaves the server, and ``PrivateRun.released`` marks it released;
 * a round that fails before its commit is aborted by ``PrivateRun`` (nothing of it was
-  released) and may be redone by ``retry``, the same selection with fresh noise.
+  released) and may be redone by ``retry``, the same selection with fresh noise;
+* a committed round whose record a stop cut off (between its commit and its release) gets it on
+  resume, before the next round (``recover_records``): the last committed round evaluated then from
+  its checkpoint (the model a resume loads), an older one with the ledger's counts and no metrics.
 """
 
 from __future__ import annotations
@@ -24,10 +27,10 @@ from typing import Any, Callable, Hashable, Iterable, Mapping, TypeVar
 from .errors import FedmfError, HorizonReached, PrivacyBudgetExceeded
 from .plan import RunPlan
 from .privatize import RoundReport
-from .run import PrivateRun, RoundRecord
+from .run import RECOVERED_EVALUATED, RECOVERED_UNEVALUATED, PrivateRun, RoundRecord
 from .schedule import Selection
 
-__all__ = ["run_rounds", "play_round", "settle", "LoopEnd", "Contributions", "CohortStep", "Retry", "no_retry",
+__all__ = ["run_rounds", "play_round", "settle", "recover_records", "LoopEnd", "Contributions", "CohortStep", "Retry", "no_retry",
            "observed_accounting", "observed_guard", "GUARD", "ROUND"]
 
 T = TypeVar("T")
@@ -93,6 +96,28 @@ def play_round(run: PrivateRun, available: Iterable[Hashable], cohort: CohortSte
     return settle(run, updates, rejected, values[0] if values else None)
 
 
+def recover_records(run: PrivateRun, evaluate: Callable[[RoundRecord], Mapping[str, float] | None] | None = None,
+                    on_round: Callable[[RoundRecord], None] | None = None) -> list[RoundRecord]:
+    """Write the round log records that a stop between a commit and its release cut off
+    (``PrivateRun.missing_records``). The last committed round's model is the one in memory after a
+    resume, so ``evaluate(record)`` scores it and its scores join the record; an older round (only a
+    run directory from before this recovery can have one) keeps the ledger's counts and no metrics.
+    Each record is marked in the log as written on resume, then passed to ``on_round``. Returns them."""
+    records = run.missing_records()
+    last = run.next_round - 1
+    for record in records:
+        recovered = RECOVERED_UNEVALUATED
+        if record.round == last and evaluate is not None:  # committed and witnessed: it may be released
+            scores = evaluate(record)
+            if scores is not None:
+                record.metrics.update({k: float(v) for k, v in scores.items()})
+            recovered = RECOVERED_EVALUATED
+        run.record_missing(record, recovered)
+        if on_round is not None:
+            on_round(record)
+    return records
+
+
 def run_rounds(run: PrivateRun, end: int, available: Callable[[int], Iterable[Hashable]], cohort: CohortStep, *,
                observed: bool | None = None, history: list[RoundRecord] | None = None,
                committed: Callable[[RoundRecord, RoundReport], None] | None = None,
@@ -104,9 +129,11 @@ def run_rounds(run: PrivateRun, end: int, available: Callable[[int], Iterable[Ha
     ``observed_guard(plan)``), under ``retry(t, ·, GUARD)``; then under ``retry(t, ·, ROUND)``,
     ``play_round`` with the users ``available(t)``; the committed record appended to ``history``;
     ``committed(record, report)`` (the driver's round metrics); ``evaluate(record)``, whose
-    scores join ``record.metrics``; ``run.released(t)``; ``on_round(record)``."""
+    scores join ``record.metrics``; ``run.released(t)``; ``on_round(record)``. First, the records a
+    stop cut off are written (``recover_records``, with ``evaluate`` and ``on_round``)."""
     observed = observed_guard(run.plan) if observed is None else observed
     history = [] if history is None else history
+    recover_records(run, evaluate, on_round)
     while run.next_round < end:
         t = run.next_round
         try:

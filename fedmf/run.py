@@ -17,7 +17,10 @@ committed is redone with fresh noise (a new noise salt per attempt, fedmf.noise)
 selection when the same users are available (the scheduler's decisions are a deterministic
 function of its state and the available set); the committed rounds resume bit-exactly (their
 noise is reproduced from the checkpoint's salts). So a run directory restored from a backup
-never releases a round again with the noise it was released with. One server at a time: a
+never releases a round again with the noise it was released with — and a resume is refused when
+the run directory, the ledger and the release witness (``fedmf.witness``, appended after each
+commit, before the release) disagree on the rounds committed (``_refuse_rollback``,
+``_refuse_ledger_rollback``, ``_check_witness``). One server at a time: a
 PrivateRun locks its directory (``run.lock``, flock) until it is closed or its process dies.
 ``repeatable_noise=True`` (tests only, unsafe) leaves the salts out: then the two drivers
 produce bit-identical models for the same plan, secrets, users and (deterministic) local
@@ -43,12 +46,15 @@ from .files import atomic_write, lock_directory
 from .participation import MinSep
 from .plan import RunPlan
 from .privatize import RoundPrivatizer, RoundReport, layout_of
-from .round_log import append_round
+from .round_log import append_round, logged_rounds
+from .witness import WITNESS_OFF, Witness
 
-__all__ = ["PrivateRun", "RoundRecord", "EVENTS", "REPEATABLE_NOISE_ENV", "repeatable_noise_from_env", "NOISE_SALTS"]
+__all__ = ["PrivateRun", "RoundRecord", "EVENTS", "REPEATABLE_NOISE_ENV", "repeatable_noise_from_env", "NOISE_SALTS",
+           "WITNESS_OFF", "RECOVERED_EVALUATED", "RECOVERED_UNEVALUATED"]
 
 #: the points of a round at which ``on_event(event, t)`` is called (fault-injection tests use them)
-EVENTS = ("guarded", "selected", "updates", "noised", "stepped", "checkpointed", "committed", "released")
+EVENTS = ("guarded", "selected", "updates", "noised", "stepped", "checkpointed", "committed", "witnessed",
+          "released")
 _RUN_FILE = "run.json"
 #: set to 1 (tests only) to run the ServerApp and ``fedmf simulate`` without noise salts
 REPEATABLE_NOISE_ENV = "FEDMF_UNSAFE_REPEATABLE_NOISE"
@@ -59,6 +65,13 @@ REPEATABLE_NOISE_WARNING = f"{REPEATABLE_NOISE_ENV}=1: {_UNSALTED}"
 #: run.json's "noise_salts": how the run's noise is keyed (an auditor of the directory sees the unsafe mode)
 NOISE_SALTS = {False: "per-attempt", True: "repeatable-unsafe"}
 log = logging.getLogger("fedmf")
+#: a round log line written on a resume (``PrivateRun.record_missing``): what its metrics are
+RECOVERED_EVALUATED = ("written on resume (the server stopped between the round's commit and its release): "
+                       "evaluated then, from the round's checkpoint")
+RECOVERED_UNEVALUATED = ("written on resume (the server stopped between the round's commit and its release): "
+                         "no evaluation (only the last committed round's model is kept), no client metrics")
+_WITNESS_OFF_WARNING = ("witness=off: UNSAFE, for tests only: a rollback of the ledger and the run directory together "
+                        "is not detected, and would release rounds again")
 
 
 def repeatable_noise_from_env() -> bool:
@@ -78,8 +91,8 @@ class RoundRecord:
     rejected: int
     clipped: int | None  # only in runs that record ledger diagnostics: data-dependent, outside the DP guarantee
     zeroed: int | None  # likewise (the clipped count is what adaptive clipping releases only with noise)
-    seconds: float
-    checkpoint_bytes: int
+    seconds: float | None  # None: a record written on resume (PrivateRun.record_missing)
+    checkpoint_bytes: int | None
     metrics: dict[str, float] = field(default_factory=dict)
 
 
@@ -147,7 +160,8 @@ class PrivateRun:
     """One private run of ``plan`` on ``model`` with its durable state in ``directory``."""
 
     def __init__(self, model, plan, directory, secrets, store, book, ledger_url, run, privatizer, optimizer,
-                 scheduler, on_event, lock: int) -> None:
+                 scheduler, on_event, lock: int, witness: Witness | None = None,
+                 resumed_from: int | None = None) -> None:
         self.model, self.plan, self.directory, self._lock = model, plan, directory, lock
         self._secrets, self.store, self._book, self.ledger_url = secrets, store, book, ledger_url
         self._run, self.privatizer, self.optimizer, self.scheduler = run, privatizer, optimizer, scheduler
@@ -159,10 +173,17 @@ class PrivateRun:
         self._broken: str | None = None  # set when an aborted round's state could not be restored
         self._committed_record: RoundRecord | None = None  # the round committed and not yet released
         self._budget = None  # fedmf.ledger.budgets.RunBudget when the ledger enforces lifetime budgets
-        # the last committed checkpoint's hash, kept in memory so that an abort needs no database
+        self._missing_digests: dict[int, str] = {}  # missing_records → record_missing
+        self._witness = witness  # None: off (tests only)
+        #: the rounds committed before this process opened the run (None: a new run)
+        self.resumed_from = resumed_from
+        # the last committed checkpoint's hash, kept in memory so that an abort needs no database, and
+        # the ledger's chain head (round, hash) there: what the summary asks to record elsewhere
         last = run.next_round - 1
-        self._last_digest = (run.round(last).checkpoint_sha256 if last >= 0
+        summary = run.round(last) if last >= 0 else None
+        self._last_digest = (summary.checkpoint_sha256 if summary is not None
                              else json.loads((directory / _RUN_FILE).read_text(encoding="utf-8"))["initial_sha256"])
+        self._head = (last, summary.chain_sha256 if summary is not None else run.info.genesis_sha256)
 
     # ---- opening and closing -----------------------------------------------------------
     @classmethod
@@ -170,7 +191,8 @@ class PrivateRun:
              ledger: str | os.PathLike | None = None, server_lr: float = 1.0, optimizer: str = "workload",
              population: Iterable[Hashable] | None = None, on_event: Callable[[str, int], None] | None = None,
              name: str | None = None, repeatable_noise: bool = False,
-             ledger_diagnostics: bool = False, budget_key: str | os.PathLike | None = None) -> "PrivateRun":
+             ledger_diagnostics: bool = False, budget_key: str | os.PathLike | None = None,
+             witness: str | os.PathLike | None = None) -> "PrivateRun":
         """Resume the run recorded in ``directory`` (restoring the last committed round's
         checkpoint; the plan must be the same) or start a new one. ``ledger``: a ledger URL
         (default: ``<directory>/ledger.db``). ``population``: the users, for schedulers that
@@ -180,7 +202,13 @@ class PrivateRun:
         it was clipped (data-dependent, outside the DP guarantee; a resumed run keeps its own setting).
         A population smaller than the plan's expected users per round is refused
         (``RunPlan.check_population``). ``budget_key``: the ledger's budget secret file, required
-        when the ledger enforces lifetime budgets (``fedmf.ledger.budgets``)."""
+        when the ledger enforces lifetime budgets (``fedmf.ledger.budgets``). ``witness``: the release
+        witness's directory (``fedmf.witness``; None: the user's state directory; ``"off"``: none,
+        tests only, unsafe).
+
+        A resume is refused (``CheckpointError``, one line) when the ledger and the run directory
+        disagree on the rounds committed — either one is older than the other (restored from a
+        backup) — or when both are behind the release witness: resuming would release rounds again."""
         from .ledger import Ledger
         from .ledger.budgets import RunBudget, load_budget_secret
         from .schedule import make_scheduler
@@ -198,6 +226,11 @@ class PrivateRun:
         directory = Path(directory)
         existed = _entries(directory)  # a refused start removes what it created, and only that
         made = _missing_dirs(directory)
+        witness_off = witness is not None and os.fspath(witness) == WITNESS_OFF
+        if witness_off:
+            log.warning("fedmf: warning: %s", _WITNESS_OFF_WARNING)
+        resumed = (directory / _RUN_FILE).exists()
+        witness_dir = None if witness_off else Witness.directory(witness)  # checked before anything is written
         store = CheckpointStore(directory, clean=False)  # another server's temporary files stay
         lock = lock_directory(directory, CheckpointError)  # held until close (or the process dies)
         try:
@@ -230,13 +263,16 @@ class PrivateRun:
                               NOISE_SALTS[repeatable_noise], ledger_diagnostics)
             if budget is not None:
                 budget.run_id = run.id
+            committed = run.next_round
+            record = None if witness_off else _check_witness(
+                Witness.open(witness_dir, run_id=run.id, genesis_sha256=run.info.genesis_sha256), run, committed - 1)
         except BaseException:
             book.close()
             _remove_created(directory, existed, made)
             os.close(lock)
             raise
         out = cls(model, plan, directory, secrets, store, book, ledger_url, run, privatizer, opt, scheduler, on_event,
-                  lock)
+                  lock, witness=record, resumed_from=committed if resumed else None)
         out._budget = budget
         return out
 
@@ -257,10 +293,11 @@ class PrivateRun:
                 raise CheckpointError(f"the noise seed in {seed_file!r} is not bound to the run {_RUN_FILE} names: "
                                       "restore that run's own secrets/ to resume it")
             plan.check_fingerprint(fingerprint, f"checkpoint directory {str(directory)!r}")
-            run = book.run(run_id)
+            run = _resume_ledger_run(book, run_id, directory)
             plan.check_fingerprint(run.info.plan_fingerprint, f"ledger run {run_id}")
             last = run.next_round - 1  # -1: the initial state, before round 0
-            _refuse_rollback(store, last)
+            _refuse_rollback(store, last)  # the run directory is older than the ledger
+            _refuse_ledger_rollback(directory, store, run, last)  # the ledger is older than the run directory
             digest = run.round(last).checkpoint_sha256 if last >= 0 else initial_sha256
             state = store.load(last, digest)
             plan.check_fingerprint(state.get("plan_fingerprint"), f"checkpoint of round {last}")
@@ -336,6 +373,26 @@ class PrivateRun:
     def next_round(self) -> int:
         """The round to run next (one past the last committed round)."""
         return self.privatizer.next_round
+
+    @property
+    def head(self) -> tuple[int, str]:
+        """(round, hash): the ledger's chain head at the last committed round (-1: the genesis), which an
+        auditor records outside the ledger and checks with ``fedmf audit --verify --head ROUND:HASH``."""
+        return self._head
+
+    def resumed_line(self) -> str:
+        """The line a resumed run logs: the round it goes on with and the rounds committed before
+        (counted from 1, as the progress lines are; the ledger numbers rounds from 0)."""
+        done, total = self.resumed_from or 0, self.plan.rounds
+        before = f"{done} of {total} rounds were committed before" + (f" (ledger rounds 0-{done - 1})" if done else "")
+        if done >= total:
+            return f"fedmf: resumed run {self.run_id} after its last round: {before}; no round left"
+        return f"fedmf: resumed run {self.run_id} from round {done + 1}/{total}: {before}"
+
+    @property
+    def witness_path(self) -> Path | None:
+        """The release witness file (None: off)."""
+        return None if self._witness is None else self._witness.path
 
     def user_key(self, user: Hashable) -> bytes:
         """The user's pseudonymous key in the ledger."""
@@ -451,7 +508,17 @@ class PrivateRun:
             raise
         report, self._selection, self._report = self._report, None, None
         self._last_digest = digest
+        self._head = (t, summary.chain_sha256)
         self._event("committed", t)
+        if self._witness is not None:  # after the ledger commit, before anything of round t is released
+            try:
+                self._witness.append(t, summary.chain_sha256)
+            except BaseException as e:
+                # round t is committed but not witnessed: nothing of it may leave this process; a resume
+                # records it in the witness before releasing anything
+                self._broken = f"round {t} is committed but the release witness could not record it ({e})"
+                raise
+        self._event("witnessed", t)
         self.store.prune(keep=t)
         # clipped / zeroed leave only as diagnostics (outside the DP guarantee, like the ledger's norms): the
         # exact clipped count would undo adaptive clipping's noisy count
@@ -484,6 +551,37 @@ class PrivateRun:
             raise RoundOrderError(f"round {t} is not the round just committed: it cannot be released")
         append_round(self.directory, self.run_id, self._last_digest, record)
         self._event("released", t)
+
+    def missing_records(self) -> list[RoundRecord]:
+        """The committed rounds that have no round log line (the server stopped between a round's
+        commit and its release), in order, each as a ``RoundRecord`` rebuilt from the ledger's counts
+        (no metrics but adaptive clipping's ζₜ and b̃ₜ/m, which the ledger keeps; no time, no size).
+        Only the last of them can be evaluated: the model in memory is the last committed round's."""
+        last = self.next_round - 1
+        if self._selection is not None or self._committed_record is not None:
+            raise RoundOrderError("missing records are looked for before a round opens")
+        logged = logged_rounds(self.directory, self.run_id)
+        records = []
+        for t in (r for r in range(last + 1) if r not in logged):
+            summary = self._run.round(t)
+            record = RoundRecord(t, self.plan.epsilon_after(t), summary.selected, summary.contributed, summary.dropped,
+                                 summary.rejected, summary.clipped if self._run.info.diagnostics else None, None,
+                                 None, None)
+            if summary.clip_norm is not None:
+                record.metrics.update(adaptive_metrics(summary.clip_norm, summary.noisy_unclipped,
+                                                       self.plan.expected_users))
+            self._missing_digests[t] = summary.checkpoint_sha256
+            records.append(record)
+        return records
+
+    def record_missing(self, record: RoundRecord, recovered: str) -> None:
+        """Append a record ``missing_records`` returned (with the metrics the driver added: the last
+        committed round's evaluation) to the round log, marked ``recovered`` (what its metrics are)."""
+        self._check_usable()
+        digest = self._missing_digests.pop(record.round, None)
+        if digest is None:
+            raise RoundOrderError(f"round {record.round} is not a committed round missing from the round log")
+        append_round(self.directory, self.run_id, digest, record, recovered=recovered)
 
     def abort(self, reason: str) -> None:
         """Give up the open round: nothing of it was released, and the in-memory state is
@@ -539,6 +637,87 @@ def _refuse_rollback(store: CheckpointStore, committed: int) -> None:
                               f"{str(store.directory)!r} holds checkpoints up to {have}: a run directory older than "
                               "the ledger (a restored backup?) is never resumed, it would release those rounds again; "
                               "start a new run in a new directory")
+
+
+def _resume_ledger_run(book, run_id: int, directory: Path):
+    """The ledger run ``run.json`` names; a ledger without it was rolled back to before the run
+    began (or is another ledger): one line, since resuming would release the run's rounds again."""
+    from .ledger.db import LedgerError
+
+    try:
+        return book.run(run_id)
+    except LedgerError:
+        if any(other.id == run_id for other in book.runs()):
+            raise
+        raise CheckpointError(f"the run directory {str(directory)!r} belongs to ledger run {run_id}, which the ledger "
+                              "does not hold: the ledger was rolled back to before the run began (or is another "
+                              "ledger); refusing to release rounds again") from None
+
+
+def _refuse_ledger_rollback(directory: Path, store: CheckpointStore, run, committed: int) -> None:
+    """A ledger older than the run directory is a restored backup (or had rounds deleted): refused
+    in one line naming both sides. The run directory shows round r committed when it holds a round
+    log line of r (written after r's commit), or a checkpoint or noise file of r ≥ committed + 2 (a
+    round is checkpointed only after the one before it was committed). A checkpoint or noise file of
+    round committed + 1 is an attempt that a stop left uncommitted (redone with fresh noise: nothing
+    of it was released) only if the ledger opened that round; else the ledger lost it."""
+    from .checkpoint import noise_file_rounds
+
+    ledger_side = (f"the ledger's last committed round is {committed}" if committed >= 0
+                   else "the ledger has no committed round")
+    logged = logged_rounds(directory, run.id)
+    ahead = [t for t in logged if t > committed]
+    if ahead:
+        raise CheckpointError(f"run directory {str(directory)!r} shows round {max(ahead)} committed (its round log "
+                              f"rounds.jsonl) but {ledger_side} of run {run.id}: the ledger was rolled back; "
+                              "refusing to release rounds again")
+    if committed >= 0 and committed in logged and logged[committed] != run.round(committed).checkpoint_sha256:
+        raise CheckpointError(f"run directory {str(directory)!r} logged round {committed} with another checkpoint than "
+                              f"the ledger's commit of round {committed} names: the ledger was rolled back and the "
+                              "round released again, or it is another ledger; refusing to go on")
+    files = {t: f"checkpoint {store.path(t).name}" for t in store.rounds() if t > committed}
+    for t, name in noise_file_rounds(directory):
+        if t > committed and t not in files:
+            files[t] = f"noise file {name}"
+    if not files:
+        return
+    newest = max(files)
+    if newest >= committed + 2:
+        raise CheckpointError(f"run directory {str(directory)!r} shows round {newest - 1} committed (its "
+                              f"{files[newest]} of round {newest}) but {ledger_side} of run {run.id}: the ledger "
+                              "was rolled back; refusing to release rounds again")
+    if run.round(newest).status not in ("open", "aborted"):
+        raise CheckpointError(f"run directory {str(directory)!r} shows round {newest} begun (its {files[newest]}) but "
+                              f"{ledger_side} of run {run.id} and it never opened round {newest}: the ledger was "
+                              "rolled back; refusing to release rounds again")
+
+
+def _check_witness(witness: Witness, run, committed: int) -> Witness:
+    """Refuse (one line) a ledger behind the release witness, or whose chain head at the witness's
+    last round is another one; then bring a witness that is behind the ledger (a stop between a
+    commit and its witness entry: that round was never released) up to the ledger's last round,
+    before anything is released. Returns ``witness``."""
+    last = witness.last()
+    if last is not None:
+        if last.round > committed:
+            ledger_side = (f"the ledger's last committed round is {committed}" if committed >= 0
+                           else "the ledger has no committed round")
+            raise CheckpointError(f"the release witness {str(witness.path)!r} shows round {last.round} committed but "
+                                  f"{ledger_side} of run {run.id} (and the run directory agrees with the ledger): "
+                                  "both were rolled back (restored from a backup?); refusing to release rounds again")
+        head = run.round(last.round).chain_sha256
+        if head != last.chain_sha256:
+            raise CheckpointError(f"the release witness {str(witness.path)!r} records chain head "
+                                  f"{last.chain_sha256[:16]}… at round {last.round}, but the ledger's round "
+                                  f"{last.round} of run {run.id} has {str(head)[:16]}…: the ledger was rewritten or "
+                                  "rolled back and its rounds released again; refusing to go on")
+    if committed >= 0 and (last is None or last.round < committed):
+        if last is None or last.round < committed - 1:
+            log.info("fedmf: the release witness %s recorded %s; the ledger has committed up to round %d: recording "
+                     "that round now", witness.path, "no round" if last is None else f"up to round {last.round}",
+                     committed)
+        witness.append(committed, run.round(committed).chain_sha256)
+    return witness
 
 
 def _state(plan: RunPlan, model, optimizer, privatizer, scheduler) -> dict[str, Any]:

@@ -31,7 +31,7 @@ from .files import atomic_write
 from .progress import ProgressCallback
 
 __all__ = ["PRESETS", "PRESET_COST", "preset_values", "simulate", "SimulationResult", "run_history", "write_outputs",
-           "record_elapsed", "ELAPSED_FILE"]
+           "record_elapsed", "ELAPSED_FILE", "chain_head"]
 
 #: preset → what it changes in ``DEFAULTS`` (kebab-case RunConfig keys; a changed task brings its own
 #: ``task-options``, which replace the table's). Every preset calibrates z for its target ε
@@ -146,6 +146,9 @@ class SimulationResult:
     #: wall-clock seconds of every invocation of this run directory so far, this one included
     #: (``ELAPSED_FILE``); ``seconds`` is this invocation's
     seconds_total: float | None = None
+    #: the ledger's chain head at the last committed round, "ROUND:HASH" (ROUND -1: the genesis): record it
+    #: outside the ledger, check it later with ``fedmf audit --verify --head ROUND:HASH``
+    chain_head: str | None = None
 
     def audit_command(self) -> str:
         """``fedmf audit`` as the auditor runs it (``fedmf.auditor``: never the server's role or password)."""
@@ -180,7 +183,8 @@ def simulate(config: RunConfig, *, model, users, local_update=None, local_update
     result = train(model, users, plan, local_update, local_updates=local_updates, server_lr=config.server_lr,
                    checkpoint_dir=config.run_dir, on_round=on_round,
                    ledger=config.ledger_url, evaluate=evaluate, progress=progress, repeatable_noise=repeatable_noise,
-                   ledger_diagnostics=config.ledger_diagnostics, budget_key=config.budget_key)
+                   ledger_diagnostics=config.ledger_diagnostics, budget_key=config.budget_key,
+                   witness=config.witness)
     import torch
 
     # the final model, as the Flower ServerApp writes it (both backends leave the same files)
@@ -194,8 +198,24 @@ def simulate(config: RunConfig, *, model, users, local_update=None, local_update
     out = SimulationResult(config.run_dir, result.ledger, result.run_id, result.rounds_done, result.stopped,
                            plan.epsilon_after(result.rounds_done - 1) if result.rounds_done else 0.0, plan.delta,
                            plan.noise_multiplier, accuracy, time.perf_counter() - started, history,
-                           rho=rho_spent(plan, result.rounds_done))
+                           rho=rho_spent(plan, result.rounds_done), chain_head=result.head)
     return write_outputs(out, config.run_dir, plot, token=token)
+
+
+def chain_head(config: RunConfig, run_id: int) -> str:
+    """Run ``run_id``'s chain head in ``config``'s ledger as "ROUND:HASH" (the last committed round's
+    hash; -1 and the genesis before round 0), read with the run's ledger secret."""
+    from .ledger import Ledger
+
+    directory = Path(config.run_dir)
+    try:
+        secret = (directory / "secrets" / "ledger_secret").read_bytes()
+    except OSError as e:
+        raise ConfigError(f"cannot read the run's ledger secret in {str(directory)!r}: {e.strerror or e}") from None
+    with Ledger.open(config.ledger_url or str(directory / "ledger.db"), secret=secret) as book:
+        run = book.run(run_id)
+        last = run.next_round - 1
+        return f"{last}:{run.round(last).chain_sha256 if last >= 0 else run.info.genesis_sha256}"
 
 
 def rho_spent(plan, rounds_done: int) -> float | None:

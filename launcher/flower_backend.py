@@ -22,7 +22,7 @@ from fedmf.errors import ConfigError, FedmfError, OutcomeError
 from fedmf.files import atomic_write
 from fedmf.ledger.db import public_url
 from fedmf.outcome import OUTCOME_FILE, clear_outcome, read_outcome
-from fedmf.simulate import SimulationResult, rho_spent, run_history, write_outputs
+from fedmf.simulate import SimulationResult, chain_head, rho_spent, run_history, write_outputs
 from fedmf.tasks import Task
 
 from . import processes, ray_cluster
@@ -42,6 +42,7 @@ def flower_run_config(values: Mapping[str, Any], config: RunConfig) -> dict[str,
     out["run-dir"] = config.run_dir
     out["mechanism"] = config.mechanism  # a mechanism file, resolved from the working directory
     out["budget-key"] = config.budget_key or ""
+    out["witness"] = config.witness or ""  # resolved: the ServerApp runs in another directory
     return out
 
 
@@ -87,7 +88,8 @@ def flower_result(config: RunConfig, *, model, evaluate, seconds: float = 0.0, p
         history[-1]["metrics"] = {**history[-1]["metrics"], **scores}
     out = SimulationResult(str(directory), public_url(ledger), run_id, done, outcome.stopped,
                            plan.epsilon_after(done - 1) if done else 0.0, plan.delta, plan.noise_multiplier,
-                           scores.get("accuracy"), seconds, history, rho=rho_spent(plan, done))
+                           scores.get("accuracy"), seconds, history, rho=rho_spent(plan, done),
+                           chain_head=chain_head(config, run_id))
     return write_outputs(out, config.run_dir, plot)
 
 

@@ -124,7 +124,8 @@ def _serve(grid: Grid, run_config: dict, opened: list[PrivateRun]) -> DPMFStrate
         log.warning("fedmf: warning: %s", REPEATABLE_NOISE_WARNING)
     with PrivateRun.open(model, plan, config.run_dir, ledger=config.ledger_url, server_lr=config.server_lr,
                          population=task.users(), on_event=_fault_injection(), repeatable_noise=repeatable,
-                         ledger_diagnostics=config.ledger_diagnostics, budget_key=config.budget_key) as run:
+                         ledger_diagnostics=config.ledger_diagnostics, budget_key=config.budget_key,
+                         witness=config.witness) as run:
         opened.append(run)
         users = task.users()
         wanted = min(len(users), max(1, math.ceil(plan.expected_users)))

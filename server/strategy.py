@@ -258,6 +258,9 @@ class DPMFStrategy(Strategy):
                 result.evaluate_metrics_serverapp[record.round + 1] = evaluation
             return evaluation
 
+        if self.run.resumed_from is not None:
+            log.info("%s", self.run.resumed_line())
+        result.arrays = ArrayRecord(self.run.model.state_dict())  # the committed model (a record recovered on resume)
         if self.run.next_round < end:  # a restart with no round left (say, to write the final model) waits for no one
             self._wait_for_users(grid)
         ended = run_rounds(self.run, end, lambda t: self._available(grid, t), exchange, history=self.history,
@@ -272,6 +275,7 @@ class DPMFStrategy(Strategy):
         log.info("fedmf: %d rounds committed in %.1fs (%s); ledger %s; audit with: %s", self.run.next_round,
                  time.time() - started, self.stopped or "done", public_url(self.run.ledger_url),
                  audit_command(self.run.ledger_url, self.run.run_id))
-        if not result.arrays:
-            result.arrays = ArrayRecord(self.run.model.state_dict())
+        head_round, head = self.run.head
+        log.info("fedmf: ledger head %d:%s (record it outside the ledger; check it later with fedmf audit --verify "
+                 "--head %d:%s)", head_round, head, head_round, head)
         return result

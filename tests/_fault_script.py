@@ -66,6 +66,15 @@ def round_status(run_dir: str | os.PathLike, t: int) -> str | None:
     return row[0] if row else None
 
 
+def last_committed(run_dir: str | os.PathLike) -> int | None:
+    """The last committed round in the run directory's SQLite ledger (None: none), read by a separate
+    connection (through ``round_status``, which a test may point at another ledger)."""
+    t = -1
+    while round_status(run_dir, t + 1) == "committed":
+        t += 1
+    return None if t < 0 else t
+
+
 class Recorder:
     """Collects what the server released (in memory and, if ``log`` is given, appended to it)."""
 
@@ -92,6 +101,8 @@ class Recorder:
 
         def evaluate(task, model):
             t = recorder.round
+            if t is None:  # before any broadcast of this process: a resume evaluating the last committed round
+                t = last_committed(recorder.run_dir)  # (a record a stop cut off: fedmf.round_loop.recover_records)
             recorder.write(kind="evaluate", round=t, sha=state_sha(model.state_dict()),
                            status=round_status(recorder.run_dir, t))
             result = original(task, model)

@@ -74,3 +74,23 @@ def ledger_url(request, tmp_path):
     if request.param == "sqlite":
         return str(tmp_path / "ledger.db")
     return request.getfixturevalue("pg_url")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _witness_state_home(tmp_path_factory):
+    """Every run's release witness (fedmf.witness) goes under a temporary XDG_STATE_HOME, never the real
+    home: in this process and in every process a test starts (they inherit the environment)."""
+    saved = os.environ.get("XDG_STATE_HOME")
+    os.environ["XDG_STATE_HOME"] = str(tmp_path_factory.mktemp("xdg-state"))
+    yield
+    if saved is None:
+        os.environ.pop("XDG_STATE_HOME", None)
+    else:
+        os.environ["XDG_STATE_HOME"] = saved
+
+
+@pytest.fixture(autouse=True)
+def _witness_per_test(_witness_state_home, tmp_path_factory, monkeypatch):
+    """Each test its own XDG_STATE_HOME: a test that restores copies of a run a fixture made resumes
+    each copy against its own witness (within one test, the witness sees every copy, as it would)."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path_factory.mktemp("xdg-state")))

@@ -77,18 +77,40 @@ def test_results_cover_the_whole_run_across_a_stop_a_resume_and_a_rerun(tmp_path
     assert (out / ROUND_LOG).read_bytes().startswith(logged) and (out / ROUND_LOG).read_bytes().count(b"\n") == 6
 
 
-def test_a_round_committed_but_not_released_keeps_the_ledgers_counts(tmp_path, capsys, monkeypatch):
-    """Stopped between round 2's commit and its release: round 2 has no log line (it was never
-    released); the rebuilt history still lists it, with the ledger's counts and no metrics."""
-    out = tmp_path / "out"
+def test_a_round_committed_but_not_released_gets_its_record_and_evaluation_on_resume(tmp_path, capsys, monkeypatch):
+    """Stopped between round 2's commit and its release: round 2 has no log line; the resume writes it
+    before round 3, evaluated from round 2's checkpoint (the model a resume loads), so the whole history
+    equals an uninterrupted run's with the same secrets (repeatable noise, tests only). A log that lacks
+    an older round (a run directory from before this recovery) gets that round with the ledger's
+    counts and no metrics; the last round's missing line is evaluated again, to the same values."""
+    from fedmf.run import RECOVERED_EVALUATED, RECOVERED_UNEVALUATED
+
+    monkeypatch.setenv(REPEATABLE_NOISE_ENV, "1")
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    assert main([*SIMULATE, "--no-plot", "--out", str(ref)]) == 0
+    reference = json.loads(capsys.readouterr().out)["history"]
+    task.share_secrets(ref, out)
     with monkeypatch.context() as patch:
         _stop_at(patch, 2, before_release=True)
         assert main([*SIMULATE, "--no-plot", "--out", str(out)]) == 130  # Ctrl-C
+    lines = [json.loads(line) for line in (out / ROUND_LOG).read_text().splitlines()]
+    assert [line["round"] for line in lines] == [0, 1]
     assert main([*SIMULATE, "--no-plot", "--out", str(out)]) == 0
     history = json.loads(capsys.readouterr().out)["history"]
-    assert [h["round"] for h in history] == list(range(6))
-    assert history[2]["metrics"] == {} and history[2]["zeroed"] is None and history[2]["contributed"] == 8
-    assert all("accuracy" in h["metrics"] for i, h in enumerate(history) if i != 2)
+    assert _without_timing(history) == _without_timing(reference)
+    assert history[2]["metrics"]["accuracy"] == reference[2]["metrics"]["accuracy"] and history[2]["seconds"] is None
+    lines = [json.loads(line) for line in (out / ROUND_LOG).read_text().splitlines()]
+    assert [line["round"] for line in lines] == list(range(6))  # round 2 before round 3: written on resume
+    assert [line.get("recovered") for line in lines] == [None, None, RECOVERED_EVALUATED, None, None, None]
+
+    kept = [line for line in (out / ROUND_LOG).read_text().splitlines() if json.loads(line)["round"] not in (0, 5)]
+    (out / ROUND_LOG).write_text("".join(line + "\n" for line in kept))
+    assert main([*SIMULATE, "--no-plot", "--out", str(out)]) == 0  # nothing left to run: the records only
+    history = json.loads(capsys.readouterr().out)["history"]
+    assert history[0]["metrics"] == {} and history[0]["contributed"] == reference[0]["contributed"] == 8
+    assert _without_timing(history[1:]) == _without_timing(reference[1:])  # round 5 evaluated again: equal
+    lines = {json.loads(line)["round"]: json.loads(line) for line in (out / ROUND_LOG).read_text().splitlines()}
+    assert lines[0]["recovered"] == RECOVERED_UNEVALUATED and lines[5]["recovered"] == RECOVERED_EVALUATED
 
 
 def test_the_server_apps_rounds_survive_its_restart(tmp_path, monkeypatch):
@@ -188,3 +210,52 @@ def test_train_logs_every_released_round(tmp_path):
         committed = {t: run.round(t).checkpoint_sha256 for t in range(run.next_round)}
     logged = read_rounds(tmp_path, result.run_id, committed)
     assert [logged[t] for t in range(3)] == [asdict(r) for r in result.history]
+
+
+def test_the_server_app_records_a_round_a_stop_cut_off_and_says_it_resumed(tmp_path, monkeypatch, caplog):
+    """The ServerApp's code path stopped between round 1's commit and its release: the restart logs the
+    round it resumed from, writes round 1's record evaluated from its checkpoint (the same evaluation
+    as an uninterrupted run; the clients' train-loss and the strategy's observed-ε metric of that round
+    are lost, the record says so), and
+    logs the ledger head to record."""
+    import logging
+
+    monkeypatch.setenv(REPEATABLE_NOISE_ENV, "1")  # tests only: both runs draw the same (unsalted) noise
+    from client.app import app as client_app
+    from fedmf.run import RECOVERED_EVALUATED
+    from fedmf.tasks import get_task
+    from launcher.flower_backend import flower_result
+    from server.app import run_server
+    from server.local_grid import LocalGrid, client_node
+
+    def values(name):
+        return {"task": "tiny", "task-options": '{"num_users": 8}', "rounds": 3, "min-sep": 2,
+                "clients-per-round": 3, "noise-multiplier": 0.7, "client-lr": 0.2, "batch-size": 8,
+                "run-dir": str(tmp_path / name), "reply-timeout": 5.0}
+
+    def serve(name):
+        nodes = {100 + i: client_node(client_app, {"partition-id": i}, 100 + i) for i in range(8)}
+        run_server(LocalGrid(nodes), values(name))
+        tiny = get_task("tiny", num_users=8)
+        return flower_result(RunConfig.from_mapping(values(name)), model=tiny.model(), evaluate=tiny.evaluate,
+                             plot=False)
+
+    reference = serve("ref").history
+    task.share_secrets(tmp_path / "ref", tmp_path / "run")
+    with monkeypatch.context() as patch:
+        _stop_at(patch, 1, before_release=True)
+        with pytest.raises(KeyboardInterrupt):
+            serve("run")
+    with caplog.at_level(logging.INFO, logger="fedmf.server"):
+        resumed = serve("run")
+    messages = [r.getMessage() for r in caplog.records if r.name == "fedmf.server"]
+    assert "fedmf: resumed run 1 from round 3/3: 2 of 3 rounds were committed before (ledger rounds 0-1)" in messages
+    assert any(m.startswith(f"fedmf: ledger head {resumed.chain_head} (record it outside the ledger") for m in messages)
+    history = resumed.history
+    lost = ("train-loss", "epsilon-worst-user-run")  # the replies' metrics and the strategy's own: not rebuilt
+    assert history[1]["metrics"] == {k: v for k, v in reference[1]["metrics"].items() if k not in lost}
+    assert "accuracy" in history[1]["metrics"] and "train-loss" in reference[1]["metrics"]
+    assert _without_timing(history[::2]) == _without_timing(reference[::2])
+    lines = [json.loads(line) for line in (tmp_path / "run" / ROUND_LOG).read_text().splitlines()]
+    assert [(line["round"], line.get("recovered")) for line in lines] == [(0, None), (1, RECOVERED_EVALUATED),
+                                                                           (2, None)]

@@ -25,7 +25,7 @@ from . import _federated_task as task
 from .test_server_strategy import CONFIG, _nodes
 
 #: one round as the loop runs it: PrivateRun's events, the cohort step and the driver's hooks
-ROUND_STEPS = ("guarded", "selected", "cohort", "updates", "noised", "stepped", "checkpointed", "committed",
+ROUND_STEPS = ("guarded", "selected", "cohort", "updates", "noised", "stepped", "checkpointed", "committed", "witnessed",
                "committed-hook", "evaluate", "released", "on_round")
 
 
@@ -99,6 +99,9 @@ class FakeRun:
     def __init__(self, plan, stop_at: int | None = None, failures: int = 0) -> None:
         self.plan, self.next_round, self.stop_at, self.failures = plan, 0, stop_at, failures
         self.calls: list = []
+
+    def missing_records(self) -> list:
+        return []  # every committed round has its record (recover_records: test_round_log.py)
 
     def guard(self, observed: bool = False) -> None:
         self.calls.append(("guard", self.next_round, observed))

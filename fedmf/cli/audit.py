@@ -3,7 +3,11 @@
 Bad input (an unreachable database, a wrong URL, a ledger from a newer fedmf, an unknown run)
 is one line on stderr and exit code 2, and nothing is written: the CSV and PNG only after the
 audit succeeded. ``--verify`` also recomputes the hash chain; a chain that does not match is
-exit code 1, naming the first round that does not match (``--json``: ``verify``).
+exit code 1, naming the first round that does not match (``--json``: ``verify``). ``--head
+ROUND:HASH`` (implies ``--verify``) checks a chain head recorded outside the ledger (the summary of
+a run and every audit print the head to record): it matches iff round ROUND's stored head is HASH
+and the chain verifies through it; a ledger truncated before ROUND or rewritten is exit code 1, one
+line (``--json``: ``head_check``); a malformed HASH is bad input (exit 2).
 """
 
 from __future__ import annotations
@@ -31,10 +35,13 @@ def cmd_audit(args: argparse.Namespace) -> int:
     check_output("--csv", args.csv)
     check_output("--plot", args.plot, ".png")
     try:
-        report = audit(args.ledger, args.run, verify=args.verify)
+        report = audit(args.ledger, args.run, verify=args.verify, head=args.head)
     except ChainBroken as e:
         if args.json:
-            print(json.dumps({"verify": e.chain.to_dict(), "error": str(e)}, allow_nan=False))
+            print(json.dumps({"verify": e.chain.to_dict(), "error": str(e),
+                              **({"head_check": e.head_check.to_dict()} if e.head_check else {})}, allow_nan=False))
+        if e.head_check is not None and not e.head_check.ok:
+            print(f"fedmf: recorded head mismatch: {e.head_check.reason}", file=sys.stderr)
         print(f"fedmf: verification failed: {_where(e.chain)}: {e.chain.reason} ({e})", file=sys.stderr)
         return 1
     skips = _budget_skips(args.ledger, report.run["id"])
@@ -60,10 +67,14 @@ def cmd_audit(args: argparse.Namespace) -> int:
         for option, path in (("csv", args.csv), ("plot", args.plot)):
             if path:
                 print(f"{option:<19} {path}")
+    failed = False
+    if report.head_check is not None and not report.head_check.ok:
+        print(f"fedmf: recorded head mismatch: {report.head_check.reason}", file=sys.stderr)
+        failed = True
     if report.chain is not None and not report.chain.ok:
         print(f"fedmf: verification failed: {_where(report.chain)}: {report.chain.reason}", file=sys.stderr)
-        return 1
-    return 0
+        failed = True
+    return 1 if failed else 0
 
 
 def _budget_skips(url: str, run_id: int) -> dict[int, int]:
@@ -76,6 +87,15 @@ def _budget_skips(url: str, run_id: int) -> dict[int, int]:
 
 def _where(chain) -> str:
     return "the run row (genesis)" if chain.first_bad_round == -1 else f"round {chain.first_bad_round}"
+
+
+def _head(text: str) -> tuple[int | None, str]:
+    from ..ledger.chain import parse_head
+
+    try:
+        return parse_head(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _run_id(text: str) -> int:
@@ -101,6 +121,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--run", type=_run_id, metavar="ID", help="run id (default: the latest run)")
     p.add_argument("--verify", action="store_true",
                    help="recompute the hash chain; exit 1 naming the first round that does not match")
+    p.add_argument("--head", type=_head, metavar="ROUND:HASH",
+                   help="check a chain head recorded outside the ledger (printed by every audit and by a run's "
+                        "summary; HASH alone is searched): exit 1 if the ledger was rewritten or truncated before "
+                        "ROUND, or the chain does not verify through it (implies --verify)")
     p.add_argument("--users", action="store_true",
                    help="list every user's lifetime budget: spent and remaining epsilon (pseudonymous; fedmf budget)")
     p.add_argument("--json", action="store_true", help="print one JSON object")

@@ -164,6 +164,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                                              if k in ("path", "vocab_path", "max_sentences", "model_size", "seed")})
     if args.budget_key is not None:
         values["budget-key"] = args.budget_key
+    if args.witness is not None:
+        values["witness"] = args.witness
     config = RunConfig.from_mapping(values)
     task = get_task(config.task, **config.task_options)
     repeatable = repeatable_noise_from_env()  # the Flower app reads it too (inherited)
@@ -214,6 +216,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         + (", progress.png)" if result.plot else ")"),
         f"audit           {result.audit_command()}",
     ]
+    if result.chain_head:
+        lines.append(f"ledger head     {result.chain_head} (record it outside the ledger; check it later with "
+                     f"fedmf audit --verify --head {result.chain_head})")
     print("\n".join(lines))
     return 0
 
@@ -307,6 +312,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="with --client-metrics private: std of the noise on the sum (default L x clients per round / 20)")
     p.add_argument("--budget-key", metavar="FILE",
                    help="the ledger's budget secret (fedmf budget); required when the ledger enforces lifetime budgets")
+    p.add_argument("--witness", metavar="DIR",
+                   help="the release witness's directory, on other storage than --out and the ledger (default: "
+                        "$XDG_STATE_HOME/fedmf/witness or ~/.local/state/fedmf/witness): a resume whose ledger and "
+                        "run directory are both behind it is refused; 'off': none (tests only, unsafe)")
     p.add_argument("--out", default="fedmf-sim", help="output directory (default: ./fedmf-sim)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--quiet", action="store_true",

@@ -24,7 +24,7 @@ from .. import checks
 from ..files import atomic_write
 from ..mechanisms.base import Mechanism
 from ..participation import schema_from_dict
-from .chain import ChainCheck, check_chain
+from .chain import ChainCheck, HeadCheck, check_chain, check_head
 from .db import LedgerError, check_version, display_url, read_snapshot, resolve_url
 from .models import Run
 from .privacy import run_privacy
@@ -54,9 +54,9 @@ class ChainBroken(LedgerError):
     """``audit(verify=True)`` of a run whose chain does not match and whose rows could not even
     be audited (e.g. a rewritten mechanism): the verification failure, not bad input."""
 
-    def __init__(self, chain: ChainCheck, message: str) -> None:
+    def __init__(self, chain: ChainCheck, message: str, head_check: HeadCheck | None = None) -> None:
         super().__init__(message)
-        self.chain = chain
+        self.chain, self.head_check = chain, head_check
 
 
 @dataclass
@@ -70,6 +70,7 @@ class AuditReport:
     flagged: list[dict[str, Any]]
     rounds: list[dict[str, Any]] = field(default_factory=list)
     chain: ChainCheck | None = None  # with verify
+    head_check: HeadCheck | None = None  # with a recorded head
 
     @property
     def columns(self) -> list[str]:
@@ -93,7 +94,20 @@ class AuditReport:
         }
         if self.chain is not None:
             out["verify"] = self.chain.to_dict()
+        if self.head_check is not None:
+            out["head_check"] = self.head_check.to_dict()
+        out["chain_head"] = self.chain_head
         return out
+
+    @property
+    def chain_head(self) -> str | None:
+        """"ROUND:HASH": the stored chain head at the last committed round (-1: the genesis), what an
+        auditor records outside the ledger (verified only with ``verify``)."""
+        committed = [r for r in self.rounds if r.get("status") == "committed" and r.get("chain_sha256")]
+        if committed:
+            return f"{committed[-1]['round']}:{committed[-1]['chain_sha256']}"
+        genesis = self.run.get("genesis_sha256")
+        return None if genesis is None else f"-1:{genesis}"
 
     # ---- outputs ---------------------------------------------------------------------------
     def write_csv(self, path: str | os.PathLike) -> None:
@@ -202,6 +216,13 @@ class AuditReport:
             else:
                 where = "the run row" if c.first_bad_round == -1 else f"round {c.first_bad_round}"
                 out.append(f"hash chain          FAILED at {where}: {c.reason}")
+        if self.head_check is not None:
+            h = self.head_check
+            out.append(f"recorded head       {'matches' if h.ok else 'MISMATCH'} ({h.recorded}): {h.reason}")
+        if self.chain_head is not None:
+            out.append(f"head to record      {self.chain_head} (keep it outside the ledger; check it later with "
+                       f"fedmf audit --verify --head {self.chain_head})"
+                       + ("" if self.chain is not None and self.chain.ok else " [not verified: --verify]"))
         out.append(f"flagged users       {r['flagged_users']}")
         for user in self.flagged[:max_flagged]:
             out.append(f"  {user['user']}  participations {user['participations']}, min separation "
@@ -236,9 +257,13 @@ def _mechanism_from_document(text: str, checksum: str, run_id: int) -> Mechanism
     return mechanism
 
 
-def audit(url: str | os.PathLike, run_id: int | None = None, *, verify: bool = False) -> AuditReport:
+def audit(url: str | os.PathLike, run_id: int | None = None, *, verify: bool = False,
+          head: tuple[int | None, str] | None = None) -> AuditReport:
     """Audit run ``run_id`` (default: the latest) of the ledger at ``url``, read-only; with
-    ``verify``, also recompute its hash chain (``report.chain``)."""
+    ``verify``, also recompute its hash chain (``report.chain``); with ``head`` (round or None, hash:
+    a head recorded outside the ledger, ``chain.parse_head``), verify and check it
+    (``report.head_check``, ``chain.check_head``; with ``ChainBroken`` too, as its ``head_check``)."""
+    verify = verify or head is not None
     if run_id is not None:
         run_id = checks.positive_int("run_id", run_id)
     resolved = resolve_url(url)
@@ -253,14 +278,15 @@ def audit(url: str | os.PathLike, run_id: int | None = None, *, verify: bool = F
         return version, rows, chain
 
     version, rows, chain = read_snapshot(resolved, read)
+    head_check = None if head is None else check_head(chain, rows.records, head[0], head[1])
     try:
         report = _report(display_url(resolved), version, rows.run, rows.records, rows.states, rows.norms,
                          *rows.contributions, rows.client_state)
     except LedgerError as e:
         if chain is not None and not chain.ok:
-            raise ChainBroken(chain, str(e)) from None
+            raise ChainBroken(chain, str(e), head_check) from None
         raise
-    report.chain = chain
+    report.chain, report.head_check = chain, head_check
     return report
 
 

@@ -32,7 +32,8 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
-__all__ = ["GENESIS_FIELDS", "ROUND_FIELDS", "OPTIONAL_ROUND_FIELDS", "genesis_sha256", "round_sha256", "ChainCheck", "check_chain"]
+__all__ = ["GENESIS_FIELDS", "ROUND_FIELDS", "OPTIONAL_ROUND_FIELDS", "genesis_sha256", "round_sha256", "ChainCheck",
+           "check_chain", "HeadCheck", "check_head", "parse_head"]
 
 _RUN_LABEL = b"fedmf-ledger/v1/run\x00"
 _ROUND_LABEL = b"fedmf-ledger/v1/round\x00"
@@ -171,3 +172,80 @@ def check_chain(run: Mapping[str, Any], rounds: Sequence[Mapping[str, Any]],
         return ChainCheck(True, verified, head[0], head[1], genesis)
     first, reason = min(problems, key=lambda p: p[0])
     return ChainCheck(False, verified, head[0], head[1], genesis, first, reason)
+
+
+def parse_head(text: str) -> tuple[int | None, str]:
+    """``ROUND:HASH`` or ``HASH`` (64 hex digits; ROUND ≥ -1, -1 being the genesis) → (round or None,
+    hash in lowercase); ``ValueError`` (one line) otherwise."""
+    round_text, _, digest = str(text).strip().rpartition(":")
+    digest = digest.lower()
+    if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+        raise ValueError(f"a recorded head is ROUND:HASH or HASH with 64 hex digits, got {text!r}")
+    if not round_text:
+        return None, digest
+    try:
+        t = int(round_text)
+    except ValueError:
+        raise ValueError(f"a recorded head's ROUND is an integer >= -1, got {round_text!r}") from None
+    if t < -1:
+        raise ValueError(f"a recorded head's ROUND is an integer >= -1, got {t}")
+    return t, digest
+
+
+@dataclass(frozen=True)
+class HeadCheck:
+    """The outcome of ``check_head``: ``round`` is the round the recorded head belongs to (None: not
+    found), ``last_round`` the ledger's last committed round (-1: none), ``truncated`` whether the
+    ledger ends before the recorded round."""
+
+    ok: bool
+    recorded: str
+    round: int | None
+    last_round: int
+    truncated: bool
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ok": self.ok, "recorded": self.recorded, "round": self.round, "last_round": self.last_round,
+                "truncated": self.truncated, "reason": self.reason}
+
+
+def check_head(chain: ChainCheck, rounds: Sequence[Mapping[str, Any]], recorded_round: int | None,
+               recorded_sha256: str) -> HeadCheck:
+    """Check a chain head an auditor recorded outside the ledger (``fedmf audit --verify --head``).
+
+    It holds iff the recorded hash is the stored chain head of a committed round r (the genesis for
+    r = -1; r = ``recorded_round`` when given) and the chain recomputed from the rows verifies through
+    round r (``chain``, from ``check_chain`` over the same rows): the ledger then holds, unchanged, the
+    history that was recorded. Rounds after r are not covered by the recorded head. It fails when the
+    ledger ends before r (``truncated``), when round r's head is another hash (rewritten), when no
+    round has the recorded hash, or when the chain does not verify through r."""
+    stored = {int(r["round_index"]): r.get("chain_sha256") for r in rounds}
+    last = max(stored, default=-1)
+    label = recorded_sha256 if recorded_round is None else f"{recorded_round}:{recorded_sha256}"
+
+    def fail(t: int | None, truncated: bool, reason: str) -> HeadCheck:
+        return HeadCheck(False, label, t, last, truncated, reason)
+
+    t = recorded_round
+    if t is None:
+        t = -1 if recorded_sha256 == chain.genesis_sha256 else next(
+            (r for r, h in sorted(stored.items()) if h == recorded_sha256), None)
+        if t is None:
+            return fail(None, False, f"no committed round of the ledger (last {last}) has the recorded head: the "
+                                     "ledger was rewritten, or truncated before the round it was recorded at (give "
+                                     "ROUND:HASH to tell which)")
+    if t > last:
+        return fail(t, True, f"the ledger is truncated: its last committed round is {last}, before the recorded "
+                             f"round {t}")
+    have = chain.genesis_sha256 if t == -1 else stored.get(t)
+    if have != recorded_sha256:
+        return fail(t, False, f"the ledger was rewritten: {'its genesis' if t == -1 else f'round {t}'} has head "
+                              f"{have}, not the recorded {recorded_sha256}")
+    if chain.first_bad_round is not None and chain.first_bad_round <= max(t, 0) or \
+            (t >= 0 and (chain.head_round is None or chain.head_round < t)):
+        return fail(t, False, f"the chain does not verify through round {t}: {chain.reason}")
+    after = last - t
+    return HeadCheck(True, label, t, last, False, f"the recorded head is {'the genesis' if t == -1 else f'round {t}'}"
+                     f"'s and the chain verifies through it; {after} later round{'s' if after != 1 else ''} not "
+                     "covered by it")
