@@ -185,13 +185,13 @@ def train(
                 if not bar.live:
                     bar.every_s = 0.0  # a plain line for every round on a pipe or in a log
             first = run.next_round
-            if bar is not None and first < end:
-                bar(Step(first, end, note="starting" if first == 0 else f"resuming at round {first}", start=first))
             if progress and run.resumed_from is not None:
                 if isinstance(bar, ProgressBar):
                     bar.message(run.resumed_line())
                 else:
                     sys.stderr.write(run.resumed_line() + "\n")
+            if bar is not None and first < end:
+                bar(Step(first, end, note="starting" if first == 0 else f"resuming at round {first}", start=first))
 
             def released(record: RoundRecord) -> None:
                 if bar is not None:

@@ -382,12 +382,12 @@ class PrivateRun:
 
     def resumed_line(self) -> str:
         """The line a resumed run logs: the round it goes on with and the rounds committed before
-        (counted from 1, as the progress lines are; the ledger numbers rounds from 0)."""
+        (0-based, as the ledger and every other output number them)."""
         done, total = self.resumed_from or 0, self.plan.rounds
-        before = f"{done} of {total} rounds were committed before" + (f" (ledger rounds 0-{done - 1})" if done else "")
+        before = f"rounds 0-{done - 1} of {total} were committed before" if done else "no round was committed before"
         if done >= total:
-            return f"fedmf: resumed run {self.run_id} after its last round: {before}; no round left"
-        return f"fedmf: resumed run {self.run_id} from round {done + 1}/{total}: {before}"
+            return f"fedmf: resumed run {self.run_id} after its last round {total - 1}: {before}; no round left"
+        return f"fedmf: resumed run {self.run_id} at round {done}: {before}"
 
     @property
     def witness_path(self) -> Path | None:

@@ -343,7 +343,7 @@ def test_the_server_app_publishes_no_client_metric_by_default(tmp_path, monkeypa
     # not the sybil's exact loss, nor any client's: no metric the clients reported, in any output or log line
     text = _outputs(run_dir) + log
     assert str(SYBIL_LOSS) not in text and "train-loss" not in text and "num-examples" not in text
-    assert "round 3/3" in log  # the progress lines were captured
+    assert "fedmf round 2 (3/3 done)" in log  # the progress lines were captured
 
 
 def test_the_server_apps_private_release_ignores_num_examples_and_hides_the_secrets(tmp_path, monkeypatch):
