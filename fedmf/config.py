@@ -45,6 +45,12 @@ is a one-line ``ConfigError`` before round 1. ``DEFAULTS`` is the one defaults t
     identity-timeout  30.0                        seconds to wait for identity replies (then backoff per node)
     budget-key        ""                          the ledger's budget secret file (``fedmf budget``); needed
                                                   when the ledger enforces lifetime per-user budgets
+    min-clients-per-round 0                       the fewest users a round must be able to select, else it is
+                                                  not played: the run stops (in process) or the server waits
+                                                  (0: clients-per-round; fixed-epoch: 1; sampling none only:
+                                                  fedmf/cohort.py)
+    stop-when-diverging false                     stop when the held-out loss diverges (fedmf/learning_check.py;
+                                                  a non-finite model always stops)
 """
 
 from __future__ import annotations
@@ -72,7 +78,7 @@ DEFAULTS: dict[str, Any] = {
     "ledger-diagnostics": False,
     "identity": "enrolled", "user-enrollment": "", "identity-timeout": 30.0,
     "adaptive-clipping": 0.0, "adaptive-clipping-lr": 0.2, "adaptive-clipping-count-noise": 0.0,
-    "budget-key": "",
+    "budget-key": "", "min-clients-per-round": 0, "stop-when-diverging": False,
 }
 
 
@@ -144,6 +150,8 @@ class RunConfig:
     adaptive_clipping_lr: float = 0.2
     adaptive_clipping_count_noise: float | None = None  # σ_b; None: clients-per-round / 20
     budget_key: str | None = None  # the budget secret file (absolute); None: the ledger has no budgets
+    min_clients_per_round: int | None = None  # None: the default (fedmf.cohort.resolve_min_cohort)
+    stop_when_diverging: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -223,6 +231,8 @@ class RunConfig:
             adaptive_clipping=gamma or None, adaptive_clipping_lr=clip_lr,
             adaptive_clipping_count_noise=count_noise or None,
             budget_key=str(base / budget_key) if budget_key else None,
+            min_clients_per_round=_int("min-clients-per-round", v["min-clients-per-round"], 0) or None,
+            stop_when_diverging=_bool("stop-when-diverging", v["stop-when-diverging"]),
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -26,10 +26,11 @@ from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
 import torch
 
 from .auditor import audit_command
-from .errors import ConfigError
+from .errors import ConfigError, NotLearning
+from .learning_check import LearningCheck
 from .ledger.db import public_url
 from .plan import RunPlan
-from .round_loop import CohortStep, Contributions, run_rounds
+from .round_loop import CohortStep, Contributions, LoopEnd, run_rounds
 from .run import EVENTS, PrivateRun, RoundRecord
 from .schedule import Selection
 
@@ -53,6 +54,10 @@ class TrainResult:
     stopped: str
     history: list[RoundRecord]
     plan: dict[str, Any]
+    #: the fewest users a round had to be able to select (``fedmf.cohort``; None: amplified sampling)
+    min_cohort: int | None = None
+    #: ``fedmf.learning_check.LearningCheck.to_dict()`` of this invocation's rounds
+    learning: dict[str, Any] | None = None
 
     def audit_command(self) -> str:
         """``fedmf audit`` as the auditor runs it (``fedmf.auditor``: never the server's role or password)."""
@@ -69,6 +74,11 @@ class _Progress:
         metrics = " ".join(f"{k} {v:.4g}" for k, v in record.metrics.items())
         sys.stderr.write(f"\rround {record.round + 1}/{self.total}  eps {record.epsilon:.4g}  users "
                          f"{record.contributed}/{record.selected}  {metrics}".ljust(79))
+        sys.stderr.flush()
+
+    def note(self, line: str) -> None:
+        """A line of its own (e.g. ``fedmf.learning_check``'s), below the progress line."""
+        sys.stderr.write(f"\n{line}\n")
         sys.stderr.flush()
 
     def close(self) -> None:
@@ -125,6 +135,8 @@ def train(
     repeatable_noise: bool = False,
     ledger_diagnostics: bool = False,
     budget_key: str | os.PathLike | None = None,
+    min_clients_per_round: int | None = None,
+    learning: LearningCheck | None = None,
 ) -> TrainResult:
     """Train ``model`` privately under ``plan`` over ``users`` (ids with a stable ``str``).
 
@@ -140,7 +152,10 @@ def train(
     accounted from the ledger, exceeds the target. ``repeatable_noise``: tests only, unsafe
     (``PrivateRun.open``). ``ledger_diagnostics``: a new run's ledger also keeps update norms
     (outside the DP guarantee). ``budget_key``: the ledger's budget secret file (lifetime budgets,
-    ``PrivateRun.open``)."""
+    ``PrivateRun.open``). ``min_clients_per_round``: the fewest users a round must be able to
+    select, else the run stops before that round (None or 0: the default, ``fedmf.cohort``).
+    ``learning``: what says that the run is not learning (default ``LearningCheck()``: a
+    non-finite model stops the run, a diverging held-out loss is recorded; ``fedmf.learning_check``)."""
     if (local_update is None) == (local_updates is None):
         raise ConfigError("give exactly one of local_update (one user at a time) and local_updates (a round's users)")
     users = list(users)
@@ -154,9 +169,13 @@ def train(
     try:
         with PrivateRun.open(model, plan, directory, ledger=ledger, server_lr=server_lr, optimizer=optimizer,
                              population=users, on_event=on_event, repeatable_noise=repeatable_noise,
-                             ledger_diagnostics=ledger_diagnostics, budget_key=budget_key) as run:
+                             ledger_diagnostics=ledger_diagnostics, budget_key=budget_key,
+                             min_clients_per_round=min_clients_per_round) as run:
             history: list[RoundRecord] = []
             bar = _Progress(progress, end)
+            check = LearningCheck() if learning is None else learning
+            if check.announce is None and bar.enabled:
+                check.announce = bar.note
 
             def released(record: RoundRecord) -> None:
                 bar.show(record)
@@ -164,14 +183,22 @@ def train(
                     on_round(record)
 
             try:
-                ended = run_rounds(run, end, (lambda t: users) if available is None else available,
-                                   _local_cohort(run, local_update, local_updates), observed=observed_guard,
-                                   history=history, evaluate=None if evaluate is None else lambda _: evaluate(model),
-                                   on_round=released)
+                why = check.start(run.directory, run.next_round, None if evaluate is None else lambda: evaluate(model),
+                                  run.model.parameters())
+                if why is not None:  # a resumed model that is not finite: no round is played
+                    ended = LoopEnd("learning", NotLearning(why))
+                else:
+                    ended = run_rounds(run, end, (lambda t: users) if available is None else available,
+                                       _local_cohort(run, local_update, local_updates), observed=observed_guard,
+                                       history=history,
+                                       evaluate=None if evaluate is None else lambda _: evaluate(model),
+                                       on_round=released,
+                                       stop=lambda record: check.observe(record.round, record.metrics,
+                                                                         run.model.parameters()))
             finally:
                 bar.close()
             return TrainResult(run.run_id, public_url(run.ledger_url), run.next_round, ended.stopped, history,
-                               plan.to_dict())
+                               plan.to_dict(), run.min_cohort, check.to_dict())
     finally:
         if temporary is not None:
             temporary.cleanup()

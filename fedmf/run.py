@@ -37,6 +37,7 @@ from typing import Any, Callable, Hashable, Iterable, Mapping
 import torch
 
 from .checkpoint import CheckpointStore, RunSecrets
+from .cohort import check as check_cohort
 from .errors import CheckpointError, ConfigError, FedmfError, RoundOrderError
 from .files import atomic_write, lock_directory
 from .participation import MinSep
@@ -109,6 +110,8 @@ class PrivateRun:
         self._broken: str | None = None  # set when an aborted round's state could not be restored
         self._committed_record: RoundRecord | None = None  # the round committed and not yet released
         self._budget = None  # fedmf.ledger.budgets.RunBudget when the ledger enforces lifetime budgets
+        self.min_cohort: int | None = None  # the fewest users a round must be able to select (fedmf.cohort)
+        self._population: int | None = None
         # the last committed checkpoint's hash, kept in memory so that an abort needs no database
         last = run.next_round - 1
         self._last_digest = (run.round(last).checkpoint_sha256 if last >= 0
@@ -120,7 +123,8 @@ class PrivateRun:
              ledger: str | os.PathLike | None = None, server_lr: float = 1.0, optimizer: str = "workload",
              population: Iterable[Hashable] | None = None, on_event: Callable[[str, int], None] | None = None,
              name: str | None = None, repeatable_noise: bool = False,
-             ledger_diagnostics: bool = False, budget_key: str | os.PathLike | None = None) -> "PrivateRun":
+             ledger_diagnostics: bool = False, budget_key: str | os.PathLike | None = None,
+             min_clients_per_round: int | None = None) -> "PrivateRun":
         """Resume the run recorded in ``directory`` (restoring the last committed round's
         checkpoint; the plan must be the same) or start a new one. ``ledger``: a ledger URL
         (default: ``<directory>/ledger.db``). ``population``: the users, for schedulers that
@@ -130,7 +134,9 @@ class PrivateRun:
         it was clipped (data-dependent, outside the DP guarantee; a resumed run keeps its own setting).
         A population smaller than the plan's expected users per round is refused
         (``RunPlan.check_population``). ``budget_key``: the ledger's budget secret file, required
-        when the ledger enforces lifetime budgets (``fedmf.ledger.budgets``)."""
+        when the ledger enforces lifetime budgets (``fedmf.ledger.budgets``). ``min_clients_per_round``:
+        the fewest users a round must be able to select (None or 0: the default; ``fedmf.cohort``)."""
+        from .cohort import resolve_min_cohort
         from .ledger import Ledger
         from .ledger.budgets import RunBudget, load_budget_secret
         from .schedule import make_scheduler
@@ -145,6 +151,7 @@ class PrivateRun:
         if population is not None:
             population = list(population)
             plan.check_population(len(population))  # before anything is written
+        min_cohort = resolve_min_cohort(plan, min_clients_per_round, None if population is None else len(population))
         directory = Path(directory)
         store = CheckpointStore(directory, clean=False)  # another server's temporary files stay
         secrets = RunSecrets(directory / "secrets")  # (a new secret is created O_EXCL: no race)
@@ -184,6 +191,7 @@ class PrivateRun:
         out = cls(model, plan, directory, secrets, store, book, ledger_url, run, privatizer, opt, scheduler, on_event,
                   lock)
         out._budget = budget
+        out.min_cohort, out._population = min_cohort, None if population is None else len(population)
         return out
 
     @staticmethod
@@ -315,14 +323,22 @@ class PrivateRun:
 
     def select(self, available: Iterable[Hashable]):
         """Decide who takes part in the next round, open it in the ledger and record the
-        selection (amplified schemes: sampled users who are unreachable are dropouts)."""
+        selection (amplified schemes: sampled users who are unreachable are dropouts). Raises
+        ``CohortTooSmall`` before anything is decided or recorded when fewer than ``min_cohort``
+        users can be selected (``fedmf.cohort``)."""
         self._check_usable()
         if self._selection is not None:
             raise RoundOrderError(f"round {self._selection.round} is still open")
         t = self.next_round
         self._started = time.perf_counter()
+        available = list(available)
+        offered = len(available)
         if self._budget is not None:  # users whose lifetime budget forbids this run are not available
             available = self._budget.admissible(t, available)
+        # before the scheduler decides anything and before the ledger records anything (fedmf.cohort)
+        check_cohort(t, self.min_cohort, self.scheduler, offered, available, rounds=self.plan.rounds,
+                     budget_skipped=None if self._budget is None else self._budget.skipped,
+                     population=self._population)
         selection = self.scheduler.select(t, available)
         self._selection, self._report = selection, None
         self._event("selected", t)

@@ -22,7 +22,8 @@ def _overrides(args: argparse.Namespace) -> dict:
                         ("sampling", "sampling"), ("server_lr", "server-lr"), ("delta", "delta"),
                         ("bands", "num-bands"), ("min_sep", "min-sep"), ("clip_norm", "clip-norm"),
                         ("adaptive_clipping", "adaptive-clipping"), ("adaptive_clipping_lr", "adaptive-clipping-lr"),
-                        ("adaptive_clipping_count_noise", "adaptive-clipping-count-noise"), ("ledger", "ledger-url")):
+                        ("adaptive_clipping_count_noise", "adaptive-clipping-count-noise"), ("ledger", "ledger-url"),
+                        ("min_clients_per_round", "min-clients-per-round")):
         value = getattr(args, option)
         if value is not None:
             values[key] = value
@@ -41,6 +42,8 @@ def _overrides(args: argparse.Namespace) -> dict:
         values["noise-multiplier"] = 0.0
     if args.noise_multiplier is not None:
         values["noise-multiplier"] = args.noise_multiplier
+    if args.stop_when_diverging:
+        values["stop-when-diverging"] = True
     options = {}
     if args.seed is not None:
         options["seed"] = args.seed
@@ -177,14 +180,16 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         print(json.dumps(result.to_dict(), allow_nan=False))
         return 0
     accuracy = "n/a" if result.accuracy is None else f"{result.accuracy:.4f}"
+    how, _, why = result.stopped.partition(": ")  # "cohort: <the one line>" and the like
     lines = [
-        f"preset          {args.preset} ({config.task}), {result.rounds_done} rounds ({result.stopped})"
+        f"preset          {args.preset} ({config.task}), {result.rounds_done} rounds ({how})"
         + (", on the Flower simulation engine" if args.backend == "flower" else "")
         + (f" (Ray cluster {ray_options['ray_address']})" if "ray_address" in ray_options else ""),
         f"accuracy        {accuracy} (held-out, after the last round)",
         f"privacy         epsilon {result.epsilon:.4g} at delta {result.delta:g} (planned, spent so far); "
         + ("" if result.rho is None else f"rho-zCDP {result.rho:.4g}; ")
         + f"noise multiplier {result.noise_multiplier:.4g}",
+        *health_lines(result, why),
         f"time            {result.seconds:.1f} s",
         f"output          {result.out_dir} (ledger, checkpoints, results.json"
         + (", final-model.pt, flower.log" if args.backend == "flower" else "")
@@ -193,6 +198,20 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     ]
     print("\n".join(lines))
     return 0
+
+
+def health_lines(result, stop: str = "") -> list[str]:
+    """The summary's lines on how the run went: why it stopped early (the stop's one line), whether it is
+    learning (``fedmf.learning_check``) and its cohorts (``fedmf.cohort``)."""
+    from ..cohort import summary_line
+
+    lines = [f"stopped         {stop}"] if stop else []
+    learning = result.learning or {}
+    if learning.get("line") and learning["line"] != stop:
+        lines.append(f"learning        {learning['line']}")
+    if result.cohorts is not None:
+        lines.append(f"cohorts         {summary_line(result.cohorts)}")
+    return lines
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -214,6 +233,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rounds", type=int)
     p.add_argument("--min-sep", type=int)
     p.add_argument("--clients-per-round", type=float)
+    p.add_argument("--min-clients-per-round", type=int, metavar="N",
+                   help="the fewest users a round must be able to select (lifetime budgets, min-sep), else the run "
+                        "stops before it, recording nothing (default: clients-per-round; fixed-epoch: 1; sampling "
+                        "none only: Poisson-style samplers keep their small and empty rounds)")
+    p.add_argument("--stop-when-diverging", action="store_true",
+                   help="stop when the held-out loss stays above the initial model's (by 20%% for 3 evaluations); "
+                        "by default it is only reported (a non-finite model always stops the run)")
     p.add_argument("--server-lr", type=float)
     p.add_argument("--clip-norm", type=float, help="ℓ2 clip norm ζ (with --adaptive-clipping: ζ₀)")
     p.add_argument("--adaptive-clipping", type=float, metavar="QUANTILE",
