@@ -82,11 +82,15 @@ class LearningCheck:
               params: Iterable[torch.Tensor] | None = None) -> str | None:
         """Before the first round of this invocation: the initial held-out loss (measured now when
         no round is committed, ``next_round == 0``, and kept in the run directory; read back on a
-        resume). With ``params`` (the resumed model): the stop's reason when it is not finite."""
+        resume). On a resume, the stop's reason when the committed model (``params``) or its held-out
+        loss (``evaluate``, once) is not finite: no round is played on it."""
         path = Path(directory) / INITIAL_EVALUATION_FILE
-        if next_round == 0 and evaluate is not None:
+        current: dict[str, float] = {}
+        if evaluate is not None:
             with torch.no_grad():
-                scores = {k: float(v) for k, v in evaluate().items()}
+                current = {k: float(v) for k, v in evaluate().items()}
+        if next_round == 0 and evaluate is not None:
+            scores = current
             atomic_write(path, lambda f: json.dump({k: v if math.isfinite(v) else None for k, v in scores.items()},
                                                    f), text=True, mode=0o600)
         else:
@@ -97,10 +101,11 @@ class LearningCheck:
         loss = scores.get("loss") if isinstance(scores, dict) else None
         if isinstance(loss, (int, float)) and math.isfinite(loss) and loss > 0:
             self.initial_loss = float(loss)
-        if params is not None and next_round > 0 and not model_is_finite(params):
+        if next_round > 0 and ((params is not None and not model_is_finite(params))
+                               or not math.isfinite(current.get("loss", 0.0))):
             return self._flag("not-finite", next_round - 1, f"not learning: the model committed in round {next_round} "
-                              f"is not finite (NaN or inf): resuming cannot help; start a new run and "
-                              f"{self._advice}")
+                              f"or its held-out loss is not finite (NaN or inf): resuming cannot help; start a new "
+                              f"run and {self._advice}")
         return None
 
     # ---- each committed round -------------------------------------------------------------

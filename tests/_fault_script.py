@@ -92,6 +92,9 @@ class Recorder:
 
         def evaluate(task, model):
             t = recorder.round
+            if t is None:  # before any round: the initial model's held-out loss (fedmf.learning_check)
+                recorder.write(kind="initial", round=None, sha=state_sha(model.state_dict()))
+                return original(task, model)
             recorder.write(kind="evaluate", round=t, sha=state_sha(model.state_dict()),
                            status=round_status(recorder.run_dir, t))
             result = original(task, model)

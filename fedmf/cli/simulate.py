@@ -207,7 +207,7 @@ def health_lines(result, stop: str = "") -> list[str]:
 
     lines = [f"stopped         {stop}"] if stop else []
     learning = result.learning or {}
-    if learning.get("line") and learning["line"] != stop:
+    if learning.get("line") and not stop.startswith("not learning"):
         lines.append(f"learning        {learning['line']}")
     if result.cohorts is not None:
         lines.append(f"cohorts         {summary_line(result.cohorts)}")
