@@ -92,10 +92,12 @@ def check(t: int, need: int | None, scheduler, offered: int, admitted: Sequence[
                    + ("" if k is None else f", max-participations {k}") + ")")
     if population is not None and offered < population:
         why.append(f"{population - offered} of {population} are not connected")
+    remedies = (["raise the users' budgets (fedmf budget)"] if budget_skipped else []) \
+        + (["connect more users"] if population is not None and offered < population else [])
     raise CohortTooSmall(f"round {t + 1}/{rounds} not played: {eligible} users can take part, "
                          f"{need} needed (min-clients-per-round)" + (f": {', '.join(why)}" if why else "")
-                         + "; nothing of it was recorded or released. To go on, raise the users' budgets "
-                         "(fedmf budget) or lower min-clients-per-round, and resume the run")
+                         + f"; nothing of it was recorded or released. To go on, {' or '.join(remedies + [''])}"
+                         "lower min-clients-per-round, and resume the run")
 
 
 def counts(history: Sequence[dict[str, Any]], plan, min_cohort: int | None) -> dict[str, Any]:

@@ -58,6 +58,17 @@ def _run(tmp_path, name, plan, url, key, **kw):
                  repeatable_noise=True, **kw)
 
 
+def _participants(url, tmp_path, name, run_id) -> set[str]:
+    """The users with a participation row in run ``run_id`` (keys mapped back with the run's secret)."""
+    secret = (tmp_path / name / "secrets" / "ledger_secret").read_bytes()
+    with Ledger.open(url, secret=secret) as book:
+        run = book.run(run_id)
+        with Session(book.engine) as session:
+            keys = {bytes(k) for k in session.scalars(select(Participation.client_key)
+                                                       .where(Participation.run_id == run_id))}
+        return {u for u in USERS if run.key(u) in keys}
+
+
 def _ledger_rounds(url, tmp_path, name, run_id):
     secret = (tmp_path / name / "secrets" / "ledger_secret").read_bytes()
     with Ledger.open(url, secret=secret) as book:
@@ -84,22 +95,25 @@ def test_a_run_out_of_budget_stops_before_a_round_it_cannot_fill_and_resumes_exa
             set_user(book, secret, user, _room_for(2, plan))
     a = _run(tmp_path, "a", plan, url, key)
     assert (a.stopped, a.rounds_done, a.min_cohort) == ("horizon", ROUNDS, PER_ROUND)
+    # who has room for run b, by brute force: u00-u04, and whoever run a never selected
+    room = set(USERS[:5]) | (set(USERS) - _participants(url, tmp_path, "a", a.run_id))
+    assert PER_ROUND <= len(room) < 2 * PER_ROUND  # these secrets: run b can fill round 1, not round 2
     b = _run(tmp_path, "b", plan, url, key)
     assert b.rounds_done == 1 and b.stopped.startswith("cohort: ")
     line = b.stopped.removeprefix("cohort: ")
     assert "\n" not in line
-    assert line.startswith(f"round 2/{ROUNDS} not played: 1 users can take part, {PER_ROUND} needed "
-                           "(min-clients-per-round): 15 of 20 users have no budget left for this run, 4 took part in "
-                           "the last 1 rounds"), line
+    assert line.startswith(f"round 2/{ROUNDS} not played: {len(room) - PER_ROUND} users can take part, {PER_ROUND} "
+                           f"needed (min-clients-per-round): {20 - len(room)} of 20 users have no budget left for this "
+                           f"run, {PER_ROUND} took part in the last 1 rounds"), line
+    assert _participants(url, tmp_path, "b", b.run_id) < room
     rounds, rows, charged, skips = _ledger_rounds(url, tmp_path, "b", b.run_id)
     assert [r.status for r in rounds] == ["committed"] + ["planned"] * (ROUNDS - 1)  # round 2: no row, no attempt
     assert rounds[0].contributed == rounds[0].selected == PER_ROUND and rows == {0: PER_ROUND}
     assert rounds[0].epsilon_planned == plan.epsilon_after(0)  # the committed round is accounted as planned
     assert rounds[0].noise_std == pytest.approx(plan.noise_std)
-    assert charged == PER_ROUND and skips == {0: 15}  # only round 1's users charged; round 2 left no skip row
+    assert charged == PER_ROUND and skips == {0: 20 - len(room)}  # only round 1's users charged; round 2 left no skip row
     with PrivateRun.open(task.Tiny(), plan, tmp_path / "b", ledger=url, budget_key=key) as run:
         assert run.next_round == 1 and run.scheduler.next_round == 1  # the scheduler did not decide round 2
-        assert run.observed_epsilon() <= plan.epsilon_after(0) * (1 + 1e-9)
     with Ledger.open(url) as book:  # budgets raised: the same run resumes from round 2 and plays to the end
         set_default(book, secret, _room_for(2, plan), DELTA)
     resumed = _run(tmp_path, "b", plan, url, key)
@@ -149,7 +163,8 @@ def test_poisson_keeps_its_empty_rounds_and_the_summary_counts_them(tmp_path):
     contributed = [r.contributed for r in result.history]
     empty = contributed.count(0)
     assert empty >= 1 and any(contributed)  # the secrets above draw both (P(empty) = 0.95^20 = 0.36)
-    with Ledger.open(tmp_path / "p" / "ledger.db") as book:  # the empty rounds were committed as drawn
+    secret = (tmp_path / "p" / "secrets" / "ledger_secret").read_bytes()
+    with Ledger.open(tmp_path / "p" / "ledger.db", secret=secret) as book:  # the empty rounds were committed as drawn
         run = book.run(result.run_id)
         assert [run.round(t).contributed for t in range(ROUNDS)] == contributed
     cohorts = counts([{"contributed": c} for c in contributed], plan, result.min_cohort)
@@ -166,17 +181,15 @@ def _cli(*args):
 
 
 def test_the_cli_ends_with_one_line_and_reports_cohorts(tmp_path, capsys):
-    """``fedmf simulate`` on the README's budget example in 4 rounds: run b stops before round 2 with the
-    line; its results.json counts the cohorts of the rounds it played."""
+    """``fedmf simulate`` where only users 0-9 have budget left (the README's run b, whatever the earlier
+    run selected): it stops before round 2 with the line; results.json counts the rounds it played."""
     url, key = str(tmp_path / "budgets.db"), str(tmp_path / "budget.key")
-    assert _cli("budget", "default", "12", "--ledger", url, "--key", key) == 0
+    assert _cli("budget", "default", "0", "--ledger", url, "--key", key) == 0
     for u in range(10):
-        assert _cli("budget", "set", str(u), "20", "--ledger", url, "--key", key) == 0
-    common = ("simulate", "--preset", "tiny", "--rounds", "4", "--ledger", url, "--budget-key", key, "--quiet",
-              "--no-plot")
-    assert _cli(*common, "--out", str(tmp_path / "run-a")) == 0
+        assert _cli("budget", "set", str(u), "12", "--ledger", url, "--key", key) == 0
     capsys.readouterr()
-    assert _cli(*common, "--epsilon", "4", "--out", str(tmp_path / "run-b")) == 0
+    assert _cli("simulate", "--preset", "tiny", "--rounds", "4", "--epsilon", "4", "--ledger", url, "--budget-key",
+                key, "--quiet", "--no-plot", "--out", str(tmp_path / "run-b")) == 0
     out = capsys.readouterr().out
     stopped = [line for line in out.splitlines() if line.startswith("stopped ")]
     assert len(stopped) == 1 and re.search(r"round 2/4 not played: 2 users can take part, 8 needed "
@@ -212,7 +225,8 @@ def test_a_deployment_waits_for_users_and_says_so(tmp_path, caplog):
                                        "(min-clients-per-round): 52 of 60 are not connected"), strategy.stopped
     waits = [r.getMessage() for r in caplog.records if "waiting for users" in r.getMessage()]
     assert len(waits) == 1 and "trying again every 0.02 s for up to 0.2 s" in waits[0]
-    with Ledger.open(tmp_path / "short" / "ledger.db") as book:
+    secret = (tmp_path / "short" / "secrets" / "ledger_secret").read_bytes()
+    with Ledger.open(tmp_path / "short" / "ledger.db", secret=secret) as book:
         assert book.run(strategy.run.run_id).round(0).status == "planned"  # not opened, no attempt
         with Session(book.engine) as session:
             assert session.scalar(select(func.count()).select_from(Participation)) == 0
@@ -252,5 +266,6 @@ def test_a_deployment_waits_for_users_and_says_so(tmp_path, caplog):
             LocalGrid(nodes))
         for name, value in run.model.state_dict().items():
             assert torch.equal(value, late_model[name]), name
-    with Ledger.open(tmp_path / "late" / "ledger.db") as book:
+    secret = (tmp_path / "late" / "secrets" / "ledger_secret").read_bytes()
+    with Ledger.open(tmp_path / "late" / "ledger.db", secret=secret) as book:
         assert [book.run(late.run.run_id).round(t).attempts for t in range(4)] == [1] * 4  # no aborted attempt

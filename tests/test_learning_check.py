@@ -9,8 +9,12 @@ import json
 import pytest
 import torch
 
+from fedmf import MinSep, Workload
 from fedmf.learning_check import (DIVERGENCE_EVALUATIONS, DIVERGENCE_MARGIN, INITIAL_EVALUATION_FILE, LearningCheck,
                                   model_is_finite)
+
+from fedmf.mechanisms import build
+from fedmf.plan import RunPlan
 
 from . import _federated_task as task
 
@@ -114,16 +118,21 @@ def test_a_deployment_stops_on_a_non_finite_model_without_sending_it(tmp_path, c
 
     nodes = {7000 + i: honest_node(u) for i, u in enumerate(task.users())}
     config = RunConfig.from_mapping({"noise-multiplier": 0.8, "reply-timeout": 5.0, "task-options": "{}",
-                                     "server-lr": 1e300})
+                                     "server-lr": 1e10, "clip-norm": 1e30})
     grid = LocalGrid(nodes)
+    # ζ = 1e30: noise of std ~1e30 in the sum; × server-lr 1e10 ÷ 10 users overflows float32 (3.4e38)
+    schema = MinSep(task.MIN_SEP, task.PARTICIPATIONS)
+    plan = RunPlan.create(build("bsr", 4, schema, Workload(momentum=0.5), num_bands=task.MIN_SEP), schema,
+                          clip_norm=1e30, delta=1e-5, expected_users=10, noise_multiplier=0.8)
+    task.write_secrets(tmp_path / "run", b"overflow")
     with caplog.at_level(logging.INFO, logger="fedmf.server"), \
-            PrivateRun.open(task.Tiny(), task.plan(rounds=4), tmp_path / "run", population=task.users(),
-                            server_lr=1e300) as run:
+            PrivateRun.open(task.Tiny(), plan, tmp_path / "run", population=task.users(), server_lr=1e10,
+                            repeatable_noise=True) as run:
         strategy = DPMFStrategy(run, config)  # no server-side evaluation: the finiteness check needs none
         strategy.start(grid)
         assert run.next_round == 1 and not model_is_finite(run.model.parameters())
     assert strategy.stopped.startswith("learning: not learning: the model is not finite (NaN or inf) after round 1")
-    assert "lower the server learning rate (server-lr 1e+300)" in strategy.stopped
+    assert "lower the server learning rate (server-lr 1e+10) or the clip norm (clip-norm 1e+30)" in strategy.stopped
     trained = [m for m in grid.sent if m.metadata.message_type == MessageType.TRAIN]
     assert {m.content.config_records["config"]["round"] for m in trained} == {0}  # the model of round 1 never left
     assert sum("not learning" in r.getMessage() for r in caplog.records if r.levelname == "WARNING") == 1
