@@ -23,9 +23,12 @@ The rules (README "When a run is not learning"):
 A stopped run is an ordinary partial run: its ledger and accounting are exact (every committed round,
 nothing else), and it resumes with the same command (after changing what the line says).
 
-The initial held-out loss is measured once, when the run has committed no round (its model is then
-the initial one), and kept in ``<run-dir>/initial-evaluation.json`` for the resumed invocations; a run
-started before this file existed has no divergence check (the finiteness check needs no evaluation).
+The held-out loss is the evaluation's ``loss`` (the tasks' cross-entropy; an evaluation without one
+gets the finiteness check only). The initial held-out loss is measured once, when the run has
+committed no round (its model is then the initial one), and kept in
+``<run-dir>/initial-evaluation.json`` for the resumed invocations; a run started before this file
+existed has no divergence check. The consecutive count starts again in each invocation; ``replay``
+gives the record over a whole run's history (``results.json``).
 """
 
 from __future__ import annotations
