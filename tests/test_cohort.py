@@ -14,7 +14,7 @@ import torch
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from fedmf import MinSep, Workload
+from fedmf import FixedEpoch, MinSep, Workload
 from fedmf.accounting.gdp import epsilon_for
 from fedmf.cohort import counts, resolve_min_cohort, summary_line
 from fedmf.config import RunConfig
@@ -148,11 +148,34 @@ def test_the_default_minimum_and_what_is_refused():
     assert resolve_min_cohort(poisson, None) is None
     with pytest.raises(ConfigError, match="applies to sampling none.*poisson:0.05 keeps the rounds it draws"):
         resolve_min_cohort(poisson, 1)
+    schema = FixedEpoch(2, 2)  # the order fixes each round's slot: only a round nobody of it can join is refused
+    fixed = RunPlan.create(build("bsr", 4, schema, Workload(momentum=0.0), num_bands=2), schema, clip_norm=1.0,
+                           delta=1e-5, expected_users=10, noise_multiplier=0.8)
+    assert resolve_min_cohort(fixed, None, 20) == 1 and resolve_min_cohort(fixed, 10, 20) == 10
+    with pytest.raises(ConfigError, match="exceeds the smallest fixed-epoch slot"):
+        resolve_min_cohort(fixed, 11, 21)
     config = RunConfig.from_mapping({"min-clients-per-round": 3, "stop-when-diverging": "true"})
     assert config.min_clients_per_round == 3 and config.stop_when_diverging is True
     assert RunConfig.from_mapping({}).min_clients_per_round is None
     with pytest.raises(ConfigError, match="min-clients-per-round"):
         RunConfig.from_mapping({"min-clients-per-round": -1})
+
+
+def test_users_who_drop_out_after_selection_do_not_stop_the_run(tmp_path):
+    """The rule counts who can be selected, not who replies: a selected user who drops out still
+    counts as sampled, and a round whose selected users all drop out is played (and counted)."""
+    def half_drop_out(params, user, t):
+        return None if user < "u10" else _update(params, user, t)
+
+    task.write_secrets(tmp_path / "d", b"dropouts")
+    result = train(task.Tiny(), USERS, _plan(), half_drop_out, checkpoint_dir=tmp_path / "d", repeatable_noise=True)
+    assert (result.stopped, result.rounds_done) == ("horizon", ROUNDS)
+    assert all(r.selected == PER_ROUND and r.contributed + r.dropped == PER_ROUND for r in result.history)
+    contributed = [r.contributed for r in result.history]
+    assert any(c < PER_ROUND for c in contributed)
+    cohorts = counts([{"contributed": c} for c in contributed], _plan(), result.min_cohort)
+    assert cohorts["below_expected"] == sum(c < PER_ROUND for c in contributed)
+    assert cohorts["no_contribution"] == contributed.count(0) and cohorts["min_clients_per_round"] == PER_ROUND
 
 
 def test_poisson_keeps_its_empty_rounds_and_the_summary_counts_them(tmp_path):
