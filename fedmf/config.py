@@ -53,6 +53,12 @@ is a one-line ``ConfigError`` before round 1. ``DEFAULTS`` is the one defaults t
     witness           ""                          the release witness's directory (fedmf.witness), on storage
                                                   other than the run directory's and the ledger's; "": the
                                                   user's state directory; "off": none (tests only, unsafe)
+    min-clients-per-round 0                       the fewest users a round must be able to select, else it is
+                                                  not played: the run stops (in process) or the server waits
+                                                  (0: clients-per-round; fixed-epoch: 1; sampling none only:
+                                                  fedmf/cohort.py)
+    stop-when-diverging false                     stop when the held-out loss diverges (fedmf/learning_check.py;
+                                                  a non-finite model always stops)
 """
 
 from __future__ import annotations
@@ -84,6 +90,7 @@ DEFAULTS: dict[str, Any] = {
     "budget-key": "",
     "client-metrics": "none", "client-metrics-clip": 10.0, "client-metrics-noise": 0.0,
     "witness": "",
+    "min-clients-per-round": 0, "stop-when-diverging": False,
 }
 
 
@@ -159,6 +166,8 @@ class RunConfig:
     client_metrics_clip: float = 10.0  # L
     client_metrics_noise: float | None = None  # σ_m; None: L · clients-per-round / 20
     witness: str | None = None  # the release witness's directory (absolute), "off", or None: the default one
+    min_clients_per_round: int | None = None  # None: the default (fedmf.cohort.resolve_min_cohort)
+    stop_when_diverging: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -249,6 +258,8 @@ class RunConfig:
             client_metrics=client_metrics, client_metrics_clip=metrics_clip,
             client_metrics_noise=metrics_noise or None,
             witness=(witness if witness == WITNESS_OFF else str(base / witness)) if witness else None,
+            min_clients_per_round=_int("min-clients-per-round", v["min-clients-per-round"], 0) or None,
+            stop_when_diverging=_bool("stop-when-diverging", v["stop-when-diverging"]),
         )
 
     def to_dict(self) -> dict[str, Any]:

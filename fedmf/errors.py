@@ -17,7 +17,7 @@ from __future__ import annotations
 
 __all__ = [
     "FedmfError", "ConfigError", "PlanMismatch", "PrivacyBudgetExceeded", "HorizonReached", "RoundOrderError",
-    "CheckpointError", "ConfigTypeError", "OutcomeError",
+    "CheckpointError", "ConfigTypeError", "OutcomeError", "CohortTooSmall", "NotLearning",
 ]
 
 
@@ -55,3 +55,13 @@ class CheckpointError(FedmfError):
 
 class OutcomeError(FedmfError):
     """A run directory's outcome file (``fedmf.outcome``) is missing or cannot be trusted."""
+
+
+class CohortTooSmall(FedmfError):
+    """Too few users are eligible to fill the next round (``fedmf.cohort``): it is not played, and
+    nothing of it is recorded or released."""
+
+
+class NotLearning(FedmfError):
+    """The run stopped because its model is not finite or its held-out loss diverged
+    (``fedmf.learning_check``); every committed round stays committed and accounted."""

@@ -27,13 +27,14 @@ from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
 import torch
 
 from .auditor import audit_command
-from .errors import ConfigError
+from .errors import ConfigError, NotLearning
+from .learning_check import LearningCheck
 from .ledger.budgets import ConcurrentChargeError
 from .ledger.db import public_url
 from .ledger_retry import ledger_retry
 from .plan import RunPlan
 from .progress import ProgressBar, ProgressCallback, Step
-from .round_loop import CohortStep, Contributions, run_rounds
+from .round_loop import CohortStep, Contributions, LoopEnd, run_rounds
 from .run import EVENTS, PrivateRun, RoundRecord
 from .client_metrics import METRIC as CLIENT_METRIC
 from .schedule import Selection
@@ -62,6 +63,10 @@ class TrainResult:
     head: str = ""
     #: the release witness file (None: off)
     witness: str | None = None
+    #: the fewest users a round had to be able to select (``fedmf.cohort``; None: amplified sampling)
+    min_cohort: int | None = None
+    #: ``fedmf.learning_check.LearningCheck.to_dict()`` of this invocation's rounds
+    learning: dict[str, Any] | None = None
 
     def audit_command(self) -> str:
         """``fedmf audit`` as the auditor runs it (``fedmf.auditor``: never the server's role or password)."""
@@ -144,6 +149,8 @@ def train(
     ledger_diagnostics: bool = False,
     budget_key: str | os.PathLike | None = None,
     witness: str | os.PathLike | None = None,
+    min_clients_per_round: int | None = None,
+    learning: LearningCheck | None = None,
 ) -> TrainResult:
     """Train ``model`` privately under ``plan`` over ``users`` (ids with a stable ``str``).
 
@@ -163,7 +170,11 @@ def train(
     (outside the DP guarantee). ``budget_key``: the ledger's budget secret file (lifetime budgets,
     ``PrivateRun.open``). ``witness``: the release witness's directory (``PrivateRun.open``; None:
     the user's state directory). A resumed run says so on stderr with ``progress``; a committed round
-    whose record a stop cut off is recorded (the last one evaluated) before the next round."""
+    whose record a stop cut off is recorded (the last one evaluated) before the next round.
+    ``min_clients_per_round``: the fewest users a round must be able to
+    select, else the run stops before that round (None or 0: the default, ``fedmf.cohort``).
+    ``learning``: what says that the run is not learning (default ``LearningCheck()``: a
+    non-finite model stops the run, a diverging held-out loss is recorded; ``fedmf.learning_check``)."""
     if (local_update is None) == (local_updates is None):
         raise ConfigError("give exactly one of local_update (one user at a time) and local_updates (a round's users)")
     users = list(users)
@@ -177,7 +188,8 @@ def train(
     try:
         with PrivateRun.open(model, plan, directory, ledger=ledger, server_lr=server_lr, optimizer=optimizer,
                              population=users, on_event=on_event, repeatable_noise=repeatable_noise,
-                             ledger_diagnostics=ledger_diagnostics, budget_key=budget_key, witness=witness) as run:
+                             ledger_diagnostics=ledger_diagnostics, budget_key=budget_key, witness=witness,
+                             min_clients_per_round=min_clients_per_round) as run:
             history: list[RoundRecord] = []
             bar = progress or None
             if progress is True:
@@ -192,6 +204,11 @@ def train(
                     sys.stderr.write(run.resumed_line() + "\n")
             if bar is not None and first < end:
                 bar(Step(first, end, note="starting" if first == 0 else f"resuming at round {first}", start=first))
+            check = LearningCheck() if learning is None else learning
+            if check.announce is None and isinstance(bar, ProgressBar):
+                check.announce = bar.message
+            elif check.announce is None and progress:
+                check.announce = lambda line: sys.stderr.write(line + "\n")
 
             def released(record: RoundRecord) -> None:
                 if bar is not None:
@@ -200,17 +217,27 @@ def train(
                     on_round(record)
 
             try:
-                ended = run_rounds(run, end, (lambda t: users) if available is None else available,
-                                   _local_cohort(run, local_update, local_updates), observed=observed_guard,
-                                   history=history, evaluate=None if evaluate is None else lambda _: evaluate(model),
-                                   on_round=released, retry=ledger_retry((ConcurrentChargeError,)))
+                why = check.start(run.directory, run.next_round, None if evaluate is None else lambda: evaluate(model),
+                                  run.model.parameters())
+                if why is not None:  # a resumed model that is not finite: no round is played
+                    ended = LoopEnd("learning", NotLearning(why))
+                else:
+                    ended = run_rounds(run, end, (lambda t: users) if available is None else available,
+                                       _local_cohort(run, local_update, local_updates), observed=observed_guard,
+                                       history=history,
+                                       evaluate=None if evaluate is None else lambda _: evaluate(model),
+                                       on_round=released,
+                                       stop=lambda record: check.observe(record.round, record.metrics,
+                                                                         run.model.parameters()),
+                                       retry=ledger_retry((ConcurrentChargeError,)))
             finally:
                 if progress is True:
                     bar.close()
             head_round, head = run.head
             return TrainResult(run.run_id, public_url(run.ledger_url), run.next_round, ended.stopped, history,
                                plan.to_dict(), f"{head_round}:{head}",
-                               None if run.witness_path is None else str(run.witness_path))
+                               None if run.witness_path is None else str(run.witness_path),
+                               run.min_cohort, check.to_dict())
     finally:
         if temporary is not None:
             temporary.cleanup()

@@ -3,7 +3,7 @@ it returns or stops on a ``FedmfError``, read by whoever launched it (``fedmf si
 flower``) instead of its log lines.
 
     write_outcome(run_dir, RunOutcome(run_id=3, rounds_done=20, stopped="horizon", ledger="ledger.db"))
-    read_outcome(run_dir).stopped    # "horizon", "rounds", "guard: <why>" or "error"
+    read_outcome(run_dir).stopped    # "horizon", "rounds", "guard: <why>", "cohort: <why>", "learning: <why>" or "error"
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from . import checks
 from .errors import OutcomeError
 from .files import atomic_write
 
-__all__ = ["RunOutcome", "OUTCOME_FILE", "OUTCOME_FORMAT", "write_outcome", "read_outcome",
+__all__ = ["RunOutcome", "OUTCOME_FILE", "OUTCOME_FORMAT", "STOP_PREFIXES", "write_outcome", "read_outcome",
            "clear_outcome"]
 
 #: the file in the run directory
@@ -27,12 +27,16 @@ OUTCOME_FILE = "outcome.json"
 OUTCOME_FORMAT = 1
 
 _FIELDS = ("run_id", "rounds_done", "stopped", "ledger", "error")
+#: the stops that carry their one line (``fedmf.round_loop.LoopEnd``): the privacy guard, a round too few
+#: users could join (``fedmf.cohort``), a run that is not learning (``fedmf.learning_check``)
+STOP_PREFIXES = ("guard: ", "cohort: ", "learning: ")
 
 
 @dataclass(frozen=True)
 class RunOutcome:
     """How a run ended. ``stopped``: "horizon" (the plan's last round done), "rounds" (the rounds
-    asked for done), "guard: <why>" (the privacy guard refused the next round) or "error" (with
+    asked for done), "guard: <why>" (the privacy guard refused the next round), "cohort: <why>" (too few
+    users could join the next round), "learning: <why>" (the model is not finite, or diverged) or "error" (with
     ``error``, the one-line message). ``run_id`` and ``rounds_done`` are None when the run never
     opened; ``ledger`` is the ledger's public URL (never a password)."""
 
@@ -53,8 +57,9 @@ class RunOutcome:
                 raise OutcomeError(f"outcome {name} must be a string or null, got {value!r}")
         stopped = self.stopped
         if not isinstance(stopped, str) or not (stopped in ("horizon", "rounds", "error")
-                                                or stopped.startswith("guard: ")):
-            raise OutcomeError(f"outcome stopped must be horizon, rounds, error or 'guard: <why>', got {stopped!r}")
+                                                or stopped.startswith(STOP_PREFIXES)):
+            raise OutcomeError(f"outcome stopped must be horizon, rounds, error, 'guard: <why>', 'cohort: <why>' or "
+                               f"'learning: <why>', got {stopped!r}")
         if (stopped == "error") != (self.error is not None):
             raise OutcomeError("outcome error is given exactly when stopped is error")
 

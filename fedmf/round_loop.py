@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Iterable, Mapping, TypeVar
 
-from .errors import FedmfError, HorizonReached, PrivacyBudgetExceeded
+from .errors import CohortTooSmall, FedmfError, HorizonReached, NotLearning, PrivacyBudgetExceeded
 from .plan import RunPlan
 from .privatize import RoundReport
 from .run import RECOVERED_EVALUATED, RECOVERED_UNEVALUATED, PrivateRun, RoundRecord
@@ -69,16 +69,18 @@ def observed_guard(plan: RunPlan) -> bool:
 @dataclass(frozen=True)
 class LoopEnd:
     """How the loop ended: ``reason`` "horizon" (the plan's last round done), "rounds" (the
-    rounds asked for done, before the horizon) or "guard" (``stop``, the guard's
-    ``PrivacyBudgetExceeded`` or ``HorizonReached``, ended it before a round)."""
+    rounds asked for done, before the horizon), "guard" (``stop``, the guard's
+    ``PrivacyBudgetExceeded`` or ``HorizonReached``, ended it before a round), "cohort" (``stop``, a
+    ``CohortTooSmall``: too few users could take part, the round was not played; ``fedmf.cohort``) or
+    "learning" (``stop``, a ``NotLearning`` from the driver's ``stop`` hook after a committed round)."""
 
     reason: str
     stop: FedmfError | None = None
 
     @property
     def stopped(self) -> str:
-        """One line: the reason, or ``guard: <the guard's message>``."""
-        return self.reason if self.stop is None else f"guard: {self.stop}"
+        """One line: the reason, or ``<reason>: <the stop's message>``."""
+        return self.reason if self.stop is None else f"{self.reason}: {self.stop}"
 
 
 def settle(run: PrivateRun, updates: Mapping[Hashable, Any], rejected: Mapping[Hashable, str] | None = None,
@@ -122,15 +124,19 @@ def run_rounds(run: PrivateRun, end: int, available: Callable[[int], Iterable[Ha
                observed: bool | None = None, history: list[RoundRecord] | None = None,
                committed: Callable[[RoundRecord, RoundReport], None] | None = None,
                evaluate: Callable[[RoundRecord], Mapping[str, float] | None] | None = None,
-               on_round: Callable[[RoundRecord], None] | None = None, retry: Retry = no_retry) -> LoopEnd:
+               on_round: Callable[[RoundRecord], None] | None = None, retry: Retry = no_retry,
+               stop: Callable[[RoundRecord], str | None] | None = None) -> LoopEnd:
     """Run (or resume) ``run``'s rounds until round ``end`` (exclusive) or the guard stops it.
 
     Each round t: ``run.guard`` (``observed``: also the worst observed user's ε; default
     ``observed_guard(plan)``), under ``retry(t, ·, GUARD)``; then under ``retry(t, ·, ROUND)``,
     ``play_round`` with the users ``available(t)``; the committed record appended to ``history``;
     ``committed(record, report)`` (the driver's round metrics); ``evaluate(record)``, whose
-    scores join ``record.metrics``; ``run.released(t)``; ``on_round(record)``. First, the records a
-    stop cut off are written (``recover_records``, with ``evaluate`` and ``on_round``)."""
+    scores join ``record.metrics``; ``run.released(t)``; ``on_round(record)``; ``stop(record)``, whose
+    reason (not None) ends the loop after that round (``NotLearning``: ``fedmf.learning_check``). A
+    ``CohortTooSmall`` from the round's selection (which ``retry`` may wait out) ends the loop before
+    anything of the round exists. First, the records a stop cut off are written (``recover_records``,
+    with ``evaluate`` and ``on_round``)."""
     observed = observed_guard(run.plan) if observed is None else observed
     history = [] if history is None else history
     recover_records(run, evaluate, on_round)
@@ -140,7 +146,10 @@ def run_rounds(run: PrivateRun, end: int, available: Callable[[int], Iterable[Ha
             retry(t, lambda: run.guard(observed=observed), GUARD)
         except (PrivacyBudgetExceeded, HorizonReached) as e:
             return LoopEnd("guard", e)
-        record, report = retry(t, lambda: play_round(run, available(t), cohort), ROUND)
+        try:
+            record, report = retry(t, lambda: play_round(run, available(t), cohort), ROUND)
+        except CohortTooSmall as e:  # raised by select before the round was decided or recorded
+            return LoopEnd("cohort", e)
         history.append(record)
         if committed is not None:
             committed(record, report)
@@ -152,4 +161,7 @@ def run_rounds(run: PrivateRun, end: int, available: Callable[[int], Iterable[Ha
         run.released(t)
         if on_round is not None:
             on_round(record)
+        why = None if stop is None else stop(record)
+        if why is not None:
+            return LoopEnd("learning", NotLearning(why))
     return LoopEnd("horizon" if end == run.plan.rounds else "rounds")

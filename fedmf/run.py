@@ -41,6 +41,7 @@ import torch
 
 from .checkpoint import CheckpointStore, RunSecrets
 from .client_metrics import RELEASED as CLIENT_METRIC_RELEASED
+from .cohort import check as check_cohort
 from .errors import CheckpointError, ConfigError, FedmfError, RoundOrderError
 from .files import atomic_write, lock_directory
 from .participation import MinSep
@@ -177,6 +178,8 @@ class PrivateRun:
         self._witness = witness  # None: off (tests only)
         #: the rounds committed before this process opened the run (None: a new run)
         self.resumed_from = resumed_from
+        self.min_cohort: int | None = None  # the fewest users a round must be able to select (fedmf.cohort)
+        self._population: int | None = None
         # the last committed checkpoint's hash, kept in memory so that an abort needs no database, and
         # the ledger's chain head (round, hash) there: what the summary asks to record elsewhere
         last = run.next_round - 1
@@ -192,7 +195,8 @@ class PrivateRun:
              population: Iterable[Hashable] | None = None, on_event: Callable[[str, int], None] | None = None,
              name: str | None = None, repeatable_noise: bool = False,
              ledger_diagnostics: bool = False, budget_key: str | os.PathLike | None = None,
-             witness: str | os.PathLike | None = None) -> "PrivateRun":
+             witness: str | os.PathLike | None = None,
+             min_clients_per_round: int | None = None) -> "PrivateRun":
         """Resume the run recorded in ``directory`` (restoring the last committed round's
         checkpoint; the plan must be the same) or start a new one. ``ledger``: a ledger URL
         (default: ``<directory>/ledger.db``). ``population``: the users, for schedulers that
@@ -204,11 +208,13 @@ class PrivateRun:
         (``RunPlan.check_population``). ``budget_key``: the ledger's budget secret file, required
         when the ledger enforces lifetime budgets (``fedmf.ledger.budgets``). ``witness``: the release
         witness's directory (``fedmf.witness``; None: the user's state directory; ``"off"``: none,
-        tests only, unsafe).
+        tests only, unsafe). ``min_clients_per_round``: the fewest users a round must be able to select
+        (None or 0: the default; ``fedmf.cohort``).
 
         A resume is refused (``CheckpointError``, one line) when the ledger and the run directory
         disagree on the rounds committed — either one is older than the other (restored from a
         backup) — or when both are behind the release witness: resuming would release rounds again."""
+        from .cohort import resolve_min_cohort
         from .ledger import Ledger
         from .ledger.budgets import RunBudget, load_budget_secret
         from .schedule import make_scheduler
@@ -223,6 +229,7 @@ class PrivateRun:
         if population is not None:
             population = list(population)
             plan.check_population(len(population))  # before anything is written
+        min_cohort = resolve_min_cohort(plan, min_clients_per_round, None if population is None else len(population))
         directory = Path(directory)
         existed = _entries(directory)  # a refused start removes what it created, and only that
         made = _missing_dirs(directory)
@@ -274,6 +281,7 @@ class PrivateRun:
         out = cls(model, plan, directory, secrets, store, book, ledger_url, run, privatizer, opt, scheduler, on_event,
                   lock, witness=record, resumed_from=committed if resumed else None)
         out._budget = budget
+        out.min_cohort, out._population = min_cohort, None if population is None else len(population)
         return out
 
     @staticmethod
@@ -426,14 +434,22 @@ class PrivateRun:
 
     def select(self, available: Iterable[Hashable]):
         """Decide who takes part in the next round, open it in the ledger and record the
-        selection (amplified schemes: sampled users who are unreachable are dropouts)."""
+        selection (amplified schemes: sampled users who are unreachable are dropouts). Raises
+        ``CohortTooSmall`` before anything is decided or recorded when fewer than ``min_cohort``
+        users can be selected (``fedmf.cohort``)."""
         self._check_usable()
         if self._selection is not None:
             raise RoundOrderError(f"round {self._selection.round} is still open")
         t = self.next_round
         self._started = time.perf_counter()
+        available = list(available)
+        offered = len(available)
         if self._budget is not None:  # users whose lifetime budget forbids this run are not available
             available = self._budget.admissible(t, available)
+        # before the scheduler decides anything and before the ledger records anything (fedmf.cohort)
+        check_cohort(t, self.min_cohort, self.scheduler, offered, available, rounds=self.plan.rounds,
+                     budget_skipped=None if self._budget is None else self._budget.skipped,
+                     population=self._population)
         selection = self.scheduler.select(t, available)
         self._selection, self._report = selection, None
         self._event("selected", t)

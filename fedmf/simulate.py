@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from .cohort import counts as cohort_counts
 from .config import DEFAULTS, RunConfig
 from .errors import ConfigError
 from .files import atomic_write
@@ -149,6 +150,10 @@ class SimulationResult:
     #: the ledger's chain head at the last committed round, "ROUND:HASH" (ROUND -1: the genesis): record it
     #: outside the ledger, check it later with ``fedmf audit --verify --head ROUND:HASH``
     chain_head: str | None = None
+    #: rounds without contribution / below the expected users (``fedmf.cohort.counts``)
+    cohorts: dict[str, Any] | None = None
+    #: whether the run is learning (``fedmf.learning_check.LearningCheck.to_dict``, over the whole run)
+    learning: dict[str, Any] | None = None
 
     def audit_command(self) -> str:
         """``fedmf audit`` as the auditor runs it (``fedmf.auditor``: never the server's role or password)."""
@@ -180,11 +185,12 @@ def simulate(config: RunConfig, *, model, users, local_update=None, local_update
     def on_round(record) -> None:
         record_elapsed(config.run_dir, token, time.perf_counter() - started)
 
+    check = learning_check(config)
     result = train(model, users, plan, local_update, local_updates=local_updates, server_lr=config.server_lr,
                    checkpoint_dir=config.run_dir, on_round=on_round,
                    ledger=config.ledger_url, evaluate=evaluate, progress=progress, repeatable_noise=repeatable_noise,
                    ledger_diagnostics=config.ledger_diagnostics, budget_key=config.budget_key,
-                   witness=config.witness)
+                   witness=config.witness, min_clients_per_round=config.min_clients_per_round, learning=check)
     import torch
 
     # the final model, as the Flower ServerApp writes it (both backends leave the same files)
@@ -198,7 +204,9 @@ def simulate(config: RunConfig, *, model, users, local_update=None, local_update
     out = SimulationResult(config.run_dir, result.ledger, result.run_id, result.rounds_done, result.stopped,
                            plan.epsilon_after(result.rounds_done - 1) if result.rounds_done else 0.0, plan.delta,
                            plan.noise_multiplier, accuracy, time.perf_counter() - started, history,
-                           rho=rho_spent(plan, result.rounds_done), chain_head=result.head)
+                           rho=rho_spent(plan, result.rounds_done), chain_head=result.head,
+                           cohorts=cohort_counts(history, plan, result.min_cohort),
+                           learning=check.replay(history).to_dict())
     return write_outputs(out, config.run_dir, plot, token=token)
 
 
@@ -216,6 +224,16 @@ def chain_head(config: RunConfig, run_id: int) -> str:
         run = book.run(run_id)
         last = run.next_round - 1
         return f"{last}:{run.round(last).chain_sha256 if last >= 0 else run.info.genesis_sha256}"
+
+
+def learning_check(config: RunConfig, flag: str = "--"):
+    """The run's ``fedmf.learning_check.LearningCheck``, its advice naming ``config``'s values."""
+    from .learning_check import LearningCheck
+
+    settings = {"server-lr": config.server_lr, "clip-norm": config.clip_norm}
+    if config.target_epsilon is not None:
+        settings["epsilon"] = config.target_epsilon
+    return LearningCheck(settings=settings, flag=flag, stop_when_diverging=config.stop_when_diverging)
 
 
 def rho_spent(plan, rounds_done: int) -> float | None:
@@ -284,6 +302,11 @@ def write_outputs(out: SimulationResult, run_dir: str, plot: bool, token: str | 
     if plot and out.history:
         out.plot = str(directory / "progress.png")
         _plot(out.history, out.plot)
+    if out.accuracy is not None and not math.isfinite(out.accuracy):
+        out.accuracy = None
+    for entry in out.history:  # JSON has no NaN or infinity: a non-finite metric is null
+        entry["metrics"] = {k: v if not isinstance(v, float) or math.isfinite(v) else None
+                            for k, v in entry["metrics"].items()}
     atomic_write(directory / "results.json", lambda f: json.dump(out.to_dict(), f, indent=1, allow_nan=False),
                  text=True, mode=0o600)
     return out

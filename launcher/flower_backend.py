@@ -22,7 +22,9 @@ from fedmf.errors import ConfigError, FedmfError, OutcomeError
 from fedmf.files import atomic_write
 from fedmf.ledger.db import public_url
 from fedmf.outcome import OUTCOME_FILE, clear_outcome, read_outcome
-from fedmf.simulate import SimulationResult, chain_head, rho_spent, run_history, write_outputs
+from fedmf.cohort import counts as cohort_counts
+from fedmf.cohort import resolve_min_cohort
+from fedmf.simulate import SimulationResult, chain_head, learning_check, rho_spent, run_history, write_outputs
 from fedmf.tasks import Task
 
 from . import processes, ray_cluster
@@ -86,10 +88,14 @@ def flower_result(config: RunConfig, *, model, evaluate, seconds: float = 0.0, p
     if history:
         # the final model is the last round's: its evaluation, also where that round's log line is missing
         history[-1]["metrics"] = {**history[-1]["metrics"], **scores}
+    check = learning_check(config, flag="")  # the initial loss the ServerApp kept; the final model's finiteness
+    check.start(directory, max(done, 1), None, model.parameters())
     out = SimulationResult(str(directory), public_url(ledger), run_id, done, outcome.stopped,
                            plan.epsilon_after(done - 1) if done else 0.0, plan.delta, plan.noise_multiplier,
                            scores.get("accuracy"), seconds, history, rho=rho_spent(plan, done),
-                           chain_head=chain_head(config, run_id))
+                           chain_head=chain_head(config, run_id),
+                           cohorts=cohort_counts(history, plan, resolve_min_cohort(plan, config.min_clients_per_round)),
+                           learning=check.replay(history).to_dict())
     return write_outputs(out, config.run_dir, plot)
 
 

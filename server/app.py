@@ -18,7 +18,7 @@ from fedmf.config import RunConfig
 from fedmf.errors import CheckpointError, FedmfError
 from fedmf.files import atomic_write
 from fedmf.ledger.db import public_url
-from fedmf.outcome import RunOutcome, write_outcome
+from fedmf.outcome import STOP_PREFIXES, RunOutcome, write_outcome
 from fedmf.run import REPEATABLE_NOISE_WARNING, PrivateRun, repeatable_noise_from_env
 
 from .identity import identity_policy
@@ -72,9 +72,10 @@ def _fault_injection():
 
 
 def _stopped(strategy: DPMFStrategy) -> str:
-    """The strategy's stop as ``RunOutcome.stopped``: "horizon", "rounds" or "guard: <why>"."""
+    """The strategy's stop as ``RunOutcome.stopped``: "horizon", "rounds", "guard: <why>", "cohort: <why>"
+    (too few users could join a round: ``fedmf.cohort``) or "learning: <why>" (``fedmf.learning_check``)."""
     said = strategy.stopped
-    return said if said in ("horizon", "rounds") or said.startswith("guard: ") else f"guard: {said}"
+    return said if said in ("horizon", "rounds") or said.startswith(STOP_PREFIXES) else f"guard: {said}"
 
 
 def _record_error(run_config: dict, run: PrivateRun | None, error: FedmfError) -> None:
@@ -125,7 +126,7 @@ def _serve(grid: Grid, run_config: dict, opened: list[PrivateRun]) -> DPMFStrate
     with PrivateRun.open(model, plan, config.run_dir, ledger=config.ledger_url, server_lr=config.server_lr,
                          population=task.users(), on_event=_fault_injection(), repeatable_noise=repeatable,
                          ledger_diagnostics=config.ledger_diagnostics, budget_key=config.budget_key,
-                         witness=config.witness) as run:
+                         witness=config.witness, min_clients_per_round=config.min_clients_per_round) as run:
         opened.append(run)
         users = task.users()
         wanted = min(len(users), max(1, math.ceil(plan.expected_users)))

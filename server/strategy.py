@@ -33,10 +33,12 @@ from flwr.serverapp.strategy import Result, Strategy
 
 from fedmf.auditor import audit_command
 from fedmf.config import RunConfig
+from fedmf.errors import CohortTooSmall, NotLearning
+from fedmf.learning_check import LearningCheck
 from fedmf.ledger.db import LedgerError, public_url
 from fedmf.ledger_retry import ledger_retry
 from fedmf.privatize import RoundReport
-from fedmf.round_loop import Contributions, observed_accounting, run_rounds, settle
+from fedmf.round_loop import Contributions, LoopEnd, observed_accounting, run_rounds, settle
 from fedmf.run import PrivateRun, RoundRecord
 from fedmf.schedule import Selection
 
@@ -49,6 +51,9 @@ log = logging.getLogger("fedmf.server")
 T = TypeVar("T")
 #: a round whose ledger write fails is redone after 1, 2, 4, … s (at most 30 s), up to 8 times
 LEDGER_RETRIES, LEDGER_BACKOFF_S, LEDGER_BACKOFF_MAX_S = 8, 1.0, 30.0
+#: a round too few users can join (``fedmf.cohort``) is tried again every COHORT_POLL_S seconds, for at
+#: most the configuration's reply-timeout, then the run stops (resumable)
+COHORT_POLL_S = 5.0
 
 
 class DPMFStrategy(Strategy):
@@ -72,6 +77,12 @@ class DPMFStrategy(Strategy):
         self.stopped = ""
         self._reachable: dict = {}  # user → node of the identified users connected at the last refresh
         self._replies: RoundReplies | None = None  # the replies the open round's messages expect
+        self.cohort_poll_s = COHORT_POLL_S
+        self.learning = LearningCheck(settings={"server-lr": config.server_lr, "clip-norm": config.clip_norm,
+                                                **({} if config.target_epsilon is None
+                                                   else {"epsilon": config.target_epsilon})},
+                                      flag="", stop_when_diverging=config.stop_when_diverging,
+                                      announce=lambda line: log.warning("fedmf: %s", line))
 
     # ---- Flower I/O: who is connected, the TRAIN messages, the replies --------------------------
     def _directory(self, grid: Grid) -> NodeDirectory:
@@ -200,9 +211,28 @@ class DPMFStrategy(Strategy):
     # ---- start: the round loop ---------------------------------------------------------------
     def _with_retries(self, t: int, step: Callable[[], T], stage: str) -> T:
         """``step()``; when the ledger fails (any ``LedgerError``), retried after 1, 2, 4, … s
-        (``fedmf.ledger_retry``, with this module's constants)."""
-        return ledger_retry((LedgerError,), retries=LEDGER_RETRIES, backoff_s=LEDGER_BACKOFF_S,
-                            backoff_max_s=LEDGER_BACKOFF_MAX_S, log=log)(t, step, stage)
+        (``fedmf.ledger_retry``, with this module's constants). When too few users can join the round
+        (``CohortTooSmall``: nothing of it exists yet), tried again every ``cohort_poll_s`` seconds
+        for at most the reply timeout, each try with the users connected then; the last refusal ends
+        the run (``fedmf.cohort``)."""
+        retry = ledger_retry((LedgerError,), retries=LEDGER_RETRIES, backoff_s=LEDGER_BACKOFF_S,
+                             backoff_max_s=LEDGER_BACKOFF_MAX_S, log=log)
+        waited_since = None
+        while True:
+            try:
+                value = retry(t, step, stage)
+                if waited_since is not None:
+                    log.info("fedmf round %d: enough users after waiting %.0f s", t, time.time() - waited_since)
+                return value
+            except CohortTooSmall as e:
+                now = time.time()
+                if waited_since is None:
+                    waited_since = now
+                    log.warning("fedmf: waiting for users: %s (trying again every %g s for up to %g s, "
+                                "reply-timeout)", e, self.cohort_poll_s, self.config.reply_timeout)
+                if now - waited_since + self.cohort_poll_s > self.config.reply_timeout:
+                    raise
+                time.sleep(self.cohort_poll_s)
 
     @staticmethod
     def _progress(record: RoundRecord, end: int) -> None:
@@ -261,13 +291,24 @@ class DPMFStrategy(Strategy):
         if self.run.resumed_from is not None:
             log.info("%s", self.run.resumed_line())
         result.arrays = ArrayRecord(self.run.model.state_dict())  # the committed model (a record recovered on resume)
-        if self.run.next_round < end:  # a restart with no round left (say, to write the final model) waits for no one
-            self._wait_for_users(grid)
-        ended = run_rounds(self.run, end, lambda t: self._available(grid, t), exchange, history=self.history,
-                           committed=committed, evaluate=None if evaluate_fn is None else evaluate,
-                           on_round=lambda record: self._progress(record, end), retry=self._with_retries)
+        def initial() -> dict:  # the initial model's held-out scores (no round committed: fedmf.learning_check)
+            scores = evaluate_fn(0, ArrayRecord(self.run.model.state_dict()))
+            return {} if scores is None else {k: float(v) for k, v in scores.items()}
+
+        why = self.learning.start(self.run.directory, self.run.next_round, None if evaluate_fn is None else initial,
+                                  self.run.model.parameters())
+        if why is not None:  # a resumed model that is not finite: nothing is sent
+            ended = LoopEnd("learning", NotLearning(why))
+        else:
+            if self.run.next_round < end:  # a restart with no round left (to write the final model) waits for no one
+                self._wait_for_users(grid)
+            ended = run_rounds(self.run, end, lambda t: self._available(grid, t), exchange, history=self.history,
+                               committed=committed, evaluate=None if evaluate_fn is None else evaluate,
+                               on_round=lambda record: self._progress(record, end), retry=self._with_retries,
+                               stop=lambda record: self.learning.observe(record.round, record.metrics,
+                                                                         self.run.model.parameters()))
         if ended.stop is not None:
-            self.stopped = str(ended.stop)
+            self.stopped = str(ended.stop) if ended.reason == "guard" else ended.stopped
             log.info("fedmf: stopping: %s", ended.stop)
         else:
             self.stopped = ended.reason

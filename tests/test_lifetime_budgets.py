@@ -44,10 +44,12 @@ def _update(params, user, t):
 
 
 def _run(tmp_path, name, z, ledger, key, rounds=None, label=None, on_event=None):
+    """A run that plays rounds down to one user (min_clients_per_round 1) and stops before the first
+    round no user with budget left can join (fedmf.cohort: never a round of noise alone)."""
     directory = tmp_path / name
     write_secrets(directory, (label or name).encode())
     return train(Tiny(), USERS, _plan(z), _update, checkpoint_dir=directory, ledger=ledger, budget_key=key,
-                 rounds=rounds, on_event=on_event, repeatable_noise=True)
+                 rounds=rounds, on_event=on_event, repeatable_noise=True, min_clients_per_round=1)
 
 
 def _epsilon_allowing(mu_squares: list[float]) -> float:
@@ -56,8 +58,8 @@ def _epsilon_allowing(mu_squares: list[float]) -> float:
 
 
 def _history(ledger_url, tmp_path, names):
-    """{run name: {round: set of users with a participation row}} from the ledger, keys mapped back
-    with each run's own secret."""
+    """{run name: (run id, {round: set of users with a participation row}, rounds committed)} from the
+    ledger, keys mapped back with each run's own secret."""
     out = {}
     with Ledger.open(ledger_url) as book:
         runs = book.runs()
@@ -65,6 +67,7 @@ def _history(ledger_url, tmp_path, names):
         secret = (tmp_path / name / "secrets" / "ledger_secret").read_bytes()
         with Ledger.open(ledger_url, secret=secret) as book:
             run = book.run(info.id)
+            committed = run.next_round
             back = {run.key(u): u for u in USERS}
             with Session(book.engine) as session:
                 rows = session.execute(select(Participation.round_index, Participation.client_key)
@@ -72,26 +75,32 @@ def _history(ledger_url, tmp_path, names):
         rounds: dict[int, set] = {}
         for t, key in rows:
             rounds.setdefault(int(t), set()).add(back[bytes(key)])
-        out[name] = (info.id, rounds)
+        out[name] = (info.id, rounds, committed)
     return out
 
 
 def _brute_force(history, names, mu2, limits):
-    """Replay the runs in order: per run and round, the users over budget (not yet in this run, and
-    the earlier runs they took part in plus this run exceed their μ²); checks nobody over budget was
-    selected; returns {run: {round: skipped}} and each user's composed μ²."""
+    """Replay the runs in order: per run and committed round, the users over budget (not yet in this
+    run, and the earlier runs they took part in plus this run exceed their μ²); checks nobody over
+    budget was selected, that every committed round had a participant (no round of noise alone) and
+    that a run stopped early only where no user with budget left could join the next round (min-sep
+    2: not selected in the round before); returns {run: {round: skipped}} and each user's composed μ²."""
     spent = {u: [] for u in USERS}
     skips = {}
     for name in names:
-        _, rounds = history[name]
+        _, rounds, committed = history[name]
         seen: set = set()
         skips[name] = {}
-        for t in range(ROUNDS):
+        for t in range(committed):
             over = {u for u in USERS if u not in seen and math.fsum(spent[u]) + mu2[name] > limits[u]}
             skips[name][t] = len(over)
             chosen = rounds.get(t, set())
-            assert not chosen & over, (name, t, chosen & over)
+            assert chosen and not chosen & over, (name, t, chosen & over)
             seen |= chosen
+        if committed < ROUNDS:
+            t = committed
+            over = {u for u in USERS if u not in seen and math.fsum(spent[u]) + mu2[name] > limits[u]}
+            assert set(USERS) - over - rounds.get(t - 1, set()) == set(), (name, t)
         for u in seen:
             spent[u].append(mu2[name])
     return skips, {u: math.fsum(v) for u, v in spent.items()}
@@ -187,14 +196,14 @@ def test_resume_selects_and_skips_as_an_uninterrupted_run(tmp_path):
         _run(base, "run0", zs[0], url, key, label="a")
         if case == "resumed":
             def crash(event, t):
-                if event == "noised" and t == 3:
+                if event == "noised" and t == 0:
                     raise KeyboardInterrupt
 
             with pytest.raises(KeyboardInterrupt):
                 _run(base, "run1", zs[1], url, key, label="b", on_event=crash)
-            # resumed from the same directory (same secrets): rounds 0-2 committed, round 3 redone
+            # resumed from the same directory (same secrets): round 0 redone
             train(Tiny(), USERS, _plan(zs[1]), _update, checkpoint_dir=base / "run1", ledger=url, budget_key=key,
-                  repeatable_noise=True)
+                  repeatable_noise=True, min_clients_per_round=1)
         else:
             _run(base, "run1", zs[1], url, key, label="b")
         history = _history(url, base, ["run0", "run1"])
@@ -270,12 +279,13 @@ def test_budget_cli(tmp_path):
     assert mine["spent_epsilon"] == epsilon_for(1 / 0.8, DELTA)
     assert "u01" not in r.stdout
     r = _fedmf("audit", "--ledger", url)
-    # ε = 2.5 at δ = 1e-10 is below one run's μ = 1.25: every user but u01 is skipped in every round
+    # ε = 2.5 at δ = 1e-10 is below one run's μ = 1.25: every user but u01 is skipped; u01 plays round 0
+    # alone and min-sep 2 keeps them out of round 1, which no one can join: the run stops before it
     assert mu_for(2.5, DELTA) < 1 / 0.8
     assert r.returncode == 0, r.stderr
-    assert f"budget skips        {11 * ROUNDS} " in r.stdout and f"{ROUNDS - 1}: 11" in r.stdout
+    assert "budget skips        11 " in r.stdout and "0: 11" in r.stdout
     r = _fedmf("audit", "--ledger", url, "--json")
-    assert json.loads(r.stdout)["budget_skips"] == {str(t): 11 for t in range(ROUNDS)}
+    assert json.loads(r.stdout)["budget_skips"] == {"0": 11}
 
 
 @pytest.mark.heavy
@@ -292,15 +302,18 @@ def test_readme_budget_block_runs_as_written(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     r = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    # run b: the 30 users without a budget of their own have no room left, in each of its 20 rounds
-    assert "budget skips        600 " in r.stdout
+    # run b: the 30 users without a budget of their own have no room left; it plays round 1 with 8 of
+    # users 0-9 and stops before round 2, which the other 2 cannot fill (fedmf.cohort)
+    assert "budget skips        30 " in r.stdout
+    assert "round 2/20 not played: 2 users can take part, 8 needed" in r.stdout
     with Ledger.open(tmp_path / "budgets.db") as book:
         accounts = user_accounts(book.engine)
-    assert sorted(a.runs for a in accounts) == [1] * 30 + [2] * 10
+    assert sorted(a.runs for a in accounts) == [1] * 32 + [2] * 8
     assert all(a.remaining_epsilon >= 0 for a in accounts)
     secret = load_budget_secret(tmp_path / "budget.key")
     twice = {a.label for a in accounts if a.runs == 2}
-    assert twice == {secret.lifetime_key(str(u)).hex()[:16] for u in range(10)}
+    assert twice < {secret.lifetime_key(str(u)).hex()[:16] for u in range(10)}
+
 
 
 def test_budget_set_many_users_in_one_call_and_look_one_up_by_id(tmp_path, capsys):

@@ -24,7 +24,8 @@ def _overrides(args: argparse.Namespace) -> dict:
                         ("adaptive_clipping", "adaptive-clipping"), ("adaptive_clipping_lr", "adaptive-clipping-lr"),
                         ("adaptive_clipping_count_noise", "adaptive-clipping-count-noise"), ("ledger", "ledger-url"),
                         ("client_metrics", "client-metrics"), ("client_metrics_clip", "client-metrics-clip"),
-                        ("client_metrics_noise", "client-metrics-noise")):
+                        ("client_metrics_noise", "client-metrics-noise"),
+                        ("min_clients_per_round", "min-clients-per-round")):
         value = getattr(args, option)
         if value is not None:
             values[key] = value
@@ -51,6 +52,8 @@ def _overrides(args: argparse.Namespace) -> dict:
         values["noise-multiplier"] = 0.0
     if args.noise_multiplier is not None:
         values["noise-multiplier"] = args.noise_multiplier
+    if args.stop_when_diverging:
+        values["stop-when-diverging"] = True
     options = {}
     if args.seed is not None:
         options["seed"] = args.seed
@@ -202,14 +205,16 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         print(json.dumps(result.to_dict(), allow_nan=False))
         return 0
     accuracy = "n/a" if result.accuracy is None else f"{result.accuracy:.4f}"
+    how, _, why = result.stopped.partition(": ")  # "cohort: <the one line>" and the like
     lines = [
-        f"preset          {args.preset} ({config.task}), {result.rounds_done} rounds ({result.stopped})"
+        f"preset          {args.preset} ({config.task}), {result.rounds_done} rounds ({how})"
         + (", on the Flower simulation engine" if args.backend == "flower" else "")
         + (f" (Ray cluster {ray_options['ray_address']})" if "ray_address" in ray_options else ""),
         f"accuracy        {accuracy} (held-out, after the last round)",
         f"privacy         epsilon {result.epsilon:.4g} at delta {result.delta:g} (planned, spent so far); "
         + ("" if result.rho is None else f"rho-zCDP {result.rho:.4g}; ")
         + f"noise multiplier {result.noise_multiplier:.4g}",
+        *health_lines(result, why),
         f"time            {_time_line(result.seconds, result.seconds_total)}",
         f"output          {result.out_dir} (ledger, checkpoints, results.json"
         + (", final-model.pt, flower.log" if args.backend == "flower" else "")
@@ -235,6 +240,20 @@ def preset_help() -> str:
     from ..simulate import PRESET_COST, PRESETS
 
     return "; ".join(f"{name}: {PRESET_COST.get(name, 'cost not measured')}" for name in PRESETS)
+
+
+def health_lines(result, stop: str = "") -> list[str]:
+    """The summary's lines on how the run went: why it stopped early (the stop's one line), whether it is
+    learning (``fedmf.learning_check``) and its cohorts (``fedmf.cohort``)."""
+    from ..cohort import summary_line
+
+    lines = [f"stopped         {stop}"] if stop else []
+    learning = result.learning or {}
+    if learning.get("line") and not stop.startswith("not learning"):
+        lines.append(f"learning        {learning['line']}")
+    if result.cohorts is not None:
+        lines.append(f"cohorts         {summary_line(result.cohorts)}")
+    return lines
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -265,6 +284,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "--rounds)")
     p.add_argument("--clients-per-round", type=float,
                    help="users per round (with sampling: the expected number; default: the preset's)")
+    p.add_argument("--min-clients-per-round", type=int, metavar="N",
+                   help="the fewest users a round must be able to select (lifetime budgets, min-sep), else the run "
+                        "stops before it, recording nothing (default: clients-per-round; fixed-epoch: 1; sampling "
+                        "none only: Poisson-style samplers keep their small and empty rounds)")
+    p.add_argument("--stop-when-diverging", action="store_true",
+                   help="stop when the held-out loss stays above the initial model's (by 20%% for 3 evaluations); "
+                        "by default it is only reported (a non-finite model always stops the run)")
     p.add_argument("--server-lr", type=float, help="the server optimizer's learning rate (default: the preset's)")
     p.add_argument("--clip-norm", type=float, help="ℓ2 clip norm ζ (with --adaptive-clipping: ζ₀)")
     p.add_argument("--adaptive-clipping", type=float, metavar="QUANTILE",

@@ -80,6 +80,11 @@ class Scheduler(abc.ABC):
         """Whether ``user`` was selected in round t, the last decided round (else False)."""
         return self._last_round is not None and t == self._last_round and str(user) in self._last_ids
 
+    def eligible(self, t: int, available: Iterable[Hashable]) -> int | None:
+        """How many of ``available`` round t may select, deciding nothing (``fedmf.cohort``); None
+        for the samplers whose round size is their own random draw (amplified)."""
+        return None
+
     @abc.abstractmethod
     def expected_users(self, population: int) -> float:
         """Planned expected number of users per round for ``population`` users."""

@@ -60,6 +60,13 @@ class FixedEpochOrder(Scheduler):
         """The user's slot (rounds ≡ slot mod b), None outside the population."""
         return self._slot_index.get(str(user))
 
+    def eligible(self, t: int, available: Iterable[Hashable]) -> int | None:
+        """How many of round t's slot are in ``available`` (None past the order's last round)."""
+        if t >= self.epochs * self.min_sep:
+            return None  # select() refuses the round
+        users = canonical(available, "available users")
+        return sum(s in users for s in self._slots[t % self.min_sep])
+
     def _decide(self, t: int, users: dict[str, Hashable]) -> list[str]:
         if t >= self.epochs * self.min_sep:
             raise HorizonReached(f"fixed-epoch order covers rounds 0..{self.epochs * self.min_sep - 1}, not round {t}")

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Callable, Hashable, Mapping
+from typing import Callable, Hashable, Iterable, Mapping
 
 import numpy as np
 
 from .. import checks
 from ..errors import CheckpointError
-from .base import Scheduler
+from .base import Scheduler, canonical
 from .state import nonneg
 from .stream import encode_id
 
@@ -38,13 +38,21 @@ class MinSepSelection(Scheduler):
         checks.integer("population", population, minimum=0)
         return float(self.users_per_round)
 
-    def _decide(self, t: int, users: dict[str, Hashable]) -> list[str]:
+    def eligible(self, t: int, available: Iterable[Hashable]) -> int:
+        """How many of ``available`` have fewer than k selections and none in the last b-1 rounds."""
+        return len(self._eligible(t, canonical(available, "available users")))
+
+    def _eligible(self, t: int, users: dict[str, Hashable]) -> list[str]:
         b, k, get = self.min_sep, self.max_participations, self._history.get
         eligible = []
         for s in users:
             h = get(s)  # (selections, last round) or None: never selected
             if h is None or (t - h[1] >= b and (k is None or h[0] < k)):
                 eligible.append(s)
+        return eligible
+
+    def _decide(self, t: int, users: dict[str, Hashable]) -> list[str]:
+        eligible = self._eligible(t, users)
         m = self.users_per_round
         if len(eligible) > m:
             # the m smallest keyed hashes form a uniform m-subset (ties, p ~ 2^-64, by id)
