@@ -26,8 +26,8 @@ nothing else), and it resumes with the same command (after changing what the lin
 The held-out loss is the evaluation's ``loss`` (the tasks' cross-entropy; an evaluation without one
 gets the finiteness check only). The initial held-out loss is measured once, when the run has
 committed no round (its model is then the initial one), and kept in
-``<run-dir>/initial-evaluation.json`` for the resumed invocations; a run started before this file
-existed has no divergence check. The consecutive count starts again in each invocation; ``replay``
+``<run-dir>/initial-evaluation.json`` for the resumed invocations (which evaluate nothing before
+their first round); a run started before this file existed has no divergence check. The consecutive count starts again in each invocation; ``replay``
 gives the record over a whole run's history (``results.json``).
 """
 
@@ -43,7 +43,7 @@ import torch
 from .files import atomic_write
 
 __all__ = ["LearningCheck", "DIVERGENCE_MARGIN", "DIVERGENCE_EVALUATIONS", "INITIAL_EVALUATION_FILE",
-           "model_is_finite"]
+           "NOT_FINITE_FILE", "model_is_finite"]
 
 #: a held-out loss counts as diverged above initial · (1 + margin) (initial > 0: a cross-entropy)
 DIVERGENCE_MARGIN = 0.2
@@ -51,6 +51,8 @@ DIVERGENCE_MARGIN = 0.2
 DIVERGENCE_EVALUATIONS = 3
 #: where the initial model's held-out evaluation is kept
 INITIAL_EVALUATION_FILE = "initial-evaluation.json"
+#: written when the committed model or its held-out loss is found not finite (a resume stops at once)
+NOT_FINITE_FILE = "not-finite.json"
 _WHAT_TO_CHANGE = "lower the server learning rate ({server-lr}) or the clip norm ({clip-norm}), or raise epsilon ({epsilon}) for less noise"
 
 
@@ -77,6 +79,7 @@ class LearningCheck:
         self.status = "learning"  # or "diverging", "not-finite"
         self.line: str | None = None
         self.round: int | None = None  # the round (0-based) at which the line was first raised
+        self._directory: Path | None = None  # the run directory (``start``)
         self.last_loss: float | None = None
         self._above = 0
 
@@ -85,15 +88,14 @@ class LearningCheck:
               params: Iterable[torch.Tensor] | None = None) -> str | None:
         """Before the first round of this invocation: the initial held-out loss (measured now when
         no round is committed, ``next_round == 0``, and kept in the run directory; read back on a
-        resume). On a resume, the stop's reason when the committed model (``params``) or its held-out
-        loss (``evaluate``, once) is not finite: no round is played on it."""
-        path = Path(directory) / INITIAL_EVALUATION_FILE
-        current: dict[str, float] = {}
-        if evaluate is not None:
-            with torch.no_grad():
-                current = {k: float(v) for k, v in evaluate().items()}
+        resume, which evaluates nothing). On a resume, the stop's reason when the committed model
+        (``params``) is not finite, or an earlier invocation found it or its held-out loss not finite
+        (``NOT_FINITE_FILE``): no round is played on it."""
+        self._directory = Path(directory)
+        path = self._directory / INITIAL_EVALUATION_FILE
         if next_round == 0 and evaluate is not None:
-            scores = current
+            with torch.no_grad():
+                scores = {k: float(v) for k, v in evaluate().items()}
             atomic_write(path, lambda f: json.dump({k: v if math.isfinite(v) else None for k, v in scores.items()},
                                                    f), text=True, mode=0o600)
         else:
@@ -105,10 +107,10 @@ class LearningCheck:
         if isinstance(loss, (int, float)) and math.isfinite(loss) and loss > 0:
             self.initial_loss = float(loss)
         if next_round > 0 and ((params is not None and not model_is_finite(params))
-                               or not math.isfinite(current.get("loss", 0.0))):
-            return self._flag("not-finite", next_round - 1, f"not learning: the model committed in round {next_round} "
-                              f"or its held-out loss is not finite (NaN or inf): resuming cannot help; start a new "
-                              f"run and {self._advice}")
+                               or (self._directory / NOT_FINITE_FILE).exists()):
+            return self._flag("not-finite", next_round - 1, f"not learning: the model committed in round "
+                              f"{next_round - 1} or its held-out loss is not finite (NaN or inf): resuming cannot "
+                              f"help; start a new run and {self._advice}")
         return None
 
     # ---- each committed round -------------------------------------------------------------
@@ -144,6 +146,9 @@ class LearningCheck:
     def _flag(self, status: str, t: int, line: str) -> str:
         if self.status != status:
             self.status, self.line, self.round = status, line, t
+            if status == "not-finite" and self._directory is not None:  # a resume stops at once (``start``)
+                atomic_write(self._directory / NOT_FINITE_FILE, lambda f: json.dump({"round": t}, f), text=True,
+                             mode=0o600)
             if self.announce is not None:
                 self.announce(line)
         return self.line

@@ -101,8 +101,8 @@ class Recorder:
 
         def evaluate(task, model):
             t = recorder.round
-            if t is None:  # before any round: the initial model's held-out loss (fedmf.learning_check)
-                recorder.write(kind="initial", round=None, sha=state_sha(model.state_dict()))
+            if t is None and last_committed(recorder.run_dir) is None:  # the initial model's held-out loss
+                recorder.write(kind="initial", round=None, sha=state_sha(model.state_dict()))  # (fedmf.learning_check)
                 return original(task, model)
             if t is None:  # before any broadcast of this process: a resume evaluating the last committed round
                 t = last_committed(recorder.run_dir)  # (a record a stop cut off: fedmf.round_loop.recover_records)

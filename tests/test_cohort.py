@@ -256,7 +256,7 @@ def test_a_deployment_waits_for_users_and_says_so(tmp_path, caplog):
     from fedmf.outcome import RunOutcome
     from server.app import _stopped
 
-    assert RunOutcome(1, 0, _stopped(strategy)).stopped.startswith("cohort: round 1/4")
+    assert RunOutcome(1, 0, _stopped(strategy)).stopped.startswith("cohort: round 0 (0/4 done)")
     # the users connect while it waits: the round is played, as if they had been there from the start
     caplog.clear()
     grid = LocalGrid(few)
@@ -283,7 +283,7 @@ def test_a_deployment_waits_for_users_and_says_so(tmp_path, caplog):
     assert late.stopped == "horizon" and tries[:3] == [0, 0, 0]
     messages = [r.getMessage() for r in caplog.records]
     assert sum("waiting for users" in m for m in messages) == 1
-    assert any(m.startswith("fedmf round 1/4: enough users after waiting") for m in messages)
+    assert any(m.startswith("fedmf round 0: enough users after waiting") for m in messages)
     with PrivateRun.open(task.Tiny(), plan, tmp_path / "full", population=task.users(), repeatable_noise=True) as run:
         DPMFStrategy(run, RunConfig.from_mapping({"noise-multiplier": 0.8, "task-options": "{}"})).start(
             LocalGrid(nodes))

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from fedmf import MinSep, Workload
-from fedmf.learning_check import (DIVERGENCE_EVALUATIONS, DIVERGENCE_MARGIN, INITIAL_EVALUATION_FILE, LearningCheck,
-                                  model_is_finite)
+from fedmf.learning_check import (DIVERGENCE_EVALUATIONS, DIVERGENCE_MARGIN, INITIAL_EVALUATION_FILE, NOT_FINITE_FILE,
+                                  LearningCheck, model_is_finite)
 
 from fedmf.mechanisms import build
 from fedmf.plan import RunPlan
@@ -55,10 +56,24 @@ def test_a_model_that_is_not_finite_stops_and_a_resume_does_not_play_on_it(tmp_p
     assert "server-lr" in why and "--" not in why  # a run config's names
     nan_loss = LearningCheck().observe(0, {"loss": float("nan")}, [torch.ones(1)])
     assert nan_loss.startswith("not learning: the held-out loss is not finite")
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
     resumed = LearningCheck()
-    assert resumed.start(tmp_path, 3, None, bad).startswith("not learning: the model committed in round 3")
-    assert LearningCheck().start(tmp_path, 3, lambda: {"loss": float("inf")}, [torch.ones(1)]) is not None
-    assert LearningCheck().start(tmp_path, 3, lambda: {"loss": 5.0}, [torch.ones(1)]) is None
+    assert resumed.start(fresh, 3, None, bad).startswith("not learning: the model committed in round 2")
+    # a resume evaluates nothing, and its finite model plays on ...
+    never = lambda: pytest.fail("a resume evaluated the model")  # noqa: E731
+    clean = tmp_path / "clean"
+    clean.mkdir()
+    assert LearningCheck().start(clean, 3, never, [torch.ones(1)]) is None
+    # ... unless an earlier invocation found the model or its held-out loss not finite (kept on disk)
+    assert json.loads((tmp_path / NOT_FINITE_FILE).read_text()) == {"round": 2}
+    assert LearningCheck().start(tmp_path, 3, never, [torch.ones(1)]) is not None
+    lossy = tmp_path / "lossy"
+    lossy.mkdir()
+    checked = LearningCheck()
+    checked.start(lossy, 0, lambda: {"loss": 1.0})
+    assert checked.observe(0, {"loss": float("inf")}, [torch.ones(1)]) is not None
+    assert LearningCheck().start(lossy, 1, never, [torch.ones(1)]) is not None
 
 
 def _simulate(tmp_path, capsys, name, *args):

@@ -305,7 +305,7 @@ def test_readme_budget_block_runs_as_written(tmp_path):
     # run b: the 30 users without a budget of their own have no room left; it plays round 1 with 8 of
     # users 0-9 and stops before round 2, which the other 2 cannot fill (fedmf.cohort)
     assert "budget skips        30 " in r.stdout
-    assert "round 2/20 not played: 2 users can take part, 8 needed" in r.stdout
+    assert "round 1 (1/20 done) not played: 2 users can take part, 8 needed" in r.stdout
     with Ledger.open(tmp_path / "budgets.db") as book:
         accounts = user_accounts(book.engine)
     assert sorted(a.runs for a in accounts) == [1] * 32 + [2] * 8
