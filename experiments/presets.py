@@ -80,7 +80,8 @@ def run_one(preset: str, mechanism: str | None, lr: float, seed: int, workers: i
     overrides: dict[str, Any] = {**(extra or {}), "run-dir": str(run_dir), "server-lr": lr}
     if mechanism:
         overrides["mechanism"] = mechanism
-    config = RunConfig.from_mapping(preset_values(preset, overrides))
+    values = preset_values(preset, overrides)
+    config = RunConfig.from_mapping(values)
     task = get_task(config.task, **config.task_options)
     with torch.no_grad():
         initial = task.evaluate(task.model())
@@ -97,6 +98,7 @@ def run_one(preset: str, mechanism: str | None, lr: float, seed: int, workers: i
               "workers": workers, "epsilon": result.epsilon, "delta": result.delta,
               "noise_multiplier": result.noise_multiplier, "rounds": result.rounds_done, "stopped": result.stopped,
               "initial": initial, "baseline_accuracy": majority_baseline(task), "final": history[-1],
+              "config": {k: v for k, v in values.items() if k != "run-dir"},
               "history": history}
     out.mkdir(parents=True, exist_ok=True)
     target.write_text(json.dumps(record))
@@ -168,9 +170,11 @@ def main() -> None:
     p.add_argument("--lrs", required=True, help="server learning rates, comma-separated")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--out", type=Path, default=OUT, help=f"records directory (default {OUT})")
     p.add_argument("--set", action="append", default=[], metavar="KEY=NUMBER",
                    help="another RunConfig value for these runs (e.g. client-lr=0.5); repeatable")
-    sub.add_parser("report")
+    r = sub.add_parser("report")
+    r.add_argument("--out", type=Path, default=OUT)
     b = sub.add_parser("baseline", help="the initial model's held-out loss and the majority baseline")
     b.add_argument("--preset", required=True)
     args = parser.parse_args()
@@ -178,12 +182,12 @@ def main() -> None:
         print(json.dumps(initial_and_baseline(args.preset)))
         return
     if args.command == "report":
-        print(report())
+        print(report(args.out))
         return
     extra = {k: float(v) for k, v in (item.split("=", 1) for item in args.set)}
     for seed in (int(s) for s in args.seeds.split(",")):
         for lr in (float(x) for x in args.lrs.split(",")):
-            r = run_one(args.preset, args.mechanism, lr, seed, args.workers, extra=extra)
+            r = run_one(args.preset, args.mechanism, lr, seed, args.workers, args.out, extra=extra)
             print(f"{_key(args.preset, r['mechanism'], lr, seed, extra)}: loss {r['initial']['loss']:.4f} -> "
                   f"{r['final']['loss']:.4f}, acc {r['final']['accuracy']:.4f} (baseline "
                   f"{r['baseline_accuracy']:.4f}) in {r['seconds']:.0f} s", flush=True)
