@@ -41,10 +41,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {"task-options": {"num_users": 40}, "rounds": 20, "min-sep": 4, "clients-per-round": 8,
              "noise-multiplier": 0.0, "target-epsilon": 8.0, "server-momentum": 0.5, "server-lr": 0.5,
              "client-lr": 0.5, "clip-norm": 0.5},
-    # 15-22 minutes at a load average of 8-15 on 2 cores, a few minutes idle (40 rounds x 40 users):
-    # synthetic StackOverflow-like text, the small LSTM; bsr, ε 8; server lr 3 (better than 1 on seed 0; not bracketed above), client lr 1,
-    # 3 local epochs
-    # (EXPERIMENTS.md "Presets": held-out loss 7.60 -> 4.80, accuracy 0.158 against 0.081 for EOS, 3 seeds)
+    # 16-22 minutes at a load average of 8-17 on 2 cores, a few minutes idle (40 rounds x 40 users):
+    # synthetic StackOverflow-like text, the small LSTM; bsr, ε 8; server lr 3 (better than 1 on seed 0;
+    # not bracketed above), client lr 1, 3 local epochs (EXPERIMENTS.md "Presets": held-out loss
+    # 7.60 -> 4.80, accuracy 0.158 against 0.081 for EOS, 3 seeds)
     "so-tiny": {"task": "so-synthetic",
                 "task-options": {"num_users": 800, "vocab_size": 2000, "max_sentences": 32, "model_size": "small"},
                 "rounds": 40, "min-sep": 10, "clients-per-round": 40, "noise-multiplier": 0.0, "target-epsilon": 8.0,
