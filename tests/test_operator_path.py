@@ -74,12 +74,12 @@ def test_a_presets_min_sep_follows_a_smaller_rounds_and_the_users_is_kept():
         config = RunConfig.from_mapping(preset_values("so-small", {"run-dir": "x", **overrides}))
         return config.min_sep, config.num_bands
 
-    assert schema({}) == (50, 32)
+    assert schema({}) == (40, 32)
     assert schema({"rounds": 3}) == (3, None)  # b = n: each user at most once; the preset's 32 bands go too
-    assert schema({"rounds": 60}) == (50, 32)
+    assert schema({"rounds": 60}) == (40, 32)
     assert schema({"rounds": 3, "min-sep": 2}) == (2, None)
     with pytest.raises(ConfigError, match="exceeds the number of rounds"):  # a min-sep the user gives is checked
-        RunConfig.from_mapping(preset_values("so-small", {"run-dir": "x", "rounds": 3, "min-sep": 50})).build_plan()
+        RunConfig.from_mapping(preset_values("so-small", {"run-dir": "x", "rounds": 3, "min-sep": 40})).build_plan()
 
 
 def test_so_small_with_three_rounds_plans(tmp_path):

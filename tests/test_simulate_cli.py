@@ -42,7 +42,7 @@ def test_presets_are_valid_configurations():
 
 
 def test_a_presets_bands_give_way_to_another_mechanism_or_geometry():
-    """so-small's 32 bands are for its banded-toeplitz over 300 rounds with min-sep 50: another
+    """so-small's 32 bands are for its banded-toeplitz over 200 rounds with min-sep 40: another
     kind, or fewer rounds / a smaller min-sep, gets the default instead of an error about a flag
     the user never gave; bands the user gives are kept (and checked)."""
     from fedmf.config import RunConfig
