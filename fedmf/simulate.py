@@ -87,10 +87,10 @@ PRESETS: dict[str, dict[str, Any]] = {
 #: table of times says how each was measured). Keep it next to the preset's numbers when they change.
 PRESET_COST: dict[str, str] = {
     "tiny": "seconds",
-    "so-tiny": "about 1 minute",
-    "so-small": "tens of minutes",
-    "shakespeare": "about 10-20 minutes",
-    "so-paper": "days (the paper's geometry: for a large machine with a GPU)",
+    "so-tiny": "a few minutes (16-22 min on a loaded machine)",
+    "so-small": "20-45 minutes",
+    "shakespeare": "30-60 minutes (mostly the held-out evaluation after every round)",
+    "so-paper": "3-5 minutes to plan, then days of training (the paper's geometry: for a large machine with a GPU)",
 }
 
 
