@@ -22,18 +22,22 @@ def _overrides(args: argparse.Namespace) -> dict:
                         ("sampling", "sampling"), ("server_lr", "server-lr"), ("delta", "delta"),
                         ("bands", "num-bands"), ("min_sep", "min-sep"), ("clip_norm", "clip-norm"),
                         ("adaptive_clipping", "adaptive-clipping"), ("adaptive_clipping_lr", "adaptive-clipping-lr"),
-                        ("adaptive_clipping_count_noise", "adaptive-clipping-count-noise"), ("ledger", "ledger-url")):
+                        ("adaptive_clipping_count_noise", "adaptive-clipping-count-noise"),
+                        ("adaptive_clipping_range", "adaptive-clipping-range"), ("ledger", "ledger-url")):
         value = getattr(args, option)
         if value is not None:
             values[key] = value
     if args.adaptive_clipping is None:
-        for option in ("adaptive_clipping_lr", "adaptive_clipping_count_noise"):
+        for option in ("adaptive_clipping_lr", "adaptive_clipping_count_noise", "adaptive_clipping_range"):
             if getattr(args, option) is not None:
                 raise ConfigError(f"--{option.replace('_', '-')} needs --adaptive-clipping QUANTILE")
     elif not 0 < args.adaptive_clipping < 1:
         raise ConfigError(f"--adaptive-clipping is a target quantile in (0, 1), got {args.adaptive_clipping:g}")
     if args.adaptive_clipping_count_noise is not None and not args.adaptive_clipping_count_noise > 0:
         raise ConfigError(f"--adaptive-clipping-count-noise must be > 0, got {args.adaptive_clipping_count_noise:g}")
+    if args.adaptive_clipping_range is not None and not 1 <= args.adaptive_clipping_range <= 1e6:
+        raise ConfigError(f"--adaptive-clipping-range is a factor R in [1, 1e6] (ζ stays within [ζ₀/R, ζ₀·R]), got "
+                          f"{args.adaptive_clipping_range:g}")
     if args.epsilon is not None and args.noise_multiplier is not None:
         raise ConfigError("give --epsilon or --noise-multiplier, not both")
     if args.epsilon is not None:
@@ -222,6 +226,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="learning rate of the geometric update of ζ (default 0.2)")
     p.add_argument("--adaptive-clipping-count-noise", type=float, metavar="STD",
                    help="std of the noise on the count of unclipped updates (default: clients per round / 20)")
+    p.add_argument("--adaptive-clipping-range", type=float, metavar="R",
+                   help="ζ never leaves [ζ₀/R, ζ₀·R] (default 10: one decade either way of --clip-norm)")
     p.add_argument("--seed", type=int, help="task data seed")
     p.add_argument("--data", help="the real StackOverflow file (TFF's stackoverflow.sqlite)")
     p.add_argument("--vocab", help="its vocabulary (default: stackoverflow.word_count beside --data)")
