@@ -234,3 +234,20 @@ def test_the_readme_adaptive_example_reduced_does_not_run_away(tmp_path):
     with torch.no_grad():
         final = so_tiny.evaluate(model)
     assert math.isfinite(final["loss"]) and final["loss"] < initial
+
+
+def test_the_simulate_summary_warns_when_zeta_sits_at_its_bound(tmp_path, capsys):
+    """R = 1 pins ζ at ζ₀ (both bounds): after 10 rounds there, the summary says so (and the audit)."""
+    from fedmf.cli import main
+
+    out = tmp_path / "sim"
+    argv = ["simulate", "--preset", "tiny", "--rounds", "10", "--epsilon", "6", "--clip-norm", "0.05",
+            "--adaptive-clipping", "0.5", "--adaptive-clipping-count-noise", "2", "--adaptive-clipping-range", "1",
+            "--out", str(out), "--quiet", "--no-plot"]
+    assert main(argv) == 0
+    summary = capsys.readouterr().out.splitlines()
+    warnings = [line for line in summary if line.startswith("warning")]
+    assert len(warnings) == 2 and "upper bound 0.05" in warnings[0] and "lower bound 0.05" in warnings[1]
+    report = audit(out / "ledger.db")
+    assert report.realized["clip_norm_rule"] == [] and len(report.realized["clip_norm_warnings"]) == 2
+    assert {r["clip_norm"] for r in report.rounds} == {0.05}

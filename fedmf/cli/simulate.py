@@ -195,8 +195,19 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         + (", progress.png)" if result.plot else ")"),
         f"audit           {result.audit_command()}",
     ]
+    if config.adaptive_clipping is not None:
+        lines += [f"warning         {line}" for line in _clip_norm_warnings(config, result.history)]
     print("\n".join(lines))
     return 0
+
+
+def _clip_norm_warnings(config, history: list) -> list[str]:
+    """Adaptive clipping's trajectory warnings (ζ at a bound, or still rising) from the rounds' ζₜ."""
+    from ..adaptive_clipping import trajectory_warnings
+
+    rows = [h for h in history if "clip-norm" in (h.get("metrics") or {})]
+    return trajectory_warnings([h["metrics"]["clip-norm"] for h in rows], [h["round"] for h in rows],
+                               config.clip_norm, config.adaptive_clipping_range)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
