@@ -81,7 +81,7 @@ def _instrument(trace: list[dict[str, Any]]) -> None:
 
 
 def run_one(preset: str, arm: str, seed: int, rounds: int | None, extra: dict[str, Any], out: Path,
-            tag: str = "") -> dict[str, Any]:
+            tag: str = "", eval_every: int = 1) -> dict[str, Any]:
     import torch
 
     from fedmf.config import RunConfig
@@ -111,9 +111,14 @@ def run_one(preset: str, arm: str, seed: int, rounds: int | None, extra: dict[st
     with torch.no_grad():
         initial = {k: float(v) for k, v in task.evaluate(model).items()}
 
+    calls = {"n": 0}
+
     def evaluate(m: torch.nn.Module) -> dict[str, float]:
+        t, calls["n"] = calls["n"], calls["n"] + 1
+        if (t + 1) % eval_every and t + 1 != config.rounds:
+            return {}
         metrics = {k: float(v) for k, v in task.evaluate(m).items()}
-        evals[len(evals)] = metrics
+        evals[t] = metrics
         return metrics
 
     started = time.perf_counter()
@@ -155,6 +160,7 @@ def trace_table(record: dict[str, Any], every: int = 1) -> str:
         lines.append(f"| {r['round'] + 1} | {r['zeta']:.3g} | {b} | {r['norm_q10']:.3g} / {r['norm_q50']:.3g} / "
                      f"{r['norm_q90']:.3g} | {r['signal_norm']:.3g} | {r['noise_norm']:.3g} | "
                      f"{r.get('loss', float('nan')):.3f} | {r.get('accuracy', float('nan')):.4f} |")
+    lines = [line.replace("| nan | nan |", "| | |") for line in lines]
     return "\n".join(lines)
 
 
@@ -183,12 +189,14 @@ def main() -> None:
     r.add_argument("--tag", default="")
     r.add_argument("--set", nargs="*", default=[])
     r.add_argument("--trace", action="store_true")
+    r.add_argument("--eval-every", type=int, default=1)
     p = sub.add_parser("report")
     p.add_argument("--preset", default="so-tiny")
     args = parser.parse_args()
     if args.cmd == "run":
         for seed in args.seeds:
-            record = run_one(args.preset, args.arm, seed, args.rounds, _parse_set(args.set), OUT, args.tag)
+            record = run_one(args.preset, args.arm, seed, args.rounds, _parse_set(args.set), OUT, args.tag,
+                             args.eval_every)
             print(summary(record), flush=True)
             if args.trace:
                 print(trace_table(record), flush=True)

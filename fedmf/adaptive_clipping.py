@@ -5,9 +5,10 @@ Andrew, Thakkar, McMahan, Ramaswamy, "Differentially Private Learning with Adapt
 norm is at most ζₜ (unclipped), releases the count with Gaussian noise of std ``count_noise_std``,
 and moves ζ geometrically toward the target quantile γ,
 
-    b̃ₜ = (Σᵢ 1[‖Δᵢ‖ ≤ ζₜ] + N(0, σ_b²)) / m,        ζₜ₊₁ = ζₜ · exp(−η · (b̃ₜ − γ)),
+    b̃ₜ = (Σᵢ 1[‖Δᵢ‖ ≤ ζₜ] + N(0, σ_b²)) / m,        ζₜ₊₁ = clamp(ζₜ · exp(−η · (b̃ₜ − γ)), ζ₀/R, ζ₀·R),
 
-so ζ shrinks when more than γ of the updates fit under it and grows when fewer do. m is the plan's
+so ζ shrinks when more than γ of the updates fit under it and grows when fewer do, and never leaves
+one range around ζ₀ (R = ``clip_norm_range``, default 10: the clamp that stops a runaway). m is the plan's
 expected users per round (never the number received: ARCHITECTURE.md rule 2). ζₜ is fixed before
 round t's updates are clipped, and round t's correlated noise is scaled by the same ζₜ; ζₜ₊₁ is a
 function of released values only (post-processing). The count's release is a second Gaussian
@@ -135,9 +136,10 @@ def trajectory_warnings(zetas: Sequence[float], rounds: Sequence[int], initial_c
     zetas = [float(z) for z in zetas]
     low, high = initial_clip_norm / clip_norm_range, initial_clip_norm * clip_norm_range
     for name, bound, hint in (
-            ("upper", high, "the update norms' target quantile lies above it (or they grow with the noise): "
-                            "lower the server learning rate or raise --clip-norm"),
-            ("lower", low, "the update norms' target quantile lies below it: lower --clip-norm")):
+            ("upper", high, "ζ no longer follows the update norms' target quantile (it lies above the range, or "
+                            "the norms grow with the noise) and acts as a fixed clip norm ζ₀·R; a larger ζ₀ or R "
+                            "makes every step and its noise larger: lower the server learning rate with it"),
+            ("lower", low, "the update norms' target quantile lies below the range: lower --clip-norm")):
         length, first = _longest_streak([abs(z - bound) <= _BOUND_TOL * bound for z in zetas])
         if length >= AT_BOUND_ROUNDS:
             out.append(f"ζ sat at its {name} bound {bound:.6g} (ζ₀ {'·' if name == 'upper' else '/'} "

@@ -205,20 +205,50 @@ def test_the_range_is_a_config_key_and_a_simulate_flag(tmp_path, capsys):
     assert not (tmp_path / "x").exists()
 
 
+# ---- the feedback loop itself, fast: update norms that grow with the noise ------------------------
+
+def test_norms_that_grow_with_the_noise_do_not_take_zeta_past_its_bound():
+    """A model of the measured loop (EXPERIMENTS.md): each round's update norms are 1.8 plus 10 × the
+    previous round's released noise norm, so a larger ζ (larger noise z·ζ·sens) makes larger norms
+    that stay ahead of ζ. With R = 10⁶ (before issue 33) ζ climbs 0.1 → ~4.9 in 40 rounds, as the
+    README run did (→ 5.1); with the default R = 10 it stops at exactly 1 and the warning names the bound."""
+    rounds, m, d, zeta0 = 40, 40, 64, 0.1
+
+    def run(clip_norm_range):
+        plan = _plan(rounds, m, clip_norm=zeta0, z=0.75, count_noise_std=2.0, clip_norm_range=clip_norm_range)
+        privatizer = RoundPrivatizer(plan, {"w": (d,)}, dtype=torch.float64, seed=SEED, repeatable_noise=True)
+        zetas, noise_norm = [], 0.0
+        for t in range(rounds):
+            zetas.append(privatizer.clip_norm)
+            norm = 1.8 + 10.0 * noise_norm  # ≈ 1.8 + 1.5·ζ > ζ: every update is clipped
+            mean, _ = privatizer.privatize(t, {f"u{i:02d}": _spread(d, norm) for i in range(m)})
+            noise_norm = float((mean["w"] - zetas[-1] / math.sqrt(d)).norm())  # the clipped mean is ζ·direction
+        return zetas
+
+    legacy = run(LEGACY_CLIP_NORM_RANGE)  # ×e^{ηγ} = e^0.1 a round: 0.1·e^3.9 = 4.9
+    assert legacy[-1] > 4.0 and all(b > a for a, b in zip(legacy, legacy[1:]))
+    assert "rose in each of 39" in trajectory_warnings(legacy, list(range(rounds)), zeta0, LEGACY_CLIP_NORM_RANGE)[0]
+    bounded = run(DEFAULT_CLIP_NORM_RANGE)
+    assert max(bounded) == 1.0 and bounded[-1] == 1.0 and bounded[:24] == legacy[:24]
+    (line,) = trajectory_warnings(bounded, list(range(rounds)), zeta0, DEFAULT_CLIP_NORM_RANGE)
+    assert "upper bound 1 (ζ₀ · 10)" in line
+
+
 # ---- a reduced so-tiny run of the README example ---------------------------------------------------
 
 @pytest.mark.heavy
 def test_the_readme_adaptive_example_reduced_does_not_run_away(tmp_path):
-    """The README's so-tiny adaptive example (γ 0.5, ζ₀ 0.1, σ_b 2) over its 40 rounds: before issue 33
-    ζ went 0.1 → 5.1 and the held-out loss 7.60 → 26.3 (EXPERIMENTS.md); now ζ stays within
-    [0.01, 1] and the loss ends below the initial model's. About 1–4 min on 2 cores."""
+    """The README's so-tiny adaptive example (γ 0.5, ζ₀ 0.1, η 1, σ_b 6) over its 40 rounds: before
+    issue 33 (η 0.2, σ_b 2, no range) ζ went 0.1 → 5.1 and the held-out loss 7.60 → 26.3
+    (EXPERIMENTS.md); now ζ stays within [0.01, 1], the audit warns that it sat at its upper bound,
+    and the loss ends below the initial model's. About 1–10 min on 2 (shared) cores."""
     from fedmf.simulate import preset_values
     from fedmf.tasks import ClientHyper, get_task
 
     torch.set_num_threads(1)
     run = tmp_path / "run"
-    values = preset_values("so-tiny", {"adaptive-clipping": 0.5, "clip-norm": 0.1,
-                                       "adaptive-clipping-count-noise": 2.0, "run-dir": str(run)})
+    values = preset_values("so-tiny", {"adaptive-clipping": 0.5, "clip-norm": 0.1, "adaptive-clipping-lr": 1.0,
+                                       "adaptive-clipping-count-noise": 6.0, "run-dir": str(run)})
     config = RunConfig.from_mapping(values)
     so_tiny = get_task(config.task, **config.task_options)
     model = so_tiny.model()
@@ -230,7 +260,8 @@ def test_the_readme_adaptive_example_reduced_does_not_run_away(tmp_path):
     report = audit(run / "ledger.db")
     zetas = [r["clip_norm"] for r in report.rounds]
     assert len(zetas) == config.rounds and all(0.01 <= z <= 1.0 for z in zetas)
-    assert report.realized["clip_norm_rule"] == []
+    assert report.realized["clip_norm_rule"] == [] and zetas[-1] == 1.0
+    assert any("upper bound 1 (ζ₀ · 10)" in line for line in report.realized["clip_norm_warnings"])
     with torch.no_grad():
         final = so_tiny.evaluate(model)
     assert math.isfinite(final["loss"]) and final["loss"] < initial
