@@ -27,11 +27,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from run import _write_secrets  # noqa: E402  (experiments/run.py: fixed secrets, one recipe for every experiment)
 
 OUT = Path(__file__).resolve().parent / "results" / "adaptive"
-#: arm → the preset overrides (the README's adaptive example and the fixed-ζ main job)
+#: arm → the preset overrides (the fixed-ζ main job, the README's adaptive example before and after issue 33,
+#: and the two steps between them)
 ARMS: dict[str, dict[str, Any]] = {
     "fixed": {},
-    "readme": {"adaptive-clipping": 0.5, "clip-norm": 0.1, "adaptive-clipping-count-noise": 2.0},
+    "readme-before": {"adaptive-clipping": 0.5, "clip-norm": 0.1, "adaptive-clipping-count-noise": 2.0,
+                      "adaptive-clipping-range": 1e6},
+    "readme-eta0.2-sb2": {"adaptive-clipping": 0.5, "clip-norm": 0.1, "adaptive-clipping-count-noise": 2.0},
+    "readme-eta1-sb2": {"adaptive-clipping": 0.5, "clip-norm": 0.1, "adaptive-clipping-count-noise": 2.0,
+                        "adaptive-clipping-lr": 1.0},
+    "readme": {"adaptive-clipping": 0.5, "clip-norm": 0.1, "adaptive-clipping-count-noise": 6.0,
+               "adaptive-clipping-lr": 1.0},
 }
+#: the secrets label of an arm where it differs from its name (the runs were made under these names)
+LABELS = {"readme-before": "readme", "readme-eta0.2-sb2": "readme_R10", "readme-eta1-sb2": "readme_R10_eta1",
+          "readme": "readme_R10_eta1_sb6"}
 
 
 def _parse_set(items: list[str]) -> dict[str, Any]:
@@ -96,7 +106,7 @@ def run_one(preset: str, arm: str, seed: int, rounds: int | None, extra: dict[st
     torch.set_num_threads(1)
     run_dir = out / "tmp" / name
     shutil.rmtree(run_dir, ignore_errors=True)
-    _write_secrets(run_dir, f"adaptive/{preset}/{arm}{tag}/{seed}")
+    _write_secrets(run_dir, f"adaptive/{preset}/{LABELS.get(arm, arm)}{tag}/{seed}")
     overrides = {**ARMS.get(arm, {}), **extra, "run-dir": str(run_dir)}
     if rounds is not None:
         overrides["rounds"] = rounds
