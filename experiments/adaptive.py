@@ -1,8 +1,11 @@
 """Adaptive clipping's feedback loop, measured per round, and the README example against the fixed-ζ main job
 (issue 33, item 3).
 
-    python experiments/adaptive.py run ARM [--seeds 0 1 2] [--rounds N] [--preset so-tiny] [--set key=value ...]
+    python experiments/adaptive.py run ARM [--seeds 0 1 2] [--rounds N] [--preset so-tiny] [--tag T]
+                                           [--set key=value ...] [--eval-every K] [--trace]
     python experiments/adaptive.py report [--preset so-tiny]
+
+EXPERIMENTS.md ("Adaptive clipping that cannot run away") lists the exact commands run.
 
 ARM names a configuration of ``ARMS`` (the preset's overrides). Each run records, per round: ζₜ, the
 released noisy count b̃ₜ, the quantiles of the received update norms (the privatizer's reports: a
@@ -175,15 +178,16 @@ def trace_table(record: dict[str, Any], every: int = 1) -> str:
 
 
 def report(out: Path, preset: str) -> None:
+    """One table row per arm (and tag and round count): final loss and accuracy, mean ± sd over seeds."""
     records = [json.loads(p.read_text()) for p in sorted((out / "runs").glob(f"{preset}_*.json"))]
     groups: dict[str, list[dict[str, Any]]] = {}
     for r in records:
-        groups.setdefault(f"{r['arm']}{r['tag']}" + ("" if "_r" not in r.get("name", "") else ""), []).append(r)
+        groups.setdefault(f"{r['arm']}{r['tag']} ({len(r['per_round'])} rounds)", []).append(r)
+    sd = (lambda v: f" ± {statistics.stdev(v):.4f}" if len(v) > 1 else "")
     for arm, runs in groups.items():
-        losses = [r["per_round"][-1].get("loss") for r in runs]
-        accs = [r["per_round"][-1].get("accuracy") for r in runs]
+        losses = [r["per_round"][-1]["loss"] for r in runs]
+        accs = [r["per_round"][-1]["accuracy"] for r in runs]
         zetas = [r["per_round"][-1]["zeta"] for r in runs]
-        sd = (lambda v: f" ± {statistics.stdev(v):.4f}" if len(v) > 1 else "")
         print(f"| {preset} | {arm} | {len(runs)} | {statistics.mean(losses):.4f}{sd(losses)} | "
               f"{statistics.mean(accs):.4f}{sd(accs)} | {min(zetas):.3g}–{max(zetas):.3g} |")
 
