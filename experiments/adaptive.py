@@ -156,7 +156,8 @@ def run_one(preset: str, arm: str, seed: int, rounds: int | None, extra: dict[st
 def summary(record: dict[str, Any]) -> str:
     rows = record["per_round"]
     last = rows[-1]
-    return (f"{record['preset']} {record['arm']}{record['tag']} seed {record['seed']}: z {record['noise_multiplier']:.4g}, "
+    return (f"{record['preset']} {record['arm']}{record['tag']} seed {record['seed']}: "
+            f"z {record['noise_multiplier']:.4g}, "
             f"ζ {rows[0]['zeta']:.4g} → {last['zeta']:.4g}, loss {record['initial'].get('loss', float('nan')):.4f} → "
             f"{last.get('loss', float('nan')):.4f}, accuracy {last.get('accuracy', float('nan')):.4f} "
             f"({record['seconds']:.0f} s)")

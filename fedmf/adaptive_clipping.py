@@ -28,7 +28,8 @@ from . import checks
 from .errors import ConfigError
 
 __all__ = ["AdaptiveClipping", "DEFAULT_LEARNING_RATE", "DEFAULT_COUNT_NOISE_FRACTION", "MAX_LOG_STEP",
-           "DEFAULT_CLIP_NORM_RANGE", "LEGACY_CLIP_NORM_RANGE", "AT_BOUND_ROUNDS", "GROWTH_ROUNDS", "trajectory_warnings"]
+           "DEFAULT_CLIP_NORM_RANGE", "LEGACY_CLIP_NORM_RANGE", "AT_BOUND_ROUNDS", "GROWTH_ROUNDS",
+           "trajectory_warnings"]
 
 #: η of Andrew et al. (Sec. 3.1: 0.2 works across their tasks)
 DEFAULT_LEARNING_RATE = 0.2

@@ -198,7 +198,8 @@ def test_the_range_is_a_config_key_and_a_simulate_flag(tmp_path, capsys):
         with pytest.raises(ConfigError, match="adaptive-clipping-range"):
             RunConfig.from_mapping({"adaptive-clipping": 0.5, "adaptive-clipping-range": bad,
                                     "run-dir": str(tmp_path)})
-    for argv in (["--adaptive-clipping-range", "4"], ["--adaptive-clipping", "0.5", "--adaptive-clipping-range", "0.5"]):
+    for argv in (["--adaptive-clipping-range", "4"],
+                 ["--adaptive-clipping", "0.5", "--adaptive-clipping-range", "0.5"]):
         assert main(["simulate", "--preset", "tiny", "--out", str(tmp_path / "x"), *argv]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "--adaptive-clipping" in err[0]
