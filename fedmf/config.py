@@ -22,6 +22,7 @@ is a one-line ``ConfigError`` before round 1. ``DEFAULTS`` is the one defaults t
     adaptive-clipping-lr 0.2                      η of the geometric update of ζ
     adaptive-clipping-count-noise 0.0             σ_b, std of the noise on the count of unclipped updates
                                                   (0: clients-per-round / 20)
+    adaptive-clipping-range 10.0                  R ≥ 1: ζ never leaves [ζ₀/R, ζ₀·R]
     noise-multiplier  0.5                         z (0: calibrate for target-epsilon)
     target-epsilon    0.0                         ε target (0: none; exactly one of the two is set)
     delta             1e-5
@@ -87,6 +88,7 @@ DEFAULTS: dict[str, Any] = {
     "ledger-diagnostics": False,
     "identity": "enrolled", "user-enrollment": "", "identity-timeout": 30.0,
     "adaptive-clipping": 0.0, "adaptive-clipping-lr": 0.2, "adaptive-clipping-count-noise": 0.0,
+    "adaptive-clipping-range": 10.0,
     "budget-key": "",
     "client-metrics": "none", "client-metrics-clip": 10.0, "client-metrics-noise": 0.0,
     "witness": "",
@@ -161,6 +163,7 @@ class RunConfig:
     adaptive_clipping: float | None = None  # γ; None: ζ is fixed
     adaptive_clipping_lr: float = 0.2
     adaptive_clipping_count_noise: float | None = None  # σ_b; None: clients-per-round / 20
+    adaptive_clipping_range: float = 10.0  # R: ζ within [ζ₀/R, ζ₀·R]
     budget_key: str | None = None  # the budget secret file (absolute); None: the ledger has no budgets
     client_metrics: str = "none"  # "none": nothing of the clients' metrics is published; "private": its release
     client_metrics_clip: float = 10.0  # L
@@ -222,6 +225,10 @@ class RunConfig:
             raise ConfigError("adaptive-clipping is a target quantile in (0, 1) (0: off), got 1")
         clip_lr = _float("adaptive-clipping-lr", v["adaptive-clipping-lr"], strict=True)
         count_noise = _float("adaptive-clipping-count-noise", v["adaptive-clipping-count-noise"])
+        clip_range = _float("adaptive-clipping-range", v["adaptive-clipping-range"], strict=True, maximum=1e6)
+        if clip_range < 1.0:
+            raise ConfigError(f"adaptive-clipping-range is a factor R >= 1 (ζ stays within [ζ₀/R, ζ₀·R]), got "
+                              f"{clip_range:g}")
         enrollment = _text("user-enrollment", v["user-enrollment"])
         budget_key = _text("budget-key", v["budget-key"])
         client_metrics = _text("client-metrics", v["client-metrics"])
@@ -253,7 +260,7 @@ class RunConfig:
             identity=identity, user_enrollment=str(base / enrollment) if enrollment else None,
             identity_timeout=_float("identity-timeout", v["identity-timeout"], strict=True),
             adaptive_clipping=gamma or None, adaptive_clipping_lr=clip_lr,
-            adaptive_clipping_count_noise=count_noise or None,
+            adaptive_clipping_count_noise=count_noise or None, adaptive_clipping_range=clip_range,
             budget_key=str(base / budget_key) if budget_key else None,
             client_metrics=client_metrics, client_metrics_clip=metrics_clip,
             client_metrics_noise=metrics_noise or None,
@@ -311,7 +318,8 @@ class RunConfig:
         if self.adaptive_clipping is not None:
             adaptive = AdaptiveClipping.create(self.adaptive_clipping, expected_users=self.clients_per_round,
                                                learning_rate=self.adaptive_clipping_lr,
-                                               count_noise_std=self.adaptive_clipping_count_noise)
+                                               count_noise_std=self.adaptive_clipping_count_noise,
+                                               clip_norm_range=self.adaptive_clipping_range)
         metrics = None
         if self.client_metrics == "private":
             from .client_metrics import ClientMetricRelease

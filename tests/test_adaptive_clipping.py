@@ -94,8 +94,9 @@ def test_clip_norm_converges_to_the_target_quantile_from_both_sides_and_flowers_
     rng = np.random.default_rng(11)
     norms_by_round = [np.exp(s * rng.standard_normal(m)) for _ in range(rounds)]
     for start in (0.01, 100.0):
-        privatizer = RoundPrivatizer(_plan(rounds, m, clip_norm=start, gamma=gamma), LAYOUT, dtype=torch.float64,
-                                     seed=SEED, repeatable_noise=True)
+        # ζ₀ is 100× off the quantile: a range of 10³ (the default 10 would stop it at ζ₀·10, tested below)
+        privatizer = RoundPrivatizer(_plan(rounds, m, clip_norm=start, gamma=gamma, clip_norm_range=1e3), LAYOUT,
+                                     dtype=torch.float64, seed=SEED, repeatable_noise=True)
         zetas, directions = [], np.random.default_rng(3)
         for t in range(rounds):
             zetas.append(privatizer.clip_norm)

@@ -22,7 +22,8 @@ def _overrides(args: argparse.Namespace) -> dict:
                         ("sampling", "sampling"), ("server_lr", "server-lr"), ("delta", "delta"),
                         ("bands", "num-bands"), ("min_sep", "min-sep"), ("clip_norm", "clip-norm"),
                         ("adaptive_clipping", "adaptive-clipping"), ("adaptive_clipping_lr", "adaptive-clipping-lr"),
-                        ("adaptive_clipping_count_noise", "adaptive-clipping-count-noise"), ("ledger", "ledger-url"),
+                        ("adaptive_clipping_count_noise", "adaptive-clipping-count-noise"),
+                        ("adaptive_clipping_range", "adaptive-clipping-range"), ("ledger", "ledger-url"),
                         ("client_metrics", "client-metrics"), ("client_metrics_clip", "client-metrics-clip"),
                         ("client_metrics_noise", "client-metrics-noise"),
                         ("min_clients_per_round", "min-clients-per-round")):
@@ -30,7 +31,7 @@ def _overrides(args: argparse.Namespace) -> dict:
         if value is not None:
             values[key] = value
     if args.adaptive_clipping is None:
-        for option in ("adaptive_clipping_lr", "adaptive_clipping_count_noise"):
+        for option in ("adaptive_clipping_lr", "adaptive_clipping_count_noise", "adaptive_clipping_range"):
             if getattr(args, option) is not None:
                 raise ConfigError(f"--{option.replace('_', '-')} needs --adaptive-clipping QUANTILE")
     elif not 0 < args.adaptive_clipping < 1:
@@ -45,6 +46,9 @@ def _overrides(args: argparse.Namespace) -> dict:
         value = getattr(args, option)
         if value is not None and not (value > 0 and math.isfinite(value)):
             raise ConfigError(f"--{option.replace('_', '-')} must be a positive number, got {value:g}")
+    if args.adaptive_clipping_range is not None and not 1 <= args.adaptive_clipping_range <= 1e6:
+        raise ConfigError(f"--adaptive-clipping-range is a factor R in [1, 1e6] (ζ stays within [ζ₀/R, ζ₀·R]), got "
+                          f"{args.adaptive_clipping_range:g}")
     if args.epsilon is not None and args.noise_multiplier is not None:
         raise ConfigError("give --epsilon or --noise-multiplier, not both")
     if args.epsilon is not None:
@@ -221,6 +225,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         + (", progress.png)" if result.plot else ")"),
         f"audit           {result.audit_command()}",
     ]
+    if config.adaptive_clipping is not None:
+        lines += [f"warning         {line}" for line in _clip_norm_warnings(config, result.history)]
     if result.chain_head:
         lines.append(f"ledger head     {result.chain_head} (record it outside the ledger; check it later with "
                      f"fedmf audit --verify --head {result.chain_head})")
@@ -254,6 +260,15 @@ def health_lines(result, stop: str = "") -> list[str]:
     if result.cohorts is not None:
         lines.append(f"cohorts         {summary_line(result.cohorts)}")
     return lines
+
+
+def _clip_norm_warnings(config, history: list) -> list[str]:
+    """Adaptive clipping's trajectory warnings (ζ at a bound, or still rising) from the rounds' ζₜ."""
+    from ..adaptive_clipping import trajectory_warnings
+
+    rows = [h for h in history if "clip-norm" in (h.get("metrics") or {})]
+    return trajectory_warnings([h["metrics"]["clip-norm"] for h in rows], [h["round"] for h in rows],
+                               config.clip_norm, config.adaptive_clipping_range)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -299,6 +314,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="learning rate of the geometric update of ζ (default 0.2)")
     p.add_argument("--adaptive-clipping-count-noise", type=float, metavar="STD",
                    help="std of the noise on the count of unclipped updates (default: clients per round / 20)")
+    p.add_argument("--adaptive-clipping-range", type=float, metavar="R",
+                   help="ζ never leaves [ζ₀/R, ζ₀·R] (default 10: one decade either way of --clip-norm)")
     p.add_argument("--seed", type=int, help="task data seed")
     p.add_argument("--data", help="the real StackOverflow file (TFF's stackoverflow.sqlite)")
     p.add_argument("--vocab", help="its vocabulary (default: stackoverflow.word_count beside --data)")

@@ -31,8 +31,7 @@ from .privacy import run_privacy
 from .queries import RunInfo, norm_summary, participation_rows, read_run
 
 __all__ = ["AuditReport", "audit", "ROUND_COLUMNS", "RECORDED_WORST_COLUMN", "DIAGNOSTIC_COLUMNS", "ADAPTIVE_COLUMNS",
-           "ChainBroken",
-           "clip_norm_violations"]
+           "ChainBroken", "clip_norm_violations", "clip_norm_warnings"]
 
 ROUND_COLUMNS = [
     "round", "status", "attempts", "selected", "contributed", "dropped", "rejected",
@@ -203,6 +202,7 @@ class AuditReport:
             verdict = ("follows the rule from the noisy counts" if not rule else
                        f"VIOLATES the rule at rounds {rule[:10]}")
             out.append(f"adaptive clipping   {span} over {len(zetas)} rounds; {verdict}")
+            out += [f"WARNING             {line}" for line in r.get("clip_norm_warnings", [])]
         if not r["client_state_consistent"]:
             out.append("WARNING             the client_state table (eligibility) disagrees with the participations")
         if self.run.get("diagnostics"):
@@ -339,6 +339,21 @@ def clip_norm_violations(adaptive: Any, clip_norm: float, expected_users: Any, c
     return bad
 
 
+def clip_norm_warnings(adaptive: Any, clip_norm: float, committed: list) -> list[str]:
+    """``adaptive_clipping.trajectory_warnings`` of the recorded ζ sequence (ζ at a bound for many rounds,
+    or rising round after round); none where the rule cannot be read (``clip_norm_violations`` says so)."""
+    from ..adaptive_clipping import AdaptiveClipping, trajectory_warnings
+    from ..errors import FedmfError
+
+    try:
+        rule = AdaptiveClipping.from_dict(adaptive)
+    except FedmfError:
+        return []
+    rows = [r for r in committed if r.get("clip_norm") is not None]
+    return trajectory_warnings([r["clip_norm"] for r in rows], [int(r["round_index"]) for r in rows],
+                               float(clip_norm), rule.clip_norm_range)
+
+
 def _report(ledger: str, version: str, run: Run, records: list, states: list, norms: dict[int, list] | None,
             unique: np.ndarray, users: np.ndarray, r_sorted: np.ndarray, state: list) -> AuditReport:
     info = RunInfo.from_row(run)
@@ -472,8 +487,9 @@ def _report(ledger: str, version: str, run: Run, records: list, states: list, no
     }
     if adaptive is not None:
         expected_users = (info.plan or {}).get("expected_users")
-        realized["clip_norm_rule"] = clip_norm_violations(adaptive, info.clip_norm, expected_users,
-                                                          [r for r in rounds if r["status"] == "committed"])
+        committed_rows = [r for r in rounds if r["status"] == "committed"]
+        realized["clip_norm_rule"] = clip_norm_violations(adaptive, info.clip_norm, expected_users, committed_rows)
+        realized["clip_norm_warnings"] = clip_norm_warnings(adaptive, info.clip_norm, committed_rows)
     run_dict = info.to_dict()
     return AuditReport(ledger, version, run_dict, planned, realized, hist, flagged, rows)
 
