@@ -227,9 +227,8 @@ def simulate(config: RunConfig, *, model, users, local_update=None, local_update
     return write_outputs(out, config.run_dir, plot, token=token)
 
 
-def chain_head(config: RunConfig, run_id: int) -> str:
-    """Run ``run_id``'s chain head in ``config``'s ledger as "ROUND:HASH" (the last committed round's
-    hash; -1 and the genesis before round 0), read with the run's ledger secret."""
+def _open_ledger(config: RunConfig):
+    """``config``'s ledger, opened with its run directory's ledger secret (read-only use)."""
     from .ledger import Ledger
 
     directory = Path(config.run_dir)
@@ -237,7 +236,13 @@ def chain_head(config: RunConfig, run_id: int) -> str:
         secret = (directory / "secrets" / "ledger_secret").read_bytes()
     except OSError as e:
         raise ConfigError(f"cannot read the run's ledger secret in {str(directory)!r}: {e.strerror or e}") from None
-    with Ledger.open(config.ledger_url or str(directory / "ledger.db"), secret=secret) as book:
+    return Ledger.open(config.ledger_url or str(directory / "ledger.db"), secret=secret)
+
+
+def chain_head(config: RunConfig, run_id: int) -> str:
+    """Run ``run_id``'s chain head in ``config``'s ledger as "ROUND:HASH" (the last committed round's
+    hash; -1 and the genesis before round 0), read with the run's ledger secret."""
+    with _open_ledger(config) as book:
         run = book.run(run_id)
         last = run.next_round - 1
         return f"{last}:{run.round(last).chain_sha256 if last >= 0 else run.info.genesis_sha256}"
@@ -265,16 +270,11 @@ def run_history(config: RunConfig, plan, run_id: int) -> list[dict[str, Any]]:
     log line holds (``fedmf.round_log``: ``RoundRecord`` fields with the released metrics). A committed
     round without a log line (the process died between the commit and the release) keeps the ledger's
     counts, no metrics, and ``None`` for what only the log knew."""
-    from .ledger import Ledger
     from .round_log import read_rounds
     from .run import adaptive_metrics
 
     directory = Path(config.run_dir)
-    try:
-        secret = (directory / "secrets" / "ledger_secret").read_bytes()
-    except OSError as e:
-        raise ConfigError(f"cannot read the run's ledger secret in {str(directory)!r}: {e.strerror or e}") from None
-    with Ledger.open(config.ledger_url or str(directory / "ledger.db"), secret=secret) as book:
+    with _open_ledger(config) as book:
         run = book.run(run_id)
         plan.check_fingerprint(run.info.plan_fingerprint, f"ledger run {run_id}")
         rounds = [run.round(t) for t in range(run.next_round)]
