@@ -5,6 +5,7 @@ Each scenario prints REFUSED (with the one-line reason) or ACCEPTED (and the rou
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -164,6 +165,43 @@ def scenarios(tmp: Path):
         c.close()
         return run(d, ledger=ledger, rounds=4)[0]
     out["both-rolled-back-genesis-column-edited"] = both_rolled_back_genesis_column_edited
+
+    def crash_sweep():
+        """Stop at each event of round 1 (and inside its evaluation); then (i) a plain resume releases
+        each round once; (ii) the ledger alone restored to a backup taken while round 1 was open, the
+        witness lost: accepted only where nothing of round 1 had left (its evaluation not made)."""
+        from fedmf.run import EVENTS
+        rows = []
+        for stop in [("ev", e) for e in EVENTS] + [("eval", None)]:
+            for mode in ("plain", "ledger-rollback"):
+                base = tmp / f"sweep-{stop[1]}-{mode}"
+                d, ledger, bk, w = base / "run", base / "ledger.db", base / "bk.db", base / "w"
+                base.mkdir()
+                kw = dict(stop=(stop[1], 1)) if stop[0] == "ev" else dict(stop_eval=3)
+                first, evals = run(d, ledger=ledger, witness=w, rounds=3,
+                                   snap={("noised", 1): lambda: copy_sqlite(ledger, bk)}, **kw)
+                round1_left = len(evals) >= 3  # initial, round 0, round 1
+                try:
+                    if mode == "ledger-rollback":
+                        if not bk.exists():  # stopped before round 1 was open: no such backup
+                            rows.append(f"  stop {stop[1]} {mode}: n/a (round 1 never opened)")
+                            continue
+                        restore_sqlite(bk, ledger)
+                        shutil.rmtree(w)
+                    again, _ = run(d, ledger=ledger, witness=w, rounds=3)
+                    verdict = f"accepted, released {first} then {again}"
+                    # plain: no round released twice (a stop at "released" has round 1 in rounds.jsonl
+                    # before on_round saw it: on_round misses it, correctly not released again)
+                    logged = [json.loads(x)["round"] for x in (d / "rounds.jsonl").read_text().splitlines()]
+                    bad = (mode == "plain" and (len(set(first + again)) != len(first + again)
+                                                or sorted(logged) != [0, 1, 2])) or (
+                        mode == "ledger-rollback" and round1_left)
+                except FedmfError as e:
+                    verdict, bad = f"refused: {str(e)[:110]}", mode == "plain"
+                rows.append(f"  stop {stop[1] or 'in evaluation'} (round 1 evaluated: {round1_left}) {mode}: "
+                            f"{verdict}{'  <-- PROBLEM' if bad else ''}")
+        return "\n" + "\n".join(rows)
+    out["crash-sweep"] = crash_sweep
 
     return out
 
