@@ -676,7 +676,8 @@ def _refuse_ledger_rollback(directory: Path, store: CheckpointStore, run, commit
     log line of r (written after r's commit), or a checkpoint or noise file of r ≥ committed + 2 (a
     round is checkpointed only after the one before it was committed). A checkpoint or noise file of
     round committed + 1 is an attempt that a stop left uncommitted (redone with fresh noise: nothing
-    of it was released) only if the ledger opened that round; else the ledger lost it."""
+    of it was released) only if the ledger opened that round and round committed's checkpoint is still
+    there (it is pruned after round committed + 1's commit); else the ledger lost it."""
     from .checkpoint import noise_file_rounds
 
     ledger_side = (f"the ledger's last committed round is {committed}" if committed >= 0
@@ -706,6 +707,13 @@ def _refuse_ledger_rollback(directory: Path, store: CheckpointStore, run, commit
         raise CheckpointError(f"run directory {str(directory)!r} shows round {newest} begun (its {files[newest]}) but "
                               f"{ledger_side} of run {run.id} and it never opened round {newest}: the ledger was "
                               "rolled back; refusing to release rounds again")
+    if committed >= 0 and newest in files and files[newest].startswith("checkpoint") and \
+            not store.path(committed).exists():
+        # round committed's checkpoint is pruned only after round newest's commit and witness line
+        raise CheckpointError(f"run directory {str(directory)!r} shows round {newest} committed (its checkpoint "
+                              f"{store.path(newest).name} without round {committed}'s, which is removed only after "
+                              f"round {newest}'s commit) but {ledger_side} of run {run.id}: the ledger was rolled "
+                              "back; refusing to release rounds again")
 
 
 def _check_witness(witness: Witness, run, committed: int) -> Witness:

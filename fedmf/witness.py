@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import CheckpointError
-from .files import check_private
+from .files import check_private, check_private_path
 from .round_log import cut_torn_tail
 
 __all__ = ["Witness", "WitnessEntry", "witness_key", "default_witness_directory", "WITNESS_OFF"]
@@ -81,8 +81,12 @@ class Witness:
     def directory(directory: str | os.PathLike | None) -> Path:
         """The witness directory ``directory`` (None: ``default_witness_directory()``), created 0700
         if missing and checked: owned by this user, not writable by group or others, not a symbolic
-        link (``CheckpointError``, one line)."""
+        link, and every directory and link on the way to it safe from other users
+        (``fedmf.files.check_private_path``) (``CheckpointError``, one line)."""
         where = Path(directory) if directory is not None else default_witness_directory()
+        # the directories on the way to it: one another user may write could rename it away (a fresh,
+        # empty witness would then be made and every rollback accepted)
+        check_private_path(where, "release witness directory", CheckpointError)
         try:
             where.mkdir(parents=True, exist_ok=True, mode=0o700)
         except OSError as e:
