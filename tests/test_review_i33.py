@@ -205,6 +205,48 @@ def test_no_cache_entry_lowers_the_noise(monkeypatch, tmp_path, accountant):
     assert gaussian.calibrate(eps, delta, accountant) == pytest.approx(true, rel=1e-9)
 
 
+def test_a_planted_entry_never_hangs_the_calibration(monkeypatch, tmp_path):
+    """Review finding L-2 (fixed): an entry replaced by a link to /dev/zero, a FIFO or a huge file was
+    read whole (``read_text``: an endless read, a blocked open); now it is no entry, at once."""
+    import signal
+
+    eps, delta = 0.9, 1e-7
+    _fresh(monkeypatch, tmp_path)
+    true = gaussian.calibrate(eps, delta)
+    path = disk_cache._path(tmp_path / "cache", disk_cache._full_key(
+        "gaussian-calibrate", {"epsilon": eps, "delta": delta, "accountant": "pld"}))
+
+    def planted_link(p):
+        os.symlink("/dev/zero", p)
+
+    def planted_fifo(p):
+        os.mkfifo(p)
+
+    def planted_huge(p):
+        p.write_text(json.dumps({"key": "x" * (disk_cache.MAX_ENTRY_BYTES + 1), "value": true / 2}))
+
+    class Hung(BaseException):  # not an OSError: load() must not swallow it
+        pass
+
+    def hung(*_):
+        raise Hung("the cache read hung on a planted entry")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    try:
+        for plant in (planted_fifo, planted_huge, planted_link):  # the link last: unfixed, it reads /dev/zero
+            path.unlink()
+            plant(path)
+            gaussian._calibrate_cached.cache_clear()
+            signal.alarm(10)
+            assert disk_cache.load("gaussian-calibrate", {"epsilon": eps, "delta": delta, "accountant": "pld"}) is None
+            assert gaussian.calibrate(eps, delta) == true
+            signal.alarm(0)
+            assert path.is_file() and not path.is_symlink()  # the search's store replaced the planted entry
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def test_the_closed_form_check_agrees_with_dp_accounting_at_the_accepted_edge():
     """The smallest z the pld check accepts (bisected on the closed form) is the calibration up to float
     rounding: at most 1e-12 below the searched z, its δ on dp_accounting's own curve at most 1e-12 above δ
@@ -236,3 +278,24 @@ def test_poisson_samples_a_backing_off_user_as_a_dropout():
         b = some.select(t, population[::2])  # every other user backing off
         assert a.selected == b.selected and len(a.selected) > 0
         assert set(b.unreachable) == {u for u in a.selected if u not in population[::2]}
+
+
+def test_a_non_finite_stop_leaves_the_ledger_exact_and_a_resume_releases_nothing(tmp_path):
+    """A model that is not finite after round 0 (here an initial model with a NaN weight) stops the run:
+    round 0 is committed and accounted as planned, no later round exists in the ledger, and a resume plays
+    nothing."""
+    plan = _plan(MinSep(2, None), adaptive=False)
+    directory = tmp_path / "nan"
+    task.write_secrets(directory, b"review-i33-nan")
+    model = task.Tiny()
+    with torch.no_grad():
+        model.linear.bias[0] = float("nan")
+    first = train(model, USERS, plan, _update, checkpoint_dir=directory, repeatable_noise=True)
+    assert first.rounds_done == 1 and "not finite" in first.stopped, first.stopped
+    rows = _rows(first.ledger, directory, first.run_id)
+    assert [r[0] for r in rows] == ["committed"] + ["planned"] * (ROUNDS - 1)
+    assert rows[0][5] == plan.epsilon_after(0) and rows[0][1] == 3
+    again = train(task.Tiny(), USERS, plan, _update, checkpoint_dir=directory, repeatable_noise=True)
+    assert again.rounds_done == 1 and "not finite" in again.stopped and again.history == []
+    assert _rows(again.ledger, directory, again.run_id) == rows
+    assert _participants(first.ledger, directory, first.run_id, 1) == set()
