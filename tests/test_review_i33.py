@@ -19,7 +19,7 @@ from fedmf.federated import train
 from fedmf.ledger import Ledger
 from fedmf.mechanisms import build
 from fedmf.plan import RunPlan
-from fedmf.schedule import FixedEpochOrder, MinSepSelection, PoissonSampling
+from fedmf.schedule import BMinSepPoisson, CyclicPoisson, FixedEpochOrder, MinSepSelection, PoissonSampling
 
 from . import _federated_task as task
 
@@ -30,7 +30,8 @@ ROUNDS = 6
 # ---- 1. the minimum cohort -----------------------------------------------------------------------------
 def _allowed(history: dict, t: int, b: int, k: int | None, users) -> int:
     """MinSep(b, k) eligibility, re-implemented from the schema's definition."""
-    return sum(1 for u in users if not history.get(u) or (t - history[u][-1] >= b and (k is None or len(history[u]) < k)))
+    return sum(1 for u in users
+               if not history.get(u) or (t - history[u][-1] >= b and (k is None or len(history[u]) < k)))
 
 
 def test_eligible_decides_nothing_and_counts_what_the_round_can_select():
@@ -265,19 +266,24 @@ def test_the_closed_form_check_agrees_with_dp_accounting_at_the_accepted_edge():
 
 
 # ---- 4. the TRAIN backoff and the amplified samplers -------------------------------------------------------
-def test_poisson_samples_a_backing_off_user_as_a_dropout():
-    """Availability changes only who is reachable: Poisson draws from the whole population, a drawn
-    user who is not available is a dropout (recorded as selected)."""
+@pytest.mark.parametrize("make", [lambda key: PoissonSampling(0.4, key), lambda key: CyclicPoisson(2, 0.6, key),
+                                  lambda key: BMinSepPoisson(2, 0.6, key)], ids=["poisson", "cyclic-poisson", "bminsep"])
+def test_an_amplified_sampler_samples_a_backing_off_user_as_a_dropout(make):
+    """Availability changes only who is reachable: the amplified samplers draw from the whole population,
+    and a drawn user who is not available (backing off) is a dropout, recorded as selected."""
     key = bytes(range(32))
     population = [f"u{i}" for i in range(30)]
-    full, some = PoissonSampling(0.4, key), PoissonSampling(0.4, key)
+    full, some = make(key), make(key)
     full.add_users(population)
     some.add_users(population)
+    drawn = 0
     for t in range(10):
         a = full.select(t, population)
         b = some.select(t, population[::2])  # every other user backing off
-        assert a.selected == b.selected and len(a.selected) > 0
+        assert a.selected == b.selected and full.state_dict() == some.state_dict()
         assert set(b.unreachable) == {u for u in a.selected if u not in population[::2]}
+        drawn += len(a.selected)
+    assert drawn > 0
 
 
 def test_a_non_finite_stop_leaves_the_ledger_exact_and_a_resume_releases_nothing(tmp_path):
