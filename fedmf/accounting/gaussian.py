@@ -139,11 +139,16 @@ def _calibrate_cached(epsilon: float, delta: float, accountant: str) -> float:
 def _verified(z: float, epsilon: float, delta: float, accountant: str) -> bool:
     """Whether ``z`` is a calibration for (epsilon, delta): it meets the target, and a multiplier
     ``MINIMAL_REL`` smaller does not. For "pld" by the exact closed form ``delta_for_epsilon``
-    (Balle & Wang 2018, Thm 8; no dp_accounting import, which costs more than the search)."""
+    (Balle & Wang 2018, Thm 8; no dp_accounting import, which costs more than the search). A value the
+    check cannot evaluate (e.g. z = 1e300: the RDP curve overflows) is not a calibration."""
     smaller = z * (1 - MINIMAL_REL)
-    if accountant == "pld":
-        return delta_for_epsilon(z, epsilon) <= delta < delta_for_epsilon(smaller, epsilon)
-    return meets(z, epsilon, delta, accountant) and not meets(smaller, epsilon, delta, accountant)
+    try:
+        with np.errstate(all="ignore"):
+            if accountant == "pld":
+                return bool(delta_for_epsilon(z, epsilon) <= delta < delta_for_epsilon(smaller, epsilon))
+            return meets(z, epsilon, delta, accountant) and not meets(smaller, epsilon, delta, accountant)
+    except (ArithmeticError, ValueError):
+        return False
 
 
 def _calibrate_search(epsilon: float, delta: float, accountant: str) -> float:
