@@ -302,6 +302,7 @@ def run_canary_audit(model, users: Sequence[Hashable], plan, local_update: Calla
     (the audit must see every released model). The server optimizer is the plan's workload."""
     import torch
 
+    from .cohort import NO_MINIMUM
     from .federated import train
     from .plan import RunPlan
     from .privatize import flat_size, layout_of
@@ -376,7 +377,7 @@ def run_canary_audit(model, users: Sequence[Hashable], plan, local_update: Calla
 
     result = train(model, users + ids, plan, audited_update, server_lr=server_lr, rounds=end,
                    checkpoint_dir=checkpoint_dir, ledger=ledger, on_round=on_round,
-                   ledger_diagnostics=ledger_diagnostics)
+                   ledger_diagnostics=ledger_diagnostics, min_clients_per_round=NO_MINIMUM)
     done = result.rounds_done
     notes = []
     if done < end:

@@ -39,15 +39,23 @@ from typing import Any, Hashable, Sequence
 
 from .errors import CohortTooSmall, ConfigError
 
-__all__ = ["resolve_min_cohort", "check", "counts", "summary_line"]
+__all__ = ["NO_MINIMUM", "resolve_min_cohort", "check", "counts", "summary_line"]
 
 
-def resolve_min_cohort(plan, configured: int | None, population: int | None = None) -> int | None:
-    """The minimum cohort a run enforces (None: the sampler keeps every round, amplified) from the
-    configured ``min-clients-per-round`` (None or 0: the default, module docstring); a one-line
-    ``ConfigError`` when it can never be met or does not apply."""
+#: ``min_clients_per_round=NO_MINIMUM`` (the engine's API only, never a user's setting): every round is
+#: played however few users can join it — for the canary audit (``fedmf.audit_empirical``), which
+#: measures the mechanism as it runs, small and empty rounds included (the guarantee holds for any cohort)
+NO_MINIMUM = "no-minimum"
+
+
+def resolve_min_cohort(plan, configured: int | str | None, population: int | None = None) -> int | None:
+    """The minimum cohort a run enforces (None: none — the sampler keeps every round, amplified, or
+    ``NO_MINIMUM``) from the configured ``min-clients-per-round`` (None or 0: the default, module
+    docstring); a one-line ``ConfigError`` when it can never be met or does not apply."""
     from .participation import FixedEpoch
 
+    if configured == NO_MINIMUM:
+        return None
     if configured is not None and (isinstance(configured, bool) or not isinstance(configured, int)
                                    or configured < 0):
         raise ConfigError(f"min-clients-per-round must be an integer >= 0 (0: the default), got {configured!r}")

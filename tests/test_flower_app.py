@@ -83,7 +83,7 @@ def test_flwr_run_against_a_superlink_and_two_supernodes(tmp_path):
     # by default nothing a client reports leaves the server (issue 34): not in the round log, the outcome or
     # the ServerApp's output, though every ClientApp sends its train-loss and num-examples
     published = "".join((tmp_path / "deploy" / f).read_text() for f in ("rounds.jsonl", "outcome.json"))
-    assert "round 2/2" in result.output and "client metrics: none published" in result.output
+    assert "fedmf round 1 (2/2 done)" in result.output and "client metrics: none published" in result.output
     for text in (published, result.output):
         assert "train-loss" not in text and "num-examples" not in text
     reference = _in_process_reference(values, tmp_path / "deploy", tmp_path / "loop")

@@ -385,7 +385,7 @@ def check_version(connection: Connection, url: URL, *, allow_empty: bool, allow_
     if revision != head and not allow_older:
         raise LedgerError(
             f"ledger {display_url(url)} has schema version {revision}, older than this fedmf's {head}; "
-            "migrate it as its owner: fedmf ledger migrate --url URL"
+            "migrate it as its owner (the fedmf ledger migrate command)"
         )
     return revision
 
