@@ -88,7 +88,14 @@ class Witness:
         # empty witness would then be made and every rollback accepted)
         check_private_path(where, "release witness directory", CheckpointError)
         try:
-            where.mkdir(parents=True, exist_ok=True, mode=0o700)
+            missing = []
+            for parent in (where, *where.parents):
+                if parent.exists() or parent.is_symlink():
+                    break
+                missing.append(parent)
+            for made in reversed(missing):  # each one 0700 whatever the umask (mkdir(parents=True) is not)
+                made.mkdir(mode=0o700, exist_ok=True)
+                os.chmod(made, 0o700)
         except OSError as e:
             raise CheckpointError(f"cannot create the release witness directory {str(where)!r}: "
                                   f"{e.strerror or e}") from None

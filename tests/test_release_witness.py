@@ -457,3 +457,19 @@ def test_a_resumed_run_says_the_round_it_resumed_from(tmp_path, capsys):
           witness=tmp_path / "w", progress=True)
     assert capsys.readouterr().err.startswith(f"fedmf: resumed run 1 after its last round {ROUNDS - 1}: rounds "
                                               f"0-{ROUNDS - 1} of {ROUNDS} were committed before")
+
+
+def test_the_witness_directory_and_the_parents_it_creates_are_0700_even_with_a_permissive_umask(tmp_path):
+    """``Witness.directory`` makes every missing directory on the way 0700 (``mkdir(parents=True)``
+    would make the parents 0777 under umask 0, and the path check would then refuse them)."""
+    import stat
+
+    where = tmp_path / "state" / "fedmf" / "witness"
+    old = os.umask(0)
+    try:
+        assert Witness.directory(where) == where
+    finally:
+        os.umask(old)
+    for made in (where, where.parent, where.parent.parent):
+        assert stat.S_IMODE(made.stat().st_mode) == 0o700, made
+    assert Witness.directory(where) == where  # and again: nothing to create, still accepted
