@@ -151,6 +151,7 @@ def train(
     witness: str | os.PathLike | None = None,
     min_clients_per_round: int | None = None,
     learning: LearningCheck | None = None,
+    evaluate_every: int = 1,
 ) -> TrainResult:
     """Train ``model`` privately under ``plan`` over ``users`` (ids with a stable ``str``).
 
@@ -174,7 +175,11 @@ def train(
     ``min_clients_per_round``: the fewest users a round must be able to
     select, else the run stops before that round (None or 0: the default, ``fedmf.cohort``).
     ``learning``: what says that the run is not learning (default ``LearningCheck()``: a
-    non-finite model stops the run, a diverging held-out loss is recorded; ``fedmf.learning_check``)."""
+    non-finite model stops the run, a diverging held-out loss is recorded; ``fedmf.learning_check``).
+    ``evaluate_every``: ``evaluate`` runs after every n-th round (rounds n-1, 2n-1, … 0-based) and after
+    the last one (``rounds``) only; the others are released without held-out scores."""
+    if isinstance(evaluate_every, bool) or not isinstance(evaluate_every, int) or evaluate_every < 1:
+        raise ConfigError(f"evaluate_every must be an integer >= 1, got {evaluate_every!r}")
     if (local_update is None) == (local_updates is None):
         raise ConfigError("give exactly one of local_update (one user at a time) and local_updates (a round's users)")
     users = list(users)
@@ -225,7 +230,9 @@ def train(
                     ended = run_rounds(run, end, (lambda t: users) if available is None else available,
                                        _local_cohort(run, local_update, local_updates), observed=observed_guard,
                                        history=history,
-                                       evaluate=None if evaluate is None else lambda _: evaluate(model),
+                                       evaluate=None if evaluate is None else
+                                       lambda record: evaluate(model) if (record.round + 1) % evaluate_every == 0
+                                       or record.round + 1 == end else None,
                                        on_round=released,
                                        stop=lambda record: check.observe(record.round, record.metrics,
                                                                          run.model.parameters()),

@@ -183,3 +183,24 @@ def test_repeatable_noise_is_announced_on_stderr_for_both_backends_even_quiet(tm
         assert done.returncode == 2 and lines[-1].startswith("fedmf: error:"), done.stderr
         assert (lines[0] == f"fedmf: warning: {REPEATABLE_NOISE_WARNING}") is warned, done.stderr
         assert len(lines) == 1 + warned
+
+
+def test_eval_every_evaluates_every_nth_round_and_the_last(tmp_path, capsys):
+    """``--eval-every 3`` on 7 rounds: held-out scores after rounds 2 and 5 (0-based) and the last, 6;
+    the other rounds are released without them. A bad value, or the Flower backend, is one line."""
+    import json
+
+    from fedmf.cli import main
+
+    out = tmp_path / "run"
+    assert main(["simulate", "--preset", "tiny", "--rounds", "7", "--min-sep", "2", "--eval-every", "3",
+                 "--out", str(out), "--json", "--no-plot"]) == 0
+    history = json.loads(capsys.readouterr().out)["history"]
+    assert [h["round"] for h in history if "accuracy" in h["metrics"]] == [2, 5, 6]
+    assert len(history) == 7
+    assert main(["simulate", "--preset", "tiny", "--eval-every", "0", "--out", str(tmp_path / "x")]) == 2
+    assert "--eval-every must be an integer >= 1" in capsys.readouterr().err
+    assert main(["simulate", "--preset", "tiny", "--eval-every", "2", "--backend", "flower",
+                 "--out", str(tmp_path / "y")]) == 2
+    assert "--eval-every is for --backend inprocess" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
