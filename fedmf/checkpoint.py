@@ -46,7 +46,7 @@ from typing import Any, Mapping
 
 from . import checks
 from .errors import CheckpointError
-from .files import check_private, check_private_path
+from .files import check_private, check_private_path, fsync_dir
 
 __all__ = ["CheckpointStore", "load_or_create_secret", "RunSecrets", "BINDING_BYTES", "noise_file_rounds"]
 
@@ -62,14 +62,6 @@ def noise_file_rounds(directory: str | os.PathLike) -> list[tuple[int, str]]:
     return sorted((int(m.group(2)), p.name) for p in Path(directory).iterdir() if (m := _TENSOR_NAME.match(p.name)))
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _atomic_bytes(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` so that a crash leaves the old file or the new one, never half."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -82,7 +74,7 @@ def _atomic_bytes(path: Path, data: bytes) -> None:
     except OSError as e:
         tmp.unlink(missing_ok=True)
         raise CheckpointError(f"cannot write checkpoint {str(path)!r}: {e.strerror or e}") from None
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def _serialize(obj: Any) -> bytes:
@@ -132,7 +124,7 @@ def load_or_create_secret(path: str | os.PathLike, nbytes: int = 32, *, bindable
         os.fsync(fd)
     finally:
         os.close(fd)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     return data
 
 

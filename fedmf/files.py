@@ -22,6 +22,15 @@ LOCK_FILE = "run.lock"
 _MAX_LINKS = 40
 
 
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make a directory's entries durable (after a file in it was created or renamed)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def check_private_path(path: str | os.PathLike, what: str, error: Callable[[str], Exception] = ConfigError) -> None:
     """Raise ``error(one line)`` unless every directory and symbolic link on the way to ``path``
     is safe from other users: each directory traversed (``/`` first, then each component, and

@@ -30,9 +30,23 @@ from .errors import CheckpointError
 if TYPE_CHECKING:
     from .run import RoundRecord
 
-__all__ = ["ROUND_LOG", "append_round", "read_rounds", "logged_rounds", "cut_torn_tail"]
+__all__ = ["ROUND_LOG", "append_round", "read_rounds", "logged_rounds", "cut_torn_tail", "append_line"]
 
 ROUND_LOG = "rounds.jsonl"
+
+
+def append_line(path: Path, line: str, *, flags: int = 0) -> None:
+    """Append ``line`` (ending in a newline) to the 0600 file ``path``, after cutting a torn last line,
+    and fsync it (``flags``: more ``os.open`` flags, e.g. ``O_NOFOLLOW``); an ``OSError`` on failure."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | flags, 0o600)
+    try:
+        cut_torn_tail(fd)
+        data = line.encode("utf-8")
+        if os.write(fd, data) != len(data):
+            raise OSError(f"short write to {path}")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def cut_torn_tail(fd: int) -> None:
@@ -65,15 +79,7 @@ def append_round(directory: str | os.PathLike, run_id: int, checkpoint_sha256: s
     line = json.dumps(entry, sort_keys=True, allow_nan=True) + "\n"
     path = Path(directory) / ROUND_LOG
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
-        try:
-            cut_torn_tail(fd)
-            data = line.encode("utf-8")
-            if os.write(fd, data) != len(data):
-                raise OSError(f"short write to {path}")
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        append_line(path, line)
     except OSError as e:
         raise CheckpointError(f"cannot append round {record.round} to the round log {str(path)!r}: "
                               f"{e.strerror or e}") from None

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import CheckpointError
-from .files import check_private, check_private_path
-from .round_log import cut_torn_tail
+from .files import check_private, check_private_path, fsync_dir
+from .round_log import append_line
 
 __all__ = ["Witness", "WitnessEntry", "witness_key", "default_witness_directory", "WITNESS_OFF"]
 
@@ -59,14 +59,6 @@ def default_witness_directory() -> Path:
     base = os.environ.get("XDG_STATE_HOME", "")
     root = Path(base) if base and os.path.isabs(base) else Path.home() / ".local" / "state"
     return root / "fedmf" / "witness"
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class Witness:
@@ -173,17 +165,9 @@ class Witness:
                            "chain_sha256": chain_sha256}, sort_keys=True) + "\n"
         created = not os.path.lexists(self.path)
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-            try:
-                cut_torn_tail(fd)
-                data = line.encode("utf-8")
-                if os.write(fd, data) != len(data):
-                    raise OSError(f"short write to {self.path}")
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            append_line(self.path, line, flags=os.O_NOFOLLOW | os.O_CLOEXEC)
             if created:
-                _fsync_dir(self.path.parent)
+                fsync_dir(self.path.parent)
         except OSError as e:
             raise CheckpointError(f"cannot record round {t} in the release witness {str(self.path)!r}: "
                                   f"{e.strerror or e}") from None

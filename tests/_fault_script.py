@@ -309,14 +309,14 @@ def install_kill(spec: str, recorder: Recorder) -> dict[str, Any]:
         target = checkpoint.CheckpointStore(recorder.run_dir).path(t).name
         armed = threading.Event()
         checkpoint.os = _OsProxy(on_replace=lambda src, dst: armed.set() if dst.name == target else None)
-        original_fsync_dir = checkpoint._fsync_dir
+        original_fsync_dir = checkpoint.fsync_dir
 
         def fsync_dir(path):
             if armed.is_set():
                 die()
             original_fsync_dir(path)
 
-        checkpoint._fsync_dir = fsync_dir
+        checkpoint.fsync_dir = fsync_dir
     elif kind == "ledger-commit":  # round t's participation rows inserted, COMMIT not reached
         from sqlalchemy import event
         from sqlalchemy.engine import Engine
