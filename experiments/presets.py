@@ -16,27 +16,18 @@ initial model are fixed per preset; a seed fixes the run's secrets (noise seed, 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import os
 import shutil
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from run import _write_secrets  # noqa: E402  (experiments/run.py: fixed secrets, one recipe for every experiment)
+
 OUT = Path(__file__).resolve().parent / "results" / "presets"
-
-
-def _write_secrets(run_dir: Path, label: str) -> None:
-    """Fixed secrets for the run (reproducible experiments; a production run draws them at random)."""
-    directory = run_dir / "secrets"
-    directory.mkdir(mode=0o700, parents=True)
-    os.chmod(run_dir, 0o700)
-    for name in ("noise_seed", "schedule_key", "ledger_secret"):
-        fd = os.open(directory / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        os.write(fd, hashlib.sha256(f"fedmf-presets/{label}/{name}".encode()).digest())
-        os.close(fd)
 
 
 def majority_baseline(task) -> float:
@@ -76,7 +67,7 @@ def run_one(preset: str, mechanism: str | None, lr: float, seed: int, workers: i
         return json.loads(target.read_text())
     run_dir = out / "runs" / key
     shutil.rmtree(run_dir, ignore_errors=True)
-    _write_secrets(run_dir, f"{preset}/{kind}/{seed}")
+    _write_secrets(run_dir, f"{preset}/{kind}/{seed}", namespace="fedmf-presets")
     overrides: dict[str, Any] = {**(extra or {}), "run-dir": str(run_dir), "server-lr": lr}
     if mechanism:
         overrides["mechanism"] = mechanism

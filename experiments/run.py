@@ -139,14 +139,15 @@ def _best_lr(results: list[dict[str, Any]], dataset: str, method: str, eps: floa
     return max(runs, key=_final_accuracy)["job"]["server_lr"] if runs else DEFAULT_LR
 
 
-def _write_secrets(run_dir: Path, label: str) -> None:
-    """Fixed secrets for the run (reproducible experiments; a production run draws them at random)."""
+def _write_secrets(run_dir: Path, label: str, *, namespace: str = "fedmf-experiments") -> None:
+    """Fixed secrets for the run (reproducible experiments; a production run draws them at random),
+    derived from ``namespace/label`` (each experiment's records name their own)."""
     directory = run_dir / "secrets"
     directory.mkdir(mode=0o700, parents=True)
     os.chmod(run_dir, 0o700)
     for name in ("noise_seed", "schedule_key", "ledger_secret"):
         fd = os.open(directory / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        os.write(fd, hashlib.sha256(f"fedmf-experiments/{label}/{name}".encode()).digest())
+        os.write(fd, hashlib.sha256(f"{namespace}/{label}/{name}".encode()).digest())
         os.close(fd)
 
 
