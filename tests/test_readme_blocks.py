@@ -125,7 +125,7 @@ def test_the_deployment_quick_start_runs_as_written_and_its_stop_line_stops_ever
 @pytest.mark.heavy  # Ray and 20 simulated SuperNodes: about a minute on 2 cores
 def test_the_simulation_block_runs_as_written_and_its_stop_line_stops_the_local_superlink(tmp_path):
     script = "\n".join(["set -e", _block("export FLWR_HOME"), _block("--federation-config"),
-                        _block("local-superlink/")])
+                        _block("kill $simlink")])
     output, left = _run_blocks(tmp_path, script, timeout=500)
     assert _committed(tmp_path / "app" / "fedmf-flower-sim") == [0, 1, 2, 3, 4], output[-4000:]
     assert left == [], "the README's stop line left the local SuperLink or its SuperExec running"
