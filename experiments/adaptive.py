@@ -69,13 +69,13 @@ def _instrument(trace: list[dict[str, Any]]) -> None:
         return
     original = RoundPrivatizer.finish
 
-    def finish(self):
+    def finish(self, values=None):
         report = self._open
         zeta = self.clip_norm
         m = self.plan.expected_users
-        factor = zeta / m if self.adaptive is not None else 1.0 / m
+        factor = self.clipping.sum_unit / m
         signal = self._sum.double().clone()
-        mean, rep = original(self)
+        mean, rep = original(self, values)
         flat = torch.cat([mean[k].reshape(-1).double() for k in self.layout])
         noise = flat - signal * factor
         norms = sorted(u.norm for u in report.contributed if u.norm is not None)

@@ -14,8 +14,8 @@ round t's updates are clipped, and round t's correlated noise is scaled by the s
 function of released values only (post-processing). The count's release is a second Gaussian
 mechanism that the accountant composes with the MF mechanism (``fedmf.accounting``).
 
-This module is the description (``AdaptiveClipping``, frozen) and the update rule; the privatizer
-applies it.
+This module is the description (``AdaptiveClipping``, frozen) and the update rule; the round's
+clipping policy of the same name (``fedmf.round.clipping.AdaptiveClipping``) applies it.
 """
 
 from __future__ import annotations

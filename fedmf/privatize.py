@@ -12,12 +12,13 @@ expected number of users — never by the number received, which would depend on
 An update that is invalid (wrong keys, shapes or dtype; not finite), from a user not selected
 for the round, or a second one from the same user is rejected and never summed.
 
-With adaptive clipping (``plan.adaptive_clipping``; Andrew et al., NeurIPS 2021, Alg. 1) round t
-clips to ζₜ, fixed before any of its updates is seen, and runs the correlated-noise mechanism on
-the normalized sum Σ clip(Δᵢ, ζₜ)/ζₜ (sensitivity 1 per participation) with noise std z·sens
-(``plan.std_per_clip``), then scales back by ζₜ (post-processing): the released noise is
-ζₜ·z·sens·(C⁻¹Z)ₜ/m. It also releases the count of summed updates with norm ≤ ζₜ plus
-N(0, σ_b²) (``fedmf.count_noise``) and moves to ζₜ₊₁ = ``next_clip_norm(ζₜ, count, m)``.
+What ζ is, the zeroing threshold, the factor each update is summed with, the noise std, the
+scaling to the released mean and the extra release that moves ζ come from the plan's clipping policy
+(``fedmf.round.clipping``): ``FixedClipping`` (ζ = ``plan.clip_norm``) or ``AdaptiveClipping``
+(``plan.adaptive_clipping``; Andrew et al., NeurIPS 2021, Alg. 1: ζₜ fixed before any of round t's
+updates is seen, the mechanism run on the normalized sum Σ clip(Δᵢ, ζₜ)/ζₜ, a noisy count of the
+unclipped updates released, ζₜ₊₁ from it). Each round draws one salt (``finish``) that keys its
+correlated noise and each of its scalar releases.
 
 With a private client-metric release (``plan.client_metrics``, ``fedmf.client_metrics``) round t also
 releases (Σ clip(vᵢ, 0, L) + N(0, σ_m²)) / m over the contributed users' reported values, its noise
@@ -34,10 +35,11 @@ from typing import Any, Collection, Hashable, Iterable, Mapping
 import torch
 
 from . import checks
-from .count_noise import count_noise, metric_noise
-from .errors import CheckpointError, ConfigError, PlanMismatch, RoundOrderError
+from .count_noise import metric_noise
+from .errors import ConfigError, PlanMismatch, RoundOrderError
 from .noise import SALT_BYTES, NoiseGenerator, key_of
 from .plan import RunPlan
+from .round.clipping import ClippingPolicy, clipping_policy
 from .threads import one_thread
 
 __all__ = ["check_update", "RoundPrivatizer", "RoundReport", "UserReport", "flat_size", "layout_of"]
@@ -161,18 +163,13 @@ class RoundPrivatizer:
         self.size = flat_size(self.layout)
         # half-precision models are summed and noised in float32, then cast back
         work = dtype if dtype in (torch.float32, torch.float64) else torch.float32
-        self.adaptive = plan.adaptive_clipping
+        #: ζ of each round and what follows from it (fedmf.round.clipping)
+        self.clipping: ClippingPolicy = clipping_policy(plan)
         self._salted = not repeatable_noise
-        #: ζ of the next round (adaptive clipping: ζ₀ = plan.clip_norm, then the update rule's)
-        self.clip_norm = float(plan.clip_norm)
         # the run's noise key: the correlated noise's, and the scalar releases' streams (fedmf.count_noise)
         self._key = secrets.token_bytes(32) if seed is None else key_of(seed)
-        if self.adaptive is None:
-            self.noise = NoiseGenerator(plan.mechanism, self.layout, plan.noise_std, dtype=work, device=device,
-                                        seed=self._key, salted=not repeatable_noise)
-        else:  # noise on the normalized sum Σ clip(Δ, ζₜ)/ζₜ, whose sensitivity is 1 per participation
-            self.noise = NoiseGenerator(plan.mechanism, self.layout, plan.std_per_clip, dtype=work, device=device,
-                                        seed=self._key, salted=not repeatable_noise)
+        self.noise = NoiseGenerator(plan.mechanism, self.layout, self.clipping.generator_std, dtype=work,
+                                    device=device, seed=self._key, salted=not repeatable_noise)
         self.device, self.dtype, self._work = self.noise.device, dtype, work
         self._sum = torch.zeros(self.size, dtype=work, device=self.device)
         self._scratch = torch.empty(self.size, dtype=work, device=self.device)
@@ -182,6 +179,11 @@ class RoundPrivatizer:
         self._open: RoundReport | None = None
         self._seen: set[str] = set()
         self._selected: set[str] | None = None
+
+    @property
+    def clip_norm(self) -> float:
+        """ζ of the next round (adaptive clipping: ζ₀ = plan.clip_norm, then the update rule's)."""
+        return self.clipping.clip_norm
 
     @property
     def next_round(self) -> int:
@@ -203,11 +205,8 @@ class RoundPrivatizer:
 
             raise HorizonReached(f"round {t} is past the mechanism's horizon of {self.plan.rounds} rounds")
         self._sum.zero_()
-        if self.adaptive is None:
-            self._open = RoundReport(t, self.plan.noise_std, self.plan.expected_users)
-        else:
-            self._open = RoundReport(t, self.plan.noise_std_at(self.clip_norm), self.plan.expected_users,
-                                     clip_norm=self.clip_norm)
+        self._open = RoundReport(t, self.clipping.noise_std, self.plan.expected_users,
+                                 clip_norm=self.clipping.reported_clip_norm)
         self._seen = set()
         self._selected = None if selected is None else {_user_order(u) for u in selected}
 
@@ -237,22 +236,14 @@ class RoundPrivatizer:
                 norm, bound = (value / scale for value in self._norm(flat * scale))
                 if not math.isfinite(bound):
                     return self._reject(user, "update norm is not finite")
-            zeta = self.clip_norm
-            threshold = self.plan.zero_threshold if self.adaptive is None else self.plan.zero_threshold_at(zeta)
+            zeta, threshold = self.clipping.clip_norm, self.clipping.zero_threshold
             # ℓ∞ ≤ ℓ2: the ℓ∞ pass is needed only when the ℓ2 norm exceeds the threshold
             if threshold is not None and norm > threshold and _linf(flat) > threshold:
                 # "Multi-Epoch MF" StackOverflow recipe: an update with ℓ∞ > 100·ζ is replaced by zero
                 result = UserReport(user, "contributed", None, norm, False, True)
             else:
-                clipped = bound > zeta
-                # ℓ2 clipping of the whole update to ζ: x·min(1, ζ/‖x‖) (Multi-Epoch MF Sec. 2, ζ-bounded
-                # rows), with ‖x‖ replaced by a rigorous upper bound of it
-                if self.adaptive is None:
-                    factor = zeta / bound * self._clip_margin if clipped else 1.0
-                else:  # the normalized sum: clip(Δ, ζₜ)/ζₜ = Δ·min(1/ζₜ, 1/‖Δ‖), norm ≤ 1 (the margin
-                    # absorbs the rounding of 1/ζₜ too)
-                    factor = self._clip_margin / (bound if clipped else zeta)
-                self._sum.add_(flat, alpha=factor)
+                clipped = bound > zeta  # ℓ2 clipping to ζ (Multi-Epoch MF Sec. 2), scaled by the policy
+                self._sum.add_(flat, alpha=self.clipping.factor(bound, clipped, self._clip_margin))
                 result = UserReport(user, "contributed", None, norm, clipped, False)
         report.users.append(result)
         return result
@@ -263,19 +254,21 @@ class RoundPrivatizer:
         ``values``: user → the client-reported metric, read only by the private client-metric release
         (``plan.client_metrics``; only the contributed users' values count)."""
         report = self._require_open()
-        salt = secrets.token_bytes(SALT_BYTES) if self._salted else None
+        # the round's one salt (b"": unsalted), drawn before any of its noise: it keys the correlated
+        # noise's fresh rows and each scalar release's stream, so a redone round draws all of them afresh
+        salt = secrets.token_bytes(SALT_BYTES) if self._salted else b""
         self._release_client_metric(report, values, salt)
-        if self.adaptive is not None:
-            return self._finish_adaptive(report, salt)
-        noise = self.noise.next(out=self._noise_buffer, salt=salt)  # σ·(C⁻¹Z)_t, Multi-Epoch MF Sec. 2
+        # σ·(C⁻¹Z)_t (Multi-Epoch MF Sec. 2), σ = the policy's generator std
+        noise = self.noise.next(out=self._noise_buffer, salt=salt or None)
         flat_noise = noise if isinstance(noise, torch.Tensor) else self._noise_buffer
-        mean = torch.add(self._sum, flat_noise).div_(self.plan.expected_users)
+        mean = self.clipping.scale_back(torch.add(self._sum, flat_noise))
+        report.noisy_unclipped = self.clipping.release(self._key, report.round, salt, report.contributed)
         self._open = None
         self._selected = None
         return self._unflatten(mean.to(self.dtype)), report
 
     def _release_client_metric(self, report: RoundReport, values: Mapping[Hashable, Any] | None,
-                               salt: bytes | None) -> None:
+                               salt: bytes) -> None:
         """The private client-metric release (``fedmf.client_metrics``): each contributed user's value
         clipped to [0, L] (missing or not finite: 0), summed, N(0, σ_m²) from the round's keyed stream
         (the round's salt: a redone round draws afresh), ÷ the planned m."""
@@ -284,26 +277,8 @@ class RoundPrivatizer:
             return
         given = {_user_order(u): v for u, v in (values or {}).items()}
         contributed = [given.get(_user_order(u.user)) for u in report.contributed]
-        noise = metric_noise(self._key, report.round, salt or b"", release.noise_std)
+        noise = metric_noise(self._key, report.round, salt, release.noise_std)
         report.noisy_client_metric = release.noisy_mean(contributed, noise, self.plan.expected_users)
-
-    def _finish_adaptive(self, report: RoundReport, salt: bytes | None) -> tuple[dict[str, torch.Tensor], RoundReport]:
-        """Adaptive clipping's end of round t: noise the normalized sum with z·sens·(C⁻¹Z)ₜ, scale back by
-        ζₜ and divide by m (post-processing of the normalized mechanism); release the noisy count of
-        the summed updates with norm ≤ ζₜ (a zeroed update's norm exceeds ζₜ: not counted) and set ζₜ₊₁
-        (Andrew et al., NeurIPS 2021, Alg. 1)."""
-        t, zeta, m = report.round, self.clip_norm, self.plan.expected_users
-        noise = self.noise.next(out=self._noise_buffer, salt=salt)  # z·sens·(C⁻¹Z)_t
-        flat_noise = noise if isinstance(noise, torch.Tensor) else self._noise_buffer
-        mean = torch.add(self._sum, flat_noise).mul_(zeta / m)
-        # Alg. 1's bit is 1[‖Δ‖ ≤ ζₜ]: a zeroed update (ℓ∞ > threshold ≥ ζₜ, so ‖Δ‖ > ζₜ) counts as clipped
-        unclipped = sum(1 for u in report.contributed if not (u.clipped or u.zeroed))
-        noisy = unclipped + count_noise(self._key, t, salt or b"", self.adaptive.count_noise_std)
-        report.noisy_unclipped = noisy
-        self.clip_norm = self.adaptive.next_clip_norm(zeta, noisy, m, initial_clip_norm=self.plan.clip_norm)
-        self._open = None
-        self._selected = None
-        return self._unflatten(mean.to(self.dtype)), report
 
     def abort(self) -> None:
         """Drop an open round without drawing its noise (nothing was released)."""
@@ -333,8 +308,7 @@ class RoundPrivatizer:
         state = {"format": _STATE_FORMAT, "plan_fingerprint": self.plan.fingerprint,
                  "layout": {k: list(v) for k, v in self.layout.items()}, "device_type": self.device.type,
                  "noise": self.noise.state_dict(include_seed=False, copy=False)}
-        if self.adaptive is not None:
-            state["adaptive_clipping"] = {"clip_norm": self.clip_norm}
+        state.update(self.clipping.state_dict())
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -346,14 +320,9 @@ class RoundPrivatizer:
             # the Gaussian sampler differs by device: the regenerated past draws would not match
             raise PlanMismatch(f"privatizer state was written on {state.get('device_type')!r}; resume it on that "
                                f"device type, not {self.device.type!r}")
-        clip_norm = self.plan.clip_norm
-        if self.adaptive is not None:
-            saved = state.get("adaptive_clipping")
-            clip_norm = saved.get("clip_norm") if isinstance(saved, Mapping) else None
-            if not (isinstance(clip_norm, float) and math.isfinite(clip_norm) and clip_norm > 0):
-                raise CheckpointError("privatizer state lacks the adaptive clip norm (a positive float)")
+        self.clipping.read_state(state)  # checked before anything changes
         self.noise.load_state_dict(state["noise"])
-        self.clip_norm = float(clip_norm)
+        self.clipping.load_state_dict(state)
         self._open = None
 
     # ---- helpers ---------------------------------------------------------------------
