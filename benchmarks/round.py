@@ -24,7 +24,7 @@ fedmf's round, timed step by step (the order of fedmf/federated.py's round):
 Updates are handed to fedmf as dicts of float32 torch tensors (no conversion counted).
 
 Flower's side reproduces DifferentialPrivacyServerSideFixedClipping.aggregate_train around
-FedAvg (flwr.serverapp.strategy, flwr 1.41) on the same updates, as numpy arrays: each reply is
+FedAvg (flwr.serverapp.strategy, flwr 1.42) on the same updates, as numpy arrays: each reply is
 the client's model (current model + update, built before the timer starts, as a client would
 send it); per reply Flower's own flwr.supercore.differential_privacy.compute_clip_model_update
 (update = reply - current, flat l2 clip to zeta, reply = current + clipped update), then the

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# make-test-ca.sh — TEST key material for a fedmf / Flower 1.41 federation (not for production).
+# make-test-ca.sh — TEST key material for a fedmf / Flower 1.42 federation (not for production).
 #
 #   deploy/make-test-ca.sh OUT_DIR [N_SUPERNODES=2] [EXTRA_SAN ...]
 #

@@ -9,7 +9,7 @@ that ``fedmf simulate --backend flower`` (:mod:`launcher.flower_backend`) loads 
 package ``fedmf`` never imports Flower, nor this package). It is also the shared core of the test
 harness (tests/flower_harness.py).
 
-Recipe (flwr 1.41.0, verified):
+Recipe (flwr 1.42.0, verified):
 
 * Every Flower process gets a private ``FLWR_HOME`` (never inside the app dir: the FAB is built from the
   app directory on disk), ``FLWR_TELEMETRY_ENABLED=0``, ``FLWR_DISABLE_UPDATE_CHECK=1``,

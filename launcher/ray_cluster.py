@@ -1,6 +1,6 @@
 """Which Ray the Flower simulation runs on: a fresh local Ray (the default) or an existing cluster.
 
-Flower 1.41's simulation engine (``flwr-simulation``, its Ray backend
+Flower 1.42's simulation engine (``flwr-simulation``, its Ray backend
 ``flwr/server/superlink/fleet/vce/backend/raybackend.py``) calls ``ray.init(**init_args)`` with no
 ``address``; the federation config (``flwr run --federation-config``, ``SimulationConfig``) can carry
 only ``init-args-num-cpus``, ``init-args-num-gpus``, ``init-args-logging-level`` and
@@ -15,7 +15,7 @@ makes it start a fresh local Ray instead, always.
 
 On an existing cluster ``init-args-num-cpus``/``-num-gpus`` must stay unset (``ray.init`` refuses
 them when it connects); each virtual client's resources are ``client-resources-num-cpus`` (a whole
-number: Flower 1.41 stores it as an unsigned integer) and ``client-resources-num-gpus`` (a fraction
+number: Flower 1.42 stores it as an unsigned integer) and ``client-resources-num-gpus`` (a fraction
 of a GPU), which size the actors the pool places across the cluster's nodes.
 """
 

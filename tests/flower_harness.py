@@ -1,10 +1,10 @@
-"""Run a Flower 1.41 app on loopback from tests: simulation and deployment, no leftover processes.
+"""Run a Flower 1.42 app on loopback from tests: simulation and deployment, no leftover processes.
 
 The shared parts (environment, ports, ``config.toml``, process tracking and teardown, ``flwr run`` with
 the run's real status, simulation) live in ``launcher/processes.py`` (production: ``fedmf simulate --backend
 flower``); this module re-exports them and adds :class:`Deployment` (SuperLink + SuperNodes as processes).
 
-Verified recipe (flwr 1.41.0, Python 3.11, this repo):
+Verified recipe (flwr 1.42.0, Python 3.11, this repo):
 
 * Every Flower process gets ``FLWR_HOME=<tmp>`` (never inside the app dir: the FAB is built from the app
   directory on disk), ``FLWR_TELEMETRY_ENABLED=0``, ``FLWR_DISABLE_UPDATE_CHECK=1``,

@@ -52,7 +52,7 @@ def _updates(rng: np.random.Generator, m: int, norms: np.ndarray) -> dict[str, d
 # ---- convergence: fedmf follows the quantile, Flower's wrapper runs away ---------------------------
 
 def _flower_clip_norms(norms_by_round: list[np.ndarray], clip_norm: float, gamma: float) -> list[float]:
-    """Flower 1.41's real DifferentialPrivacyServerSideAdaptiveClipping.aggregate_train on the same norms."""
+    """Flower 1.42's real DifferentialPrivacyServerSideAdaptiveClipping.aggregate_train on the same norms."""
     from flwr.app import ArrayRecord, Message, Metadata, MetricRecord, RecordDict
     from flwr.serverapp.strategy import DifferentialPrivacyServerSideAdaptiveClipping, FedAvg
 

@@ -20,7 +20,7 @@ name = "harnessprobe"
 version = "0.1.0"
 description = "throwaway Flower app for the harness tests"
 license = "Apache-2.0"
-dependencies = ["flwr[simulation]==1.41.0", "numpy>=1.26"]
+dependencies = ["flwr[simulation]==1.42.0", "numpy>=1.26"]
 
 [tool.flwr.app]
 publisher = "fedmf"

@@ -1,6 +1,6 @@
 """`fedmf simulate --backend flower --ray-address HOST:PORT`: the virtual clients run on an existing
 Ray cluster (launcher/ray_cluster.py). The options are checked at the edge (one line, exit 2, nothing
-launched); what reaches Flower is what Flower 1.41's own parsers turn into the Ray backend's client
+launched); what reaches Flower is what Flower 1.42's own parsers turn into the Ray backend's client
 resources; the SuperLink (whose environment flwr-simulation inherits) carries RAY_ADDRESS. The heavy
 case starts a two-node Ray cluster on loopback with the README's `ray start` lines, runs so-tiny on
 it, sees a ClientApp actor train on each node, and gets the in-process model bit for bit."""
@@ -166,11 +166,11 @@ class _NoTask:
 
 
 def test_the_federation_config_becomes_the_ray_backends_client_resources():
-    """What run_simulation passes to `flwr run --federation-config`, through Flower 1.41's own parsing
+    """What run_simulation passes to `flwr run --federation-config`, through Flower 1.42's own parsing
     (flwr/cli/run/run.py: parse_config_args, '-' -> '_', simulation_config_from_json) and the
     simulation engine's (flwr/simulation/app.py), is the Ray backend's client_resources; init_args
     stay empty (ray.init refuses num_cpus/num_gpus when it joins a cluster). A fractional CPU is
-    refused by Flower 1.41 itself (an unsigned integer field): hence --client-cpus is whole."""
+    refused by Flower 1.42 itself (an unsigned integer field): hence --client-cpus is whole."""
     from flwr.common.config import parse_config_args
     from flwr.simulation.app import _run_simulation_settings
     from flwr.supercore.utils import simulation_config_from_json

@@ -346,7 +346,7 @@ def test_the_strategy_logs_the_reply_bound(tmp_path, server_log):
 # ---- the transport ---------------------------------------------------------------------------------
 def test_every_request_an_honest_client_sends_fits_the_documented_proxy_limit():
     """deploy/README.md sets the reverse proxy's ``client_max_body_size``: every request body Flower
-    1.41's SuperNode sends for an honest reply (one push-object per object, and the push-messages
+    1.42's SuperNode sends for an honest reply (one push-object per object, and the push-messages
     with the object tree) must fit, for a model far larger than one 5 MiB chunk."""
     import re
     from pathlib import Path

@@ -120,7 +120,7 @@ def _ray_options(args: argparse.Namespace) -> dict:
     if args.client_cpus is not None:
         cpus = args.client_cpus
         if not (math.isfinite(cpus) and cpus >= 1 and cpus == int(cpus)):
-            raise ConfigError(f"--client-cpus must be a whole number of CPUs >= 1 (Flower 1.41 counts a client's "
+            raise ConfigError(f"--client-cpus must be a whole number of CPUs >= 1 (Flower 1.42 counts a client's "
                               f"CPUs in whole CPUs), got {args.client_cpus:g}")
         out["client_cpus"] = int(args.client_cpus)
     if args.client_gpus is not None:
