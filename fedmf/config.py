@@ -14,7 +14,7 @@ is a one-line ``ConfigError`` before round 1. ``DEFAULTS`` is the one defaults t
     schema            "min-sep" | "fixed-epoch"
     min-sep           2                           b
     max-participations 0                          k (0: ceil(n / b))
-    sampling          "none" | "bminsep:P" | "cyclic-poisson:Q" | "poisson:P"
+    sampling          "none"                      a sampling scheme (fedmf.sampling.GRAMMAR)
     clients-per-round 5                           users per round (planned expected users)
     clip-norm         1.0                         ζ (with adaptive clipping: ζ₀)
     adaptive-clipping 0.0                         target quantile γ ∈ (0, 1) of the update norms ζ follows
@@ -73,6 +73,7 @@ from typing import Any, Mapping
 
 from . import checks
 from .errors import ConfigError, ConfigTypeError
+from .sampling import parse_sampling
 from .witness import WITNESS_OFF
 
 __all__ = ["RunConfig", "DEFAULTS"]
@@ -125,6 +126,13 @@ def _text(key: str, value: Any) -> str:
     if not isinstance(value, str):
         raise ConfigError(f"{key} must be a string, got {value!r}")
     return value.strip()
+
+
+def _sampling(value: Any) -> str:
+    """The sampling scheme's string form as given, once ``parse_sampling`` accepts it."""
+    text = _text("sampling", value)
+    parse_sampling(text)
+    return text
 
 
 @dataclass(frozen=True)
@@ -244,7 +252,7 @@ class RunConfig:
         return cls(
             task=_text("task", v["task"]), task_options=options, mechanism=mechanism, num_bands=bands or None,
             rounds=_int("rounds", v["rounds"], 1), schema=schema, min_sep=_int("min-sep", v["min-sep"], 1),
-            max_participations=k or None, sampling=_text("sampling", v["sampling"]),
+            max_participations=k or None, sampling=_sampling(v["sampling"]),
             clients_per_round=_float("clients-per-round", v["clients-per-round"], strict=True),
             clip_norm=_float("clip-norm", v["clip-norm"], strict=True), noise_multiplier=noise or None,
             target_epsilon=target or None, delta=_float("delta", v["delta"], strict=True, maximum=0.5),

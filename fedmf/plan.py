@@ -25,9 +25,10 @@ import numpy as np
 from . import checks
 from .adaptive_clipping import AdaptiveClipping
 from .client_metrics import ClientMetricRelease
-from .accounting.sampling import Sampling, parse_sampling
+from .accounting.schemes import check_delta, check_releases, has_per_round_curve
 from .errors import ConfigError, HorizonReached, PlanMismatch, PrivacyBudgetExceeded
 from .participation import FixedEpoch, MinSep, schema_from_dict
+from .sampling import Sampling, parse_sampling
 
 if TYPE_CHECKING:
     from .mechanisms.base import Mechanism
@@ -98,16 +99,14 @@ class RunPlan:
         eps = None if target_epsilon is None else checks.positive("target_epsilon", target_epsilon)
         z = None if noise_multiplier is None else checks.positive("noise_multiplier", noise_multiplier)
         sampling.check_schema(schema)
-        sampling.check_delta(delta)
+        check_delta(sampling, delta)
         if adaptive_clipping is not None and not isinstance(adaptive_clipping, AdaptiveClipping):
             raise ConfigError(f"adaptive_clipping must be an AdaptiveClipping, got {type(adaptive_clipping).__name__}")
         if client_metrics is not None and not isinstance(client_metrics, ClientMetricRelease):
             raise ConfigError(f"client_metrics must be a ClientMetricRelease, got {type(client_metrics).__name__}")
         releases = _extra_releases(adaptive_clipping, client_metrics)
         if releases is not None:
-            from .accounting import count_release
-
-            count_release.check_sampling(sampling, releases)
+            check_releases(sampling, releases)
         calibration: dict[str, Any] = {}
         if z is None:
             if eps is None:
@@ -199,7 +198,7 @@ class RunPlan:
     @cached_property
     def _epsilon_by_round(self) -> np.ndarray:
         total = self.epsilon()
-        if not self.sampling.has_per_round_curve:
+        if not has_per_round_curve(self.sampling):
             # no per-round curve for this scheme's accountant: every round is charged the whole run's ε
             return np.full(self.rounds, total)
         return np.minimum(np.asarray(self._curve.epsilons, dtype=np.float64), total)

@@ -8,9 +8,10 @@ import time
 import pytest
 
 from fedmf import FixedEpoch, MinSep
-from fedmf.accounting import Sampling, calibrate, cyclic_poisson, epsilon, gaussian, parse_sampling
+from fedmf.accounting import calibrate, cyclic_poisson, epsilon, gaussian
 from fedmf.mechanisms import build
 from fedmf.mechanisms.identity import DpSgd
+from fedmf.sampling import Sampling, parse_sampling
 from tests.reference import load_cases
 
 CASES = load_cases("accounting.json")

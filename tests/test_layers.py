@@ -8,7 +8,11 @@ at module level or inside a function or class (lazy imports count), and any stri
 to ``importlib.import_module`` / ``__import__``; relative imports are resolved against the
 module's package. ``from pkg import name`` is an edge to ``pkg`` (its ``__init__`` runs first)
 and to the submodule ``pkg.name`` when there is one: so a module that ``fedmf/__init__`` imports
-writes ``from .checks import number``, not ``from . import checks``. Imports under
+writes ``from .checks import number``, not ``from . import checks``. The graph counts what Python
+runs: importing ``a.b.c`` (``import a.b.c``, ``from a.b.c import x``, ``from a.b import c``) runs
+``a/__init__`` and ``a/b/__init__`` first, so it is also an edge to every parent package of the
+imported module, except the importer's own packages (they are already being imported when the
+importer runs, so the import does not run them). Imports under
 ``if TYPE_CHECKING:`` never run: they are left out of the cycle check (a type-only back-reference
 is allowed), but the engine may not name an adapter even there.
 """
@@ -152,14 +156,26 @@ def cli_only_violations(root: Path = ROOT) -> list[str]:
     return out
 
 
+def runs(imported: str, importer: str) -> list[str]:
+    """The modules an import of ``imported`` by ``importer`` runs: the parent packages of ``imported``,
+    outermost first, then ``imported``; less ``importer``'s own packages (already being imported)."""
+    parts = imported.split(".")
+    own = importer.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts)) if parts[:i] != own[:i]] + [imported]
+
+
 def import_graph(root: Path = ROOT) -> dict[str, dict[str, int]]:
-    """{module: {project module it imports at run time: first line}} (TYPE_CHECKING imports left out)."""
+    """{module: {project module it runs by an import at run time: first line}} (TYPE_CHECKING imports left
+    out; an imported module's parent packages included, ``runs``)."""
     modules = project_modules(root)
     graph: dict[str, dict[str, int]] = {name: {} for name in modules}
     for name, path in modules.items():
         for imported, line, typing_only in imports_of(name, path, set(modules)):
-            if imported in modules and imported != name and not typing_only:
-                graph[name].setdefault(imported, line)
+            if typing_only:
+                continue
+            for ran in runs(imported, name):
+                if ran in modules and ran != name:
+                    graph[name].setdefault(ran, line)
     return graph
 
 
@@ -185,10 +201,12 @@ def test_argparse_only_in_the_cli():
 def test_no_import_cycle_among_the_projects_modules():
     graph = import_graph()
     assert len(graph) > 50 and "fedmf.tasks.base" in graph and "launcher.processes" in graph
-    # the graph sees function-level and relative imports on the real tree too: sampling imports
-    # per_round inside epsilon_by_round(), the accountant imports sampling at module level
-    assert "fedmf.accounting.per_round" in graph["fedmf.accounting.sampling"]
-    assert "fedmf.accounting.sampling" in graph["fedmf.accounting.accountant"]
+    # the graph sees function-level, relative and parent-package imports on the real tree too: the CLI
+    # imports the accountants' scheme table inside _load(), the accountant imports it at module level,
+    # and the ledger's import of fedmf.accounting.gdp runs fedmf/accounting/__init__
+    assert "fedmf.accounting.schemes" in graph["fedmf.cli.accounting"]
+    assert "fedmf.accounting.schemes" in graph["fedmf.accounting.accountant"]
+    assert {"fedmf.accounting", "fedmf.accounting.gdp"} <= set(graph["fedmf.ledger.budgets"])
     assert "fedmf.mechanisms.io" in graph["fedmf.cli.mechanism"]
     found = sorted(sorted(c) for c in _cycles(graph))
     assert not found, "import cycles:\n" + "\n".join(_describe(c, graph) for c in found)
@@ -197,8 +215,8 @@ def test_no_import_cycle_among_the_projects_modules():
 def test_the_checker_sees_lazy_relative_and_dynamic_imports(tmp_path):
     """The checker itself, on a planted tree: a lazy engine -> adapter import, a lazy relative
     cycle, an import_module string, a TYPE_CHECKING back-reference that is not a cycle, a cycle
-    through a package's ``__init__`` (``from . import sub`` in a module the package imports), and
-    argparse outside the CLI."""
+    through a package's ``__init__`` (``from . import sub`` in a module the package imports), a
+    cycle through the parent package an import of its submodule runs, and argparse outside the CLI."""
     for package in PACKAGES:
         (tmp_path / package).mkdir()
         (tmp_path / package / "__init__.py").write_text("")
@@ -215,12 +233,26 @@ def test_the_checker_sees_lazy_relative_and_dynamic_imports(tmp_path):
     (tmp_path / "fedmf" / "cli").mkdir()
     (tmp_path / "fedmf" / "cli" / "__init__.py").write_text("def main():\n    import argparse\n")
     (tmp_path / "server" / "app.py").write_text("")
+    # a cycle only through a parent package: desc's lazy import of pkg.leaf runs pkg/__init__, which
+    # imports pkg.factory, which imports desc; the same import under TYPE_CHECKING runs nothing
+    (tmp_path / "fedmf" / "pkg").mkdir()
+    (tmp_path / "fedmf" / "pkg" / "__init__.py").write_text("from .factory import make\n")
+    (tmp_path / "fedmf" / "pkg" / "factory.py").write_text("from ..desc import D\nfrom .leaf import L\nmake = 1\n")
+    (tmp_path / "fedmf" / "pkg" / "leaf.py").write_text("L = 1\n")
+    (tmp_path / "fedmf" / "desc.py").write_text("D = 1\ndef f():\n    from .pkg.leaf import L\n")
+    (tmp_path / "fedmf" / "typed.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .pkg.leaf import L\n")
     assert engine_violations(tmp_path) == ["fedmf.a:3 imports server.app", "fedmf.c:6 imports launcher.x"]
     assert cli_only_violations(tmp_path) == ["fedmf.sub.f:1 imports argparse"]
     graph = import_graph(tmp_path)
-    assert graph["fedmf.a"] == {"fedmf": 2, "fedmf.b": 2, "server.app": 3} and graph["fedmf.c"] == {}
+    assert graph["fedmf.a"] == {"fedmf": 2, "fedmf.b": 2, "server": 3, "server.app": 3}
+    assert graph["fedmf.c"] == {"launcher": 6}  # import_module("launcher.x") runs launcher/__init__
     assert graph["fedmf.d"] == {"fedmf": 1, "fedmf.c": 1}
-    assert _cycles(graph) == {frozenset({"fedmf.a", "fedmf.b"}), frozenset({"fedmf.sub", "fedmf.sub.e"})}
+    assert graph["fedmf.desc"] == {"fedmf.pkg": 3, "fedmf.pkg.leaf": 3} and graph["fedmf.typed"] == {}
+    assert graph["fedmf.pkg.factory"] == {"fedmf.desc": 1, "fedmf.pkg.leaf": 2}  # its own packages run already
+    assert runs("a.b.c", "a.x") == ["a.b", "a.b.c"] and runs("a.b.c", "z") == ["a", "a.b", "a.b.c"]
+    assert _cycles(graph) == {frozenset({"fedmf.a", "fedmf.b"}), frozenset({"fedmf.sub", "fedmf.sub.e"}),
+                              frozenset({"fedmf.desc", "fedmf.pkg", "fedmf.pkg.factory"})}
     assert _describe(["fedmf.a", "fedmf.b"], graph) == \
         "cycle ['fedmf.a', 'fedmf.b']: fedmf.a:2 -> fedmf.b; fedmf.b:2 -> fedmf.a"
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == {frozenset("abc")}

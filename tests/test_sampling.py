@@ -1,18 +1,25 @@
-"""The sampling schemes as objects: what each knows (string form, scheduler, per-round curve,
-observed guard, schemas), with no switch on the scheme's name outside its class."""
+"""The sampling schemes as descriptions (``fedmf.sampling``: string form, observed guard, schemas) and
+what their interpreters read from them: the scheduler (``fedmf.schedule``), the accountant's per-round
+curve (``fedmf.accounting.schemes``); every scheme has one of each."""
 
 from __future__ import annotations
 
 import pickle
+import re
 
 import pytest
 
-from fedmf.accounting.sampling import (
-    NONE, BMinSepSampling, CyclicPoissonSampling, NoSampling, PlainPoissonSampling, Sampling, parse_sampling,
-)
+from fedmf.accounting.schemes import ACCOUNTANTS, has_per_round_curve
 from fedmf.errors import ConfigError
 from fedmf.participation import FixedEpoch, MinSep
-from fedmf.schedule import BMinSepPoisson, CyclicPoisson, FixedEpochOrder, MinSepSelection, PoissonSampling
+from fedmf.sampling import (
+    GRAMMAR, NONE, SCHEMES as BY_KIND, BMinSepSampling, CyclicPoissonSampling, NoSampling, PlainPoissonSampling,
+    Sampling, parse_sampling,
+)
+from fedmf.schedule import (
+    BMinSepPoisson, CyclicPoisson, FixedEpochOrder, MinSepSelection, PoissonSampling, make_scheduler,
+)
+from fedmf.schedule.factory import BUILDERS
 
 KEY = bytes(range(32))
 SCHEMES = [
@@ -33,10 +40,10 @@ def test_what_a_scheme_knows(text, cls, amplified, curve, scheduler):
     assert Sampling(scheme.kind, scheme.probability, scheme.warm_start) == scheme
     assert pickle.loads(pickle.dumps(scheme)) == scheme and hash(scheme) == hash(parse_sampling(text))
     assert scheme.amplified is amplified and scheme.observed_guard is (not amplified)
-    assert scheme.has_per_round_curve is curve
+    assert has_per_round_curve(scheme) is curve
     upr = None if amplified else 2
-    made = scheme.scheduler(MinSep(1), key=KEY, max_participations=None, users_per_round=upr, population=range(5))
-    assert type(made) is scheduler
+    made = make_scheduler(MinSep(1), scheme, key=KEY, users_per_round=upr, population=range(5))
+    assert type(made) is scheduler and made.max_participations is None
     with pytest.raises(AttributeError):
         scheme.kind = "none"  # a class constant
     if amplified:
@@ -51,16 +58,14 @@ def test_the_schemas_a_scheme_follows():
     assert parse_sampling("cyclic-poisson:0.5").min_sep_of(fixed) == 4
     for text in ("bminsep:0.5", "poisson:0.5"):
         with pytest.raises(ConfigError, match="fixed-epoch order"):
-            parse_sampling(text).scheduler(fixed, key=KEY, max_participations=2, users_per_round=None,
-                                           population=range(8))
+            make_scheduler(fixed, parse_sampling(text), key=KEY, population=range(8))
     with pytest.raises(ConfigError, match="MinSep"):
         parse_sampling("bminsep:0.5").check_schema(fixed)
     with pytest.raises(ConfigError, match=r"MinSep\(1, n\)"):
         parse_sampling("poisson:0.5").check_schema(MinSep(2))
     with pytest.raises(ConfigError, match="min-sep schema"):
         parse_sampling("bminsep:0.5").min_sep_of(fixed)
-    assert type(NONE.scheduler(fixed, key=KEY, max_participations=2, users_per_round=None,
-                               population=range(8))) is FixedEpochOrder
+    assert type(make_scheduler(fixed, NONE, key=KEY, population=range(8))) is FixedEpochOrder
 
 
 def test_the_compat_constructor_checks_its_parts():
@@ -73,3 +78,12 @@ def test_the_compat_constructor_checks_its_parts():
         Sampling("poisson", 0.1, True)
     with pytest.raises(ConfigError, match="probability"):
         BMinSepSampling(0.0)
+
+
+def test_every_scheme_has_one_scheduler_and_one_accountant_and_a_place_in_the_grammar():
+    """The sampler is the accountant's (ARCHITECTURE.md, rule 3): each description has both interpreters."""
+    assert set(BY_KIND.values()) == set(BUILDERS) == set(ACCOUNTANTS)
+    assert GRAMMAR == "none | bminsep:P[:warm] | cyclic-poisson:Q | poisson:P"
+    for bad in ("uniform:0.1", "none:0.1", "poisson:0.1:warm", "bminsep"):
+        with pytest.raises(ConfigError, match=re.escape(f"sampling must be {GRAMMAR}, got")):
+            parse_sampling(bad)

@@ -2,7 +2,8 @@
 
 * ``gaussian``        one Gaussian mechanism: epsilon(delta), calibration (cached)
 * ``accountant``      epsilon / calibrate / epsilon_by_round for a mechanism, schema and sampling
-* ``sampling``        the sampling schemes (none, bminsep, cyclic-poisson, poisson) and how each is accounted
+* ``schemes``         how each sampling scheme (``fedmf.sampling``: none, bminsep, cyclic-poisson, poisson)
+                      is accounted: one entry per scheme
 * ``per_round``       epsilon after each round: the un-amplified and cyclic-Poisson curves
 * ``posthoc``         per-user epsilon from the observed participation pattern
 * ``releases``        the round's extra Gaussian releases (the count, the client-metric release), described once
@@ -26,16 +27,11 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = [
-    "Accounting", "MonteCarloOptions", "epsilon", "calibrate", "epsilon_by_round", "account_observed", "Sampling",
-    "NoSampling", "BMinSepSampling", "CyclicPoissonSampling", "PlainPoissonSampling", "parse_sampling",
-]
+__all__ = ["Accounting", "MonteCarloOptions", "epsilon", "calibrate", "epsilon_by_round", "account_observed"]
 
 _EXPORTS = {
     "Accounting": "accountant", "MonteCarloOptions": "accountant", "epsilon": "accountant",
-    "calibrate": "accountant", "epsilon_by_round": "accountant", "account_observed": "posthoc", "Sampling": "sampling",
-    "NoSampling": "sampling", "BMinSepSampling": "sampling", "CyclicPoissonSampling": "sampling",
-    "PlainPoissonSampling": "sampling", "parse_sampling": "sampling",
+    "calibrate": "accountant", "epsilon_by_round": "accountant", "account_observed": "posthoc",
 }
 
 

@@ -4,7 +4,7 @@ Noise convention (ARCHITECTURE.md): the server adds noise of standard deviation
 sigma = z·ζ·sens, sens = the sensitivity of C under the planned schema (``noise_sensitivity``,
 default: the schema given here). In clip-norm units the noise std is z·sens
 (``Accounting.noise_std_per_clip_norm``; ``noise_std`` is always the absolute sigma). Then (each
-scheme's part is its object's in ``sampling``; this module holds the common checks and the result)
+scheme's part is its entry in ``schemes``; this module holds the common checks and the result)
   * none (un-amplified DP-MF): one Gaussian mechanism with sensitivity sens_schema and
     noise std z·sens, i.e. multiplier z·sens/sens_schema (= z when the noise was scaled
     for this schema) — "Multi-Epoch MF", Thm 2.2 / App. D.2;
@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
 from .. import checks
-from . import gaussian
-from .sampling import Sampling, parse_sampling
+from ..sampling import Sampling, parse_sampling
+from . import count_release, gaussian, schemes
+from .releases import ExtraReleases
 
 if TYPE_CHECKING:
-    from .releases import ExtraReleases
     from ..mechanisms.base import Mechanism
     from ..participation import Schema
     from .per_round import ByRound
@@ -78,8 +78,6 @@ class Accounting:
 def _rho(sampling: Sampling, details: dict[str, Any]) -> float | None:
     """ρ = 1/(2 z_eff²) of an un-amplified run (Bun & Steinke 2016, Prop. 1.6; composition adds, which
     z_eff already holds); None with a note in ``details`` for amplified accounting (no zCDP bound)."""
-    from . import count_release
-
     if sampling.amplified or "effective_noise_multiplier" not in details:
         details["rho_note"] = count_release.RHO_AMPLIFIED_NOTE
         return None
@@ -91,9 +89,6 @@ def _extra(sampling: Sampling, count_noise_std: float | None,
     """The round's extra Gaussian releases (``releases``, or ``count_noise_std``: σ_b of adaptive clipping's
     count alone; None: none) as σ_unit, the std per unit sensitivity the formulas compose (``releases`` (R)),
     after checking that ``sampling``'s accountant composes them."""
-    from . import count_release
-    from .releases import ExtraReleases
-
     count_noise_std = count_release.check_count_noise_std(count_noise_std)
     if count_noise_std is not None:
         if releases is not None:
@@ -103,7 +98,7 @@ def _extra(sampling: Sampling, count_noise_std: float | None,
         return None, None
     if not isinstance(releases, ExtraReleases):
         raise ConfigError(f"releases must be an ExtraReleases, got {type(releases).__name__}")
-    count_release.check_sampling(sampling, releases)
+    schemes.check_releases(sampling, releases)
     return releases.unit_std, releases
 
 
@@ -137,7 +132,7 @@ def epsilon(mechanism: "Mechanism", noise_multiplier: float, delta: float, schem
     gaussian.check_accountant(accountant)
     sampling = parse_sampling(sampling)
     count_noise_std, releases = _extra(sampling, count_noise_std, releases)
-    if per_round and not sampling.has_per_round_curve:
+    if per_round and not schemes.has_per_round_curve(sampling):
         raise ConfigError(f"per-round spend is not available for {sampling.kind} sampling")
     sens = schema_sensitivity(mechanism, schema)
     if not sens.value > 0:
@@ -147,9 +142,10 @@ def epsilon(mechanism: "Mechanism", noise_multiplier: float, delta: float, schem
     details: dict[str, Any] = _sens_details(sens)
     if noise_sensitivity is not None:
         details["noise_sensitivity"] = noise_sens
-    eps, name, guarantee, more = sampling.epsilon(
-        mechanism, schema, sens, noise_multiplier=z, std_per_clip=std_per_clip, delta=delta, accountant=accountant,
-        noise_sensitivity=noise_sensitivity, monte_carlo=monte_carlo, count_noise_std=count_noise_std)
+    eps, name, guarantee, more = schemes.epsilon(
+        sampling, mechanism, schema, sens, noise_multiplier=z, std_per_clip=std_per_clip, delta=delta,
+        accountant=accountant, noise_sensitivity=noise_sensitivity, monte_carlo=monte_carlo,
+        count_noise_std=count_noise_std)
     details.update(more)
     if releases is not None:
         releases.label(details)
@@ -179,17 +175,17 @@ def calibrate(mechanism: "Mechanism", epsilon: float, delta: float, schema: "Sch
     gaussian.check_accountant(accountant)
     sampling = parse_sampling(sampling)
     count_noise_std, releases = _extra(sampling, count_noise_std, releases)
-    sampling.check_calibrate()
-    if per_round and not sampling.has_per_round_curve:
+    schemes.check_calibrate(sampling)
+    if per_round and not schemes.has_per_round_curve(sampling):
         raise ConfigError(f"per-round spend is not available for {sampling.kind} sampling")
     sens = schema_sensitivity(mechanism, schema)
     if not sens.value > 0:
         raise ConfigError("the mechanism has zero sensitivity under this schema")
     details: dict[str, Any] = _sens_details(sens)
     try:
-        z, name, guarantee, more = sampling.calibrate(mechanism, schema, sens, epsilon=epsilon, delta=delta,
-                                                      accountant=accountant, monte_carlo=monte_carlo,
-                                                      count_noise_std=count_noise_std)
+        z, name, guarantee, more = schemes.calibrate(sampling, mechanism, schema, sens, epsilon=epsilon, delta=delta,
+                                                     accountant=accountant, monte_carlo=monte_carlo,
+                                                     count_noise_std=count_noise_std)
     except ConfigError as e:
         if releases is None or releases.count_only or "alone spends" not in str(e):
             raise
@@ -229,6 +225,7 @@ def epsilon_by_round(mechanism: "Mechanism", noise_multiplier: float, delta: flo
     planned = mechanism.sensitivity(schema)
     noise_sens = planned.value if noise_sensitivity is None else checks.positive("noise sensitivity",
                                                                                   noise_sensitivity)
-    return sampling.epsilon_by_round(mechanism, schema, planned, noise_multiplier=z, std_per_clip=z * noise_sens,
-                                     delta=delta, accountant=accountant, noise_sensitivity=noise_sensitivity,
-                                     final=final, max_points=max_points, count_noise_std=count_noise_std)
+    return schemes.epsilon_by_round(sampling, mechanism, schema, planned, noise_multiplier=z,
+                                    std_per_clip=z * noise_sens, delta=delta, accountant=accountant,
+                                    noise_sensitivity=noise_sensitivity, final=final, max_points=max_points,
+                                    count_noise_std=count_noise_std)

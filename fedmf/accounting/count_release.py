@@ -19,13 +19,14 @@ the same sampling decision, so the step is one Poisson-subsampled Gaussian whose
 norm of (2) in units of the noise (the per-step Poisson-subsampled Gaussian of "Scaling up BandMF",
 Prop. 2.1; adding the count as extra rows of that Gaussian is fedmf's own extension, checked by the
 issue-25 review against a direct dp_accounting composition).
-Other samplers (b-min-sep Monte Carlo, MMCC) are not composed with the count here and are refused.
+Other samplers (b-min-sep Monte Carlo, MMCC) are not composed with the count here and are refused
+(``fedmf.accounting.schemes.check_releases``).
 
 Every other Gaussian release of a participation (the private client-metric release) enters these
 formulas the same way: ``fedmf.accounting.releases`` composes all of a participation's releases into one
 Gaussian of sensitivity 1 and std σ_unit (its (R)), and σ_unit takes σ_b's place below (σ_unit = σ_b
 when the count is the only one). So ``count_noise_std`` in this module and in the sampling schemes'
-accountants is that σ_unit.
+accountants (``fedmf.accounting.schemes``) is that σ_unit.
 """
 
 from __future__ import annotations
@@ -35,17 +36,14 @@ from typing import TYPE_CHECKING
 
 from .. import checks
 from ..errors import ConfigError
+from ..participation import FixedEpoch
 
 if TYPE_CHECKING:
     from ..participation import Schema
-    from .releases import ExtraReleases
-    from .sampling import Sampling
 
-__all__ = ["SUPPORTED", "check_count_noise_std", "check_sampling", "compose", "mf_multiplier", "participations",
-           "privacy_split", "rho", "RHO_AMPLIFIED_NOTE"]
+__all__ = ["check_count_noise_std", "compose", "mf_multiplier", "participations", "privacy_split", "rho",
+           "RHO_AMPLIFIED_NOTE"]
 
-#: the samplers whose accountant composes the count release
-SUPPORTED = ("none", "cyclic-poisson")
 #: why an amplified accountant reports no ρ
 RHO_AMPLIFIED_NOTE = "no zCDP bound for amplified accounting (epsilon only)"
 
@@ -55,20 +53,9 @@ def check_count_noise_std(count_noise_std: float | None) -> float | None:
     return None if count_noise_std is None else checks.positive("count_noise_std", count_noise_std)
 
 
-def check_sampling(sampling: "Sampling", releases: "ExtraReleases | None" = None) -> None:
-    """Refuse a sampler whose accountant does not compose the count release (or ``releases``: the
-    round's extra Gaussian releases, ``fedmf.accounting.releases``)."""
-    if sampling.kind not in SUPPORTED:
-        what = "adaptive clipping's count release" if releases is None else releases.what()
-        raise ConfigError(f"{what} is accounted with sampling none (un-amplified) or "
-                          f"cyclic-poisson:Q only, not {sampling}")
-
-
 def participations(schema: "Schema", rounds: int) -> int:
     """k: the most rounds one user may take part in among ``rounds`` rounds under ``schema``
     (ceil(t/b) capped at k for MinSep(b, k) and FixedEpoch(k, b) alike)."""
-    from ..participation import FixedEpoch
-
     if isinstance(schema, FixedEpoch):
         return min(schema.max_participations, -(-rounds // schema.min_sep))
     return schema.participations(rounds)

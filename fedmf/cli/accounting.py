@@ -1,12 +1,13 @@
 """``fedmf epsilon`` and ``fedmf calibrate``.
 
     fedmf epsilon   --mechanism FILE --noise-multiplier Z --delta D [--participations K --min-sep B]
-                    [--sampling none|bminsep:P[:warm]|cyclic-poisson:Q] [--per-round]
+                    [--sampling SCHEME] [--per-round]
                     [--count-noise-std S] [--json]
     fedmf calibrate --mechanism FILE --epsilon E --delta D [same options] [--json]
 
-The schema is the one the mechanism file was planned for, unless --participations /
---min-sep override it (what is not given keeps its planned value). The noise multiplier
+SCHEME is a sampling scheme (``fedmf.sampling.GRAMMAR``). The schema is the one the mechanism file
+was planned for, unless --participations / --min-sep override it (what is not given keeps its
+planned value). The noise multiplier
 follows the fedmf convention: noise std = Z · clip norm · sensitivity under that schema; the
 JSON's ``noise_std_per_clip_norm`` is Z · sensitivity (the absolute std divided by the clip norm).
 ``--count-noise-std`` composes adaptive clipping's count release (``fedmf.accounting.count_release``);
@@ -21,12 +22,13 @@ import math
 import time
 from typing import Any, Callable
 
+from ..sampling import GRAMMAR, parse_sampling
 from .common import UsageError, minsep_schema
 
 __all__ = ["register", "cmd_epsilon", "cmd_calibrate"]
 
-_SAMPLING_HELP = ("none (default) | bminsep:P[:warm] (b-min-sep Poisson, b = min-sep) | cyclic-poisson:Q | "
-                  "poisson:P (Poisson in every round, MMCC)")
+_SAMPLING_HELP = (f"{GRAMMAR} (default none; bminsep: b-min-sep Poisson, b = min-sep; poisson: Poisson in every "
+                  "round, MMCC)")
 
 
 def _positive_float(name: str):
@@ -105,6 +107,7 @@ def _options(args: argparse.Namespace):
 
 
 def _load(args: argparse.Namespace):
+    from ..accounting.schemes import has_per_round_curve
     from ..mechanisms.io import load_with_schema
 
     if not 0.0 < args.delta < 1.0:
@@ -112,10 +115,8 @@ def _load(args: argparse.Namespace):
     mechanism, planned, checksum = load_with_schema(args.mechanism)
     schema = _schema(args, mechanism, planned)
     schema.validate(mechanism.rounds)
-    from ..accounting.sampling import parse_sampling
-
     sampling = parse_sampling(args.sampling)
-    if args.per_round and not sampling.has_per_round_curve:
+    if args.per_round and not has_per_round_curve(sampling):
         raise UsageError(f"--per-round is not available with {sampling.kind} sampling")
     return mechanism, schema, sampling, checksum
 

@@ -9,6 +9,7 @@ import json
 import math
 from pathlib import Path
 
+from ..sampling import GRAMMAR
 from .common import UsageError
 
 #: more canaries than this is a typo, not an audit (each needs a direction of the model's size)
@@ -110,7 +111,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="users per round, canaries included (default 40); with --sampling the expected "
                         "number planned for (the real mean grows with the canaries)")
     p.add_argument("--mechanism", help="mechanism kind or a mechanism file (default: the preset's)")
-    p.add_argument("--sampling", help="none, bminsep:P, cyclic-poisson:Q or poisson:P")
+    p.add_argument("--sampling", help=f"the sampling scheme, {GRAMMAR}")
     p.add_argument("--server-lr", type=float, help="the server optimizer's learning rate (default: the preset's)")
     p.add_argument("--seed", type=int, help="the audit's seed: canary directions and coins (default: random; "
                                             "never printed)")

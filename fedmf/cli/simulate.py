@@ -12,6 +12,7 @@ from pathlib import Path
 
 from .. import checks
 from ..errors import ConfigError
+from ..sampling import GRAMMAR
 
 __all__ = ["register", "cmd_simulate", "BACKENDS_GROUP"]
 
@@ -298,7 +299,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--noise-multiplier", type=float,
                    help="a fixed noise multiplier z instead of a target --epsilon (sigma = z x clip norm x "
                         "sensitivity)")
-    p.add_argument("--sampling", help="none, bminsep:P, cyclic-poisson:Q or poisson:P")
+    p.add_argument("--sampling", help=f"the sampling scheme, {GRAMMAR} (default: the preset's)")
     p.add_argument("--rounds", type=int, help="rounds in the run, the mechanism's horizon (default: the preset's)")
     p.add_argument("--min-sep", type=int,
                    help="least rounds between two participations of one user (default: the preset's, at most "

@@ -15,8 +15,8 @@ scheme below is exactly the sampler its accountant assumes (``fedmf.accounting``
 
 One module per scheme (``min_sep``, ``bminsep``, ``cyclic_poisson``, ``poisson``, ``fixed_epoch``;
 the amplified ones share ``population``), the interface in ``base``, the keyed stream in
-``stream``, the state format in ``state``; ``make_scheduler`` (``factory``) asks the plan's
-sampling scheme (``fedmf.accounting.sampling``) for its scheduler.
+``stream``, the state format in ``state``; ``make_scheduler`` (``factory``) builds the scheduler of
+the plan's sampling scheme, a description (``fedmf.sampling``) it dispatches on by type.
 
 Selections, not contributions, drive every rule: a selected user that drops out still used
 its participation and still blocks for b-1 rounds (b-min-sep notes §7.1 item 2: actual
