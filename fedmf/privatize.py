@@ -36,7 +36,8 @@ import torch
 from . import checks
 from .count_noise import count_noise, metric_noise
 from .errors import CheckpointError, ConfigError, PlanMismatch, RoundOrderError
-from .noise import SALT_BYTES, NoiseGenerator, key_of
+from .round.draws import SALT_BYTES, key_of
+from .round.noise import NoiseGenerator
 from .plan import RunPlan
 from .threads import one_thread
 
