@@ -26,7 +26,8 @@ import torch
 
 from fedmf.mechanisms.blt import BufferedLinearToeplitz
 from fedmf.mechanisms.toeplitz import BandedInverseFractionalRoot, BandedSquareRoot
-from fedmf.noise import CHUNK_SIZE, NoiseGenerator, _Draws
+from fedmf.round.draws import CHUNK_SIZE, Draws
+from fedmf.round.noise import NoiseGenerator
 
 
 def jax_per_round(kind: str, mech, d: int, rounds: int) -> float | None:
@@ -96,7 +97,7 @@ def randn_time(d: int, device: torch.device, repeats: int = 5) -> float:
 def draws_time(d: int, device: torch.device, repeats: int = 5) -> float:
     """Filling d fresh values with the generator's own sampler (all CPU threads): the floor
     of every structure, which must draw d new values per round."""
-    draws = _Draws(b"bench", d, 0, d, torch.float32, device, CHUNK_SIZE)
+    draws = Draws(b"bench", d, 0, d, torch.float32, device, CHUNK_SIZE)
     out = torch.empty(d, device=device)
     times = []
     for row in range(repeats):

@@ -12,7 +12,7 @@ The end of round t is one step (ARCHITECTURE.md, "One round, as data flows"):
 After a crash the run resumes from the checkpoint of the last *committed* round (its hash must
 match the ledger's); a checkpoint written for an uncommitted round is ignored and that round
 is redone (nothing of it was released) with fresh noise: the noise state holds the salts of the
-committed rounds only (fedmf.noise).
+committed rounds only (fedmf.round.noise).
 
 A checkpoint does not copy what can be regenerated from the seed (past Gaussian draws are
 counter-based) and writes each noise tensor that no longer changes once: the noise state's

@@ -7,7 +7,7 @@ noise salt:
 
     seed_t = BLAKE2b-128(key = noise seed, salt = salt_t, person = "fedmf-count-v1", message = LE64(t))
 
-(RFC 7693). Its personalization differs from every key of the correlated noise (``fedmf.noise``:
+(RFC 7693). Its personalization differs from every key of the correlated noise (``fedmf.round.draws``:
 "fedmf-noise-s1", "fedmf-noise-v2"), so the two streams never share a seed; the salt is the one
 round t's correlated noise is keyed by (b"" for unsalted, repeatable test runs), so a redone
 round draws a fresh count, and an unsalted run draws the same count again. The committed count

@@ -37,7 +37,8 @@ import torch
 from . import checks
 from .count_noise import metric_noise
 from .errors import ConfigError, PlanMismatch, RoundOrderError
-from .noise import SALT_BYTES, NoiseGenerator, key_of
+from .round.draws import SALT_BYTES, key_of
+from .round.noise import NoiseGenerator
 from .plan import RunPlan
 from .round.clipping import ClippingPolicy, clipping_policy
 from .threads import one_thread

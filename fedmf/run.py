@@ -13,7 +13,7 @@ checkpoint store, and exposes the round as the steps of ARCHITECTURE.md's data f
 
 Both drivers, ``fedmf.federated.train`` (in process) and the Flower strategy (``server/``), run
 ``fedmf.round_loop.run_rounds``, which makes these calls in this order. A round that was not
-committed is redone with fresh noise (a new noise salt per attempt, fedmf.noise) and the same
+committed is redone with fresh noise (a new noise salt per attempt, fedmf.round.noise) and the same
 selection when the same users are available (the scheduler's decisions are a deterministic
 function of its state and the available set); the committed rounds resume bit-exactly (their
 noise is reproduced from the checkpoint's salts). So a run directory restored from a backup

@@ -22,7 +22,8 @@ from fedmf.count_noise import count_noise
 from fedmf.federated import train
 from fedmf.ledger.audit import ADAPTIVE_COLUMNS, audit
 from fedmf.mechanisms import build
-from fedmf.noise import NoiseGenerator, key_of
+from fedmf.round.draws import key_of
+from fedmf.round.noise import NoiseGenerator
 from fedmf.plan import RunPlan
 from fedmf.privatize import RoundPrivatizer
 

@@ -20,7 +20,7 @@ from scipy.optimize import brentq
 from scipy.special import expit, logit
 from scipy.stats import binom
 
-import fedmf.noise
+import fedmf.round.draws
 from fedmf import MinSep, Workload
 from fedmf.audit_empirical import (
     best_guess_bound, canary_scores, epsilon_lower_bound, p_value, run_canary_audit,
@@ -34,7 +34,7 @@ from tests._federated_task import write_secrets
 @pytest.fixture
 def no_noise(monkeypatch):
     """Every Gaussian draw of the noise generator is zero (so the released models carry no noise)."""
-    monkeypatch.setattr(fedmf.noise, "fill_normal", lambda out, seed, scale=1.0: out.zero_())
+    monkeypatch.setattr(fedmf.round.draws, "fill_normal", lambda out, seed, scale=1.0: out.zero_())
 
 
 # ---- the bound -----------------------------------------------------------------------------------
@@ -213,8 +213,8 @@ def test_with_the_configured_noise_the_bound_stays_below_the_accounted_epsilon(t
 def test_noise_cut_to_a_tenth_is_detected(tmp_path, monkeypatch):
     """Power, not only validity: a server adding a tenth of the planned σ (a sensitivity or scaling
     bug of that size) at accounted ε = 2 is caught by the default audit on the tiny task."""
-    fill = fedmf.noise.fill_normal
-    monkeypatch.setattr(fedmf.noise, "fill_normal", lambda out, seed, scale=1.0: fill(out, seed, 0.1 * scale))
+    fill = fedmf.round.draws.fill_normal
+    monkeypatch.setattr(fedmf.round.draws, "fill_normal", lambda out, seed, scale=1.0: fill(out, seed, 0.1 * scale))
     result = _tiny_audit(tmp_path, 2.0, canaries=200, seed=11)
     assert result.violated() and result.epsilon_lower_bound > result.epsilon_accounted
 
@@ -314,8 +314,8 @@ def test_heavy_many_canaries_high_dimension_bound_below_accounted(tmp_path, eps)
 @pytest.mark.heavy
 def test_heavy_under_noised_by_20x_is_detected(tmp_path, monkeypatch):
     """Noise at 5% of the planned σ (a sensitivity bug of that size) at accounted ε = 1 is caught."""
-    fill = fedmf.noise.fill_normal
-    monkeypatch.setattr(fedmf.noise, "fill_normal", lambda out, seed, scale=1.0: fill(out, seed, 0.05 * scale))
+    fill = fedmf.round.draws.fill_normal
+    monkeypatch.setattr(fedmf.round.draws, "fill_normal", lambda out, seed, scale=1.0: fill(out, seed, 0.05 * scale))
     plan = _plan(rounds=20, min_sep=4, users_per_round=100, target_epsilon=1.0)
     run = tmp_path / "run"
     write_secrets(run)

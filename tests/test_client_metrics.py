@@ -28,7 +28,7 @@ from fedmf.federated import train
 from fedmf.ledger.audit import audit
 from fedmf.ledger.budgets import run_mu_squared
 from fedmf.mechanisms import build
-from fedmf.noise import key_of
+from fedmf.round.draws import key_of
 from fedmf.plan import RunPlan
 from fedmf.privatize import RoundPrivatizer
 from fedmf.run import REPEATABLE_NOISE_ENV

@@ -18,7 +18,7 @@ from fedmf.errors import CheckpointError, PlanMismatch
 from fedmf.federated import train
 from fedmf.ledger import Ledger
 from fedmf.ledger.models import Participation
-from fedmf.noise import NoiseGenerator
+from fedmf.round.noise import NoiseGenerator
 from fedmf.run import REPEATABLE_NOISE_ENV
 from fedmf.schedule import make_scheduler
 

@@ -16,7 +16,8 @@ from fedmf.mechanisms import build, plan
 from fedmf.mechanisms.banded import optimize_banded
 from fedmf.mechanisms.blt_optimize import optimize_blt
 from fedmf.mechanisms.toeplitz import BandedInverseToeplitz
-from fedmf.noise import NoiseGenerator, _Draws
+from fedmf.round.draws import Draws
+from fedmf.round.noise import NoiseGenerator
 from fedmf.participation import MinSep
 
 N = 16
@@ -46,7 +47,7 @@ KINDS = sorted(MECHANISMS)
 
 
 def _draws(mech, d, dtype=torch.float64, chunk=5):
-    draws = _Draws(SEED, d, 0, d, dtype, torch.device("cpu"), chunk)
+    draws = Draws(SEED, d, 0, d, dtype, torch.device("cpu"), chunk)
     return np.array([draws.new(r).numpy() for r in range(mech.noise_rows)])
 
 
@@ -121,7 +122,7 @@ def test_checkpoint_survives_a_process_restart(tmp_path):
     script = textwrap.dedent(f"""
         import numpy as np, torch
         from fedmf.mechanisms.io import load
-        from fedmf.noise import NoiseGenerator
+        from fedmf.round.noise import NoiseGenerator
         gen = NoiseGenerator(load({str(tmp_path / 'm.json')!r}), 6, 1.0, device="cpu")
         gen.load_state_dict(torch.load({str(tmp_path / 'state.pt')!r}))
         np.save({str(tmp_path / 'rest.npy')!r}, np.array([gen.next().numpy() for _ in range({N - 5})]))
@@ -208,7 +209,7 @@ def test_cuda_matches_the_explicit_inverse(kind):
     mech, d = MECHANISMS[kind], 1000
     gen = NoiseGenerator(mech, d, 1.0, dtype=torch.float64, device="cuda", seed=SEED)
     out = np.array([gen.next().cpu().numpy() for _ in range(N)])
-    draws = _Draws(SEED, d, 0, d, torch.float64, torch.device("cuda"), 1 << 20)
+    draws = Draws(SEED, d, 0, d, torch.float64, torch.device("cuda"), 1 << 20)
     z = np.array([draws.new(r).cpu().numpy() for r in range(mech.noise_rows)])
     np.testing.assert_allclose(out, mech.inverse_matrix() @ z, rtol=1e-10, atol=1e-10)
 
@@ -249,7 +250,7 @@ def test_chunks_threads_blocks_and_shards_do_not_change_the_noise(kind, block, m
     """Per element the arithmetic is the same whichever thread draws a chunk, how many threads
     there are, how the round is cut into cache blocks and where a shard starts: the noise is
     bit-identical, and equals the explicit L·Z."""
-    import fedmf.noise as noise_module
+    import fedmf.round.draws as noise_module
 
     monkeypatch.setattr(noise_module, "BLOCK_SIZE", block)
     mech, d = MECHANISMS[kind], 1001
@@ -513,7 +514,7 @@ def test_shard_of_a_sharded_generator_is_refused():
 # ---- salts (issue 23 item 2): every attempt of a round draws new noise, past rounds come back exactly ----
 def _salted_draws(mech, d, salts, chunk=5):
     """Fresh rows keyed by each round's salt (every row of round t by salts[t])."""
-    draws = _Draws(SEED, d, 0, d, torch.float64, torch.device("cpu"), chunk)
+    draws = Draws(SEED, d, 0, d, torch.float64, torch.device("cpu"), chunk)
     draws.salts = [s for t in range(mech.rounds) for s in [salts[t]] * mech.fresh_rows(t)]
     return np.array([draws.new(r).numpy() for r in range(mech.noise_rows)])
 

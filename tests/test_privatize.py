@@ -12,7 +12,7 @@ import torch
 from fedmf import MinSep
 from fedmf.errors import HorizonReached, PlanMismatch, RoundOrderError
 from fedmf.mechanisms import build
-from fedmf.noise import NoiseGenerator
+from fedmf.round.noise import NoiseGenerator
 from fedmf.plan import RunPlan
 from fedmf.privatize import RoundPrivatizer, check_update
 

@@ -1,6 +1,6 @@
 """Each round is released at most once with its noise (issue 23, item 2).
 
-Every attempt of a round keys its fresh Gaussian draws by a new random salt (fedmf.noise), and
+Every attempt of a round keys its fresh Gaussian draws by a new random salt (fedmf.round.draws), and
 the salts of committed rounds live in the checkpoint: a resumed run reproduces the committed
 rounds' noise exactly, while a redone round, a round released again from a restored backup (the
 SQLite ledger inside the run directory), or a copy of the seed in a new run all draw new noise.
@@ -26,7 +26,7 @@ from fedmf.checkpoint import CheckpointStore
 from fedmf.errors import CheckpointError
 from fedmf.federated import train
 from fedmf.mechanisms import build
-from fedmf.noise import NoiseGenerator
+from fedmf.round.noise import NoiseGenerator
 from fedmf.plan import RunPlan
 
 from . import _federated_task as task

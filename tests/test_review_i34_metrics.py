@@ -25,7 +25,7 @@ from fedmf.count_noise import metric_noise
 from fedmf.errors import ConfigError
 from fedmf.ledger.budgets import run_mu_squared
 from fedmf.mechanisms import build
-from fedmf.noise import key_of
+from fedmf.round.draws import key_of
 from fedmf.plan import RunPlan
 from fedmf.privatize import RoundPrivatizer
 

@@ -47,7 +47,7 @@ from fedmf.config import RunConfig
 from fedmf.errors import CheckpointError, ConfigError, FedmfError, PlanMismatch
 from fedmf.federated import train
 from fedmf.ledger.keys import ServerSecret
-from fedmf.noise import _Draws
+from fedmf.round.draws import Draws
 from fedmf.outcome import OUTCOME_FILE, read_outcome
 from fedmf.privatize import RoundPrivatizer
 from fedmf.run import PrivateRun
@@ -90,7 +90,7 @@ def derived_noise_seeds(noise_seed: bytes, salts: list[bytes]) -> dict[str, byte
     rows = len(salts) + 1
     out = {}
     for row, salt in [(r, b"") for r in range(rows)] + list(enumerate(salts)):
-        seed = _Draws._seed(SimpleNamespace(key=noise_seed, salts=[salt] * rows), row, 0)
+        seed = Draws._seed(SimpleNamespace(key=noise_seed, salts=[salt] * rows), row, 0)
         row = f"{row}{', salted' if salt else ''}"
         out[f"noise chunk seed (row {row}) decimal"] = str(seed).encode()
         out[f"noise chunk seed (row {row}) decimal, 63 bits"] = str(seed & ((1 << 63) - 1)).encode()

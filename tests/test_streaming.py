@@ -29,7 +29,8 @@ from fedmf.mechanisms.toeplitz import (
     BandedToeplitz,
 )
 from fedmf.mechanisms.tree import TreeAggregation, honaker_weights
-from fedmf.noise import NoiseGenerator, _Draws
+from fedmf.round.draws import Draws
+from fedmf.round.noise import NoiseGenerator
 from fedmf.participation import MinSep
 from fedmf.workloads import Workload
 
@@ -99,7 +100,7 @@ def _noise(mech: Mechanism, dtype: torch.dtype) -> np.ndarray:
 
 
 def _own_draws(mech: Mechanism, d: int, chunk: int) -> np.ndarray:
-    draws = _Draws(SEED, d, 0, d, torch.float64, torch.device("cpu"), chunk)
+    draws = Draws(SEED, d, 0, d, torch.float64, torch.device("cpu"), chunk)
     return np.array([draws.new(r).numpy() for r in range(mech.noise_rows)])
 
 
@@ -232,7 +233,7 @@ def test_default_description_is_the_dense_inverse_of_c():
     np.testing.assert_allclose(spec.inverse @ c, np.eye(6), atol=1e-12)
     gen = NoiseGenerator(mech, 7, 1.0, dtype=torch.float64, device="cpu", seed=SEED, chunk_size=3)
     noise = np.array([gen.next().numpy() for _ in range(6)])
-    draws = _Draws(SEED, 7, 0, 7, torch.float64, torch.device("cpu"), 3)
+    draws = Draws(SEED, 7, 0, 7, torch.float64, torch.device("cpu"), 3)
     z = np.array([draws.new(r).numpy() for r in range(6)])
     np.testing.assert_allclose(noise, solve_triangular(c, z, lower=True), rtol=1e-12, atol=1e-12)
 
@@ -248,7 +249,7 @@ def test_generator_dispatches_on_the_description_not_the_kind():
     b = NoiseGenerator(_Renamed(N, 3), 9, 1.0, dtype=torch.float64, device="cpu", seed=SEED)
     for _ in range(N):
         assert torch.equal(a.next(), b.next())
-    assert type(b._structure).__name__ == "_Fir"
+    assert type(b._structure).__name__ == "FirNoise"
 
 
 def test_unknown_description_type_is_a_programming_error():
@@ -289,3 +290,51 @@ def test_different_parameters_give_different_fingerprints():
     assert len(set(prints)) == len(prints)
     assert all(p.startswith("sha256:") and len(p) == 7 + 64 for p in prints)
     assert BandedInverseSquareRoot(N, 3).fingerprint == prints[0]  # equal parameters, equal fingerprint
+
+
+# ---- the numpy and torch interpreters read the same description the same way -----------------
+def _specs() -> dict[str, StreamingInverse]:
+    rng = np.random.default_rng(11)
+    general = rng.uniform(-0.5, 0.5, size=(3, N))
+    general[0] = rng.uniform(0.5, 1.5, size=N)
+    return {
+        "fir-identity": Fir([1.0]),
+        "fir": Fir([1.0, -0.5, 0.125]),
+        "iir-toeplitz": Iir([1.0, 0.5, 0.375]),
+        "iir-general": Iir(general),
+        "blt": Blt([0.9, 0.3], [0.2, -0.1]),
+        "tree": Tree(honaker_weights(4)),
+        "dense": Dense(np.tril(rng.normal(size=(N, N)))),
+    }
+
+
+def test_every_description_type_has_one_numpy_and_one_torch_interpreter():
+    from fedmf.mechanisms import streaming
+    from fedmf.round.structures import INTERPRETERS
+
+    types = {cls for cls in vars(streaming).values()
+             if isinstance(cls, type) and issubclass(cls, StreamingInverse) and cls is not StreamingInverse}
+    assert set(INTERPRETERS) == set(streaming._NUMPY) == types
+    assert {type(spec) for spec in _specs().values()} == types
+
+
+@pytest.mark.parametrize("regenerate", [False, True])
+@pytest.mark.parametrize("name", sorted(_specs()))
+def test_numpy_and_torch_interpreters_agree_on_the_same_draws(name, regenerate):
+    """Same description, same fresh draws -> the same noise, up to float64 rounding (the torch
+    interpreter fuses its arithmetic in place; the numpy one builds new arrays)."""
+    from fedmf.round.structures import structure
+
+    spec, d = _specs()[name], 37
+    draws = Draws(SEED, d, 0, d, torch.float64, torch.device("cpu"), 8, 0.7)
+    draws.salts = []
+    torch_stream, numpy_side = structure(spec, draws, regenerate), numpy_stream(spec)
+    row = 0
+    for t in range(N):
+        rows = spec.fresh_rows(t)
+        draws.salts[row:] = [b""] * rows
+        got = torch_stream.step(t, row, torch.empty(d, dtype=torch.float64)).numpy().copy()
+        z = np.array([draws.new(r).numpy() for r in range(row, row + rows)])
+        expected = numpy_side.step(z)
+        np.testing.assert_allclose(got, expected, rtol=1e-13, atol=1e-15)
+        row += rows

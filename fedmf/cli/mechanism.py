@@ -65,8 +65,9 @@ def _print(report: dict[str, Any], as_json: bool) -> None:
 
 def cmd_mechanism(args: argparse.Namespace) -> int:
     """``fedmf mechanism KIND …``: build or optimize a mechanism, print its error, optionally save it."""
-    from ..mechanisms import KINDS, plan
+    from ..mechanisms import KINDS, mechanism_class, plan
     from ..mechanisms.io import save
+    from ..participation import FixedEpoch
     from ..progress import ProgressBar
     from ..workloads import parse_workload
 
@@ -83,24 +84,26 @@ def cmd_mechanism(args: argparse.Namespace) -> int:
         raise UsageError(f"--buffers must lie in [1, 15], got {args.buffers}")
     check_output("--out", args.out)
     workload = parse_workload(args.workload)
+    family = mechanism_class(args.kind)
     min_sep_range = None
-    if args.kind == "robust":
+    if "min_sep_range" in family.options:
         if args.min_sep_range is None:
-            raise UsageError("robust needs --min-sep-range B0:B1")
+            raise UsageError(f"{args.kind} needs --min-sep-range B0:B1")
         if args.min_sep is not None:
-            raise UsageError("robust takes --min-sep-range instead of --min-sep")
+            raise UsageError(f"{args.kind} takes --min-sep-range instead of --min-sep")
         min_sep_range = _parse_range(args.min_sep_range)
         if min_sep_range[1] > args.rounds:
             raise UsageError(f"--min-sep-range B1={min_sep_range[1]} exceeds the number of rounds n={args.rounds}")
         k = args.participations if args.participations is not None else math.ceil(args.rounds / min_sep_range[1])
         schema: "Schema" = minsep_schema(args.rounds, k, min_sep_range[1])
     elif args.min_sep_range is not None or args.taper:
-        raise UsageError("--min-sep-range and --taper apply to robust only")
-    elif args.kind == "dense":
+        takers = [k for k in KINDS if "min_sep_range" in mechanism_class(k).options]
+        raise UsageError(f"--min-sep-range and --taper apply to {', '.join(takers)} only")
+    elif family.planned_schema is FixedEpoch:
         schema = fixed_epoch_schema(args.rounds, args.participations, args.min_sep)
     else:
         schema = minsep_schema(args.rounds, args.participations, args.min_sep)
-    if args.kind in ("banded-toeplitz", "banded") and args.bands is not None and args.bands > schema.min_sep:
+    if family.bands_within_min_sep and args.bands is not None and args.bands > schema.min_sep:
         raise UsageError(f"{args.kind} needs --bands p <= --min-sep b under MinSep (got {args.bands} > {schema.min_sep})")
     progress = None if args.quiet else ProgressBar(f"fedmf mechanism {args.kind}", unit="steps")
     mechanism, result = plan(

@@ -21,10 +21,10 @@ from typing import Any
 
 import numpy as np
 
-from ..participation import MinSep
+from ..participation import MinSep, Schema
 from ..workloads import Workload
 from ..errors import ConfigError
-from .base import Mechanism
+from .base import OPTIMIZED, Mechanism, default_bands
 from .optimize import OptimizationResult, ProgressCallback, lbfgs
 from .streaming import Iir
 
@@ -162,9 +162,18 @@ class ColumnNormalizedBanded(Mechanism):
     ``bands[r, j] = C[j + r, j]``."""
 
     kind = "banded"
+    made_by = OPTIMIZED
+    banded = bands_within_min_sep = True
+    options = ("tolerance", "max_steps", "progress")
     rounds: int
     bands: np.ndarray
     workload: Workload = Workload()
+
+    @classmethod
+    def make(cls, rounds: int, schema: Schema, workload: Workload, num_bands: int | None,
+             **options: Any) -> tuple["ColumnNormalizedBanded", OptimizationResult]:
+        p = default_bands(rounds, schema) if num_bands is None else num_bands
+        return optimize_banded(rounds, p, schema, workload, **options)
 
     def __post_init__(self) -> None:
         b = np.array(self.bands, dtype=np.float64)

@@ -14,17 +14,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from ..filters import series_inverse, toeplitz_solve
-from ..participation import MinSep
+from ..participation import MinSep, Schema
 from ..workloads import Workload
 from ..errors import ConfigError
 from .optimize import OptimizationResult, ProgressCallback, Step, grid_then_golden, lbfgs
+from .base import default_bands
 from .toeplitz import BandedToeplitz, fractional_power_coefficients
 
-__all__ = ["ToeplitzObjective", "optimize_banded_toeplitz", "reciprocal_plus_constant"]
+__all__ = ["ToeplitzObjective", "make", "optimize_banded_toeplitz", "reciprocal_plus_constant"]
 
 
 def _correlate(lam: np.ndarray, w: np.ndarray, p: int) -> np.ndarray:
@@ -166,3 +168,11 @@ def optimize_banded_toeplitz(
                       final=True, converged=result.converged))
     theta = theta / np.linalg.norm(theta)
     return BandedToeplitz(rounds, theta, workload), result
+
+
+def make(rounds: int, schema: Schema, workload: Workload, num_bands: int | None,
+         **options: Any) -> tuple[BandedToeplitz, OptimizationResult]:
+    """``fedmf.mechanisms.plan``'s maker of this kind (the class cannot name its solver: the solver
+    imports it): ``optimize_banded_toeplitz`` with p = ``num_bands`` or ``default_bands``."""
+    p = default_bands(rounds, schema) if num_bands is None else num_bands
+    return optimize_banded_toeplitz(rounds, p, schema, workload, **options)

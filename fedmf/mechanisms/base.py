@@ -14,23 +14,36 @@ import hashlib
 import json
 from abc import ABC, abstractmethod
 from functools import cached_property
-from typing import Any, ClassVar, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Sequence
 
 import numpy as np
 
 from .. import checks
 from .. import sensitivity as _sens
 from ..errors import ConfigError
-from ..participation import Schema
+from ..participation import FixedEpoch, MinSep, Schema
 from ..workloads import Workload, WorkloadStream
 from .streaming import Dense, InverseStream, StreamingInverse, numpy_stream
 
-__all__ = ["Mechanism", "InverseStream", "StreamingInverse"]
+if TYPE_CHECKING:
+    from .optimize import OptimizationResult
+
+__all__ = ["Mechanism", "InverseStream", "StreamingInverse", "CLOSED_FORM", "OPTIMIZED", "default_bands"]
+
+#: ``Mechanism.made_by``: built from a closed form, or found by numerical optimization
+CLOSED_FORM, OPTIMIZED = "closed-form", "optimized"
 
 
 def check_rounds(rounds: Any) -> int:
     """``rounds`` if it is a positive int, else a one-line ConfigError."""
     return checks.positive_int("rounds", rounds)
+
+
+def default_bands(rounds: int, schema: Schema) -> int:
+    """Bands used when none are given: min(b, 64, n) (b bands is the most a banded C
+    may have and keep its exact MinSep sensitivity; 64 bounds the noise memory)."""
+    b = schema.min_sep if isinstance(schema, (MinSep, FixedEpoch)) else rounds
+    return max(1, min(b, 64, rounds))
 
 
 class Mechanism(ABC):
@@ -46,6 +59,32 @@ class Mechanism(ABC):
     kind: ClassVar[str]
     rounds: int
     workload: Workload
+
+    # ---- what its kind is (``fedmf.mechanisms.plan`` and ``fedmf mechanism`` read these) -------
+    #: how ``plan`` makes one (CLOSED_FORM or OPTIMIZED); None: only read from a mechanism file
+    made_by: ClassVar[str | None] = None
+    #: whether the number of bands p is a parameter (every other kind refuses ``num_bands``)
+    banded: ClassVar[bool] = False
+    #: whether p may not exceed the min-separation b (a banded C keeps its exact MinSep sensitivity
+    #: only up to b bands: disjoint column supports, ``sensitivity.banded_minsep``)
+    bands_within_min_sep: ClassVar[bool] = False
+    #: the participation schema the kind is planned for (FixedEpoch: rounds = participations x min_sep)
+    planned_schema: ClassVar[type[Schema]] = MinSep
+    #: whether its optimizer needs a Toeplitz workload (prefix, or momentum without a cooldown)
+    toeplitz_workload_only: ClassVar[bool] = False
+    #: the options of ``plan`` beyond ``num_bands`` that ``make`` reads (the others do not apply)
+    options: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def make(cls, rounds: int, schema: Schema, workload: Workload, num_bands: int | None,
+             **options: Any) -> tuple["Mechanism", "OptimizationResult | None"]:
+        """Build or optimize one for ``schema`` (``plan`` has checked the facts above and passes
+        only ``options`` that were given); the optimizer's report, or None for a closed form. A
+        kind whose solver has a module of its own (it imports the class) is made by that module's
+        ``make``, which the registry in ``fedmf.mechanisms`` names."""
+        if cls.made_by is None:
+            raise ConfigError(f"kind {cls.kind!r} is read from a mechanism file, not planned")
+        raise NotImplementedError(f"{cls.kind} is made by its solver module (use fedmf.mechanisms.plan)")
 
     # ---- description -------------------------------------------------------------
     @abstractmethod

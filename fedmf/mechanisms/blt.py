@@ -35,7 +35,7 @@ from .. import sensitivity as _sens
 from ..participation import MinSep, Schema
 from ..workloads import Workload
 from ..errors import ConfigError
-from .base import Mechanism, check_rounds
+from .base import OPTIMIZED, Mechanism, check_rounds
 from .streaming import Blt
 
 __all__ = [
@@ -276,6 +276,8 @@ class BufferedLinearToeplitz(Mechanism):
     """
 
     kind = "blt"
+    made_by = OPTIMIZED
+    options = ("num_buffers", "error", "tolerance", "max_steps", "progress")
     rounds: int
     decay_rates: np.ndarray
     inverse_decay_rates: np.ndarray

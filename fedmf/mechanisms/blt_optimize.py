@@ -13,12 +13,13 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from .. import checks
-from ..participation import MinSep
+from ..participation import MinSep, Schema
 from ..workloads import Workload
 from ..errors import ConfigError
 from .base import check_rounds
@@ -36,7 +37,7 @@ from .blt import (
 )
 from .optimize import OptimizationResult, ProgressCallback, Step, lbfgs
 
-__all__ = ["optimize_blt", "AUTO_BUFFER_GAIN"]
+__all__ = ["optimize_blt", "make", "AUTO_BUFFER_GAIN"]
 
 #: the auto buffer search stops when one more buffer improves the loss by less than this
 AUTO_BUFFER_GAIN = 0.01
@@ -237,3 +238,15 @@ def _optimize(objective: _Objective, num_buffers: int | None, max_buffers: int, 
         ],
     }
     return chosen.blt, result
+
+
+def make(rounds: int, schema: Schema, workload: Workload, num_bands: int | None,
+         **options: Any) -> tuple[BufferedLinearToeplitz, OptimizationResult]:
+    """``fedmf.mechanisms.plan``'s maker of this kind (the class cannot name its solver: the solver
+    imports it): ``optimize_blt``; a cooldown workload is optimized densely, up to
+    DENSE_LIMIT rounds, with at most MAX_BUFFERS buffers."""
+    if not workload.is_toeplitz and rounds > DENSE_LIMIT:
+        raise ConfigError(f"a cooldown workload is optimized densely, up to n={DENSE_LIMIT} rounds (got {rounds})")
+    if options.get("num_buffers") is not None:
+        options["num_buffers"] = checks.integer("num_buffers", options["num_buffers"], minimum=1, maximum=MAX_BUFFERS)
+    return optimize_blt(rounds, schema, workload, **options)

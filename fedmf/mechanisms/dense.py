@@ -35,7 +35,7 @@ from scipy.linalg import solve_triangular
 from ..errors import ConfigError
 from ..participation import FixedEpoch
 from ..workloads import Workload
-from .base import Mechanism, check_rounds
+from .base import OPTIMIZED, Mechanism, check_rounds
 from .streaming import Dense
 
 __all__ = ["DenseMechanism", "corner_signs", "MAX_PARTICIPATIONS"]
@@ -353,6 +353,9 @@ class DenseMechanism(Mechanism):
     """
 
     kind = "dense"
+    made_by = OPTIMIZED
+    planned_schema = FixedEpoch
+    options = ("device", "tolerance", "max_steps", "progress")
     rounds: int
     max_participations: int
     min_sep: int

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import math
 import time
+from typing import Any
 
 import numpy as np
 import torch
 
 from .. import checks
-from ..participation import FixedEpoch
+from ..participation import FixedEpoch, Schema
 from ..workloads import Workload
 from .dense import (
     _DTYPE,
@@ -34,7 +35,7 @@ from .dense import (
 )
 from .optimize import OptimizationResult, ProgressCallback, Step
 
-__all__ = ["optimize_dense"]
+__all__ = ["optimize_dense", "make"]
 
 
 def _device(device: str | None) -> torch.device:
@@ -400,3 +401,10 @@ def _optimize_blocks(
     exact = mechanism.sensitivity(FixedEpoch(k, b)).exact
     return mechanism, _result(rel <= tolerance, evaluations, primal, dual, gap, rel, rounds, tolerance, message,
                               started, hvps, dev, progress, sensitivity_exact=exact)
+
+
+def make(rounds: int, schema: Schema, workload: Workload, num_bands: int | None,
+         **options: Any) -> tuple[DenseMechanism, OptimizationResult]:
+    """``fedmf.mechanisms.plan``'s maker of this kind (the class cannot name its solver: the solver
+    imports it): ``optimize_dense``."""
+    return optimize_dense(rounds, schema, workload, **options)

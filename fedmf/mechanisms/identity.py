@@ -8,7 +8,8 @@ from typing import Any
 import numpy as np
 
 from ..workloads import Workload
-from .base import Mechanism, check_rounds
+from ..participation import Schema
+from .base import CLOSED_FORM, Mechanism, check_rounds
 from .streaming import Fir
 
 __all__ = ["DpSgd"]
@@ -19,8 +20,14 @@ class DpSgd(Mechanism):
     """C = L = I: the baseline. Under MinSep(b, k) its prefix loss is k(n+1)/2."""
 
     kind = "dp-sgd"
+    made_by = CLOSED_FORM
     rounds: int
     workload: Workload = Workload()
+
+    @classmethod
+    def make(cls, rounds: int, schema: Schema, workload: Workload, num_bands: int | None,
+             **options: Any) -> tuple["DpSgd", None]:
+        return cls(rounds, workload), None
 
     def __post_init__(self) -> None:
         check_rounds(self.rounds)

@@ -16,10 +16,11 @@ non-negative and non-increasing by the parameterization theta_j = sum_{r>=j} exp
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
-from ..participation import MinSep
+from ..participation import MinSep, Schema
 from ..sensitivity import is_nonnegative_nonincreasing
 from ..workloads import Workload
 from ..errors import ConfigError
@@ -152,6 +153,27 @@ class RobustToeplitz(BandedToeplitz):
     """A banded Toeplitz strategy planned for a min-separation range [b0, b1]."""
 
     kind = "robust"
+    bands_within_min_sep = False
+    options = ("min_sep_range", "taper", "weighting", "error", "tolerance", "max_steps", "progress")
+
+    @classmethod
+    def make(cls, rounds: int, schema: Schema, workload: Workload, num_bands: int | None,
+             **options: Any) -> tuple["RobustToeplitz", OptimizationResult]:
+        """Optimized over the separations ``min_sep_range`` (B0, B1) for ``schema``'s k, or (``taper``)
+        the App. H taper of the banded-Toeplitz optimum for B1."""
+        min_sep_range = options.pop("min_sep_range", None)
+        if min_sep_range is None:
+            raise ConfigError("robust needs a min_sep_range (B0, B1)")
+        b0, b1 = min_sep_range
+        k = schema.max_participations
+        if options.pop("taper", False):
+            options.pop("weighting", None)
+            bt, result = optimize_banded_toeplitz(rounds, b1, MinSep(b1, k), workload, **options)
+            coefficients = taper(bt.coefficients, b0, b1)
+            result.message = f"taper of banded-toeplitz optimized for min_sep {b1}: {result.message}"
+            result.details["taper"] = True
+            return cls(rounds, coefficients, b0, b1, workload), result
+        return optimize_robust(rounds, b0, b1, workload, participations=k, num_bands=num_bands, **options)
 
     def __init__(self, rounds: int, coefficients: np.ndarray, b0: int, b1: int, workload: Workload = Workload()) -> None:
         object.__setattr__(self, "min_sep_range", (int(b0), int(b1)))

@@ -17,7 +17,7 @@ from ..filters import series_inverse
 from ..participation import Schema
 from ..workloads import Workload
 from ..errors import ConfigError
-from .base import Mechanism, check_rounds
+from .base import CLOSED_FORM, OPTIMIZED, Mechanism, check_rounds, default_bands
 from .optimize import grid_then_golden
 from .streaming import Fir, Iir
 
@@ -61,6 +61,9 @@ class BandedToeplitz(Mechanism):
     and streams through the recursion of "Scaling up BandMF", Alg. 1."""
 
     kind = "banded-toeplitz"
+    made_by = OPTIMIZED
+    banded = bands_within_min_sep = toeplitz_workload_only = True
+    options = ("error", "tolerance", "max_steps", "progress")
     rounds: int
     coefficients: np.ndarray
     workload: Workload = Workload()
@@ -106,6 +109,14 @@ class BandedSquareRoot(BandedToeplitz):
     """BSR: C = first p coefficients of (1 - x)^{-1/2} (Kalinin & Lampert 2024)."""
 
     kind = "bsr"
+    made_by = CLOSED_FORM
+    bands_within_min_sep = toeplitz_workload_only = False
+    options = ()
+
+    @classmethod
+    def make(cls, rounds: int, schema: Schema, workload: Workload, num_bands: int | None,
+             **options: Any) -> tuple["BandedSquareRoot", None]:
+        return cls(rounds, default_bands(rounds, schema) if num_bands is None else num_bands, workload), None
 
     def __init__(self, rounds: int, num_bands: int, workload: Workload = Workload()) -> None:
         _check_bands(num_bands, rounds)
@@ -172,7 +183,19 @@ class BandedInverseFractionalRoot(BandedInverseToeplitz):
     Definition 2). gamma = 1/2 is BISR, p = 2 is DP-lambda-CGD, p = 1 is DP-SGD."""
 
     kind = "bifr"
+    made_by = CLOSED_FORM
+    banded = True
+    options = ("gamma",)
     gamma: float = 0.5
+
+    @classmethod
+    def make(cls, rounds: int, schema: Schema, workload: Workload, num_bands: int | None,
+             **options: Any) -> tuple["BandedInverseFractionalRoot", None]:
+        """With ``gamma``, that BIFR; without, the gamma best for ``schema`` (``optimal_gamma``)."""
+        p = default_bands(rounds, schema) if num_bands is None else num_bands
+        if options.get("gamma") is not None:
+            return cls(rounds, p, options["gamma"], workload), None
+        return optimal_gamma(rounds, p, schema, workload), None
 
     def __init__(self, rounds: int, num_bands: int, gamma: float, workload: Workload = Workload()) -> None:
         _check_bands(num_bands, rounds)
@@ -197,6 +220,12 @@ class BandedInverseSquareRoot(BandedInverseFractionalRoot):
     """BISR: gamma-BIFR with gamma = 1/2 (Kalinin et al. 2026, "Back to Square Roots")."""
 
     kind = "bisr"
+    options = ()
+
+    @classmethod
+    def make(cls, rounds: int, schema: Schema, workload: Workload, num_bands: int | None,
+             **options: Any) -> tuple["BandedInverseSquareRoot", None]:
+        return cls(rounds, default_bands(rounds, schema) if num_bands is None else num_bands, workload), None
 
     def __init__(self, rounds: int, num_bands: int, workload: Workload = Workload()) -> None:
         super().__init__(rounds, num_bands, 0.5, workload)

@@ -23,7 +23,8 @@ from typing import Any
 import numpy as np
 
 from ..workloads import Workload
-from .base import Mechanism, check_rounds
+from ..participation import Schema
+from .base import CLOSED_FORM, Mechanism, check_rounds
 from .streaming import Tree
 
 __all__ = ["TreeAggregation", "honaker_weights"]
@@ -48,8 +49,14 @@ class TreeAggregation(Mechanism):
     """Binary-tree aggregation with the optimal causal (Honaker) decoder."""
 
     kind = "tree"
+    made_by = CLOSED_FORM
     rounds: int
     workload: Workload = Workload()
+
+    @classmethod
+    def make(cls, rounds: int, schema: Schema, workload: Workload, num_bands: int | None,
+             **options: Any) -> tuple["TreeAggregation", None]:
+        return cls(rounds, workload), None
 
     def __post_init__(self) -> None:
         check_rounds(self.rounds)

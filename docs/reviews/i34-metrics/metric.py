@@ -5,7 +5,7 @@ from fedmf.plan import RunPlan
 from fedmf.privatize import RoundPrivatizer
 from fedmf.client_metrics import ClientMetricRelease
 from fedmf.count_noise import metric_noise, count_noise
-from fedmf.noise import key_of
+from fedmf.round.draws import key_of
 S = MinSep(1, 200); mech = build("bsr", 200, S, num_bands=1)
 layout = {"w": (2,)}
 cm = ClientMetricRelease.create(2.0, 0.5, expected_users=4)
