@@ -1,0 +1,391 @@
+"""SecAgg+ on the server: one round's secure sum as a state machine over plain dict payloads.
+
+Bell, Bonawitz, Gascón, Lepoint, Raykova, "Secure Single-Server Aggregation with
+(Poly)Logarithmic Overhead", CCS 2020 (Alg. 1, semi-honest server). Four stages, each one
+``requests()`` (node id → payload to send) and one ``receive(replies)`` (node id → payload
+received, absent = dropped):
+
+1. setup: the session, threshold t, modulus bits, vector length and each client's neighbours
+   in a fresh random k-regular (Harary) graph → two public keys per client (mask key agreement,
+   share encryption).
+2. share keys: each client's neighbourhood's public keys → its encrypted Shamir shares of its
+   mask seed and mask key (one per neighbour), and a commitment to its seed.
+3. collect masked vectors: the shares addressed to each client → its words + self mask ± the
+   pairwise masks of its neighbours that reached this stage, modulo 2^b. The whole vector is
+   masked, adaptive clipping's bit included; every client weighs the same (no example counts).
+4. unmask: which neighbours survived and which dropped → the seed shares of survivors and the
+   key shares of the dropped. The server reconstructs each secret from t shares, checks it
+   (the seed against its commitment, the key against its public key), removes the masks and
+   holds the modular sum of the survivors' words (``result``).
+
+Crypto is Flower's: ECDH key agreement with HKDF and Fernet encryption
+(``flwr.common.secure_aggregation.crypto``), Shamir sharing (pycryptodome under the same
+module), key pairs from ``flwr.supercore.primitives.asymmetric``; masks expand with ChaCha20
+(``fedmf.secagg.masks``, which says why not Flower's 32-bit-seeded generator).
+
+What a client sends is never trusted: a reply that is not exactly what its stage expects
+(wrong stage, missing or extra keys, wrong node lists, bad keys, shares with the wrong index,
+vectors of the wrong length, dtype or range) is rejected with a one-line reason in
+``rejected`` and its sender counts as dropped at that stage; a reply from a node that was not
+asked is listed in ``ignored``. When the survivors can no longer satisfy the threshold, or no
+t shares reconstruct a secret that checks, ``receive`` raises ``SecAggAbort`` and the round
+must be redone with fresh noise (nothing was released). Calls out of order raise
+``SecAggError`` and change nothing. The state machine itself never waits: the driver applies
+``params.stage_timeout_s`` to each stage.
+"""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import random
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from cryptography.hazmat.primitives.asymmetric import ec
+from flwr.common.secure_aggregation.crypto.shamir import combine_shares
+from flwr.common.secure_aggregation.crypto.symmetric_encryption import generate_shared_key
+from flwr.common.secure_aggregation.secaggplus_constants import Key, Stage
+from flwr.supercore.primitives.asymmetric import bytes_to_private_key, bytes_to_public_key
+
+from fedmf.secagg.errors import SecAggAbort, SecAggError
+from fedmf.secagg.masks import PAIRWISE_MASK, SELF_MASK, expand_mask, mod_add, mod_sub, mod_sum
+from fedmf.secagg.messages import BITS, COMMITMENT, LENGTH, NEIGHBOURS, SESSION, commit_seed, share_index
+from fedmf.secagg.params import SecAggParams
+
+__all__ = ["SecAggServer", "DONE", "ABORTED", "harary_graph"]
+
+DONE, ABORTED = "done", "aborted"
+MAX_KEY_BYTES = 1024
+MAX_CIPHERTEXT_BYTES = 4096
+MAX_SHARE_BYTES = 1024
+#: subsets of t shares tried per secret before the round aborts (a hostile share is skipped)
+MAX_SUBSETS = 64
+
+
+class _Reject(Exception):
+    """A reply that is refused (the message is the one-line reason)."""
+
+
+def _is_node_id(value: object) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)) and 0 <= value < 2**64
+
+
+def _int_list(payload: Mapping[str, Any], key: str) -> list[int]:
+    value = payload.get(key)
+    if not isinstance(value, list) or not all(_is_node_id(v) for v in value):
+        raise _Reject(f"{key} must be a list of node ids")
+    if len(set(value)) != len(value):
+        raise _Reject(f"{key} repeats a node id")
+    return [int(v) for v in value]
+
+
+def _bytes_list(payload: Mapping[str, Any], key: str, count: int, max_bytes: int) -> list[bytes]:
+    value = payload.get(key)
+    if not isinstance(value, list) or len(value) != count:
+        raise _Reject(f"{key} must be a list of {count} byte strings")
+    if not all(isinstance(v, bytes) and 0 < len(v) <= max_bytes for v in value):
+        raise _Reject(f"{key} must hold non-empty byte strings of at most {max_bytes} bytes")
+    return list(value)
+
+
+def _public_key(raw: object) -> ec.EllipticCurvePublicKey:
+    if not isinstance(raw, bytes) or not 0 < len(raw) <= MAX_KEY_BYTES:
+        raise _Reject(f"a public key must be at most {MAX_KEY_BYTES} bytes")
+    try:
+        key = bytes_to_public_key(raw)
+    except Exception:  # any parse failure of a client's bytes is a rejected reply
+        raise _Reject("a public key does not parse") from None
+    if not isinstance(key, ec.EllipticCurvePublicKey) or key.curve.name != "secp384r1":
+        raise _Reject("a public key is not on secp384r1 (Flower's key agreement curve)")
+    return key
+
+
+def harary_graph(nodes: Sequence[int], degree: int, rng: random.Random) -> dict[int, frozenset[int]]:
+    """Each node's neighbours: the complete graph when ``degree`` ≥ n − 1, else a random Harary
+    graph — the nodes shuffled on a ring, each linked to ``degree``/2 on each side (Bell et al.
+    2020, Sec. 3: random, so that colluders cannot choose to surround a client)."""
+    order = list(nodes)
+    n = len(order)
+    if degree >= n - 1:
+        return {u: frozenset(order) - {u} for u in order}
+    rng.shuffle(order)
+    half = degree // 2
+    return {u: frozenset(order[(i + o) % n] for o in range(-half, half + 1) if o) for i, u in enumerate(order)}
+
+
+class SecAggServer:
+    """One round's SecAgg+ aggregation of ``length`` words modulo 2^``params.bits`` over the
+    sampled ``node_ids``. ``session`` names the round attempt (fresh random bytes by default);
+    ``rng`` draws the graph (the operating system's generator by default)."""
+
+    def __init__(self, params: SecAggParams, length: int, node_ids: Sequence[int], *,
+                 session: bytes | None = None, rng: random.Random | None = None) -> None:
+        if not isinstance(params, SecAggParams):
+            raise SecAggError(f"params must be SecAggParams, got {type(params).__name__}")
+        if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+            raise SecAggError(f"vector length must be a positive integer, got {length!r}")
+        ids = list(node_ids)
+        if not all(_is_node_id(u) for u in ids) or len(set(ids)) != len(ids):
+            raise SecAggError("node ids must be distinct integers in [0, 2^64)")
+        if len(ids) < 2:
+            raise SecAggError(f"secure aggregation needs at least 2 clients, got {len(ids)}")
+        if len(ids) < params.threshold:
+            raise SecAggAbort(f"secure aggregation aborted at setup: {len(ids)} sampled clients, below the "
+                              f"threshold {params.threshold}")
+        self.params = params
+        self.length = length
+        self.session = session if session is not None else random.SystemRandom().randbytes(16)
+        if not isinstance(self.session, bytes) or not 16 <= len(self.session) <= 64:
+            raise SecAggError("session must be 16 to 64 bytes")
+        self.sampled = frozenset(int(u) for u in ids)
+        self.neighbours = harary_graph(sorted(self.sampled), params.degree, rng or random.SystemRandom())
+        self.stage = Stage.SETUP
+        self.rejected: dict[int, str] = {}
+        self.ignored: list[object] = []
+        self.abort_reason: str | None = None
+        self.u1: frozenset[int] = frozenset()
+        self.u2: frozenset[int] = frozenset()
+        self.u3: frozenset[int] = frozenset()
+        self._pk1: dict[int, bytes] = {}
+        self._pk2: dict[int, bytes] = {}
+        self._commitments: dict[int, bytes] = {}
+        self._forward: dict[int, dict[int, bytes]] = {}
+        self._masked_sum: np.ndarray | None = None
+        self.result: np.ndarray | None = None
+
+    # -- what the driver sees -------------------------------------------------------------
+
+    @property
+    def contributors(self) -> frozenset[int]:
+        """The clients whose vectors are in the sum (those that sent a valid masked vector)."""
+        return self.u3
+
+    @property
+    def dropped(self) -> frozenset[int]:
+        """Sampled clients whose vectors are not in the sum."""
+        return self.sampled - self.u3 if self.stage == DONE else self.sampled - self._alive()
+
+    def requests(self) -> dict[int, dict[str, Any]]:
+        """The payload of the current stage for each client still taking part."""
+        self._check_open()
+        make: Callable[[int], dict[str, Any]] = {
+            Stage.SETUP: self._setup_request, Stage.SHARE_KEYS: self._share_keys_request,
+            Stage.COLLECT_MASKED_VECTORS: self._collect_request, Stage.UNMASK: self._unmask_request,
+        }[self.stage]
+        return {u: {Key.STAGE: self.stage, SESSION: self.session, **make(u)} for u in sorted(self._alive())}
+
+    def receive(self, replies: Mapping[int, object]) -> None:
+        """Read the current stage's replies; go to the next stage, or raise ``SecAggAbort``."""
+        self._check_open()
+        if not isinstance(replies, Mapping):
+            raise SecAggError("replies must be a mapping of node ids to payloads")
+        stage, alive = self.stage, self._alive()
+        read = {Stage.SETUP: self._read_setup, Stage.SHARE_KEYS: self._read_share_keys,
+                Stage.COLLECT_MASKED_VECTORS: self._read_collect, Stage.UNMASK: self._read_unmask}[stage]
+        accepted: dict[int, Any] = {}
+        for node, payload in replies.items():
+            if not _is_node_id(node) or int(node) not in alive:
+                self.ignored.append(node)
+                continue
+            try:
+                if not isinstance(payload, Mapping):
+                    raise _Reject("a reply must be a mapping")
+                named = payload.get(Key.STAGE)
+                if not isinstance(named, str) or named != stage:
+                    raise _Reject(f"a reply to stage {stage!r} names stage {named!r:.40}")
+                accepted[int(node)] = read(int(node), payload)
+            except _Reject as reason:
+                self.rejected[int(node)] = f"{stage}: {reason}"
+            except Exception as e:  # a malformed message must never stop the round
+                self.rejected[int(node)] = f"{stage}: a malformed reply ({type(e).__name__})"
+        try:
+            self._advance(stage, accepted)
+        except SecAggAbort as abort:
+            self.stage, self.abort_reason = ABORTED, str(abort)
+            raise
+
+    # -- stages ----------------------------------------------------------------------------
+
+    def _alive(self) -> frozenset[int]:
+        return {Stage.SETUP: self.sampled, Stage.SHARE_KEYS: self.u1, Stage.COLLECT_MASKED_VECTORS: self.u2,
+                Stage.UNMASK: self.u3}.get(self.stage, frozenset())
+
+    def _check_open(self) -> None:
+        if self.stage == DONE:
+            raise SecAggError("secure aggregation is done: no stage is open")
+        if self.stage == ABORTED:
+            raise SecAggError(f"secure aggregation was aborted: {self.abort_reason}")
+
+    def _members(self, u: int) -> frozenset[int]:
+        """The holders of ``u``'s shares: its neighbours that reached share keys, and itself."""
+        return (self.neighbours[u] & self.u1) | {u}
+
+    def _setup_request(self, u: int) -> dict[str, Any]:
+        return {Key.THRESHOLD: self.params.threshold, BITS: self.params.bits, LENGTH: self.length,
+                NEIGHBOURS: sorted(self.neighbours[u])}
+
+    def _share_keys_request(self, u: int) -> dict[str, Any]:
+        members = sorted(self._members(u))
+        return {Key.NODE_ID_LIST: members, Key.PUBLIC_KEY_1: [self._pk1[v] for v in members],
+                Key.PUBLIC_KEY_2: [self._pk2[v] for v in members]}
+
+    def _collect_request(self, u: int) -> dict[str, Any]:
+        srcs = sorted(self._forward[u])
+        return {Key.SOURCE_LIST: srcs, Key.CIPHERTEXT_LIST: [self._forward[u][v] for v in srcs]}
+
+    def _unmask_request(self, u: int) -> dict[str, Any]:
+        return {Key.ACTIVE_NODE_ID_LIST: sorted((self.neighbours[u] & self.u3) | {u}),
+                Key.DEAD_NODE_ID_LIST: sorted(self.neighbours[u] & (self.u2 - self.u3))}
+
+    @staticmethod
+    def _exact_keys(payload: Mapping[str, Any], keys: set[str]) -> None:
+        if set(payload) != keys | {Key.STAGE}:
+            raise _Reject(f"a reply must carry exactly {sorted(keys | {Key.STAGE})}")
+
+    def _read_setup(self, u: int, payload: Mapping[str, Any]) -> tuple[bytes, bytes]:
+        self._exact_keys(payload, {Key.PUBLIC_KEY_1, Key.PUBLIC_KEY_2})
+        pk1, pk2 = payload[Key.PUBLIC_KEY_1], payload[Key.PUBLIC_KEY_2]
+        _public_key(pk1), _public_key(pk2)
+        if pk1 == pk2:
+            raise _Reject("the two public keys are equal")
+        return pk1, pk2
+
+    def _read_share_keys(self, u: int, payload: Mapping[str, Any]) -> tuple[dict[int, bytes], bytes]:
+        self._exact_keys(payload, {Key.DESTINATION_LIST, Key.CIPHERTEXT_LIST, COMMITMENT})
+        dsts = _int_list(payload, Key.DESTINATION_LIST)
+        if set(dsts) != self._members(u) - {u}:
+            raise _Reject("the shares are not addressed to exactly the client's neighbours")
+        ctxts = _bytes_list(payload, Key.CIPHERTEXT_LIST, len(dsts), MAX_CIPHERTEXT_BYTES)
+        commitment = payload[COMMITMENT]
+        if not isinstance(commitment, bytes) or len(commitment) != 32:
+            raise _Reject("the seed commitment must be 32 bytes")
+        return dict(zip(dsts, ctxts)), commitment
+
+    def _read_collect(self, u: int, payload: Mapping[str, Any]) -> np.ndarray:
+        self._exact_keys(payload, {Key.MASKED_PARAMETERS})
+        vector = payload[Key.MASKED_PARAMETERS]
+        if not isinstance(vector, np.ndarray) or vector.dtype.kind not in "ui" or vector.dtype.itemsize > 8:
+            raise _Reject("the masked vector must be a numpy array of integers of at most 64 bits")
+        if vector.shape != (self.length,):
+            raise _Reject(f"the masked vector must have {self.length} words, got shape {vector.shape}")
+        if vector.dtype.kind == "i" and vector.size and int(vector.min()) < 0:
+            raise _Reject("the masked vector has negative words")
+        if vector.size and int(vector.max()) >= self.params.modulus:
+            raise _Reject(f"the masked vector has words of {self.params.bits} bits or more")
+        return vector.astype(np.uint64)
+
+    def _read_unmask(self, u: int, payload: Mapping[str, Any]) -> dict[int, bytes]:
+        self._exact_keys(payload, {Key.NODE_ID_LIST, Key.SHARE_LIST})
+        asked = self._unmask_request(u)
+        nids = _int_list(payload, Key.NODE_ID_LIST)
+        if set(nids) != set(asked[Key.ACTIVE_NODE_ID_LIST]) | set(asked[Key.DEAD_NODE_ID_LIST]):
+            raise _Reject("the shares are not for exactly the neighbours asked")
+        shares = _bytes_list(payload, Key.SHARE_LIST, len(nids), MAX_SHARE_BYTES)
+        for owner, share in zip(nids, shares):
+            if len(share) < 20 or (len(share) - 4) % 16:
+                raise _Reject("a share is not a Shamir share (4 + 16·j bytes)")
+            if int.from_bytes(share[:4], "little") != share_index(self._members(owner), u):
+                raise _Reject(f"the share of node {owner} carries another holder's index")
+        return dict(zip(nids, shares))
+
+    def _advance(self, stage: str, accepted: dict[int, Any]) -> None:
+        if stage == Stage.SETUP:
+            counts: dict[bytes, int] = {}
+            for pk1, pk2 in accepted.values():
+                counts[pk1] = counts.get(pk1, 0) + 1
+                counts[pk2] = counts.get(pk2, 0) + 1
+            for u, (pk1, pk2) in sorted(accepted.items()):
+                if counts[pk1] > 1 or counts[pk2] > 1:
+                    self.rejected[u] = f"{stage}: a public key is also another client's"
+                else:
+                    self._pk1[u], self._pk2[u] = pk1, pk2
+            self.u1 = frozenset(self._pk1)
+            self._check_holders(stage, self.u1, self.u1, self.u1)
+            self.stage = Stage.SHARE_KEYS
+        elif stage == Stage.SHARE_KEYS:
+            self.u2 = frozenset(accepted)
+            self._commitments = {u: c for u, (_, c) in accepted.items()}
+            self._forward = {u: {} for u in self.u2}
+            for src, (ctxts, _) in accepted.items():
+                for dst, ctxt in ctxts.items():
+                    if dst in self.u2:
+                        self._forward[dst][src] = ctxt
+            self._check_holders(stage, self.u2, self.u2, self.u2)
+            self.stage = Stage.COLLECT_MASKED_VECTORS
+        elif stage == Stage.COLLECT_MASKED_VECTORS:
+            self.u3 = frozenset(accepted)
+            self._forward = {}
+            self._masked_sum = mod_sum((accepted[u] for u in sorted(self.u3)), self.length, self.params.bits)
+            self._check_holders(stage, self.u3, self.u2, self.u3)
+            self.stage = Stage.UNMASK
+        else:
+            self.result = self._unmask(accepted)
+            self._masked_sum = None
+            self.stage = DONE
+
+    def _check_holders(self, stage: str, survivors: frozenset[int], owners: frozenset[int],
+                       holders: frozenset[int]) -> None:
+        """Abort unless ≥ t clients survive and every owner of a secret still needed keeps ≥ t
+        share holders among ``holders`` (its surviving neighbours, and itself if it survives)."""
+        t = self.params.threshold
+        if len(survivors) < t:
+            raise SecAggAbort(f"secure aggregation aborted at {stage}: {len(survivors)} clients left, below the "
+                              f"threshold {t}")
+        for owner in sorted(owners):
+            count = len((self.neighbours[owner] | {owner}) & holders)
+            if count < t:
+                raise SecAggAbort(f"secure aggregation aborted at {stage}: node {owner} keeps {count} share "
+                                  f"holders, below the threshold {t}")
+
+    # -- unmasking ---------------------------------------------------------------------------
+
+    def _reconstruct(self, owner: int, shares: dict[int, bytes], check: Callable[[bytes], bool], what: str) -> bytes:
+        t = self.params.threshold
+        if len(shares) < t:
+            raise SecAggAbort(f"secure aggregation aborted at unmask: {len(shares)} shares of node {owner}'s {what}, "
+                              f"below the threshold {t}")
+        for subset in itertools.islice(itertools.combinations(sorted(shares), t), MAX_SUBSETS):
+            try:
+                secret = combine_shares([shares[h] for h in subset])
+            except Exception:  # inconsistent or hostile shares: try another subset
+                continue
+            if check(secret):
+                return secret
+        raise SecAggAbort(f"secure aggregation aborted at unmask: no {t} shares of node {owner}'s {what} "
+                          f"reconstruct the committed secret")
+
+    def _seed_checks(self, owner: int) -> Callable[[bytes], bool]:
+        return lambda secret: commit_seed(secret) == self._commitments[owner]
+
+    def _key_checks(self, owner: int) -> Callable[[bytes], bool]:
+        expected = bytes_to_public_key(self._pk1[owner]).public_numbers()
+
+        def check(secret: bytes) -> bool:
+            try:
+                key = bytes_to_private_key(secret)
+                return isinstance(key, ec.EllipticCurvePrivateKey) and key.public_key().public_numbers() == expected
+            except Exception:  # not a private key at all
+                return False
+        return check
+
+    def _unmask(self, replies: dict[int, dict[int, bytes]]) -> np.ndarray:
+        dead = self.u2 - self.u3
+        shares: dict[int, dict[int, bytes]] = {owner: {} for owner in self.u2}
+        for holder, owned in replies.items():
+            for owner, share in owned.items():
+                shares[owner][holder] = share
+        bits, total = self.params.bits, self._masked_sum
+        assert total is not None
+        for owner in sorted(self.u3):
+            seed = self._reconstruct(owner, shares[owner], self._seed_checks(owner), "mask seed")
+            total = mod_sub(total, expand_mask(seed, self.length, bits, SELF_MASK), bits)
+        for owner in sorted(dead):
+            raw = self._reconstruct(owner, shares[owner], self._key_checks(owner), "mask key")
+            key = bytes_to_private_key(raw)
+            for u in sorted(self.neighbours[owner] & self.u3):
+                shared = base64.urlsafe_b64decode(generate_shared_key(key, bytes_to_public_key(self._pk1[u])))
+                mask = expand_mask(shared, self.length, bits, PAIRWISE_MASK)
+                total = mod_sub(total, mask, bits) if u > owner else mod_add(total, mask, bits)
+        return total

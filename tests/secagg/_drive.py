@@ -1,0 +1,44 @@
+"""Drives one SecAgg+ round in process: the server's state machine and one client per node,
+with replies dropped or rewritten per stage (a plain helper, not a test module)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Mapping
+
+import numpy as np
+from flwr.common.secure_aggregation.secaggplus_constants import Stage
+
+from client.secagg import SecAggClient
+from fedmf.secagg.params import SecAggParams
+from server.secagg import SecAggServer
+
+STAGES = (Stage.SETUP, Stage.SHARE_KEYS, Stage.COLLECT_MASKED_VECTORS, Stage.UNMASK)
+
+Tamper = Callable[[str, int, dict], object]
+
+
+def run_round(params: SecAggParams, words: Mapping[int, np.ndarray], *, drop: Mapping[str, set[int]] | None = None,
+              tamper: Tamper | None = None, graph_seed: int = 0) -> SecAggServer:
+    """Play the four stages; ``drop[stage]`` stay silent from that stage on; ``tamper`` may
+    replace a reply. Raises what the server raises (``SecAggAbort`` below the threshold)."""
+    drop = drop or {}
+    length = len(next(iter(words.values())))
+    server = SecAggServer(params, length, list(words), rng=random.Random(graph_seed))
+    clients = {u: SecAggClient(u) for u in words}
+    silent: set[int] = set()
+    for stage in STAGES:
+        silent |= set(drop.get(stage, ()))
+        replies: dict[object, object] = {}
+        for u, request in server.requests().items():
+            if u in silent:
+                continue
+            reply = clients[u].handle(request, words[u] if stage == Stage.COLLECT_MASKED_VECTORS else None)
+            replies[u] = tamper(stage, u, reply) if tamper else reply
+        server.receive(replies)
+    return server
+
+
+def random_words(nodes: list[int], length: int, bits: int, seed: int = 0) -> dict[int, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {u: rng.integers(0, 2**bits, length, dtype=np.uint64) for u in nodes}
