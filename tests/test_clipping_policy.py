@@ -11,7 +11,8 @@ import torch
 
 from fedmf.count_noise import count_noise, metric_noise
 from fedmf.errors import CheckpointError
-from fedmf.noise import NoiseGenerator, key_of
+from fedmf.round.draws import key_of
+from fedmf.round.noise import NoiseGenerator
 from fedmf.privatize import RoundPrivatizer
 from fedmf.round.clipping import AdaptiveClipping, FixedClipping, clipping_policy
 

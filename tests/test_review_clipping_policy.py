@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import fedmf.count_noise as count_module
-import fedmf.noise as noise_module
+import fedmf.round.noise as noise_module
 import fedmf.privatize as privatize_module
 import fedmf.round.clipping as clipping_module
 from fedmf import MinSep, Workload
@@ -26,7 +26,7 @@ from fedmf.client_metrics import ClientMetricRelease
 from fedmf.count_noise import count_noise
 from fedmf.errors import CheckpointError
 from fedmf.mechanisms import build
-from fedmf.noise import key_of
+from fedmf.round.draws import key_of
 from fedmf.plan import RunPlan
 from fedmf.privatize import RoundPrivatizer
 
