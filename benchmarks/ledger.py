@@ -38,7 +38,7 @@ from sqlalchemy import create_engine, insert, text
 
 from fedmf import MinSep, Workload
 from fedmf.ledger import Ledger
-from fedmf.ledger.audit import audit
+from fedmf.audit.replay import audit
 from fedmf.ledger.chain import round_sha256
 from fedmf.ledger.models import Participation, Round
 from fedmf.mechanisms import build

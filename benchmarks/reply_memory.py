@@ -39,7 +39,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from launcher.processes import flower_env  # noqa: E402
+from launcher.flower_cli import flower_env  # noqa: E402
 from tests.flower_harness import Deployment  # noqa: E402
 
 TASK_OPTIONS = {"num_users": 2, "model_size": "paper", "min_sentences": 1, "mean_sentences": 2.0,

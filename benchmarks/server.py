@@ -24,7 +24,7 @@ MinSep(2, ceil(n/2)), clients-per-round m, population 2m, z = 1, clip 1, delta 1
 the same streaming structure, banded C with p - 1 = 63 past noise outputs, so its per-round
 noise and checkpoint cost are those of banded-Toeplitz p = 64). Built with
 ``fedmf.mechanisms.plan``, ``RunPlan.create``, ``PrivateRun.open(model, plan, tmpdir,
-population=users)`` and ``RunConfig.from_mapping``.
+population=users)`` and ``ServerConfig.from_mapping``.
 
 Per cell: --fast-forward rounds run first through the same hooks with no replies (users are
 selected and recorded as dropped; noise, step, checkpoint, commit as usual) so the timed rounds
@@ -68,10 +68,10 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, Met
 
 from benchmarks._models import make_model  # noqa: E402
 from fedmf import mechanisms
-from fedmf.config import RunConfig
 from fedmf.participation import MinSep
 from fedmf.plan import RunPlan
 from fedmf.run import PrivateRun
+from server.config import ServerConfig
 from server.local_grid import LocalGrid
 from server.strategy import DPMFStrategy
 
@@ -153,7 +153,7 @@ class FedmfSide:
         schema = MinSep(MIN_SEP, -(-n // MIN_SEP))
         plan = RunPlan.create(mechanism, schema, clip_norm=CLIP_NORM, delta=DELTA, expected_users=m,
                               noise_multiplier=NOISE_MULTIPLIER)
-        config = RunConfig.from_mapping({
+        config = ServerConfig.from_mapping({
             "mechanism": "bsr", "num-bands": 64, "rounds": n, "schema": "min-sep", "min-sep": MIN_SEP,
             "clients-per-round": m, "clip-norm": CLIP_NORM, "noise-multiplier": NOISE_MULTIPLIER, "delta": DELTA,
             "run-dir": str(directory), "reply-timeout": 60.0})

@@ -35,7 +35,7 @@ median round's updates / its wall time; "start-up" is what comes before round 0)
   pfl-2threads   the same on two intra-op threads (targets compare with the faster of the two)
   pfl-masked     pfl differentiating fedmf's pad-skipping ``task.train_loss`` (one thread): the same model
                  code on both sides, so what is left of the ratio is the frameworks'
-  flower-fedmf   ``fedmf simulate --backend flower``'s path (``launcher.processes.run_simulation`` of the repo's
+  flower-fedmf   ``fedmf simulate --backend flower``'s path (``launcher.flower_cli.run_simulation`` of the repo's
                  app with ``launcher.flower_backend.flower_run_config``), one SuperNode per user, 1 CPU per ClientApp
                  actor (2 actors on 2 cores); round window = the ledger's opened_at → closed_at
   flower-fedavg  Flower's FedAvg ServerApp (benchmarks/flower_fedavg_app) on the same task, same launcher;
@@ -325,7 +325,7 @@ def _utc(text: str) -> float:
 def run_flower_fedmf(case: Case, work: Path, timeout_s: float) -> SideResult:
     """The path of ``fedmf simulate --backend flower``; round windows from the run's ledger."""
     from launcher.flower_backend import flower_population, flower_run_config
-    from launcher.processes import app_dir, run_simulation
+    from launcher.flower_cli import app_dir, run_simulation
 
     out = SideResult("flower-fedmf")
     values = case.values(work / "flower-fedmf")
@@ -352,7 +352,7 @@ _ANCHOR_ROUND = re.compile(r"fedavg-anchor round (\d+) start_s (\S+) end_s (\S+)
 
 def run_flower_fedavg(case: Case, work: Path, timeout_s: float) -> SideResult:
     """Flower's FedAvg ServerApp (benchmarks/flower_fedavg_app) on the same task and population."""
-    from launcher.processes import run_simulation
+    from launcher.flower_cli import run_simulation
 
     out = SideResult("flower-fedavg")
     values = case.values(work / "flower-fedavg")

@@ -43,7 +43,7 @@ __all__ = ["NO_MINIMUM", "resolve_min_cohort", "check", "counts", "summary_line"
 
 
 #: ``min_clients_per_round=NO_MINIMUM`` (the engine's API only, never a user's setting): every round is
-#: played however few users can join it — for the canary audit (``fedmf.audit_empirical``), which
+#: played however few users can join it — for the canary audit (``fedmf.audit.empirical``), which
 #: measures the mechanism as it runs, small and empty rounds included (the guarantee holds for any cohort)
 NO_MINIMUM = "no-minimum"
 

@@ -3,8 +3,11 @@
 The Flower app reads it from ``[tool.flwr.app.config]`` (overridable with ``flwr run .
 --run-config``); ``fedmf simulate`` builds the same object from a preset (``fedmf.simulate.PRESETS``:
 overrides of ``DEFAULTS``). Keys use Flower's kebab-case; every value is checked here and a bad one
-is a one-line ``ConfigError`` before round 1. ``DEFAULTS`` is the one defaults table:
-``pyproject.toml``'s app config equals it key for key (tests/test_config.py).
+is a one-line ``ConfigError`` before round 1. ``DEFAULTS`` holds the engine's keys, the keys every
+backend reads; the Flower adapter's own keys (reply and identity timeouts, how users prove who they
+are) are its table, ``server.config.FLOWER_DEFAULTS``, after these. The two make the one defaults
+table, ``server.config.APP_DEFAULTS``: ``pyproject.toml``'s app config equals it key for key, in order
+(tests/test_config.py).
 
     task              "tiny"                      client task (fedmf/tasks)
     task-options      '{"num_users": 20}'         JSON object of task options
@@ -36,14 +39,8 @@ is a one-line ``ConfigError`` before round 1. ``DEFAULTS`` is the one defaults t
     batch-size        16
     run-dir           "fedmf-run"                 checkpoints, secrets, and the default SQLite ledger
     ledger-url        ""                          ledger URL (default: <run-dir>/ledger.db)
-    reply-timeout     600.0                       seconds to wait for a round's replies
     ledger-diagnostics false                      also record update norms and clipping in the ledger
                                                   (data-dependent: outside the DP guarantee)
-    identity          "enrolled" | "declared-insecure"   deployment: users prove an enrolled key, or (insecure,
-                                                  logged) the user-id a SuperNode declares is trusted
-    user-enrollment   ""                          the enrollment file (``fedmf user enroll``); a deployment
-                                                  with identity "enrolled" needs it
-    identity-timeout  30.0                        seconds to wait for identity replies (then backoff per node)
     budget-key        ""                          the ledger's budget secret file (``fedmf budget``); needed
                                                   when the ledger enforces lifetime per-user budgets
     client-metrics    "none" | "private"          what leaves the server of the clients' reported training
@@ -76,18 +73,18 @@ from .errors import ConfigError, ConfigTypeError
 from .sampling import parse_sampling
 from .witness import WITNESS_OFF
 
-__all__ = ["RunConfig", "DEFAULTS"]
+__all__ = ["RunConfig", "DEFAULTS", "read_int", "read_bool", "read_float", "read_text"]
 
-#: the defaults of every key: what ``flwr run .`` users get (pyproject.toml's [tool.flwr.app.config] equals
-#: this table, types included) and what RunConfig.from_mapping fills in; never zero noise by default
+#: the defaults of every engine key: what ``flwr run .`` users get (pyproject.toml's [tool.flwr.app.config]
+#: begins with this table, types included; server.config.FLOWER_DEFAULTS follows) and what
+#: RunConfig.from_mapping fills in; never zero noise by default
 DEFAULTS: dict[str, Any] = {
     "task": "tiny", "task-options": '{"num_users": 20}', "mechanism": "bsr", "num-bands": 0, "rounds": 5,
     "schema": "min-sep", "min-sep": 2, "max-participations": 0, "sampling": "none", "clients-per-round": 5,
     "clip-norm": 1.0, "noise-multiplier": 0.5, "target-epsilon": 0.0, "delta": 1e-5, "zero-threshold": "default",
     "accountant": "pld", "server-lr": 1.0, "server-momentum": 0.0, "server-cooldown": 0.0, "client-lr": 0.1,
-    "local-epochs": 1, "batch-size": 16, "run-dir": "fedmf-run", "ledger-url": "", "reply-timeout": 600.0,
+    "local-epochs": 1, "batch-size": 16, "run-dir": "fedmf-run", "ledger-url": "",
     "ledger-diagnostics": False,
-    "identity": "enrolled", "user-enrollment": "", "identity-timeout": 30.0,
     "adaptive-clipping": 0.0, "adaptive-clipping-lr": 0.2, "adaptive-clipping-count-noise": 0.0,
     "adaptive-clipping-range": 10.0,
     "budget-key": "",
@@ -97,7 +94,8 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
-def _int(key: str, value: Any, minimum: int) -> int:
+def read_int(key: str, value: Any, minimum: int) -> int:
+    """An integer ≥ ``minimum``, or its text."""
     if isinstance(value, float) and value.is_integer():  # a run config value may come as 2.0 or "2"
         value = int(value)
     elif isinstance(value, str) and value.strip().lstrip("-").isdigit():
@@ -105,7 +103,8 @@ def _int(key: str, value: Any, minimum: int) -> int:
     return checks.integer(key, value, minimum=minimum)
 
 
-def _bool(key: str, value: Any) -> bool:
+def read_bool(key: str, value: Any) -> bool:
+    """True or False (or their text)."""
     if isinstance(value, bool):
         return value
     if isinstance(value, str) and value.strip().lower() in ("true", "false"):
@@ -113,7 +112,8 @@ def _bool(key: str, value: Any) -> bool:
     raise ConfigError(f"{key} must be true or false, got {value!r}")
 
 
-def _float(key: str, value: Any, *, minimum: float = 0.0, strict: bool = False, maximum: float = math.inf) -> float:
+def read_float(key: str, value: Any, *, minimum: float = 0.0, strict: bool = False, maximum: float = math.inf) -> float:
+    """A number in [minimum, maximum] (``strict``: above ``minimum``), or its text."""
     if isinstance(value, str):  # a run config value may come as text
         try:
             value = float(value)
@@ -122,7 +122,8 @@ def _float(key: str, value: Any, *, minimum: float = 0.0, strict: bool = False, 
     return checks.interval(key, value, minimum, maximum, low_open=strict)
 
 
-def _text(key: str, value: Any) -> str:
+def read_text(key: str, value: Any) -> str:
+    """A string, stripped."""
     if not isinstance(value, str):
         raise ConfigError(f"{key} must be a string, got {value!r}")
     return value.strip()
@@ -130,7 +131,7 @@ def _text(key: str, value: Any) -> str:
 
 def _sampling(value: Any) -> str:
     """The sampling scheme's string form as given, once ``parse_sampling`` accepts it."""
-    text = _text("sampling", value)
+    text = read_text("sampling", value)
     parse_sampling(text)
     return text
 
@@ -163,11 +164,7 @@ class RunConfig:
     batch_size: int
     run_dir: str
     ledger_url: str | None
-    reply_timeout: float
     ledger_diagnostics: bool = False
-    identity: str = "enrolled"
-    user_enrollment: str | None = None
-    identity_timeout: float = 30.0
     adaptive_clipping: float | None = None  # γ; None: ζ is fixed
     adaptive_clipping_lr: float = 0.2
     adaptive_clipping_count_noise: float | None = None  # σ_b; None: clients-per-round / 20
@@ -190,91 +187,83 @@ class RunConfig:
             raise ConfigError(f"unknown configuration key {unknown[0]!r} (known: {', '.join(sorted(DEFAULTS))})")
         v = {**DEFAULTS, **values}
         try:
-            options = json.loads(_text("task-options", v["task-options"]) or "{}")
+            options = json.loads(read_text("task-options", v["task-options"]) or "{}")
         except json.JSONDecodeError:
             raise ConfigError(f"task-options must be a JSON object, got {v['task-options']!r}") from None
         if not isinstance(options, dict):
             raise ConfigError(f"task-options must be a JSON object, got {v['task-options']!r}")
-        schema = _text("schema", v["schema"])
+        schema = read_text("schema", v["schema"])
         if schema not in ("min-sep", "fixed-epoch"):
             raise ConfigError(f"schema must be min-sep or fixed-epoch, got {schema!r}")
         zero = v["zero-threshold"]
         if isinstance(zero, str) and zero.strip() in ("default", "none"):
             zero_threshold: float | None | str = None if zero.strip() == "none" else "default"
         else:
-            zero_threshold = _float("zero-threshold", zero, strict=True)
-        accountant = _text("accountant", v["accountant"])
+            zero_threshold = read_float("zero-threshold", zero, strict=True)
+        accountant = read_text("accountant", v["accountant"])
         if accountant not in ("pld", "rdp"):
             raise ConfigError(f"accountant must be pld or rdp, got {accountant!r}")
-        noise = _float("noise-multiplier", v["noise-multiplier"])
-        target = _float("target-epsilon", v["target-epsilon"])
+        noise = read_float("noise-multiplier", v["noise-multiplier"])
+        target = read_float("target-epsilon", v["target-epsilon"])
         if noise == 0 and target == 0:
             raise ConfigError("set noise-multiplier or target-epsilon (both are 0)")
         if noise and target:  # z fixes epsilon: a target that disagrees would stop the run before or during it
             raise ConfigError(f"set noise-multiplier or target-epsilon, not both (got {noise:g} and {target:g}): "
                               "set the other to 0")
         base = Path(base_dir) if base_dir is not None else Path.cwd()
-        run_dir = _text("run-dir", v["run-dir"])
+        run_dir = read_text("run-dir", v["run-dir"])
         if not run_dir:
             raise ConfigError("run-dir must not be empty")
-        mechanism = _text("mechanism", v["mechanism"])
+        mechanism = read_text("mechanism", v["mechanism"])
         if not mechanism:
             raise ConfigError("mechanism must name a kind or a mechanism file")
         if mechanism.endswith(".json") and not Path(mechanism).is_absolute():
             mechanism = str(base / mechanism)
-        ledger = _text("ledger-url", v["ledger-url"]) or None
-        bands = _int("num-bands", v["num-bands"], 0)
-        k = _int("max-participations", v["max-participations"], 0)
-        identity = _text("identity", v["identity"])
-        if identity not in ("enrolled", "declared-insecure"):
-            raise ConfigError(f"identity must be enrolled or declared-insecure, got {identity!r}")
-        gamma = _float("adaptive-clipping", v["adaptive-clipping"], maximum=1.0)
+        ledger = read_text("ledger-url", v["ledger-url"]) or None
+        bands = read_int("num-bands", v["num-bands"], 0)
+        k = read_int("max-participations", v["max-participations"], 0)
+        gamma = read_float("adaptive-clipping", v["adaptive-clipping"], maximum=1.0)
         if gamma == 1.0:
             raise ConfigError("adaptive-clipping is a target quantile in (0, 1) (0: off), got 1")
-        clip_lr = _float("adaptive-clipping-lr", v["adaptive-clipping-lr"], strict=True)
-        count_noise = _float("adaptive-clipping-count-noise", v["adaptive-clipping-count-noise"])
-        clip_range = _float("adaptive-clipping-range", v["adaptive-clipping-range"], strict=True, maximum=1e6)
+        clip_lr = read_float("adaptive-clipping-lr", v["adaptive-clipping-lr"], strict=True)
+        count_noise = read_float("adaptive-clipping-count-noise", v["adaptive-clipping-count-noise"])
+        clip_range = read_float("adaptive-clipping-range", v["adaptive-clipping-range"], strict=True, maximum=1e6)
         if clip_range < 1.0:
             raise ConfigError(f"adaptive-clipping-range is a factor R >= 1 (ζ stays within [ζ₀/R, ζ₀·R]), got "
                               f"{clip_range:g}")
-        enrollment = _text("user-enrollment", v["user-enrollment"])
-        budget_key = _text("budget-key", v["budget-key"])
-        client_metrics = _text("client-metrics", v["client-metrics"])
+        budget_key = read_text("budget-key", v["budget-key"])
+        client_metrics = read_text("client-metrics", v["client-metrics"])
         if client_metrics not in ("none", "private"):
             raise ConfigError(f"client-metrics must be none or private, got {client_metrics!r}")
-        metrics_clip = _float("client-metrics-clip", v["client-metrics-clip"], strict=True)
-        metrics_noise = _float("client-metrics-noise", v["client-metrics-noise"])
+        metrics_clip = read_float("client-metrics-clip", v["client-metrics-clip"], strict=True)
+        metrics_noise = read_float("client-metrics-noise", v["client-metrics-noise"])
         if not (math.isfinite(metrics_clip) and math.isfinite(metrics_noise)):
             raise ConfigError("client-metrics-clip and client-metrics-noise must be finite")
-        witness = _text("witness", v["witness"]).strip()
-        if enrollment and identity != "enrolled":
-            raise ConfigError("user-enrollment is set but identity is declared-insecure: choose one")
+        witness = read_text("witness", v["witness"]).strip()
         return cls(
-            task=_text("task", v["task"]), task_options=options, mechanism=mechanism, num_bands=bands or None,
-            rounds=_int("rounds", v["rounds"], 1), schema=schema, min_sep=_int("min-sep", v["min-sep"], 1),
+            task=read_text("task", v["task"]), task_options=options, mechanism=mechanism, num_bands=bands or None,
+            rounds=read_int("rounds", v["rounds"], 1), schema=schema, min_sep=read_int("min-sep", v["min-sep"], 1),
             max_participations=k or None, sampling=_sampling(v["sampling"]),
-            clients_per_round=_float("clients-per-round", v["clients-per-round"], strict=True),
-            clip_norm=_float("clip-norm", v["clip-norm"], strict=True), noise_multiplier=noise or None,
-            target_epsilon=target or None, delta=_float("delta", v["delta"], strict=True, maximum=0.5),
+            clients_per_round=read_float("clients-per-round", v["clients-per-round"], strict=True),
+            clip_norm=read_float("clip-norm", v["clip-norm"], strict=True), noise_multiplier=noise or None,
+            target_epsilon=target or None, delta=read_float("delta", v["delta"], strict=True, maximum=0.5),
             zero_threshold=zero_threshold, accountant=accountant,
-            server_lr=_float("server-lr", v["server-lr"], strict=True),
-            server_momentum=_float("server-momentum", v["server-momentum"], maximum=0.999),
-            server_cooldown=_float("server-cooldown", v["server-cooldown"], maximum=1.0),
-            client_lr=_float("client-lr", v["client-lr"], strict=True),
-            local_epochs=_int("local-epochs", v["local-epochs"], 1), batch_size=_int("batch-size", v["batch-size"], 1),
+            server_lr=read_float("server-lr", v["server-lr"], strict=True),
+            server_momentum=read_float("server-momentum", v["server-momentum"], maximum=0.999),
+            server_cooldown=read_float("server-cooldown", v["server-cooldown"], maximum=1.0),
+            client_lr=read_float("client-lr", v["client-lr"], strict=True),
+            local_epochs=read_int("local-epochs", v["local-epochs"], 1),
+            batch_size=read_int("batch-size", v["batch-size"], 1),
             run_dir=str(base / run_dir), ledger_url=ledger,
-            reply_timeout=_float("reply-timeout", v["reply-timeout"], strict=True),
-            ledger_diagnostics=_bool("ledger-diagnostics", v["ledger-diagnostics"]),
-            identity=identity, user_enrollment=str(base / enrollment) if enrollment else None,
-            identity_timeout=_float("identity-timeout", v["identity-timeout"], strict=True),
+            ledger_diagnostics=read_bool("ledger-diagnostics", v["ledger-diagnostics"]),
             adaptive_clipping=gamma or None, adaptive_clipping_lr=clip_lr,
             adaptive_clipping_count_noise=count_noise or None, adaptive_clipping_range=clip_range,
             budget_key=str(base / budget_key) if budget_key else None,
             client_metrics=client_metrics, client_metrics_clip=metrics_clip,
             client_metrics_noise=metrics_noise or None,
             witness=(witness if witness == WITNESS_OFF else str(base / witness)) if witness else None,
-            min_clients_per_round=_int("min-clients-per-round", v["min-clients-per-round"], 0) or None,
-            stop_when_diverging=_bool("stop-when-diverging", v["stop-when-diverging"]),
+            min_clients_per_round=read_int("min-clients-per-round", v["min-clients-per-round"], 0) or None,
+            stop_when_diverging=read_bool("stop-when-diverging", v["stop-when-diverging"]),
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -26,10 +26,10 @@ from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
 
 import torch
 
-from .auditor import audit_command
+from .audit.auditor import audit_command
 from .errors import ConfigError, NotLearning
 from .learning_check import LearningCheck
-from .ledger.budgets import ConcurrentChargeError
+from .budgets import ConcurrentChargeError
 from .ledger.db import public_url
 from .ledger_retry import ledger_retry
 from .plan import RunPlan
@@ -69,7 +69,7 @@ class TrainResult:
     learning: dict[str, Any] | None = None
 
     def audit_command(self) -> str:
-        """``fedmf audit`` as the auditor runs it (``fedmf.auditor``: never the server's role or password)."""
+        """``fedmf audit`` as the auditor runs it (``fedmf.audit.auditor``: never the server's role or password)."""
         return audit_command(self.ledger, self.run_id)
 
 

@@ -6,7 +6,7 @@ A failure of ``errors`` in round t's guard or round step (``fedmf.round_loop``: 
 aborted before its commit, so nothing of it was released) is retried after 1, 2, 4, … s (at most
 30 s), up to 8 times; the last failure is raised. The Flower strategy retries every ``LedgerError``
 (a database that went away); the in-process ``train`` the concurrent budget charge only
-(``fedmf.ledger.budgets.ConcurrentChargeError``: another run spent a selected user's lifetime
+(``fedmf.budgets.ConcurrentChargeError``: another run spent a selected user's lifetime
 budget first; redone, the round passes over that user).
 """
 

@@ -173,7 +173,7 @@ class PrivateRun:
         self._started = 0.0
         self._broken: str | None = None  # set when an aborted round's state could not be restored
         self._committed_record: RoundRecord | None = None  # the round committed and not yet released
-        self._budget = None  # fedmf.ledger.budgets.RunBudget when the ledger enforces lifetime budgets
+        self._budget = None  # fedmf.budgets.RunBudget when the ledger enforces lifetime budgets
         self._missing_digests: dict[int, str] = {}  # missing_records → record_missing
         self._witness = witness  # None: off (tests only)
         #: the rounds committed before this process opened the run (None: a new run)
@@ -206,7 +206,7 @@ class PrivateRun:
         it was clipped (data-dependent, outside the DP guarantee; a resumed run keeps its own setting).
         A population smaller than the plan's expected users per round is refused
         (``RunPlan.check_population``). ``budget_key``: the ledger's budget secret file, required
-        when the ledger enforces lifetime budgets (``fedmf.ledger.budgets``). ``witness``: the release
+        when the ledger enforces lifetime budgets (``fedmf.budgets``). ``witness``: the release
         witness's directory (``fedmf.witness``; None: the user's state directory; ``"off"``: none,
         tests only, unsafe). ``min_clients_per_round``: the fewest users a round must be able to select
         (None or 0: the default; ``fedmf.cohort``).
@@ -214,9 +214,10 @@ class PrivateRun:
         A resume is refused (``CheckpointError``, one line) when the ledger and the run directory
         disagree on the rounds committed — either one is older than the other (restored from a
         backup) — or when both are behind the release witness: resuming would release rounds again."""
+        from .budgets import RunBudget
         from .cohort import resolve_min_cohort
         from .ledger import Ledger
-        from .ledger.budgets import RunBudget, load_budget_secret
+        from .ledger.budgets import load_budget_secret
         from .schedule import make_scheduler
         from .server_optimizer import server_optimizer
 

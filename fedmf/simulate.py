@@ -178,8 +178,8 @@ class SimulationResult:
     learning: dict[str, Any] | None = None
 
     def audit_command(self) -> str:
-        """``fedmf audit`` as the auditor runs it (``fedmf.auditor``: never the server's role or password)."""
-        from .auditor import audit_command  # here: the CLI reads PRESETS without loading the ledger's SQL
+        """``fedmf audit`` as the auditor runs it (``fedmf.audit.auditor``: never the server's role or password)."""
+        from .audit.auditor import audit_command  # here: the CLI reads PRESETS without loading the ledger's SQL
 
         return audit_command(self.ledger, self.run_id)
 

@@ -1,6 +1,6 @@
 """``fedmf simulate --backend flower``: the same configuration as the Flower app on the Flower
 simulation engine (Ray), one simulated SuperNode per user, every Flower process killed afterwards
-(:mod:`launcher.processes`), the result read back from the run directory into the same
+(:mod:`launcher.flower_cli`), the result read back from the run directory into the same
 ``SimulationResult`` as the in-process backend.
 
 Registered in pyproject.toml as the entry point ``flower`` of the group ``fedmf.simulate_backends``;
@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, TextIO
 
-from fedmf.config import DEFAULTS, RunConfig
+from fedmf.config import RunConfig
 from fedmf import checks
 from fedmf.errors import ConfigError, FedmfError, OutcomeError
 from fedmf.files import atomic_write
@@ -26,17 +26,19 @@ from fedmf.cohort import counts as cohort_counts
 from fedmf.cohort import resolve_min_cohort
 from fedmf.simulate import SimulationResult, chain_head, learning_check, rho_spent, run_history, write_outputs
 from fedmf.tasks import Task
+from server.config import APP_DEFAULTS
 
-from . import processes, ray_cluster
+from . import flower_cli, processes, ray_cluster
 
 __all__ = ["simulate_flower", "flower_run_config", "flower_population", "flower_result"]
 
 
 def flower_run_config(values: Mapping[str, Any], config: RunConfig) -> dict[str, Any]:
-    """The complete run configuration for ``flwr run --run-config``: every RunConfig key, so that the
-    app's own ``[tool.flwr.app.config]`` defaults (which differ from ``fedmf.config.DEFAULTS``) fill
-    in nothing, with the paths the ServerApp must see absolute (it runs in another directory)."""
-    out = {**DEFAULTS, **values}
+    """The complete run configuration for ``flwr run --run-config``: every key of the app's defaults table
+    (``server.config.APP_DEFAULTS``: the engine's keys, then the Flower adapter's), so that the app's own
+    ``[tool.flwr.app.config]`` defaults (which differ from a preset's) fill in nothing, with the paths the
+    ServerApp must see absolute (it runs in another directory)."""
+    out = {**APP_DEFAULTS, **values}
     if any(v is None for v in out.values()):
         raise ConfigError(f"configuration keys without a value: {sorted(k for k, v in out.items() if v is None)}")
     if isinstance(out["task-options"], Mapping):
@@ -116,8 +118,8 @@ def simulate_flower(config: RunConfig, values: Mapping[str, Any], task: Task, *,
     if ray_address is not None:
         ray_cluster.check_reachable(ray_address)
     try:
-        root = processes.app_dir()
-    except processes.AppDirError as e:
+        root = flower_cli.app_dir()
+    except flower_cli.AppDirError as e:
         raise ConfigError(str(e)) from None
     run_dir = Path(config.run_dir)
     run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -126,7 +128,7 @@ def simulate_flower(config: RunConfig, values: Mapping[str, Any], task: Task, *,
     clear_outcome(run_dir)  # an earlier launch's outcome is not this one's
     started = time.perf_counter()
     try:
-        res = processes.run_simulation(root, num_supernodes=num_supernodes,
+        res = flower_cli.run_simulation(root, num_supernodes=num_supernodes,
                                        run_config=flower_run_config(values, config), timeout=timeout, echo=echo,
                                        ray_address=ray_address, client_num_cpus=client_cpus,
                                        client_num_gpus=client_gpus)

@@ -14,13 +14,13 @@ import torch
 from flwr.app import ArrayRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
-from fedmf.config import RunConfig
 from fedmf.errors import CheckpointError, FedmfError
 from fedmf.files import atomic_write
 from fedmf.ledger.db import public_url
 from fedmf.outcome import STOP_PREFIXES, RunOutcome, write_outcome
 from fedmf.run import REPEATABLE_NOISE_WARNING, PrivateRun, repeatable_noise_from_env
 
+from .config import ServerConfig
 from .identity import identity_policy
 from .strategy import DPMFStrategy
 
@@ -107,7 +107,7 @@ def run_server(grid: Grid, run_config: dict) -> DPMFStrategy:
 def _serve(grid: Grid, run_config: dict, opened: list[PrivateRun]) -> DPMFStrategy:
     from fedmf.tasks import get_task
 
-    config = RunConfig.from_mapping(run_config)
+    config = ServerConfig.from_mapping(run_config)
     task = get_task(config.task, **config.task_options)
     identity = identity_policy(grid, config, task.users())  # before the run opens: a deployment needs enrollment
     plan = config.build_plan()

@@ -50,9 +50,10 @@ from typing import Callable, Iterable
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
-from fedmf.config import RunConfig
 from fedmf.enrollment import EnrollmentFile, check_user_id, new_challenge, verify_proof
 from fedmf.errors import ConfigError, FedmfError
+
+from .config import ServerConfig
 
 __all__ = ["NodeDirectory", "IdentityPolicy", "identity_policy", "IDENTITY_RECORD", "BACKOFF_S", "BACKOFF_MAX_S"]
 
@@ -82,7 +83,7 @@ def _in_process(grid: Grid) -> bool:
     return isinstance(grid, (InMemoryGrid, LocalGrid))
 
 
-def identity_policy(grid: Grid, config: RunConfig, population: Iterable[object] | None) -> IdentityPolicy:
+def identity_policy(grid: Grid, config: ServerConfig, population: Iterable[object] | None) -> IdentityPolicy:
     """The policy for this grid and configuration (a one-line ``ConfigError`` before round 1 for a
     deployment with neither an enrollment file nor the explicit insecure mode)."""
     users = None if population is None else frozenset(str(u) for u in population)

@@ -31,8 +31,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
-from fedmf.auditor import audit_command
-from fedmf.config import RunConfig
+from fedmf.audit.auditor import audit_command
 from fedmf.errors import CohortTooSmall, NotLearning
 from fedmf.learning_check import LearningCheck
 from fedmf.ledger.db import LedgerError, public_url
@@ -42,6 +41,7 @@ from fedmf.round_loop import Contributions, LoopEnd, observed_accounting, run_ro
 from fedmf.run import PrivateRun, RoundRecord
 from fedmf.schedule import Selection
 
+from .config import ServerConfig
 from .identity import IdentityPolicy, NodeDirectory, identity_policy
 from .replies import RoundReplies, max_update_bytes
 
@@ -61,7 +61,7 @@ class DPMFStrategy(Strategy):
     ``start``. ``history``: the committed rounds' records; ``stopped``: how the last ``start``
     ended ("horizon", "rounds", or the guard's message)."""
 
-    def __init__(self, run: PrivateRun, config: RunConfig, *,
+    def __init__(self, run: PrivateRun, config: ServerConfig, *,
                  evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
                  identity: IdentityPolicy | None = None, min_available: int = 1) -> None:
         self.run = run
@@ -312,7 +312,7 @@ class DPMFStrategy(Strategy):
             log.info("fedmf: stopping: %s", ended.stop)
         else:
             self.stopped = ended.reason
-        # a password in the URL is never logged; the audit command is the auditor's (fedmf.auditor)
+        # a password in the URL is never logged; the audit command is the auditor's (fedmf.audit.auditor)
         log.info("fedmf: %d rounds committed in %.1fs (%s); ledger %s; audit with: %s", self.run.next_round,
                  time.time() - started, self.stopped or "done", public_url(self.run.ledger_url),
                  audit_command(self.run.ledger_url, self.run.run_id))

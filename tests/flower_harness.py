@@ -1,8 +1,9 @@
 """Run a Flower 1.42 app on loopback from tests: simulation and deployment, no leftover processes.
 
 The shared parts (environment, ports, ``config.toml``, process tracking and teardown, ``flwr run`` with
-the run's real status, simulation) live in ``launcher/processes.py`` (production: ``fedmf simulate --backend
-flower``); this module re-exports them and adds :class:`Deployment` (SuperLink + SuperNodes as processes).
+the run's real status, simulation) live in ``launcher/processes.py`` (the supervisor) and
+``launcher/flower_cli.py`` (Flower's executables; production: ``fedmf simulate --backend flower``); this
+module re-exports them and adds :class:`Deployment` (SuperLink + SuperNodes as processes).
 
 Verified recipe (flwr 1.42.0, Python 3.11, this repo):
 
@@ -42,24 +43,26 @@ import time
 from pathlib import Path
 from typing import Iterable, Mapping
 
-from launcher.processes import (
-    _ANSI,
-    TAG_VAR,
+from launcher.flower_cli import (
     FlowerResult,
-    LeftoverProcessesError,
-    ProcessTracker,
-    _cmdline,
     _exe,
     _run_info,
     flower_env,
     flwr_run,
     free_port,
-    pid_alive,
     run_simulation,
     superlink_argv,
-    tagged_pids,
     wait_http_health,
     write_config_toml,
+)
+from launcher.processes import (
+    TAG_VAR,
+    LeftoverProcessesError,
+    ProcessTracker,
+    _cmdline,
+    pid_alive,
+    strip_ansi,
+    tagged_pids,
 )
 
 __all__ = [
@@ -252,7 +255,7 @@ class Deployment:
     def stop_run(self, run_id: int) -> tuple[int, str]:
         """``flwr stop <run_id> deploy``."""
         rc, out, err, _ = self.tracker.run([_exe("flwr"), "stop", str(run_id), self.CONNECTION], timeout=60)
-        return rc, _ANSI.sub("", out + err)
+        return rc, strip_ansi(out + err)
 
     def kill_supernode(self, i: int, sig: int = signal.SIGKILL) -> None:
         p = self.supernodes[i]

@@ -17,7 +17,7 @@ from fedmf.accounting import calibrate, cyclic_poisson, epsilon, epsilon_by_roun
 from fedmf.accounting.posthoc import account_observed
 from fedmf.adaptive_clipping import AdaptiveClipping
 from fedmf.errors import ConfigError
-from fedmf.ledger.privacy import run_privacy
+from fedmf.accounting.run_privacy import run_privacy
 from fedmf.mechanisms import build
 from fedmf.plan import RunPlan
 

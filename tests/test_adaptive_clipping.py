@@ -20,7 +20,8 @@ from fedmf.adaptive_clipping import AdaptiveClipping
 from fedmf.config import RunConfig
 from fedmf.count_noise import count_noise
 from fedmf.federated import train
-from fedmf.ledger.audit import ADAPTIVE_COLUMNS, audit
+from fedmf.audit.replay import audit
+from fedmf.audit.report import ADAPTIVE_COLUMNS
 from fedmf.mechanisms import build
 from fedmf.round.draws import key_of
 from fedmf.round.noise import NoiseGenerator
@@ -403,7 +404,7 @@ def test_simulate_with_adaptive_clipping_writes_zeta_to_results_plot_and_ledger(
 
 
 def test_the_canary_audit_refuses_an_adaptive_plan():
-    from fedmf.audit_empirical import run_canary_audit
+    from fedmf.audit.empirical import run_canary_audit
     from fedmf.errors import ConfigError
 
     with pytest.raises(ConfigError, match="fixed clip norm"):

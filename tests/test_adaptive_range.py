@@ -18,7 +18,7 @@ from fedmf.adaptive_clipping import (AT_BOUND_ROUNDS, DEFAULT_CLIP_NORM_RANGE, G
 from fedmf.config import DEFAULTS, RunConfig
 from fedmf.errors import ConfigError
 from fedmf.federated import train
-from fedmf.ledger.audit import audit
+from fedmf.audit.replay import audit
 from fedmf.mechanisms import build
 from fedmf.plan import RunPlan
 from fedmf.privatize import RoundPrivatizer
@@ -147,7 +147,7 @@ def test_the_audit_replays_the_clamped_rule_warns_at_the_bound_and_resume_is_bit
     assert any(line.startswith("WARNING") and "upper bound" in line for line in report.lines())
     # the same ledger replayed with the legacy range would not follow: the clamp is what the audit checks
     legacy = {k: v for k, v in _bounded_plan().adaptive_clipping.to_dict().items() if k != "clip_norm_range"}
-    from fedmf.ledger.audit import clip_norm_violations
+    from fedmf.audit.replay import clip_norm_violations
 
     replay = [{**r, "round_index": r["round"]} for r in report.rounds]
     assert clip_norm_violations(_bounded_plan().adaptive_clipping.to_dict(), 1.0, 10, replay) == []

@@ -1,4 +1,4 @@
-"""The empirical privacy audit (fedmf/audit_empirical.py, ``fedmf audit-empirical``).
+"""The empirical privacy audit (fedmf/audit/empirical.py, ``fedmf audit-empirical``).
 
 The bound is checked against scipy's binomial tails, a brute-force evaluation of Steinke, Nasr and
 Jagielski's (ε, δ) theorem and the exact distribution of randomized response; the scores against a
@@ -22,7 +22,7 @@ from scipy.stats import binom
 
 import fedmf.round.draws
 from fedmf import MinSep, Workload
-from fedmf.audit_empirical import (
+from fedmf.audit.empirical import (
     best_guess_bound, canary_scores, epsilon_lower_bound, p_value, run_canary_audit,
 )
 from fedmf.errors import ConfigError

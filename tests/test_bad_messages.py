@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 from sqlalchemy import select
 
 from fedmf.client_metrics import ClientMetricRelease
-from fedmf.config import RunConfig
+from server.config import ServerConfig
 from fedmf.ledger.models import Participation, UpdateNorm
 from fedmf.run import PrivateRun
 from server import strategy as strategy_module
@@ -45,7 +45,7 @@ from server.strategy import DPMFStrategy
 from . import _federated_task as task
 
 ROUNDS = 10
-CONFIG = RunConfig.from_mapping({"noise-multiplier": 0.8, "reply-timeout": 5.0,
+CONFIG = ServerConfig.from_mapping({"noise-multiplier": 0.8, "reply-timeout": 5.0,
                                  "task-options": "{}"})  # the task options the strategy sends its clients
 USERS = task.users()
 NODE = {user: 7000 + i for i, user in enumerate(USERS)}

@@ -18,11 +18,12 @@ from sqlalchemy.orm import Session
 
 from fedmf import enrollment as enrollment_module
 from fedmf import ledger_retry as retry_module
-from fedmf.config import RunConfig
+from server.config import ServerConfig
 from fedmf.enrollment import EnrolledKey, Enrollment, EnrollmentFile, generate_key_pair, sign_proof, verify_proof
 from fedmf.federated import train
 from fedmf.ledger import Ledger, LedgerError
-from fedmf.ledger.budgets import ConcurrentChargeError, RunBudget, load_budget_secret
+from fedmf.budgets import ConcurrentChargeError, RunBudget
+from fedmf.ledger.budgets import load_budget_secret
 from fedmf.ledger.models import BudgetCharge, Participation
 from fedmf.ledger_retry import ledger_retry
 from fedmf.round_loop import ROUND
@@ -142,7 +143,7 @@ class TimedGrid(LocalGrid):
 
 def _silent_run(directory, sampling, expected, rounds):
     plan = task.plan(rounds=rounds, sampling=sampling, expected_users=expected, delta=1e-2 if sampling else 1e-5)
-    config = RunConfig.from_mapping({"noise-multiplier": 0.8, "reply-timeout": 20.0, "task-options": "{}"})
+    config = ServerConfig.from_mapping({"noise-multiplier": 0.8, "reply-timeout": 20.0, "task-options": "{}"})
     clock = Clock()
     nodes = {7000 + i: honest_node(u, "silent" if u == SILENT else "honest") for i, u in enumerate(task.users())}
     grid = TimedGrid(nodes, clock, 20.0)

@@ -22,11 +22,12 @@ from fedmf.accounting.releases import COUNT, CLIENT_METRICS, ExtraReleases, Gaus
 from fedmf.adaptive_clipping import AdaptiveClipping
 from fedmf.client_metrics import ClientMetricRelease
 from fedmf.config import RunConfig
+from server.config import ServerConfig
 from fedmf.count_noise import count_noise, metric_noise
 from fedmf.errors import ConfigError
 from fedmf.federated import train
-from fedmf.ledger.audit import audit
-from fedmf.ledger.budgets import run_mu_squared
+from fedmf.audit.replay import audit
+from fedmf.accounting.gdp import run_mu_squared
 from fedmf.mechanisms import build
 from fedmf.round.draws import key_of
 from fedmf.plan import RunPlan
@@ -182,7 +183,8 @@ def test_samplers_the_count_refuses_refuse_the_metric_release(sampling, schema):
 
 def test_the_budget_charge_includes_the_release(tmp_path, bsr):
     from fedmf.ledger import Ledger
-    from fedmf.ledger.budgets import RunBudget, load_budget_secret, set_default
+    from fedmf.budgets import RunBudget
+    from fedmf.ledger.budgets import load_budget_secret, set_default
 
     secret = load_budget_secret(tmp_path / "budget.key", create=True)
     url = str(tmp_path / "ledger.db")
@@ -321,7 +323,7 @@ def _serve(tmp_path: Path, name: str, monkeypatch, num_examples: float, **over):
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
-    config = RunConfig.from_mapping(values)
+    config = ServerConfig.from_mapping(values)
     tiny = get_task("tiny", num_users=6)
     flower_result(config, model=tiny.model(), evaluate=tiny.evaluate, plot=False)
     return results[0], tmp_path / name, "\n".join(records)

@@ -18,10 +18,12 @@ from fedmf import FixedEpoch, MinSep, Workload
 from fedmf.accounting.gdp import epsilon_for
 from fedmf.cohort import counts, resolve_min_cohort, summary_line
 from fedmf.config import RunConfig
+from server.config import ServerConfig
 from fedmf.errors import ConfigError
 from fedmf.federated import train
 from fedmf.ledger import Ledger
-from fedmf.ledger.budgets import load_budget_secret, round_skips, run_mu_squared, set_default, set_user
+from fedmf.accounting.gdp import run_mu_squared
+from fedmf.ledger.budgets import load_budget_secret, round_skips, set_default, set_user
 from fedmf.ledger.models import BudgetCharge, Participation
 from fedmf.mechanisms import build
 from fedmf.plan import RunPlan
@@ -233,7 +235,7 @@ def test_a_deployment_waits_for_users_and_says_so(tmp_path, caplog):
 
     nodes = {7000 + i: honest_node(u) for i, u in enumerate(task.users())}
     few = dict(list(nodes.items())[:8])
-    config = RunConfig.from_mapping({"noise-multiplier": 0.8, "reply-timeout": 0.2, "task-options": "{}"})
+    config = ServerConfig.from_mapping({"noise-multiplier": 0.8, "reply-timeout": 0.2, "task-options": "{}"})
     plan = task.plan(rounds=4)
     # never enough users: it polls for the reply timeout, then stops; nothing of round 1 exists
     task.write_secrets(tmp_path / "short", b"deployment")
@@ -266,7 +268,7 @@ def test_a_deployment_waits_for_users_and_says_so(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="fedmf.server"), \
             PrivateRun.open(task.Tiny(), plan, tmp_path / "late", population=task.users(),
                             repeatable_noise=True) as run:
-        late = DPMFStrategy(run, RunConfig.from_mapping({**{"noise-multiplier": 0.8, "task-options": "{}"},
+        late = DPMFStrategy(run, ServerConfig.from_mapping({**{"noise-multiplier": 0.8, "task-options": "{}"},
                                                          "reply-timeout": 60.0}))
         late.cohort_poll_s = 0.0
         available = late._available
@@ -285,7 +287,7 @@ def test_a_deployment_waits_for_users_and_says_so(tmp_path, caplog):
     assert sum("waiting for users" in m for m in messages) == 1
     assert any(m.startswith("fedmf round 0: enough users after waiting") for m in messages)
     with PrivateRun.open(task.Tiny(), plan, tmp_path / "full", population=task.users(), repeatable_noise=True) as run:
-        DPMFStrategy(run, RunConfig.from_mapping({"noise-multiplier": 0.8, "task-options": "{}"})).start(
+        DPMFStrategy(run, ServerConfig.from_mapping({"noise-multiplier": 0.8, "task-options": "{}"})).start(
             LocalGrid(nodes))
         for name, value in run.model.state_dict().items():
             assert torch.equal(value, late_model[name]), name

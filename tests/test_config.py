@@ -32,11 +32,15 @@ def test_defaults_and_what_they_build(tmp_path):
 
 
 def test_the_app_config_is_the_defaults_table():
-    """pyproject.toml's [tool.flwr.app.config] (what ``flwr run .`` users get) is DEFAULTS, key for
-    key, in its order and with its types; and the defaults never mean zero noise."""
+    """pyproject.toml's [tool.flwr.app.config] (what ``flwr run .`` users get) is the one defaults table
+    ``server.config.APP_DEFAULTS`` — the engine's DEFAULTS, then the Flower adapter's FLOWER_DEFAULTS —
+    key for key, in its order and with its types; and the defaults never mean zero noise."""
+    from server.config import APP_DEFAULTS, FLOWER_DEFAULTS
+
     with open(Path(__file__).resolve().parents[1] / "pyproject.toml", "rb") as f:
         app = tomllib.load(f)["tool"]["flwr"]["app"]["config"]
-    assert [(k, type(v), v) for k, v in app.items()] == [(k, type(v), v) for k, v in DEFAULTS.items()]
+    assert [(k, type(v), v) for k, v in app.items()] == [(k, type(v), v) for k, v in APP_DEFAULTS.items()]
+    assert list(APP_DEFAULTS) == list(DEFAULTS) + list(FLOWER_DEFAULTS)  # merged, not overridden: no key in both
     config = RunConfig.from_mapping({})
     assert config.noise_multiplier == 0.5 and config.target_epsilon is None
     assert (config.min_sep, config.clients_per_round, config.task_options) == (2, 5, {"num_users": 20})

@@ -192,7 +192,8 @@ def test_server_role_writes_rounds_and_cannot_change_the_schema(roles_db, tmp_pa
 def test_server_role_charges_lifetime_budgets_and_cannot_change_them(roles_db, tmp_path):
     """The admin sets the budgets; the server role reads them, charges users and records skips,
     and may not change a budget or a charge."""
-    from fedmf.ledger.budgets import RunBudget, load_budget_secret, set_default, set_user
+    from fedmf.budgets import RunBudget
+    from fedmf.ledger.budgets import load_budget_secret, set_default, set_user
 
     secret = load_budget_secret(tmp_path / "budget.key", create=True)
     with Ledger.open(roles_db["admin_url"]) as admin:
@@ -420,7 +421,7 @@ def start_tls_superlink(tracker, pki: Path, tmp_path: Path, env: dict, registere
     """A SuperLink with TLS and SuperNode authentication on a free loopback port (the ``deploy``
     connection of ``env``'s FLWR_HOME), with the keys ``pki/supernode-0 … registered-1`` registered;
     returns the port and the registered node ids."""
-    from launcher.processes import _exe, free_port
+    from launcher.flower_cli import _exe, free_port
 
     ca = pki / "ca.crt"
     port = free_port()
@@ -449,7 +450,8 @@ def test_tls_node_auth_federation_with_postgres_ledger(roles_db, test_ca, tmp_pa
     with an unregistered key claiming user 0 (both refused, never given a node id, so never selected), a
     2-round run of the tiny task (users proving keys enrolled with `fedmf user`) writing its ledger as the
     server role, `fedmf audit` as the auditor."""
-    from launcher.processes import ProcessTracker, _exe, flower_env, free_port
+    from launcher.flower_cli import _exe, flower_env, free_port
+    from launcher.processes import ProcessTracker
 
     env = flower_env(tmp_path)
     tracker = ProcessTracker(env, tmp_path / "flwr-logs")

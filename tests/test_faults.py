@@ -37,7 +37,7 @@ from sqlalchemy import select
 
 from fedmf.tasks import ClientHyper, get_task
 from fedmf.tasks.tiny import TinyTask
-from fedmf.config import RunConfig
+from server.config import ServerConfig
 from fedmf.federated import train
 from fedmf.ledger import Ledger
 from fedmf.ledger.db import LedgerError
@@ -103,7 +103,7 @@ def _loop(values: dict, directory: Path, drop=(), available=None) -> dict:
     """The in-process loop (fedmf.federated.train) with the same secrets; ``drop``: {(user, t)}
     whose update is missing (None)."""
     task.write_secrets(directory)
-    config = RunConfig.from_mapping({**values, "run-dir": str(directory)})
+    config = ServerConfig.from_mapping({**values, "run-dir": str(directory)})
     tiny = get_task(config.task, **config.task_options)
     local = tiny.as_local_update(ClientHyper(config.client_lr, config.local_epochs, config.batch_size))
     drop = set(drop)

@@ -42,7 +42,8 @@ def _ledger_rows(directory: Path, run_id: int):
 
 @pytest.mark.parametrize("diagnostics", [False, True])
 def test_update_norms_reach_the_ledger_only_with_diagnostics(tmp_path, diagnostics):
-    from fedmf.ledger.audit import DIAGNOSTIC_COLUMNS, audit
+    from fedmf.audit.replay import audit
+    from fedmf.audit.report import DIAGNOSTIC_COLUMNS
     from fedmf.ledger.models import UpdateNorm
 
     result = train(task.Tiny(), task.users(), task.plan(), task.local_update, checkpoint_dir=tmp_path, rounds=3,

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from fedmf.tasks import ClientHyper, get_task
-from fedmf.config import RunConfig
+from server.config import ServerConfig
 from fedmf.federated import train
 from fedmf.ledger import Ledger
 from fedmf.run import REPEATABLE_NOISE_ENV
@@ -42,7 +42,7 @@ def _values(run_dir: Path, users: int, rounds: int, per_round: int, **over) -> d
 def _in_process_reference(values: dict, secrets_from: Path, directory: Path) -> dict:
     """The same run in the plain-PyTorch loop with the Flower run's secrets."""
     task.share_secrets(secrets_from, directory)
-    config = RunConfig.from_mapping({**values, "run-dir": str(directory)})
+    config = ServerConfig.from_mapping({**values, "run-dir": str(directory)})
     tiny = get_task(config.task, **config.task_options)
     model = tiny.model()
     hyper = ClientHyper(config.client_lr, config.local_epochs, config.batch_size)

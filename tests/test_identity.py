@@ -19,7 +19,7 @@ from flwr.app import ConfigRecord, Message, RecordDict
 
 from client.app import ERROR_CODE, app as client_app
 from fedmf.cli import main as fedmf_main
-from fedmf.config import RunConfig
+from server.config import ServerConfig
 from fedmf.enrollment import (Enrollment, EnrollmentFile, generate_key_pair, load_private_key, new_challenge,
                               proof_message, read_public_key, sign_proof, verify_proof)
 from fedmf.errors import ConfigError
@@ -729,24 +729,24 @@ def test_a_deployment_needs_enrollment_or_the_explicit_insecure_mode(enrolled, m
     keys, path = enrolled
     monkeypatch.setattr(identity_module, "_in_process", lambda grid: not isinstance(grid, RemoteGrid))
     base = {"noise-multiplier": 1.0}
-    assert identity_policy(LocalGrid({}), RunConfig.from_mapping(base), ["0"]).mode == "in-process"
+    assert identity_policy(LocalGrid({}), ServerConfig.from_mapping(base), ["0"]).mode == "in-process"
     with pytest.raises(ConfigError, match="a deployment needs user-enrollment"):
-        identity_policy(RemoteGrid({}), RunConfig.from_mapping(base), ["0"])
+        identity_policy(RemoteGrid({}), ServerConfig.from_mapping(base), ["0"])
     with caplog.at_level(logging.WARNING, logger="fedmf.server"):
-        declared = identity_policy(RemoteGrid({}), RunConfig.from_mapping({**base, "identity": "declared-insecure"}),
+        declared = identity_policy(RemoteGrid({}), ServerConfig.from_mapping({**base, "identity": "declared-insecure"}),
                                    ["0", "1"])
     assert declared.mode == "declared-insecure" and declared.population == {"0", "1"}
     assert any("INSECURE" in m for m in _warnings(caplog))
-    policy = identity_policy(RemoteGrid({}), RunConfig.from_mapping({**base, "user-enrollment": str(path)}), None)
+    policy = identity_policy(RemoteGrid({}), ServerConfig.from_mapping({**base, "user-enrollment": str(path)}), None)
     assert policy.mode == "enrolled" and set(policy.enrollment.enrollment.users) == {"alice", "bob", "mallory"}
     for values, match in (({"identity": "trust-me"}, "identity must be"),
                           ({"identity": "declared-insecure", "user-enrollment": str(path)}, "choose one"),
                           ({"identity-timeout": 0}, "identity-timeout")):
         with pytest.raises(ConfigError, match=match):
-            RunConfig.from_mapping({**base, **values})
+            ServerConfig.from_mapping({**base, **values})
     path.chmod(0o666)
     with pytest.raises(ConfigError, match="writable by group or others"):
-        identity_policy(RemoteGrid({}), RunConfig.from_mapping({**base, "user-enrollment": str(path)}), None)
+        identity_policy(RemoteGrid({}), ServerConfig.from_mapping({**base, "user-enrollment": str(path)}), None)
     # declared ids outside the population are refused there too
     grid = LocalGrid({1: _node(1, "0"), 2: _node(2, "99")})
     assert NodeDirectory(declared, run=RUN).refresh(grid) == {"0": 1}

@@ -28,7 +28,8 @@ def test_an_impostor_is_refused_and_a_silent_node_costs_one_identity_timeout_per
     import sqlite3
 
     from server.identity import BACKOFF_S
-    from launcher.processes import ProcessTracker, _exe, flower_env, flwr_run, free_port
+    from launcher.flower_cli import _exe, flower_env, flwr_run, free_port
+    from launcher.processes import ProcessTracker
 
     from .test_deploy import _nodes, start_tls_superlink
 

@@ -1,6 +1,8 @@
 """The layers a reader can see, checked on the source: the engine (``fedmf/``) imports none of its
 adapters (``server/``, ``client/``, ``launcher/``) nor Flower or Ray, argparse only in its CLI
-(``fedmf.cli``), and no import cycle joins the project's modules.
+(``fedmf.cli``), the layers below policy import none above them (``LAYERS``: the ledger stores and
+queries, and imports no accounting, audit or budget policy), and no import cycle joins the project's
+modules.
 
 Every ``.py`` file of the packages ``fedmf``, ``server``, ``client`` and ``launcher`` is parsed
 with ``ast`` (nothing is imported). An import is any ``import``/``from ... import`` statement,
@@ -26,6 +28,10 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("fedmf", "server", "client", "launcher")
 #: what no module under fedmf may import (top-level names)
 FORBIDDEN_IN_ENGINE = ("flwr", "ray", "server", "client", "launcher")
+#: package → what none of its modules may import (module names and their submodules), lazily neither
+LAYERS: dict[str, tuple[str, ...]] = {
+    "fedmf.ledger": ("fedmf.accounting", "fedmf.audit", "fedmf.budgets"),  # storage below policy
+}
 
 
 def _cycles(edges: dict[str, set[str]] | dict[str, dict[str, int]]) -> set[frozenset[str]]:
@@ -143,6 +149,24 @@ def engine_violations(root: Path = ROOT) -> list[str]:
     return out
 
 
+def _within(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def layer_violations(root: Path = ROOT, layers: dict[str, tuple[str, ...]] = LAYERS) -> list[str]:
+    """'module:line imports X' for every import that ``layers`` forbids its package."""
+    modules = project_modules(root)
+    out = []
+    for name, path in modules.items():
+        for package, forbidden in layers.items():
+            if not _within(name, package):
+                continue
+            for imported, line, _ in imports_of(name, path, set(modules)):
+                if any(_within(imported, f) for f in forbidden):
+                    out.append(f"{name}:{line} imports {imported}")
+    return out
+
+
 def cli_only_violations(root: Path = ROOT) -> list[str]:
     """'module:line imports argparse' for every engine module outside ``fedmf.cli`` that imports it."""
     modules = project_modules(root)
@@ -189,6 +213,14 @@ def test_the_engine_imports_no_adapter_nor_flower():
     """No module under fedmf/ imports flwr, ray, server, client or launcher (lazily neither)."""
     bad = engine_violations()
     assert not bad, "the engine imports an adapter:\n" + "\n".join(bad)
+
+
+def test_storage_below_policy():
+    """The ledger stores and queries: no module of fedmf.ledger imports the accountant, the audit or
+    the budget policy (they read the ledger, never the other way)."""
+    bad = layer_violations()
+    assert not bad, "a layer imports one above it:\n" + "\n".join(bad)
+    assert layer_violations(ROOT, {"fedmf.budgets": ("fedmf.ledger",)})  # the checker sees the real edges
 
 
 def test_argparse_only_in_the_cli():

@@ -123,7 +123,7 @@ def test_a_deployment_stops_on_a_non_finite_model_without_sending_it(tmp_path, c
 
     from flwr.app import MessageType
 
-    from fedmf.config import RunConfig
+    from server.config import ServerConfig
     from fedmf.run import PrivateRun
     from server.local_grid import LocalGrid
     from server.strategy import DPMFStrategy
@@ -131,7 +131,7 @@ def test_a_deployment_stops_on_a_non_finite_model_without_sending_it(tmp_path, c
     from .test_server_strategy import honest_node
 
     nodes = {7000 + i: honest_node(u) for i, u in enumerate(task.users())}
-    config = RunConfig.from_mapping({"noise-multiplier": 0.8, "reply-timeout": 5.0, "task-options": "{}",
+    config = ServerConfig.from_mapping({"noise-multiplier": 0.8, "reply-timeout": 5.0, "task-options": "{}",
                                      "server-lr": 1e10, "clip-norm": 1e30})
     grid = LocalGrid(nodes)
     # ζ = 1e30: noise of std ~1e30 in the sum; × server-lr 1e10 ÷ 10 users overflows float32 (3.4e38)

@@ -643,7 +643,7 @@ def _write_at_0001(url: str, tmp_path) -> dict:
 
 
 def test_a_ledger_at_0001_is_upgraded_in_place_with_its_data(ledger_url, tmp_path):
-    from fedmf.ledger.audit import audit
+    from fedmf.audit.replay import audit
 
     keys = _write_at_0001(ledger_url, tmp_path)
     with pytest.raises(LedgerError, match="schema version 0001, older than this fedmf's 0005"):
@@ -747,7 +747,7 @@ def _write_at_0002(url: str, tmp_path) -> dict:
 
 def test_a_ledger_at_0002_moves_to_append_only_history_and_verifies(ledger_url, tmp_path, capsys):
     from fedmf.cli import main as fedmf_main
-    from fedmf.ledger.audit import audit
+    from fedmf.audit.replay import audit
 
     key = _write_at_0002(ledger_url, tmp_path)
     with pytest.raises(LedgerError, match="schema version 0002, older than this fedmf's 0005"):

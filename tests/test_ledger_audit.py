@@ -12,9 +12,9 @@ from sqlalchemy import text
 
 from fedmf import FixedEpoch, MinSep, Observed, Workload
 from fedmf.ledger import Ledger, LedgerError
-from fedmf.ledger.audit import audit
+from fedmf.audit.replay import audit
 from fedmf.ledger.db import reader_engine, resolve_url
-from fedmf.ledger.privacy import release_rows, run_privacy
+from fedmf.accounting.run_privacy import release_rows, run_privacy
 from fedmf.mechanisms import build
 from fedmf.sensitivity import exhaustive_minsep, pattern_sensitivity, sensitivity
 

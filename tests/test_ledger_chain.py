@@ -14,7 +14,7 @@ from sqlalchemy import text
 from fedmf import MinSep
 from fedmf.cli import main as fedmf_main
 from fedmf.ledger import Ledger
-from fedmf.ledger.audit import audit
+from fedmf.audit.replay import audit
 from fedmf.ledger.chain import round_sha256
 
 from .test_ledger_helpers import SECRET, mechanism_file

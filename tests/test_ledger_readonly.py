@@ -15,7 +15,7 @@ from sqlalchemy import text
 from fedmf import MinSep
 from fedmf.cli import main as fedmf_main
 from fedmf.ledger import Ledger, LedgerError
-from fedmf.ledger.audit import audit
+from fedmf.audit.replay import audit
 from fedmf.ledger.models import VERSION_TABLE
 
 from .test_ledger_helpers import SECRET, mechanism_file

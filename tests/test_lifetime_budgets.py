@@ -1,4 +1,4 @@
-"""Lifetime per-user budgets across runs that share one ledger (fedmf.ledger.budgets, fedmf.accounting.gdp).
+"""Lifetime per-user budgets across runs that share one ledger (fedmf.budgets, fedmf.ledger.budgets, fedmf.accounting.gdp).
 
 Every run here is tiny (8 rounds, 12 users, 3 per round): a brute force recomputes, from the ledger's
 participations alone, who was over budget in each round, and checks the recorded skips, that no
@@ -18,13 +18,13 @@ from sqlalchemy.orm import Session
 
 from tests._federated_task import Tiny, write_secrets
 from fedmf import MinSep, Workload
-from fedmf.accounting.gdp import compose, delta_for, epsilon_for, mu_for
+from fedmf.accounting.gdp import compose, delta_for, epsilon_for, mu_for, run_mu_squared
 from fedmf.adaptive_clipping import AdaptiveClipping
 from fedmf.errors import ConfigError
 from fedmf.federated import train
 from fedmf.ledger import Ledger, LedgerError
-from fedmf.ledger.budgets import (RunBudget, load_budget_secret, round_skips, run_mu_squared, set_default, set_user,
-                                  user_accounts)
+from fedmf.budgets import RunBudget, user_accounts
+from fedmf.ledger.budgets import load_budget_secret, round_skips, set_default, set_user
 from fedmf.ledger.models import BudgetCharge, Participation, UserBudget
 from fedmf.mechanisms import build
 from fedmf.plan import RunPlan

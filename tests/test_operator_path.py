@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from fedmf.auditor import AUDITOR_ROLE, audit_command, auditor_ledger
+from fedmf.audit.auditor import AUDITOR_ROLE, audit_command, auditor_ledger
 from fedmf.cli import main
 from fedmf.config import RunConfig
 from fedmf.errors import ConfigError

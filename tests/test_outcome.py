@@ -57,12 +57,12 @@ def _serve(tmp_path, name, monkeypatch=None):
 
 
 def _result(values):
-    from fedmf.config import RunConfig
+    from server.config import ServerConfig
     from fedmf.tasks import get_task
     from launcher.flower_backend import flower_result
 
     tiny = get_task("tiny", num_users=6)
-    return flower_result(RunConfig.from_mapping(values), model=tiny.model(), evaluate=tiny.evaluate, plot=False)
+    return flower_result(ServerConfig.from_mapping(values), model=tiny.model(), evaluate=tiny.evaluate, plot=False)
 
 
 def test_the_server_apps_stop_comes_back_from_its_outcome_file(tmp_path, monkeypatch):

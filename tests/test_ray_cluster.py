@@ -24,7 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import launcher.processes as launcher
+import launcher.flower_cli as launcher
+import launcher.processes as supervisor
 from fedmf.checks import host_port
 from fedmf.cli import main
 from fedmf.errors import ConfigError
@@ -201,7 +202,7 @@ def test_the_superlink_carries_ray_address(tmp_path, monkeypatch):
 
     def health(port, proc, timeout, log=""):
         end = time.monotonic() + 10
-        while launcher._cmdline(proc.pid) != "sleep 60" and time.monotonic() < end:  # until it has exec'd
+        while supervisor._cmdline(proc.pid) != "sleep 60" and time.monotonic() < end:  # until it has exec'd
             time.sleep(0.01)
         with open(f"/proc/{proc.pid}/environ", "rb") as f:
             env = dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
@@ -222,7 +223,7 @@ def test_the_superlink_carries_ray_address(tmp_path, monkeypatch):
     assert [g["fed"] for g in got] == [
         {"num-supernodes": 4, "client-resources-num-cpus": 1},
         {"num-supernodes": 4, "client-resources-num-cpus": 3, "client-resources-num-gpus": 0.5}]
-    assert not any(launcher.pid_alive(g["pid"]) for g in got)
+    assert not any(supervisor.pid_alive(g["pid"]) for g in got)
     assert ray_environment(None) == {"RAY_ADDRESS": "local"}
 
 
@@ -267,7 +268,7 @@ def _ancestor_in(pid: int, roots: dict[int, str]) -> str | None:
     for _ in range(64):
         if pid in roots:
             return roots[pid]
-        pid = launcher._ppid(pid)
+        pid = supervisor._ppid(pid)
         if not pid or pid == 1:
             return None
     return None
@@ -288,8 +289,8 @@ class _Watch(threading.Thread):
     def run(self) -> None:
         while not self.stop.wait(0.1):
             tag = self.launches[-1][0] if self.launches else None
-            for pid in launcher._all_pids():
-                title = launcher._cmdline(pid)
+            for pid in supervisor._all_pids():
+                title = supervisor._cmdline(pid)
                 if title.startswith("ray::ClientAppActor.run"):
                     node = _ancestor_in(pid, self.nodes)
                     self.ran.setdefault(str(node), set()).add(pid)
@@ -300,7 +301,7 @@ class _Watch(threading.Thread):
 def _tagged(pid: int, tag: str) -> bool:
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
-            return f"{launcher.TAG_VAR}={tag}".encode() in f.read().split(b"\0")
+            return f"{supervisor.TAG_VAR}={tag}".encode() in f.read().split(b"\0")
     except OSError:
         return False
 
@@ -327,7 +328,7 @@ def test_so_tiny_on_a_two_node_ray_cluster_trains_on_both_nodes_and_matches_in_p
     root = Path(tempfile.mkdtemp(prefix="fr-", dir="/tmp"))  # Ray's AF_UNIX socket paths stay under 108 bytes
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(RAY_USAGE_STATS_ENABLED="0", FEDMF_TEST_RAY_CLUSTER=uuid.uuid4().hex)
-    tracker = launcher.ProcessTracker(env, tmp_path / "ray-logs", tag_var="FEDMF_TEST_RAY_CLUSTER")
+    tracker = supervisor.ProcessTracker(env, tmp_path / "ray-logs", tag_var="FEDMF_TEST_RAY_CLUSTER")
     started = time.perf_counter()
     try:
         port = launcher.free_port()
@@ -393,6 +394,6 @@ def test_so_tiny_on_a_two_node_ray_cluster_trains_on_both_nodes_and_matches_in_p
             _stop_nodes(tracker)
             print(f"cluster stopped in {time.perf_counter() - t_stop:.1f} s")
         finally:
-            left = [p for p in launcher._all_pids() if str(root) in launcher._cmdline(p)]
+            left = [p for p in supervisor._all_pids() if str(root) in supervisor._cmdline(p)]
             shutil.rmtree(root, ignore_errors=True)
-        assert left == [], [launcher._cmdline(p)[:120] for p in left]
+        assert left == [], [supervisor._cmdline(p)[:120] for p in left]

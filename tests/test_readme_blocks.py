@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from fedmf.ledger import Ledger
-from launcher.processes import ProcessTracker, flower_env
+from launcher.flower_cli import flower_env
+from launcher.processes import ProcessTracker
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")

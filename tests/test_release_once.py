@@ -209,14 +209,14 @@ def test_the_server_app_reports_a_rolled_back_run_directory_in_one_line(tmp_path
     from flwr.app import Context, RecordDict
 
     from fedmf.tasks import ClientHyper, get_task
-    from fedmf.config import RunConfig
+    from server.config import ServerConfig
     from server.app import ServerAppError, main
     from server.local_grid import LocalGrid
 
     values = {"task": "tiny", "task-options": '{"num_users": 12}', "mechanism": "bsr", "rounds": 6, "min-sep": 2,
               "clients-per-round": 4, "noise-multiplier": 0.7, "run-dir": str(tmp_path / "run"),
               "ledger-url": str(tmp_path / "ledger.db"), "reply-timeout": 5.0}
-    config = RunConfig.from_mapping(values)
+    config = ServerConfig.from_mapping(values)
     tiny = get_task("tiny", num_users=12)
     update = tiny.as_local_update(ClientHyper(config.client_lr, config.local_epochs, config.batch_size))
 

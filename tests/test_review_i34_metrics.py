@@ -23,7 +23,7 @@ from fedmf.client_metrics import ClientMetricRelease
 from fedmf.config import RunConfig
 from fedmf.count_noise import metric_noise
 from fedmf.errors import ConfigError
-from fedmf.ledger.budgets import run_mu_squared
+from fedmf.accounting.gdp import run_mu_squared
 from fedmf.mechanisms import build
 from fedmf.round.draws import key_of
 from fedmf.plan import RunPlan

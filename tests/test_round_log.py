@@ -12,7 +12,7 @@ import pytest
 
 import fedmf.simulate
 from fedmf.cli import main
-from fedmf.config import RunConfig
+from server.config import ServerConfig
 from fedmf.errors import RoundOrderError
 from fedmf.federated import train
 from fedmf.round_log import ROUND_LOG, append_round, read_rounds
@@ -133,7 +133,7 @@ def test_the_server_apps_rounds_survive_its_restart(tmp_path, monkeypatch):
     def serve(name):
         nodes = {100 + i: client_node(client_app, {"partition-id": i}, 100 + i) for i in range(8)}
         run_server(LocalGrid(nodes), values(name))
-        config = RunConfig.from_mapping(values(name))
+        config = ServerConfig.from_mapping(values(name))
         tiny = get_task("tiny", num_users=8)
         return flower_result(config, model=tiny.model(), evaluate=tiny.evaluate, plot=False)
 
@@ -237,7 +237,7 @@ def test_the_server_app_records_a_round_a_stop_cut_off_and_says_it_resumed(tmp_p
         nodes = {100 + i: client_node(client_app, {"partition-id": i}, 100 + i) for i in range(8)}
         run_server(LocalGrid(nodes), values(name))
         tiny = get_task("tiny", num_users=8)
-        return flower_result(RunConfig.from_mapping(values(name)), model=tiny.model(), evaluate=tiny.evaluate,
+        return flower_result(ServerConfig.from_mapping(values(name)), model=tiny.model(), evaluate=tiny.evaluate,
                              plot=False)
 
     reference = serve("ref").history

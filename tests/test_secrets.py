@@ -44,6 +44,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 
 from fedmf.config import RunConfig
+from server.config import ServerConfig
 from fedmf.errors import CheckpointError, ConfigError, FedmfError, PlanMismatch
 from fedmf.federated import train
 from fedmf.ledger.keys import ServerSecret
@@ -58,7 +59,7 @@ from . import _federated_task as task
 
 SECRET_FILES = ("noise_seed", "schedule_key", "ledger_secret")
 ROUNDS = 6
-CONFIG = RunConfig.from_mapping({"noise-multiplier": 0.8, "reply-timeout": 5.0,
+CONFIG = ServerConfig.from_mapping({"noise-multiplier": 0.8, "reply-timeout": 5.0,
                                  "task-options": "{}"})  # the task options the strategy sends its clients
 APP_USERS = 12
 

@@ -10,7 +10,7 @@ import torch
 
 from client.app import app as client_app
 from fedmf.tasks import ClientHyper, get_task
-from fedmf.config import RunConfig
+from server.config import ServerConfig
 from fedmf.errors import ConfigError
 from fedmf.federated import train
 from fedmf.run import REPEATABLE_NOISE_ENV
@@ -38,7 +38,7 @@ def _nodes():
 def test_server_app_with_the_client_app_matches_the_in_process_loop(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv(REPEATABLE_NOISE_ENV, "1")  # tests only: unsalted noise in the ServerApp, as in the loop
     values = _config(tmp_path, "loop")
-    config = RunConfig.from_mapping(values)
+    config = ServerConfig.from_mapping(values)
     tiny = get_task("tiny", num_users=USERS)
     model = tiny.model()
     hyper = ClientHyper(config.client_lr, config.local_epochs, config.batch_size)
@@ -109,12 +109,13 @@ def test_the_server_app_enforces_lifetime_budgets_with_its_budget_key(tmp_path):
 
     from fedmf.accounting.gdp import epsilon_for
     from fedmf.ledger import Ledger
-    from fedmf.ledger.budgets import load_budget_secret, round_skips, run_mu_squared, set_default, set_user
+    from fedmf.accounting.gdp import run_mu_squared
+    from fedmf.ledger.budgets import load_budget_secret, round_skips, set_default, set_user
 
     ledger_url = f"sqlite:///{tmp_path / 'shared.db'}"
     key = tmp_path / "budget.key"
     over = {"rounds": 2, "min-sep": 2, "clients-per-round": 3, "ledger-url": ledger_url, "budget-key": str(key)}
-    mu2 = run_mu_squared(RunConfig.from_mapping(_config(tmp_path, "probe", **over)).build_plan())
+    mu2 = run_mu_squared(ServerConfig.from_mapping(_config(tmp_path, "probe", **over)).build_plan())
     secret = load_budget_secret(key, create=True)
     with Ledger.open(ledger_url) as book:
         set_default(book, secret, epsilon_for(math.sqrt(mu2) * (1 + 1e-6), 1e-10), 1e-10)

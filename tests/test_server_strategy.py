@@ -10,7 +10,7 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageType, MetricRecord, RecordDict
 from sqlalchemy import select
 
-from fedmf.config import RunConfig
+from server.config import ServerConfig
 from fedmf.federated import train
 from fedmf.ledger.models import Participation
 from fedmf.run import PrivateRun
@@ -20,7 +20,7 @@ from server.strategy import DPMFStrategy
 from . import _federated_task as task
 
 ROUNDS = 10
-CONFIG = RunConfig.from_mapping({"noise-multiplier": 0.8, "reply-timeout": 5.0,
+CONFIG = ServerConfig.from_mapping({"noise-multiplier": 0.8, "reply-timeout": 5.0,
                                  "task-options": "{}"})  # the task options the strategy sends its clients
 
 

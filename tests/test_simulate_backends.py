@@ -1,10 +1,11 @@
 """`fedmf simulate --backend flower` (the Flower app on the Flower simulation engine, through
-launcher/flower_backend.py and launcher/processes.py) against `--backend inprocess`: the same preset,
-overrides and secrets give the same model bit for bit; failures are one line, exit 2; no Flower
-process is left behind."""
+launcher/flower_backend.py, launcher/flower_cli.py and launcher/processes.py) against `--backend
+inprocess`: the same preset, overrides and secrets give the same model bit for bit; failures are one
+line, exit 2; no Flower process is left behind."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -13,12 +14,14 @@ import time
 import pytest
 import torch
 
-import launcher.processes as launcher
+import launcher.flower_cli as launcher
+import launcher.processes as supervisor
 from fedmf.cli import main
-from fedmf.config import DEFAULTS, RunConfig
+from fedmf.config import RunConfig
 from fedmf.run import REPEATABLE_NOISE_ENV
 from fedmf.simulate import preset_values
 from launcher.flower_backend import flower_population, flower_run_config
+from server.config import APP_DEFAULTS, ServerConfig
 
 from . import _federated_task as fixed
 
@@ -34,9 +37,9 @@ def launches(monkeypatch, tmp_path):
     def spy(*args, **kwargs):
         work = tmp_path / f"launch{len(seen)}"
         env = launcher.flower_env(work)
-        seen.append((env[launcher.TAG_VAR], None))
+        seen.append((env[supervisor.TAG_VAR], None))
         result = real(*args, env=env, tmp_path=work, **kwargs)
-        seen[-1] = (env[launcher.TAG_VAR], result)
+        seen[-1] = (env[supervisor.TAG_VAR], result)
         return result
 
     monkeypatch.setattr(launcher, "run_simulation", spy)
@@ -46,10 +49,10 @@ def launches(monkeypatch, tmp_path):
 def _assert_nothing_left(launches):
     assert launches, "no Flower launch happened"
     for tag, result in launches:
-        assert launcher.tagged_pids(tag) == []
+        assert supervisor.tagged_pids(tag) == []
         if result is not None:
             assert len(result.pids_seen) >= 3  # SuperLink, SuperExec, flwr-simulation (+ Ray) were tracked...
-            assert [p for p in result.pids_seen if launcher.pid_alive(p)] == []  # ...and are all gone
+            assert [p for p in result.pids_seen if supervisor.pid_alive(p)] == []  # ...and are all gone
 
 
 #: so-tiny, 2 rounds: its 800 users are 800 simulated SuperNodes; 8 of them train the small LSTM per round
@@ -149,11 +152,12 @@ def test_the_run_config_is_complete_and_absolute(tmp_path, monkeypatch):
     values = preset_values("tiny", {"run-dir": "rel", "rounds": 3})
     config = RunConfig.from_mapping(values)
     rc = flower_run_config(values, config)
-    assert set(rc) == set(DEFAULTS)  # the app's pyproject defaults (noise-multiplier 0.5, ...) fill in nothing
+    assert set(rc) == set(APP_DEFAULTS)  # the app's pyproject defaults (noise-multiplier 0.5, ...) fill in nothing
     assert rc["run-dir"] == str(tmp_path / "rel")
     assert (rc["noise-multiplier"], rc["target-epsilon"]) == (0.0, 8.0)  # the preset's calibration, not the table's z
     assert json.loads(rc["task-options"]) == {"num_users": 40}
-    assert RunConfig.from_mapping(rc) == config
+    server = ServerConfig.from_mapping(rc)  # what the ServerApp reads: the same engine configuration
+    assert all(getattr(server, f.name) == getattr(config, f.name) for f in dataclasses.fields(RunConfig))
 
 
 def test_population_is_one_supernode_per_distinct_user():
@@ -199,7 +203,7 @@ def test_without_the_source_tree_the_flower_backend_is_one_line(tmp_path, capsys
 
 def test_app_dir_is_the_source_tree_and_the_launcher_imports_no_flower():
     root = launcher.app_dir()
-    assert (root / "launcher" / "processes.py").samefile(launcher.__file__)
+    assert (root / "launcher" / "flower_cli.py").samefile(launcher.__file__)
     code = ("import sys, launcher.flower_backend, fedmf.cli.simulate; "
             "assert not any(m.startswith('flwr') for m in sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

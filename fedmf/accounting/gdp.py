@@ -1,4 +1,5 @@
-"""μ-Gaussian differential privacy: composition and the (ε, δ) conversion, for lifetime budgets.
+"""μ-Gaussian differential privacy: composition, the (ε, δ) conversion and a run's μ², for lifetime
+budgets (``fedmf.budgets``).
 
 Dong, Roth, Su, "Gaussian Differential Privacy" (JRSS-B 2022, arXiv 1905.02383):
 
@@ -18,7 +19,7 @@ import math
 
 from .. import checks
 
-__all__ = ["delta_for", "epsilon_for", "mu_for", "compose", "MU_MAX"]
+__all__ = ["delta_for", "epsilon_for", "mu_for", "compose", "run_mu_squared", "MU_MAX"]
 
 #: the largest μ ``mu_for`` returns (δ(ε) → 1 long before: no budget is that large)
 MU_MAX = 1e3
@@ -74,3 +75,15 @@ def mu_for(epsilon: float, delta: float) -> float:
 def compose(mu_squares: "list[float] | tuple[float, ...]") -> float:
     """μ of the composition of mechanisms with the given μ² (Dong et al. Cor. 3.3): √Σμ²."""
     return math.sqrt(math.fsum(mu_squares))
+
+
+def run_mu_squared(plan) -> float:
+    """μ² of a run's worst case, unamplified: 1/z² (σ = z·ζ·sens) plus, with extra Gaussian releases
+    (adaptive clipping's count, the private client-metric release), k/σ_unit² for k participations'
+    releases (σ_unit: ``fedmf.accounting.releases`` (R); σ_b with the count alone; Dong et al. Cor. 3.3)."""
+    from .count_release import participations
+
+    mu2 = 1.0 / plan.noise_multiplier ** 2
+    if plan.extra_noise_std is not None:
+        mu2 += participations(plan.schema, plan.rounds) / plan.extra_noise_std ** 2
+    return mu2

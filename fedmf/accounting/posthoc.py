@@ -1,5 +1,5 @@
 """Post-hoc accounting from the observed participation pattern (rounds per user): the one
-implementation, used directly and by the ledger's audit (``fedmf.ledger.privacy``).
+implementation, used directly and by the audit (``fedmf.accounting.run_privacy``).
 
 Each user u is accounted with their OWN sensitivity s_u over the rounds π they took part
 in, at the noise actually added, std/ζ = z·sens_noise (sens_noise defaults to the planned

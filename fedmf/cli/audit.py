@@ -24,7 +24,7 @@ __all__ = ["register", "cmd_audit"]
 
 def cmd_audit(args: argparse.Namespace) -> int:
     """``fedmf audit``: recompute a run's privacy from its ledger; print it, optionally CSV and PNG."""
-    from ..ledger.audit import ChainBroken, audit
+    from ..audit.replay import ChainBroken, audit
 
     if args.users:
         from .budget import account_lines

@@ -1,5 +1,5 @@
 """``fedmf audit-empirical``: run a preset task (default ``tiny``) with canary users and print a
-statistical lower bound on ε from the released models (fedmf/audit_empirical.py), beside the
+statistical lower bound on ε from the released models (fedmf/audit/empirical.py), beside the
 accounted ε."""
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def cmd_audit_empirical(args: argparse.Namespace) -> int:
     """Build the preset's plan with the overrides, run the canary audit, print the bound."""
     from fedmf.tasks import ClientHyper, get_task
 
-    from ..audit_empirical import run_canary_audit
+    from ..audit.empirical import run_canary_audit
     from ..config import RunConfig
     from ..files import atomic_write
     from ..simulate import preset_values

@@ -1,6 +1,6 @@
-"""``fedmf budget``: lifetime per-user privacy budgets across the runs of one ledger
-(``fedmf.ledger.budgets``). ``default`` sets the ledger-wide ε (and the lifetime δ) and creates the
-budget secret file on first use; ``set`` gives users their own ε (several ids, or a file of them, in one
+"""``fedmf budget``: lifetime per-user privacy budgets across the runs of one ledger (``fedmf.budgets``;
+stored by ``fedmf.ledger.budgets``). ``default`` sets the ledger-wide ε (and the lifetime δ) and creates
+the budget secret file on first use; ``set`` gives users their own ε (several ids, or a file of them, in one
 transaction); ``show`` lists the accounts, or looks up users by id (with the budget secret)."""
 
 from __future__ import annotations
@@ -103,8 +103,9 @@ _HEADER = f"{'user (key prefix)':<18} {'runs':>4} {'mu':>8} {'spent eps':>10} {'
 
 def user_lines(url: str, key: str, users: list[str]) -> tuple[list[str], dict[str, Any]]:
     """The lifetime accounts of ``users``, looked up by id with the budget secret in ``key`` (read-only)."""
+    from ..budgets import user_account
     from ..enrollment import check_user_id
-    from ..ledger.budgets import load_budget_secret, settings, user_account
+    from ..ledger.budgets import load_budget_secret, settings
     from ..ledger.db import check_version, read_snapshot, resolve_url
 
     users = [check_user_id(u) for u in users]
@@ -128,7 +129,8 @@ def user_lines(url: str, key: str, users: list[str]) -> tuple[list[str], dict[st
 
 def account_lines(url: str) -> tuple[list[str], dict[str, Any]]:
     """The ledger's lifetime accounts as lines and as JSON (read-only; needs no secret)."""
-    from ..ledger.budgets import settings, user_accounts
+    from ..budgets import user_accounts
+    from ..ledger.budgets import settings
     from ..ledger.db import check_version, read_snapshot, resolve_url
 
     resolved = resolve_url(url)

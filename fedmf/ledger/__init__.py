@@ -11,9 +11,11 @@
 * ``repository``  the API the server calls: ``Ledger``, ``RunLedger`` (the plan on the run row,
                   the checkpoint hash and chain hash on the round record)
 * ``queries``     the reads: ``RunInfo``, ``RoundSummary``, a run's contributions, the audit's snapshot
-* ``privacy``     the audit's view of ``fedmf.accounting`` (per-round plan curve, post-hoc accounts)
-* ``audit``       the read-only audit behind ``fedmf audit`` (``fedmf.cli.audit``)
-* ``budgets``     lifetime per-user budgets across the runs of one ledger (``fedmf budget``)
+* ``budgets``     the storage of lifetime per-user budgets: settings, own budgets, charges, skips
+                  (the policy that reads them: ``fedmf.budgets``)
+
+The ledger stores and queries; it imports nothing of ``fedmf.accounting`` (tests/test_layers.py). The
+audit that replays a run from it is ``fedmf.audit``.
 
 Names are imported lazily, so ``import fedmf.ledger`` stays cheap.
 """
@@ -24,12 +26,11 @@ import importlib
 from typing import Any
 
 __all__ = ["Ledger", "RunLedger", "RunInfo", "RoundSummary", "LedgerError", "ServerSecret", "head_revision",
-           "resolve_url", "AuditReport"]
+           "resolve_url"]
 
 _EXPORTS = {
     "Ledger": "repository", "RunLedger": "repository", "RunInfo": "queries", "RoundSummary": "queries",
     "LedgerError": "db", "head_revision": "db", "resolve_url": "db", "ServerSecret": "keys",
-    "AuditReport": "audit",  # the function: fedmf.ledger.audit.audit (the module shares its name)
 }
 
 

@@ -1,55 +1,42 @@
-"""Lifetime per-user privacy budgets across the runs that share one ledger.
+"""The storage of lifetime per-user budgets across the runs that share one ledger: what is set and
+what was charged, never what it means (``fedmf.budgets``: who may take part, each user's ε spent).
 
 A user's budget is an ε at the ledger's lifetime δ (default 1e-10): their own (``user_budgets``) or
 the ledger-wide default (``budget_settings``; none: not limited). Users are linked across runs by a
 lifetime key, ``ServerSecret.lifetime_key`` under a ledger-wide budget secret (a 0600 file the
-operator keeps and gives every run; the ledger stores only its key check).
-
-Accounting in μ-GDP (``fedmf.accounting.gdp``): a run with noise multiplier z is (1/z)-GDP against the
-worst pattern its schema allows, unamplified (valid for every sampler, amplified or not: the
-scheduler never exceeds the schema); with adaptive clipping its count release adds k/σ_b² (k rounds
-at most, sensitivity 1, std σ_b), and a private client-metric release k·L²/σ_m² (together k/σ_unit²,
-``fedmf.accounting.releases``). When a run first selects a user it inserts a *charge*: that full
-worst-case μ², whatever the run later does (an aborted round, an early stop: conservative). A user is
-admissible in a run if the run has charged them already, or if the sum of their other charges plus
-this run's μ² stays within μ(ε_budget, δ) (Dong et al. Cor. 3.3 composition). The check and the
-charge happen in one write transaction that holds the write lock (SQLite) or an advisory lock
-(PostgreSQL), so concurrent runs cannot overspend a user together: the later one re-checks, finds
-the user full, and its round is aborted before anything is sent (redone, it passes over them).
-Runs that were recorded before budgets were set are not counted: set budgets before the first run.
+operator keeps and gives every run; the ledger stores only its key check). A *charge* is one run's
+μ² on one user (``budget_charges``), a *skip* a round's count of users passed over for their budget
+(``budget_skips``). ``charging`` is the write transaction in which a run checks and charges: it
+holds the write lock (SQLite) or an advisory lock (PostgreSQL), so concurrent runs cannot overspend a
+user together.
 """
 
 from __future__ import annotations
 
-import math
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Hashable, Iterable, Mapping, Sequence
+from typing import Iterator, Mapping, Sequence
 
 from sqlalchemy import delete, insert, select, text, update
+from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
 from .. import checks
-from ..accounting.gdp import compose, epsilon_for, mu_for
 from ..errors import ConfigError
 from .db import LedgerError
 from .keys import ServerSecret
 from .models import BudgetCharge, BudgetSettings, BudgetSkip, UserBudget
 
-__all__ = ["ConcurrentChargeError", "DEFAULT_LIFETIME_DELTA", "BudgetSettingsInfo", "UserAccount", "RunBudget",
-           "load_budget_secret", "set_default", "set_user", "set_users", "user_account", "settings", "user_accounts",
-           "run_mu_squared", "round_skips"]
+__all__ = ["DEFAULT_LIFETIME_DELTA", "BudgetSettingsInfo", "UserCharges", "ChargeView", "load_budget_secret",
+           "set_default", "set_user", "set_users", "settings", "user_charges", "all_user_charges", "round_skips",
+           "run_settings", "read_charges", "charging", "record_charges"]
 
 DEFAULT_LIFETIME_DELTA = 1e-10
 _CHUNK = 5000
 #: PostgreSQL: the transaction-scoped advisory lock that serializes charges of concurrent runs (SQLite:
 #: a writing transaction holds the database's write lock from its start)
 _CHARGE_LOCK = 0x66656462756467  # "fedbudg"
-
-
-class ConcurrentChargeError(LedgerError):
-    """A concurrent run spent the lifetime budget of a user this round selected: the round is
-    aborted before anything is sent, and redone (both drivers retry it: ``fedmf.ledger_retry``)."""
 
 
 @dataclass(frozen=True)
@@ -59,15 +46,27 @@ class BudgetSettingsInfo:
 
 
 @dataclass(frozen=True)
-class UserAccount:
-    """One user's lifetime account (``label``: a prefix of the lifetime key's hex)."""
+class UserCharges:
+    """One user's stored account: their lifetime key, their charges' μ² (one per run), their own
+    budget (None: the default) and the ledger's settings."""
 
-    label: str
-    runs: int
-    mu: float
-    spent_epsilon: float
-    budget_epsilon: float | None
-    remaining_epsilon: float | None
+    key: bytes
+    charges: list[float]
+    own_epsilon: float | None
+    default_epsilon: float | None
+    delta: float
+
+
+@dataclass(frozen=True)
+class ChargeView:
+    """What a charging run reads of some users, in one transaction: the ledger's default ε and δ, the
+    other runs' charges, the users this run charged already, and the users' own budgets."""
+
+    default_epsilon: float | None
+    delta: float
+    others: dict[bytes, list[float]]
+    ours: set[bytes]
+    own: dict[bytes, float]
 
 
 def load_budget_secret(path: str | os.PathLike, *, create: bool = False) -> ServerSecret:
@@ -77,18 +76,6 @@ def load_budget_secret(path: str | os.PathLike, *, create: bool = False) -> Serv
     if not create and not os.path.exists(path):
         raise ConfigError(f"budget secret file {os.fspath(path)!r} does not exist (fedmf budget default creates it)")
     return ServerSecret(load_or_create_secret(path))
-
-
-def run_mu_squared(plan) -> float:
-    """μ² of a run's worst case, unamplified: 1/z² (σ = z·ζ·sens) plus, with extra Gaussian releases
-    (adaptive clipping's count, the private client-metric release), k/σ_unit² for k participations'
-    releases (σ_unit: ``fedmf.accounting.releases`` (R); σ_b with the count alone; Dong et al. Cor. 3.3)."""
-    from ..accounting.count_release import participations
-
-    mu2 = 1.0 / plan.noise_multiplier ** 2
-    if plan.extra_noise_std is not None:
-        mu2 += participations(plan.schema, plan.rounds) / plan.extra_noise_std ** 2
-    return mu2
 
 
 def _settings_row(session: Session) -> BudgetSettings | None:
@@ -146,9 +133,9 @@ def set_users(ledger, secret: ServerSecret, budgets: Mapping[object, float | Non
     return len(rows)
 
 
-def user_account(engine, secret: ServerSecret, user: object) -> UserAccount | None:
-    """One user's lifetime account, looked up by their id: the lifetime key under ``secret`` (which
-    must be this ledger's budget secret) selects their charges and own budget. None: no budgets."""
+def user_charges(engine, secret: ServerSecret, user: object) -> UserCharges | None:
+    """One user's stored account, looked up by their id: the lifetime key under ``secret`` (which must
+    be this ledger's budget secret) selects their charges and own budget. None: no budgets."""
     key = secret.lifetime_key(user)
     with Session(engine) as session:
         row = _settings_row(session)
@@ -158,11 +145,7 @@ def user_account(engine, secret: ServerSecret, user: object) -> UserAccount | No
         charges = [float(m) for m in session.scalars(select(BudgetCharge.mu_squared)
                                                      .where(BudgetCharge.lifetime_key == key))]
         own = session.scalar(select(UserBudget.epsilon).where(UserBudget.lifetime_key == key))
-        default, delta = row.default_epsilon, row.delta
-    mu = compose(charges)
-    spent = epsilon_for(mu, delta)
-    budget = default if own is None else float(own)
-    return UserAccount(key.hex()[:16], len(charges), mu, spent, budget, None if budget is None else budget - spent)
+        return UserCharges(key, charges, None if own is None else float(own), row.default_epsilon, row.delta)
 
 
 def settings(engine) -> BudgetSettingsInfo | None:
@@ -172,9 +155,8 @@ def settings(engine) -> BudgetSettingsInfo | None:
         return None if row is None else BudgetSettingsInfo(row.default_epsilon, row.delta)
 
 
-def user_accounts(engine) -> list[UserAccount]:
-    """Every user who has a charge or a budget of their own: runs charged, μ, ε spent (worst case at the
-    lifetime δ), budget and remaining ε; sorted by label."""
+def all_user_charges(engine) -> list[UserCharges]:
+    """Every user who has a charge or a budget of their own, sorted by lifetime key (none: no budgets)."""
     with Session(engine) as session:
         row = _settings_row(session)
         if row is None:
@@ -184,14 +166,8 @@ def user_accounts(engine) -> list[UserAccount]:
             charges.setdefault(bytes(key), []).append(float(mu2))
         own = {bytes(k): float(e) for k, e in session.execute(select(UserBudget.lifetime_key, UserBudget.epsilon))}
         default, delta = row.default_epsilon, row.delta
-    out = []
-    for key in sorted(set(charges) | set(own)):
-        mu = compose(charges.get(key, []))
-        spent = epsilon_for(mu, delta)
-        budget = own.get(key, default)
-        out.append(UserAccount(key.hex()[:16], len(charges.get(key, [])), mu, spent, budget,
-                               None if budget is None else budget - spent))
-    return out
+    return [UserCharges(key, charges.get(key, []), own.get(key), default, delta)
+            for key in sorted(set(charges) | set(own))]
 
 
 def round_skips(engine, run_id: int) -> dict[int, int]:
@@ -201,101 +177,65 @@ def round_skips(engine, run_id: int) -> dict[int, int]:
             select(BudgetSkip.round_index, BudgetSkip.skipped).where(BudgetSkip.run_id == run_id))}
 
 
-class RunBudget:
-    """One run's view of the lifetime budgets: which users it may select, and their charges."""
+def run_settings(ledger, secret: ServerSecret | None) -> float | None:
+    """The lifetime δ of a ledger with budgets (None: no budgets), checking ``secret`` when both exist."""
+    with ledger._errors(), Session(ledger.engine) as session:
+        row = _settings_row(session)
+        if row is not None and secret is not None:
+            _check_key(row, secret)
+        return None if row is None else row.delta
 
-    def __init__(self, ledger, run_id: int | None, secret: ServerSecret, mu_squared: float, delta: float) -> None:
-        self._ledger, self.run_id, self._secret = ledger, run_id, secret
-        self.mu_squared, self.delta = mu_squared, delta
-        self.skipped: int | None = None  # the last admissible() call's count
 
-    def __repr__(self) -> str:
-        return f"RunBudget(run={self.run_id}, mu_squared={self.mu_squared:g})"
+def read_charges(conn: Connection, keys: Sequence[bytes], run_id: int | None) -> ChargeView:
+    """The budgets and charges of ``keys`` (run ``run_id``'s own charges apart), read on ``conn``."""
+    row = conn.execute(select(BudgetSettings.default_epsilon, BudgetSettings.delta)
+                       .where(BudgetSettings.id == 1)).one()
+    default, delta = row
+    unique = list(dict.fromkeys(keys))
+    others: dict[bytes, list[float]] = {}
+    ours: set[bytes] = set()
+    own: dict[bytes, float] = {}
+    for i in range(0, len(unique), _CHUNK):
+        chunk = unique[i:i + _CHUNK]
+        for key, run, mu2 in conn.execute(select(BudgetCharge.lifetime_key, BudgetCharge.run_id,
+                                                 BudgetCharge.mu_squared)
+                                          .where(BudgetCharge.lifetime_key.in_(chunk))):
+            if run == run_id:
+                ours.add(bytes(key))
+            else:
+                others.setdefault(bytes(key), []).append(float(mu2))
+        own.update((bytes(k), float(e)) for k, e in conn.execute(
+            select(UserBudget.lifetime_key, UserBudget.epsilon).where(UserBudget.lifetime_key.in_(chunk))))
+    return ChargeView(default, delta, others, ours, own)
 
-    @classmethod
-    def open(cls, ledger, secret: ServerSecret | None, plan, run_id: int | None = None) -> "RunBudget | None":
-        """None when the ledger has no budgets and no secret is given; refuses a ledger with budgets
-        without its secret, and a secret for a ledger without budgets. Called before the run is
-        recorded (``run_id`` None: set it once the run exists)."""
-        with ledger._errors(), Session(ledger.engine) as session:
-            row = _settings_row(session)
-            if row is not None and secret is not None:
-                _check_key(row, secret)
-            delta = None if row is None else row.delta
-        if row is None and secret is None:
-            return None
-        if row is None:
-            raise ConfigError("a budget secret was given but this ledger has no lifetime budgets "
-                              "(set them first: fedmf budget default)")
-        if secret is None:
-            raise ConfigError("this ledger enforces lifetime budgets: give the run its budget secret (budget_key)")
-        return cls(ledger, run_id, secret, run_mu_squared(plan), delta)
 
-    def _blocked(self, conn, keys: Sequence[bytes]) -> list[bool]:
-        """Per key: whether charging this run's μ² would exceed the user's budget (Dong et al. Cor. 3.3)."""
-        row = conn.execute(select(BudgetSettings.default_epsilon, BudgetSettings.delta)
-                           .where(BudgetSettings.id == 1)).one()
-        default, delta = row
-        unique = list(dict.fromkeys(keys))
-        charges: dict[bytes, list[float]] = {}
-        ours: set[bytes] = set()
-        own: dict[bytes, float] = {}
-        for i in range(0, len(unique), _CHUNK):
-            chunk = unique[i:i + _CHUNK]
-            for key, run, mu2 in conn.execute(select(BudgetCharge.lifetime_key, BudgetCharge.run_id,
-                                                     BudgetCharge.mu_squared)
-                                              .where(BudgetCharge.lifetime_key.in_(chunk))):
-                if run == self.run_id:
-                    ours.add(bytes(key))
-                else:
-                    charges.setdefault(bytes(key), []).append(float(mu2))
-            own.update((bytes(k), float(e)) for k, e in conn.execute(
-                select(UserBudget.lifetime_key, UserBudget.epsilon).where(UserBudget.lifetime_key.in_(chunk))))
-        limits: dict[float, float] = {}
-        out = []
-        for key in keys:
-            budget = own.get(key, default)
-            if key in ours or budget is None:
-                out.append(False)
-                continue
-            if budget not in limits:
-                limits[budget] = mu_for(budget, delta) ** 2
-            out.append(math.fsum(charges.get(key, [])) + self.mu_squared > limits[budget])
-        return out
+@contextmanager
+def charging(ledger) -> Iterator[Connection]:
+    """The write transaction of a run's charges: serialized with every other run's (SQLite: the write
+    lock; PostgreSQL: an advisory lock, READ COMMITTED so that each statement after it sees every charge
+    committed before)."""
+    engine = ledger.write_engine
+    if engine.dialect.name == "postgresql":
+        # READ COMMITTED whatever the server's default: each statement after the lock sees every charge
+        # committed before it (a REPEATABLE READ snapshot would predate the lock and miss them)
+        engine = engine.execution_options(isolation_level="READ COMMITTED")
+    with ledger._errors("cannot write to ledger"), engine.begin() as conn:
+        if conn.dialect.name == "postgresql":
+            conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _CHARGE_LOCK})
+        yield conn
 
-    def admissible(self, t: int, users: Iterable[Hashable]) -> list[Hashable]:
-        """``users`` whose budget allows them in this run (order kept); ``skipped`` counts the others."""
-        users = list(users)
-        keys = [self._secret.lifetime_key(u) for u in users]
-        with self._ledger._errors(), self._ledger.engine.connect() as conn:
-            blocked = self._blocked(conn, keys)
-            conn.rollback()
-        self.skipped = sum(blocked)
-        return [u for u, b in zip(users, blocked) if not b]
 
-    def charge(self, t: int, users: Iterable[Hashable]) -> None:
-        """Charge this run's μ² to each of ``users`` it has not charged yet, re-checking their budgets in
-        the same write transaction, and record round t's skip count."""
-        keys = list(dict.fromkeys(self._secret.lifetime_key(u) for u in users))
-        engine = self._ledger.write_engine
-        if engine.dialect.name == "postgresql":
-            # READ COMMITTED whatever the server's default: each statement after the lock sees every charge
-            # committed before it (a REPEATABLE READ snapshot would predate the lock and miss them)
-            engine = engine.execution_options(isolation_level="READ COMMITTED")
-        with self._ledger._errors("cannot write to ledger"), engine.begin() as conn:
-            if conn.dialect.name == "postgresql":
-                conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _CHARGE_LOCK})
-            if any(self._blocked(conn, keys)):
-                raise ConcurrentChargeError(f"round {t}: a concurrent run has spent the lifetime budget of a selected "
-                                            "user; redo the round")
-            charged = {bytes(k) for k in conn.execute(select(BudgetCharge.lifetime_key).where(
-                BudgetCharge.run_id == self.run_id, BudgetCharge.lifetime_key.in_(keys))).scalars()} if keys else set()
-            new = [{"lifetime_key": k, "run_id": self.run_id, "mu_squared": self.mu_squared, "round_index": t}
-                   for k in keys if k not in charged]
-            if new:
-                conn.execute(insert(BudgetCharge), new)
-            skipped = int(self.skipped or 0)
-            done = conn.execute(update(BudgetSkip).where(BudgetSkip.run_id == self.run_id,
-                                                         BudgetSkip.round_index == t).values(skipped=skipped)).rowcount
-            if done == 0:
-                conn.execute(insert(BudgetSkip).values(run_id=self.run_id, round_index=t, skipped=skipped))
+def record_charges(conn: Connection, run_id: int | None, keys: Sequence[bytes], mu_squared: float, t: int,
+                   skipped: int) -> None:
+    """Insert run ``run_id``'s charge ``mu_squared`` on each of ``keys`` it has not charged yet (in round t),
+    and record round t's skip count, on ``conn`` (inside ``charging``)."""
+    charged = {bytes(k) for k in conn.execute(select(BudgetCharge.lifetime_key).where(
+        BudgetCharge.run_id == run_id, BudgetCharge.lifetime_key.in_(keys))).scalars()} if keys else set()
+    new = [{"lifetime_key": k, "run_id": run_id, "mu_squared": mu_squared, "round_index": t}
+           for k in keys if k not in charged]
+    if new:
+        conn.execute(insert(BudgetCharge), new)
+    done = conn.execute(update(BudgetSkip).where(BudgetSkip.run_id == run_id,
+                                                 BudgetSkip.round_index == t).values(skipped=skipped)).rowcount
+    if done == 0:
+        conn.execute(insert(BudgetSkip).values(run_id=run_id, round_index=t, skipped=skipped))

@@ -9,7 +9,7 @@ from tests.test_review_i33 import _update, USERS
 from fedmf import MinSep, Workload
 from fedmf.adaptive_clipping import AdaptiveClipping
 from fedmf.federated import train
-from fedmf.ledger.audit import audit, clip_norm_violations
+from fedmf.audit.replay import audit, clip_norm_violations
 from fedmf.mechanisms import build
 from fedmf.plan import RunPlan
 

@@ -7,7 +7,7 @@ from fedmf.mechanisms import build
 from fedmf.plan import RunPlan
 from fedmf.client_metrics import ClientMetricRelease
 from fedmf.adaptive_clipping import AdaptiveClipping
-from fedmf.ledger.budgets import run_mu_squared
+from fedmf.accounting.gdp import run_mu_squared
 
 def gdp_eps(mu, delta):
     f = lambda e: norm.cdf(-e/mu + mu/2) - math.exp(e)*norm.cdf(-e/mu - mu/2) - delta

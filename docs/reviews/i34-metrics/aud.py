@@ -3,7 +3,7 @@ sys.path.insert(0, ".")
 from tests import _federated_task as task
 from fedmf.client_metrics import ClientMetricRelease
 from fedmf.federated import train
-from fedmf.ledger.audit import audit
+from fedmf.audit.replay import audit
 from fedmf.tasks.base import LocalResult
 from scipy.stats import norm
 from scipy.optimize import brentq

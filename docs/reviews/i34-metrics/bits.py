@@ -4,7 +4,7 @@ from fedmf.mechanisms import build
 from fedmf.accounting import epsilon, calibrate, epsilon_by_round
 from fedmf.plan import RunPlan
 from fedmf.adaptive_clipping import AdaptiveClipping
-from fedmf.ledger.budgets import run_mu_squared
+from fedmf.accounting.gdp import run_mu_squared
 out = {}
 S = MinSep(8, 4); mech = build("bsr", 64, S, num_bands=8)
 S2 = MinSep(16, 4); mech2 = build("bsr", 64, S2, num_bands=16)

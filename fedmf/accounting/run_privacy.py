@@ -1,10 +1,10 @@
-"""Per-round privacy of a recorded run, for the audit: the plan's ε and the worst recorded
-user's ε after each round, and every user's own ε.
+"""Per-round privacy of a recorded run, for the audit (``fedmf.audit.replay``): the plan's ε and
+the worst recorded user's ε after each round, and every user's own ε.
 
 Nothing is computed here: the plan's curve (the worst pattern the plan allows, prefix by
-prefix) comes from ``fedmf.accounting.epsilon_by_round``, and every observed value
+prefix) comes from ``accountant.epsilon_by_round``, and every observed value
 (each user's sensitivity and ε, the worst user's prefix curve, who broke the plan) from
-``fedmf.accounting.posthoc.account_contributions``, the one implementation of post-hoc
+``posthoc.account_contributions``, the one implementation of post-hoc
 accounting, so the audit's per-user ε is ``account_observed``'s.
 """
 
@@ -15,9 +15,8 @@ from typing import Sequence
 
 import numpy as np
 
-from ..accounting.posthoc import (MAX_DENSE_ENTRIES, PosthocReport, account_contributions, release_rows,
-                                  user_multipliers)
 from ..participation import FixedEpoch, MinSep
+from .posthoc import MAX_DENSE_ENTRIES, PosthocReport, account_contributions, release_rows, user_multipliers
 
 __all__ = ["RunPrivacy", "run_privacy", "release_rows", "MAX_DENSE_ENTRIES", "EXACT_CURVE_METHODS"]
 
@@ -53,7 +52,7 @@ def run_privacy(mechanism, schema: MinSep | FixedEpoch, noise_multiplier: float,
     them (default: their numbers). ``count_noise_std``: σ_b of adaptive clipping's count release (or σ_unit
     of all the round's extra Gaussian releases, ``fedmf.accounting.releases``), composed with each user's
     actual participations (and the plan's k for the planned values)."""
-    from ..accounting.accountant import epsilon_by_round
+    from .accountant import epsilon_by_round
 
     if labels is None:
         labels = [str(u) for u in range(n_users)]

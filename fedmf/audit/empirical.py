@@ -41,8 +41,8 @@ from typing import Any, Callable, Hashable, Mapping, Sequence
 
 import numpy as np
 
-from . import checks
-from .errors import ConfigError
+from .. import checks
+from ..errors import ConfigError
 
 __all__ = ["p_value", "epsilon_lower_bound", "best_guess_bound", "canary_scores", "run_canary_audit",
            "AuditResult", "GuessTest", "CANARY_PREFIX", "DEFAULT_GUESS_FRACTIONS"]
@@ -302,10 +302,10 @@ def run_canary_audit(model, users: Sequence[Hashable], plan, local_update: Calla
     (the audit must see every released model). The server optimizer is the plan's workload."""
     import torch
 
-    from .cohort import NO_MINIMUM
-    from .federated import train
-    from .plan import RunPlan
-    from .privatize import flat_size, layout_of
+    from ..cohort import NO_MINIMUM
+    from ..federated import train
+    from ..plan import RunPlan
+    from ..privatize import flat_size, layout_of
 
     if not isinstance(plan, RunPlan):
         raise ConfigError(f"plan must be a RunPlan, got {type(plan).__name__}")

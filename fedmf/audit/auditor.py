@@ -19,7 +19,7 @@ import shlex
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
-from .ledger.db import public_url
+from ..ledger.db import public_url
 
 __all__ = ["AUDITOR_ROLE", "auditor_ledger", "audit_command"]
 
