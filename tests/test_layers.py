@@ -235,10 +235,10 @@ def test_no_import_cycle_among_the_projects_modules():
     assert len(graph) > 50 and "fedmf.tasks.base" in graph and "launcher.processes" in graph
     # the graph sees function-level, relative and parent-package imports on the real tree too: the CLI
     # imports the accountants' scheme table inside _load(), the accountant imports it at module level,
-    # and the ledger's import of fedmf.accounting.gdp runs fedmf/accounting/__init__
+    # and the budget policy's import of fedmf.accounting.gdp runs fedmf/accounting/__init__
     assert "fedmf.accounting.schemes" in graph["fedmf.cli.accounting"]
     assert "fedmf.accounting.schemes" in graph["fedmf.accounting.accountant"]
-    assert {"fedmf.accounting", "fedmf.accounting.gdp"} <= set(graph["fedmf.ledger.budgets"])
+    assert {"fedmf.accounting", "fedmf.accounting.gdp"} <= set(graph["fedmf.budgets"])
     assert "fedmf.mechanisms.io" in graph["fedmf.cli.mechanism"]
     found = sorted(sorted(c) for c in _cycles(graph))
     assert not found, "import cycles:\n" + "\n".join(_describe(c, graph) for c in found)
