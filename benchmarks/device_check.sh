@@ -27,8 +27,8 @@ python3 -c "import sqlalchemy, alembic, dp_accounting, fedmf.ledger, fedmf.tasks
 
 # every CUDA test in tests/ (the files that touch a device; -k selects the cuda/gpu ones)
 timeout "$TEST_TIMEOUT_S" python3 -m pytest -q -p no:cacheprovider -rs -k "cuda or gpu" \
-  tests/test_blt.py tests/test_noise.py tests/test_vectorized.py tests/test_batched_clients.py tests/test_federated.py \
-  tests/test_privatize.py \
+  tests/mechanisms/test_blt.py tests/round/test_noise.py tests/tasks/test_vectorized.py \
+  tests/tasks/test_batched_clients.py tests/run/test_federated.py tests/round/test_privatize.py \
   2>&1 | tee "$OUT/cuda-tests.log"
 rc=${PIPESTATUS[0]}
 status+=("cuda tests: rc=$rc ($(tail -n 1 "$OUT/cuda-tests.log"))")

@@ -4,7 +4,7 @@
 # Submit the fedmf ServerApp with `flwr run APP_DIR CONNECTION --stream --run-config RUN_CONFIG_TOML`,
 # follow its log, then exit 0 only if the Flower run really finished `finished:completed`
 # (`flwr run` itself exits 0 even when the ServerApp failed). Used by systemd/fedmf-run.service and
-# by tests/test_deploy.py. Starting it again with the same run config resumes a stopped run after its
+# by tests/flower/test_deploy.py. Starting it again with the same run config resumes a stopped run after its
 # last committed round. Needs `flwr` and `python3` on PATH, and FLWR_HOME with the connection.
 set -uo pipefail
 if [[ $# -lt 3 ]]; then

@@ -68,7 +68,9 @@ class FixedEpoch:
         object.__setattr__(self, "min_sep", positive_int("min_sep", self.min_sep))
 
     def participations(self, n: int) -> int:
-        return self.max_participations
+        """The most rounds one user takes part in among the first n: min(k, ceil(n/b)) (slot 0 attains
+        it); the whole run, n = k·b, gives k."""
+        return min(self.max_participations, -(-n // self.min_sep))
 
     def validate(self, n: int) -> None:
         positive_int("rounds", n)

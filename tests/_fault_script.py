@@ -1,4 +1,4 @@
-"""Fault injection for tests/test_faults.py: the ServerApp code path (``server.app.run_server``
+"""Fault injection for tests/run/test_faults.py: the ServerApp code path (``server.app.run_server``
 over a ``LocalGrid`` of real ClientApps) with a recorder of everything the server releases, and
 test-only kill points inside operations (monkeypatched in the child process only).
 

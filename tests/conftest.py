@@ -1,10 +1,10 @@
 """Fixtures shared by several test modules (pytest finds them here; never import this file).
 
-Ledger URLs (used by test_ledger.py, test_ledger_audit.py, test_ledger_cli.py): a fresh
+Ledger URLs (used by ledger/test_ledger.py, audit/test_audit_values.py, audit/test_audit_cli.py): a fresh
 ledger on SQLite and on the real PostgreSQL server (FEDMF_TEST_POSTGRES_URL, default the
 local one), each PostgreSQL test in a schema of its own that is dropped afterwards. With
 CI=true an unreachable PostgreSQL fails the tests instead of skipping them. Plain helpers
-for the ledger tests (SECRET, mechanism_file, dump_database) live in test_ledger_helpers.py.
+for the ledger tests (SECRET, mechanism_file, dump_database) live in ledger_helpers.py.
 """
 
 from __future__ import annotations

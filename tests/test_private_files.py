@@ -15,7 +15,7 @@ from fedmf.cli import main
 from fedmf.errors import FedmfError
 from fedmf.federated import train
 
-from . import _federated_task as task
+from tests import _federated_task as task
 
 TARGETS = {"run directory": ".", "secrets directory": "secrets", "SQLite ledger": "ledger.db"}
 

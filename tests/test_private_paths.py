@@ -19,7 +19,7 @@ from fedmf.files import check_private_path
 from fedmf.ledger import Ledger, LedgerError
 from fedmf.ledger.budgets import load_budget_secret
 
-from . import _federated_task as task
+from tests import _federated_task as task
 
 AS_ROOT = os.geteuid() == 0
 OTHER_UID = 65534  # nobody

@@ -55,7 +55,7 @@ from fedmf.run import PrivateRun
 from server.local_grid import LocalGrid, client_node
 from server.strategy import DPMFStrategy
 
-from . import _federated_task as task
+from tests import _federated_task as task
 
 SECRET_FILES = ("noise_seed", "schedule_key", "ledger_secret")
 ROUNDS = 6

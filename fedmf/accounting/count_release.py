@@ -54,10 +54,8 @@ def check_count_noise_std(count_noise_std: float | None) -> float | None:
 
 
 def participations(schema: "Schema", rounds: int) -> int:
-    """k: the most rounds one user may take part in among ``rounds`` rounds under ``schema``
-    (ceil(t/b) capped at k for MinSep(b, k) and FixedEpoch(k, b) alike)."""
-    if isinstance(schema, FixedEpoch):
-        return min(schema.max_participations, -(-rounds // schema.min_sep))
+    """k: the most rounds one user may take part in among the first ``rounds`` rounds under ``schema``
+    (the schema's own count: ceil(t/b) capped at k for MinSep(b, k) and FixedEpoch(k, b) alike)."""
     return schema.participations(rounds)
 
 
