@@ -158,5 +158,5 @@ SCENARIOS[("bsr", False, "add-api", True, True)] = {"kind": "bsr", "adaptive": F
                                                         "salted": True, "metrics": True, "use_add": True}
 
 if __name__ == "__main__":
-    quick = sys.argv[2:] == ["quick"]  # the bsr scenarios only (tests/test_review_clipping_policy.py)
+    quick = sys.argv[2:] == ["quick"]  # the bsr scenarios only (tests/round/test_clipping_policy_releases_unchanged.py)
     torch.save({k: scenario(**v) for k, v in SCENARIOS.items() if not quick or k[0] == "bsr"}, sys.argv[1])

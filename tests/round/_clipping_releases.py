@@ -1,6 +1,6 @@
 """A few rounds of ``RoundPrivatizer`` under each clipping policy, hashed: every released tensor,
 every report field and the checkpoint state's clip entry, bit for bit. Uses the privatizer's public
-API only, so the same function runs on any commit's tree (tests/test_clipping_policy.py compares it
+API only, so the same function runs on any commit's tree (tests/round/test_clipping_policy.py compares it
 with digests recorded at the commit before the clipping policies existed)."""
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from fedmf.round.draws import key_of
 from fedmf.plan import RunPlan
 from fedmf.privatize import RoundPrivatizer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SEED, M, N, D = b"review-i35-seed-0123456789abcdef", 4, 6, 64
 LAYOUT = {"w": (D,)}
 BASE_COMMIT = "4c6cbb1"
@@ -63,7 +63,7 @@ def _privatizer(plan: RunPlan, *, salted: bool = False) -> RoundPrivatizer:
 @pytest.mark.parametrize("adaptive", [False, True])
 def test_a_resume_from_a_serialized_state_is_the_uninterrupted_run(adaptive):
     """ζ and the noise stream's position after a resume are those of the uninterrupted run (the state
-    serialized at once; tests/test_clipping_policy.py reads a live state after three more rounds)."""
+    serialized at once; tests/round/test_clipping_policy.py reads a live state after three more rounds)."""
     plan = _plan(adaptive, metrics=True)
     first, released = _privatizer(plan), []
     for t in range(N):

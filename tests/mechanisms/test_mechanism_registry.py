@@ -16,7 +16,7 @@ from fedmf.mechanisms import BANDED_KINDS, CLOSED_FORM_KINDS, KINDS, OPTIMIZED_K
 from fedmf.mechanisms.base import CLOSED_FORM, OPTIMIZED
 from fedmf.participation import MinSep
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EVERY_KIND = [entry.kind for entry in mechanisms._REGISTRY]
 
 
