@@ -39,7 +39,7 @@ def child(chunk: int, seed: int, device: str) -> dict:
     import torch
 
     from fedmf.config import RunConfig
-    from fedmf.simulate import preset_values
+    from fedmf.run.simulate import preset_values
     from fedmf.tasks import ClientHyper, get_task
     from fedmf.tasks.batched_lstm import batched_local_updates
 

@@ -8,9 +8,9 @@ tensor of the same size. Bytes touched per round (float32, d parameters):
   banded C^{-1}, p bands, buffered:  write z, read z and p-1 past draws, write output  -> (p + 2)·4d
   BLT, m buffers:                    write z, read/write m buffers, write output         -> (2m + 3)·4d
 Generating Gaussians is compute, not memory traffic; the ratio shows what it costs.
-"draws floor" = filling d values with the generator's own sampler (fedmf.normal, all CPU
+"draws floor" = filling d values with the generator's own sampler (fedmf.round.normal, all CPU
 threads), which every structure pays each round; "one-thread randn" = one bare torch.randn call
-(float32 on CPU: tails cut at 5.77σ, see fedmf/normal.py) for reference.
+(float32 on CPU: tails cut at 5.77σ, see fedmf/round/normal.py) for reference.
 "into buffer" passes ``out=`` (one reused output tensor); "fresh tensor" allocates the
 output every round (on CPU a large fresh tensor costs its page faults).
 """

@@ -1,6 +1,6 @@
 """Time of each command README.md documents, on this machine: run in order in a scratch directory,
 each for at most ``--limit`` seconds. A command that finishes gets its wall time; one that does not is
-stopped and extrapolated from its last progress line (``fedmf.progress``: done/total at the measured
+stopped and extrapolated from its last progress line (``fedmf.run.progress``: done/total at the measured
 rate, an upper bound at the step limit, and the convergence trend's estimate where it printed one).
 
     python benchmarks/readme_times.py [--limit 90] [--only WORD]

@@ -9,7 +9,7 @@ LSTM 96->670, dense 670->96, output 96->10004); mechanisms for n = 2052 rounds, 
 ``--quick``: a small layout (13,368 parameters), n = 256, MinSep(64, 4), p = 16 bands, 8 and 16
 users, 2 timed rounds after 16 fast-forwarded ones — a smoke test that finishes in seconds.
 
-fedmf's round, timed step by step (the order of fedmf/federated.py's round):
+fedmf's round, timed step by step (the order of fedmf/run/federated.py's round):
   ledger     run.open_round(t), run.record_selection(t, users) (MinSep enforced), one
              run.record_contribution(...) per user, run.commit_round(t, noise_std=,
              epsilon_planned=, checkpoint_sha256=)
@@ -18,7 +18,7 @@ fedmf's round, timed step by step (the order of fedmf/federated.py's round):
              zeta, sum into one flat buffer — exactly what privatize() does before the noise
   noise      RoundPrivatizer.finish(): the round's correlated noise (NoiseGenerator.next),
              added once, divided by the planned expected users
-  step       the server optimizer (fedmf.server_optimizer, the mechanism's workload A)
+  step       the server optimizer (fedmf.round.server_optimizer, the mechanism's workload A)
   checkpoint CheckpointStore.save(t, {model, optimizer, privatizer, rng}) (fsync'd) and
              store.prune(keep=t) after the commit
 Updates are handed to fedmf as dicts of float32 torch tensors (no conversion counted).
@@ -69,13 +69,13 @@ from torch import nn
 
 from _models import make_model  # noqa: E402
 from fedmf import mechanisms
-from fedmf.checkpoint import CheckpointStore
+from fedmf.run.checkpoint import CheckpointStore
 from fedmf.ledger import Ledger
 from fedmf.mechanisms import io as mechanism_io
 from fedmf.participation import MinSep
 from fedmf.plan import RunPlan
-from fedmf.privatize import RoundPrivatizer, layout_of
-from fedmf.server_optimizer import server_optimizer
+from fedmf.round.privatize import RoundPrivatizer, layout_of
+from fedmf.round.server_optimizer import server_optimizer
 
 CLIP_NORM = 1.0
 NOISE_MULTIPLIER = 1.0

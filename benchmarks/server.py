@@ -70,7 +70,7 @@ from benchmarks._models import make_model  # noqa: E402
 from fedmf import mechanisms
 from fedmf.participation import MinSep
 from fedmf.plan import RunPlan
-from fedmf.run import PrivateRun
+from fedmf.run.private_run import PrivateRun
 from server.config import ServerConfig
 from server.local_grid import LocalGrid
 from server.strategy import DPMFStrategy

@@ -19,7 +19,7 @@ Cases (the same task, options, hyperparameters, population and users per round o
 
 Sides (all measured on steady-state rounds: round 0 is a warm-up and is not counted; the rate is the
 median round's updates / its wall time; "start-up" is what comes before round 0):
-  inprocess      ``fedmf.federated.train`` with ``task.as_local_updates(workers=<the CPUs>)`` (what
+  inprocess      ``fedmf.run.federated.train`` with ``task.as_local_updates(workers=<the CPUs>)`` (what
                  ``fedmf simulate`` runs by default, minus the per-round held-out evaluation): the whole
                  private round (select, local updates, clip, noise, optimizer, checkpoint, ledger commit);
                  "client s" = time inside the clients' hook
@@ -95,7 +95,7 @@ class Case:
     rounds: int
 
     def values(self, run_dir: Path) -> dict[str, Any]:
-        from fedmf.simulate import preset_values
+        from fedmf.run.simulate import preset_values
 
         return preset_values(self.preset, {**self.overrides, "run-dir": str(run_dir)})
 
@@ -161,9 +161,9 @@ def _cohort(users: list[str], t: int, m: int) -> list[str]:
 
 # ---- in process ---------------------------------------------------------------------------------------
 def run_inprocess(case: Case, work: Path) -> SideResult:
-    """``fedmf.federated.train`` as ``fedmf simulate`` runs it (no evaluation): whole rounds."""
+    """``fedmf.run.federated.train`` as ``fedmf simulate`` runs it (no evaluation): whole rounds."""
     from fedmf.tasks.base import default_workers
-    from fedmf.federated import train
+    from fedmf.run.federated import train
 
     out = SideResult("inprocess")
     values = case.values(work / "inprocess")

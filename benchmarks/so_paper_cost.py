@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     from fedmf.tasks import ClientHyper, get_task
     from fedmf.tasks.base import default_workers
     from fedmf.config import RunConfig
-    from fedmf.simulate import preset_values
+    from fedmf.run.simulate import preset_values
 
     config = RunConfig.from_mapping(preset_values("so-paper", {"run-dir": "unused"}))
     task = get_task(config.task, **config.task_options)

@@ -180,7 +180,7 @@ def time_server(device: torch.device, users_per_round: int, rounds: int, quick: 
     from _models import make_model
     from fedmf.participation import MinSep
     from fedmf.plan import RunPlan
-    from fedmf.privatize import layout_of
+    from fedmf.round.privatize import layout_of
 
     n, schema, bands = (256, MinSep(64, 4), 16) if quick else (2052, MinSep(342, 6), 64)
     started = time.perf_counter()
@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     if any(p != "server" for p in paths):
         from fedmf.tasks import ClientHyper, get_task
         from fedmf.config import RunConfig
-        from fedmf.simulate import preset_values
+        from fedmf.run.simulate import preset_values
 
         config = RunConfig.from_mapping(preset_values("so-paper", {"run-dir": "unused"}))
         task = get_task(config.task, **config.task_options)

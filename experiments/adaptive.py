@@ -62,7 +62,7 @@ def _instrument(trace: list[dict[str, Any]]) -> None:
     """Record each round's norms and noise from inside the privatizer (measurement only)."""
     import torch
 
-    from fedmf.privatize import RoundPrivatizer
+    from fedmf.round.privatize import RoundPrivatizer
 
     if getattr(RoundPrivatizer, "_traced", False):
         RoundPrivatizer._trace = trace
@@ -98,8 +98,8 @@ def run_one(preset: str, arm: str, seed: int, rounds: int | None, extra: dict[st
     import torch
 
     from fedmf.config import RunConfig
-    from fedmf.federated import train
-    from fedmf.simulate import preset_values
+    from fedmf.run.federated import train
+    from fedmf.run.simulate import preset_values
     from fedmf.tasks import ClientHyper, get_task
 
     name = f"{preset}_{arm}{tag}_seed{seed}" + ("" if rounds is None else f"_r{rounds}")

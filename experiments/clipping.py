@@ -153,7 +153,7 @@ def load_norms(out: Path = OUT) -> dict[str, Any]:
 # ---- running -----------------------------------------------------------------------------------------
 def _config(dataset: str, overrides: dict[str, Any]):
     from fedmf.config import RunConfig
-    from fedmf.simulate import preset_values
+    from fedmf.run.simulate import preset_values
 
     preset, base = DATASETS[dataset]
     return RunConfig.from_mapping(preset_values(preset, {**base, **overrides}))
@@ -197,7 +197,7 @@ def measure_norms(out: Path = OUT) -> dict[str, Any]:
 def adaptive_plan(fixed_plan, job: dict[str, Any], expected_users: float):
     """The adaptive arm's plan at the fixed arm's total (ε, δ): z calibrated with the count's Gaussian
     release composed in (fedmf.accounting), so z must exceed the fixed plan's z at the same ε."""
-    from fedmf.adaptive_clipping import AdaptiveClipping
+    from fedmf.round.adaptive_clipping import AdaptiveClipping
     from fedmf.plan import RunPlan
 
     rule = AdaptiveClipping.create(ADAPTIVE["target_quantile"], expected_users=expected_users,
@@ -236,7 +236,7 @@ def _ledger_trajectory(ledger: Path) -> dict[int, tuple[float | None, float | No
 def run_job(job: dict[str, Any], out: Path = OUT) -> dict[str, Any]:
     import torch
 
-    from fedmf.federated import train
+    from fedmf.run.federated import train
     from fedmf.tasks import ClientHyper, get_task
 
     name = key(job)

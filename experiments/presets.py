@@ -1,6 +1,6 @@
-"""EXPERIMENTS.md's preset runs: every ``fedmf simulate --preset`` (``fedmf.simulate.PRESETS``) at its own
+"""EXPERIMENTS.md's preset runs: every ``fedmf simulate --preset`` (``fedmf.run.simulate.PRESETS``) at its own
 mechanism and ε, through the same call the CLI makes (``preset_values`` → ``RunConfig`` → the task →
-``fedmf.simulate.simulate``), with a server learning-rate sweep and three seeds.
+``fedmf.run.simulate.simulate``), with a server learning-rate sweep and three seeds.
 
     python experiments/presets.py run --preset tiny --lrs 0.25,0.5,1,2,4 --seeds 0,1,2
     python experiments/presets.py run --preset so-tiny --mechanism dp-sgd --lrs 0.5 --seeds 0,1,2
@@ -55,10 +55,10 @@ def run_one(preset: str, mechanism: str | None, lr: float, seed: int, workers: i
     import torch
 
     from fedmf.config import RunConfig
-    from fedmf.simulate import preset_values, simulate
+    from fedmf.run.simulate import preset_values, simulate
     from fedmf.tasks import ClientHyper, get_task
 
-    from fedmf.simulate import PRESETS
+    from fedmf.run.simulate import PRESETS
 
     kind = mechanism or PRESETS[preset].get("mechanism", "bsr")
     key = _key(preset, kind, lr, seed, extra)
@@ -103,7 +103,7 @@ def initial_and_baseline(preset: str, out: Path = OUT) -> dict[str, Any]:
     import torch
 
     from fedmf.config import RunConfig
-    from fedmf.simulate import preset_values
+    from fedmf.run.simulate import preset_values
     from fedmf.tasks import get_task
 
     config = RunConfig.from_mapping(preset_values(preset, {"run-dir": str(out / "runs" / "baseline")}))

@@ -2,7 +2,7 @@
 DP-FedAvg with independent noise (``dp-sgd``) vs no noise, at equal (ε, δ), on so-small
 (synthetic StackOverflow-like) and shakespeare (real text).
 
-Every run is the in-process private loop (``fedmf.federated.train``, the same round the Flower
+Every run is the in-process private loop (``fedmf.run.federated.train``, the same round the Flower
 server runs) with vectorized clients; only the experiment's grid lives here.
 
     python experiments/run.py prepare --out exp                   # mechanisms, noise multipliers (CPU)
@@ -49,7 +49,7 @@ EVAL_EVERY = 10
 
 
 def _values(dataset: str, overrides: dict[str, Any]) -> dict[str, Any]:
-    from fedmf.simulate import preset_values
+    from fedmf.run.simulate import preset_values
 
     preset, base = DATASETS[dataset]
     return preset_values(preset, {**base, **overrides})
@@ -158,7 +158,7 @@ def run_job(job: dict[str, Any], out: Path, device: str) -> dict[str, Any]:
 
     from fedmf.tasks import ClientHyper, get_task
     from fedmf.config import RunConfig
-    from fedmf.federated import train
+    from fedmf.run.federated import train
 
     key = _key(job)
     target = out / "results" / f"{key}.json"

@@ -34,7 +34,7 @@ __all__ = ["ConcurrentChargeError", "UserAccount", "RunBudget", "user_account", 
 
 class ConcurrentChargeError(LedgerError):
     """A concurrent run spent the lifetime budget of a user this round selected: the round is
-    aborted before anything is sent, and redone (both drivers retry it: ``fedmf.ledger_retry``)."""
+    aborted before anything is sent, and redone (both drivers retry it: ``fedmf.run.ledger_retry``)."""
 
 
 @dataclass(frozen=True)

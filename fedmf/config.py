@@ -1,7 +1,7 @@
 """The run configuration of a private training job, validated once where it enters.
 
 The Flower app reads it from ``[tool.flwr.app.config]`` (overridable with ``flwr run .
---run-config``); ``fedmf simulate`` builds the same object from a preset (``fedmf.simulate.PRESETS``:
+--run-config``); ``fedmf simulate`` builds the same object from a preset (``fedmf.run.simulate.PRESETS``:
 overrides of ``DEFAULTS``). Keys use Flower's kebab-case; every value is checked here and a bad one
 is a one-line ``ConfigError`` before round 1. ``DEFAULTS`` holds the engine's keys, the keys every
 backend reads; the Flower adapter's own keys (reply and identity timeouts, how users prove who they
@@ -44,18 +44,18 @@ table, ``server.config.APP_DEFAULTS``: ``pyproject.toml``'s app config equals it
     budget-key        ""                          the ledger's budget secret file (``fedmf budget``); needed
                                                   when the ledger enforces lifetime per-user budgets
     client-metrics    "none" | "private"          what leaves the server of the clients' reported training
-                                                  loss: nothing, or its private release (fedmf.client_metrics:
+                                                  loss: nothing, or its private release (fedmf.round.client_metrics:
                                                   clipped, summed, Gaussian noise, ÷ clients-per-round; accounted)
     client-metrics-clip 10.0                      L: each client's loss is clipped to [0, L]
     client-metrics-noise 0.0                      σ_m, std of the noise on the sum (0: L · clients-per-round / 20)
-    witness           ""                          the release witness's directory (fedmf.witness), on storage
+    witness           ""                          the release witness's directory (fedmf.run.witness), on storage
                                                   other than the run directory's and the ledger's; "": the
                                                   user's state directory; "off": none (tests only, unsafe)
     min-clients-per-round 0                       the fewest users a round must be able to select, else it is
                                                   not played: the run stops (in process) or the server waits
                                                   (0: clients-per-round; fixed-epoch: 1; sampling none only:
-                                                  fedmf/cohort.py)
-    stop-when-diverging false                     stop when the held-out loss diverges (fedmf/learning_check.py;
+                                                  fedmf/run/cohort.py)
+    stop-when-diverging false                     stop when the held-out loss diverges (fedmf/run/learning_check.py;
                                                   a non-finite model always stops)
 """
 
@@ -71,7 +71,7 @@ from typing import Any, Mapping
 from . import checks
 from .errors import ConfigError, ConfigTypeError
 from .sampling import parse_sampling
-from .witness import WITNESS_OFF
+from .run.witness import WITNESS_OFF
 
 __all__ = ["RunConfig", "DEFAULTS", "read_int", "read_bool", "read_float", "read_text"]
 
@@ -174,7 +174,7 @@ class RunConfig:
     client_metrics_clip: float = 10.0  # L
     client_metrics_noise: float | None = None  # σ_m; None: L · clients-per-round / 20
     witness: str | None = None  # the release witness's directory (absolute), "off", or None: the default one
-    min_clients_per_round: int | None = None  # None: the default (fedmf.cohort.resolve_min_cohort)
+    min_clients_per_round: int | None = None  # None: the default (fedmf.run.cohort.resolve_min_cohort)
     stop_when_diverging: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -307,7 +307,7 @@ class RunConfig:
 
     def build_plan(self, mechanism=None):
         """The RunPlan (calibrating z once when only a target ε is given)."""
-        from .adaptive_clipping import AdaptiveClipping
+        from .round.adaptive_clipping import AdaptiveClipping
         from .plan import RunPlan
 
         mechanism = mechanism if mechanism is not None else self.build_mechanism()
@@ -319,7 +319,7 @@ class RunConfig:
                                                clip_norm_range=self.adaptive_clipping_range)
         metrics = None
         if self.client_metrics == "private":
-            from .client_metrics import ClientMetricRelease
+            from .round.client_metrics import ClientMetricRelease
 
             metrics = ClientMetricRelease.create(self.client_metrics_clip, self.client_metrics_noise,
                                                  expected_users=self.clients_per_round)

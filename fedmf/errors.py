@@ -54,14 +54,14 @@ class CheckpointError(FedmfError):
 
 
 class OutcomeError(FedmfError):
-    """A run directory's outcome file (``fedmf.outcome``) is missing or cannot be trusted."""
+    """A run directory's outcome file (``fedmf.run.outcome``) is missing or cannot be trusted."""
 
 
 class CohortTooSmall(FedmfError):
-    """Too few users are eligible to fill the next round (``fedmf.cohort``): it is not played, and
+    """Too few users are eligible to fill the next round (``fedmf.run.cohort``): it is not played, and
     nothing of it is recorded or released."""
 
 
 class NotLearning(FedmfError):
     """The run stopped because its model is not finite or its held-out loss diverged
-    (``fedmf.learning_check``); every committed round stays committed and accounted."""
+    (``fedmf.run.learning_check``); every committed round stays committed and accounted."""

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any, Mapping
 import numpy as np
 
 from . import checks
-from .adaptive_clipping import AdaptiveClipping
-from .client_metrics import ClientMetricRelease
+from .round.adaptive_clipping import AdaptiveClipping
+from .round.client_metrics import ClientMetricRelease
 from .accounting.schemes import check_delta, check_releases, has_per_round_curve
 from .errors import ConfigError, HorizonReached, PlanMismatch, PrivacyBudgetExceeded
 from .participation import FixedEpoch, MinSep, schema_from_dict
@@ -63,10 +63,10 @@ class RunPlan:
     accountant: str = "pld"
     target_epsilon: float | None = None
     calibration: dict[str, Any] = field(default_factory=dict, compare=False)
-    #: None: ζ is fixed; else ζ₀ = clip_norm adapts each round (fedmf.adaptive_clipping)
+    #: None: ζ is fixed; else ζ₀ = clip_norm adapts each round (fedmf.round.adaptive_clipping)
     adaptive_clipping: AdaptiveClipping | None = None
     #: None: nothing of the clients' reported metrics is released; else their private release
-    #: (fedmf.client_metrics), composed into the accounting
+    #: (fedmf.round.client_metrics), composed into the accounting
     client_metrics: ClientMetricRelease | None = None
 
     # ---- construction ----------------------------------------------------------------

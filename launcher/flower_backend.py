@@ -5,7 +5,7 @@ simulation engine (Ray), one simulated SuperNode per user, every Flower process 
 
 Registered in pyproject.toml as the entry point ``flower`` of the group ``fedmf.simulate_backends``;
 the CLI (fedmf/cli/simulate.py) finds it there, so the engine never imports this package. How the
-run ended comes from the ServerApp's ``<run-dir>/outcome.json`` (:mod:`fedmf.outcome`), never from its
+run ended comes from the ServerApp's ``<run-dir>/outcome.json`` (:mod:`fedmf.run.outcome`), never from its
 log lines.
 """
 
@@ -21,10 +21,10 @@ from fedmf import checks
 from fedmf.errors import ConfigError, FedmfError, OutcomeError
 from fedmf.files import atomic_write
 from fedmf.ledger.db import public_url
-from fedmf.outcome import OUTCOME_FILE, clear_outcome, read_outcome
-from fedmf.cohort import counts as cohort_counts
-from fedmf.cohort import resolve_min_cohort
-from fedmf.simulate import SimulationResult, chain_head, learning_check, rho_spent, run_history, write_outputs
+from fedmf.run.outcome import OUTCOME_FILE, clear_outcome, read_outcome
+from fedmf.run.cohort import counts as cohort_counts
+from fedmf.run.cohort import resolve_min_cohort
+from fedmf.run.simulate import SimulationResult, chain_head, learning_check, rho_spent, run_history, write_outputs
 from fedmf.tasks import Task
 from server.config import APP_DEFAULTS
 

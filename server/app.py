@@ -17,8 +17,8 @@ from flwr.serverapp import Grid, ServerApp
 from fedmf.errors import CheckpointError, FedmfError
 from fedmf.files import atomic_write
 from fedmf.ledger.db import public_url
-from fedmf.outcome import STOP_PREFIXES, RunOutcome, write_outcome
-from fedmf.run import REPEATABLE_NOISE_WARNING, PrivateRun, repeatable_noise_from_env
+from fedmf.run.outcome import STOP_PREFIXES, RunOutcome, write_outcome
+from fedmf.run.private_run import REPEATABLE_NOISE_WARNING, PrivateRun, repeatable_noise_from_env
 
 from .config import ServerConfig
 from .identity import identity_policy
@@ -57,7 +57,7 @@ def _quiet_flower_tracebacks() -> None:
 
 def _fault_injection():
     """``FEDMF_KILL_AT=EVENT:ROUND`` (fault-injection tests only): SIGKILL this process at that
-    point of that round (events: ``fedmf.run.EVENTS``)."""
+    point of that round (events: ``fedmf.run.private_run.EVENTS``)."""
     spec = os.environ.get("FEDMF_KILL_AT")
     if not spec:
         return None
@@ -73,7 +73,7 @@ def _fault_injection():
 
 def _stopped(strategy: DPMFStrategy) -> str:
     """The strategy's stop as ``RunOutcome.stopped``: "horizon", "rounds", "guard: <why>", "cohort: <why>"
-    (too few users could join a round: ``fedmf.cohort``) or "learning: <why>" (``fedmf.learning_check``)."""
+    (too few users could join a round: ``fedmf.run.cohort``) or "learning: <why>" (``fedmf.run.learning_check``)."""
     said = strategy.stopped
     return said if said in ("horizon", "rounds") or said.startswith(STOP_PREFIXES) else f"guard: {said}"
 
@@ -95,7 +95,7 @@ def _record_error(run_config: dict, run: PrivateRun | None, error: FedmfError) -
 def run_server(grid: Grid, run_config: dict) -> DPMFStrategy:
     """Validate the configuration (one-line errors before round 1), then run or resume; the
     final model is written to ``<run-dir>/final-model.pt`` (0600) and how the run ended to
-    ``<run-dir>/outcome.json`` (``fedmf.outcome``; on a ``FedmfError`` too)."""
+    ``<run-dir>/outcome.json`` (``fedmf.run.outcome``; on a ``FedmfError`` too)."""
     opened: list[PrivateRun] = []  # the run, once open (for the outcome of an error stop)
     try:
         return _serve(grid, run_config, opened)

@@ -9,7 +9,7 @@ arrays have the model's names, shapes, a floating dtype and at most the bytes th
 dtype need as ``.npy`` (checked from the metadata, before anything is converted). Anything else
 is rejected with a reason (recorded in the ledger when the sender is a known user) and never
 aggregated; nothing a client sends can crash the server. The update's values are checked by
-``fedmf.privatize``.
+``fedmf.round.privatize``.
 
 Memory: Flower's ``Grid.send_and_receive`` returns every reply of the round already received and
 decoded (the bytes are in this process before any check can run). ``RoundReplies.read`` empties
@@ -196,7 +196,7 @@ class RoundReplies:
 
     def losses(self) -> dict[str, Any]:
         """The training loss each accepted reply reported, user → value as sent. Never published: only
-        a plan's private client-metric release reads it (``fedmf.client_metrics``: clipped to [0, L],
+        a plan's private client-metric release reads it (``fedmf.round.client_metrics``: clipped to [0, L],
         a missing or non-finite value counting as 0, summed, noised, ÷ the planned users)."""
         return dict(self._losses)
 

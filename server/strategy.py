@@ -1,5 +1,5 @@
 """The DP-MF strategy: a Flower ``Strategy`` whose ``start`` runs fedmf's round loop with Flower
-I/O as its cohort step. Each round, in ``fedmf.round_loop.run_rounds``:
+I/O as its cohort step. Each round, in ``fedmf.run.loop.run_rounds``:
 
     guard        PrivateRun.guard (horizon, planned ε, the worst observed user's ε)
     select       who is connected (server.identity) → PrivateRun.select (scheduler + ledger)
@@ -14,7 +14,7 @@ What is the strategy's own: the Flower I/O, the ledger retries (a guard or a rou
 fails is redone after a backoff; an aborted round released nothing) and the round's metrics. The
 metrics clients report (training loss, example counts) are never published as sent: with
 ``client-metrics = "private"`` the engine releases the training loss clipped, summed and noised
-(``fedmf.client_metrics``), otherwise nothing of them.
+(``fedmf.round.client_metrics``), otherwise nothing of them.
 ``configure_train`` / ``aggregate_train`` (abstract in Flower's ``Strategy``) are not used by
 ``start``: they are the two halves of one round for a caller that drives the hooks itself.
 """
@@ -33,12 +33,12 @@ from flwr.serverapp.strategy import Result, Strategy
 
 from fedmf.audit.auditor import audit_command
 from fedmf.errors import CohortTooSmall, NotLearning
-from fedmf.learning_check import LearningCheck
+from fedmf.run.learning_check import LearningCheck
 from fedmf.ledger.db import LedgerError, public_url
-from fedmf.ledger_retry import ledger_retry
-from fedmf.privatize import RoundReport
-from fedmf.round_loop import Contributions, LoopEnd, observed_accounting, run_rounds, settle
-from fedmf.run import PrivateRun, RoundRecord
+from fedmf.run.ledger_retry import ledger_retry
+from fedmf.round.privatize import RoundReport
+from fedmf.run.loop import Contributions, LoopEnd, observed_accounting, run_rounds, settle
+from fedmf.run.private_run import PrivateRun, RoundRecord
 from fedmf.schedule import Selection
 
 from .config import ServerConfig
@@ -51,13 +51,13 @@ log = logging.getLogger("fedmf.server")
 T = TypeVar("T")
 #: a round whose ledger write fails is redone after 1, 2, 4, … s (at most 30 s), up to 8 times
 LEDGER_RETRIES, LEDGER_BACKOFF_S, LEDGER_BACKOFF_MAX_S = 8, 1.0, 30.0
-#: a round too few users can join (``fedmf.cohort``) is tried again every COHORT_POLL_S seconds, for at
+#: a round too few users can join (``fedmf.run.cohort``) is tried again every COHORT_POLL_S seconds, for at
 #: most the configuration's reply-timeout, then the run stops (resumable)
 COHORT_POLL_S = 5.0
 
 
 class DPMFStrategy(Strategy):
-    """Privatizes every round with the run's DP-MF mechanism (``fedmf.run.PrivateRun``), driven by
+    """Privatizes every round with the run's DP-MF mechanism (``fedmf.run.private_run.PrivateRun``), driven by
     ``start``. ``history``: the committed rounds' records; ``stopped``: how the last ``start``
     ended ("horizon", "rounds", or the guard's message)."""
 
@@ -129,7 +129,7 @@ class DPMFStrategy(Strategy):
         return received
 
     def _values(self, received: RoundReplies) -> dict | None:
-        """The clients' reported training loss for the engine's private release (``fedmf.client_metrics``),
+        """The clients' reported training loss for the engine's private release (``fedmf.round.client_metrics``),
         only when the plan has one; nothing a client reports is ever published as sent."""
         return received.losses() if self.run.plan.client_metrics is not None else None
 
@@ -211,10 +211,10 @@ class DPMFStrategy(Strategy):
     # ---- start: the round loop ---------------------------------------------------------------
     def _with_retries(self, t: int, step: Callable[[], T], stage: str) -> T:
         """``step()``; when the ledger fails (any ``LedgerError``), retried after 1, 2, 4, … s
-        (``fedmf.ledger_retry``, with this module's constants). When too few users can join the round
+        (``fedmf.run.ledger_retry``, with this module's constants). When too few users can join the round
         (``CohortTooSmall``: nothing of it exists yet), tried again every ``cohort_poll_s`` seconds
         for at most the reply timeout, each try with the users connected then; the last refusal ends
-        the run (``fedmf.cohort``)."""
+        the run (``fedmf.run.cohort``)."""
         retry = ledger_retry((LedgerError,), retries=LEDGER_RETRIES, backoff_s=LEDGER_BACKOFF_S,
                              backoff_max_s=LEDGER_BACKOFF_MAX_S, log=log)
         waited_since = None
@@ -257,7 +257,7 @@ class DPMFStrategy(Strategy):
               evaluate_config: ConfigRecord | None = None,
               evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None) -> Result:
         """Run (or resume) rounds until the plan's horizon, ``num_rounds`` in total, or the guard:
-        ``fedmf.round_loop.run_rounds`` with the Flower exchange as its cohort step and the ledger
+        ``fedmf.run.loop.run_rounds`` with the Flower exchange as its cohort step and the ledger
         retries; each round's model and metrics go into the Result after its commit. The model sent
         is the run's committed one (``initial_arrays``, ``train_config`` and ``evaluate_config`` are
         not used); ``timeout``: for the replies (default: the configuration's reply timeout)."""
@@ -291,7 +291,7 @@ class DPMFStrategy(Strategy):
         if self.run.resumed_from is not None:
             log.info("%s", self.run.resumed_line())
         result.arrays = ArrayRecord(self.run.model.state_dict())  # the committed model (a record recovered on resume)
-        def initial() -> dict:  # the initial model's held-out scores (no round committed: fedmf.learning_check)
+        def initial() -> dict:  # the initial model's held-out scores (no round committed: fedmf.run.learning_check)
             scores = evaluate_fn(0, ArrayRecord(self.run.model.state_dict()))
             return {} if scores is None else {k: float(v) for k, v in scores.items()}
 

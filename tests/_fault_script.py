@@ -102,10 +102,10 @@ class Recorder:
         def evaluate(task, model):
             t = recorder.round
             if t is None and last_committed(recorder.run_dir) is None:  # the initial model's held-out loss
-                recorder.write(kind="initial", round=None, sha=state_sha(model.state_dict()))  # (fedmf.learning_check)
+                recorder.write(kind="initial", round=None, sha=state_sha(model.state_dict()))  # (fedmf.run.learning_check)
                 return original(task, model)
             if t is None:  # before any broadcast of this process: a resume evaluating the last committed round
-                t = last_committed(recorder.run_dir)  # (a record a stop cut off: fedmf.round_loop.recover_records)
+                t = last_committed(recorder.run_dir)  # (a record a stop cut off: fedmf.run.loop.recover_records)
             recorder.write(kind="evaluate", round=t, sha=state_sha(model.state_dict()),
                            status=round_status(recorder.run_dir, t))
             result = original(task, model)
@@ -215,7 +215,7 @@ def make_grid(values: Mapping[str, Any], recorder: Recorder, **faults):
 
 # ---- kill points inside operations (this process only) -----------------------------------------
 class _OsProxy:
-    """``os`` for fedmf.checkpoint, with hooks on open/fdopen/replace."""
+    """``os`` for fedmf.run.checkpoint, with hooks on open/fdopen/replace."""
 
     def __init__(self, on_open=None, on_fdopen=None, on_replace=None) -> None:
         self._on_open, self._on_fdopen, self._on_replace = on_open, on_fdopen, on_replace
@@ -262,7 +262,7 @@ class _HalfWriter:
 
 def install_kill(spec: str, recorder: Recorder) -> dict[str, Any]:
     """Arm the kill point ``spec`` in this process; returns grid options (the QUERY kill)."""
-    import fedmf.checkpoint as checkpoint
+    import fedmf.run.checkpoint as checkpoint
 
     kind, _, arg = spec.partition(":")
     if kind == "event":  # the server's own hook: FEDMF_KILL_AT=EVENT:ROUND
@@ -333,7 +333,7 @@ def install_kill(spec: str, recorder: Recorder) -> dict[str, Any]:
     elif kind == "evaluate":
         recorder.kill_evaluate = t
     elif kind == "after-select":  # configure_train: the scheduler chose and the ledger opened the round
-        from fedmf.run import PrivateRun
+        from fedmf.run.private_run import PrivateRun
 
         original_select = PrivateRun.select
 

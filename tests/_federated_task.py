@@ -61,7 +61,7 @@ def write_secrets(target, label: bytes = b"fixed") -> None:
 
 def checkpoint_salts(directory) -> list[bytes]:
     """The noise salts of every committed round, from the run's last committed checkpoint."""
-    from fedmf.checkpoint import CheckpointStore
+    from fedmf.run.checkpoint import CheckpointStore
 
     store = CheckpointStore(directory)
     last = max(store.rounds())
@@ -107,8 +107,8 @@ def local_update(params, user, t):
 
 
 def main(argv: list[str]) -> int:
-    from fedmf.federated import train
-    from fedmf.run import repeatable_noise_from_env
+    from fedmf.run.federated import train
+    from fedmf.run.private_run import repeatable_noise_from_env
 
     directory, out = argv[0], argv[1]
     kill = (argv[2], int(argv[3])) if len(argv) > 2 else None

@@ -78,7 +78,7 @@ def ledger_url(request, tmp_path):
 
 @pytest.fixture(autouse=True, scope="session")
 def _witness_state_home(tmp_path_factory):
-    """Every run's release witness (fedmf.witness) goes under a temporary XDG_STATE_HOME, never the real
+    """Every run's release witness (fedmf.run.witness) goes under a temporary XDG_STATE_HOME, never the real
     home: in this process and in every process a test starts (they inherit the environment)."""
     saved = os.environ.get("XDG_STATE_HOME")
     os.environ["XDG_STATE_HOME"] = str(tmp_path_factory.mktemp("xdg-state"))

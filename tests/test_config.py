@@ -47,7 +47,7 @@ def test_the_app_config_is_the_defaults_table():
 
 
 def test_presets_list_only_run_config_keys_they_change():
-    from fedmf.simulate import PRESETS
+    from fedmf.run.simulate import PRESETS
 
     for name, preset in PRESETS.items():
         assert set(preset) <= set(DEFAULTS), (name, sorted(set(preset) - set(DEFAULTS)))

@@ -13,7 +13,7 @@ import pytest
 
 from fedmf.cli import main
 from fedmf.errors import FedmfError
-from fedmf.federated import train
+from fedmf.run.federated import train
 
 from tests import _federated_task as task
 

@@ -1,6 +1,6 @@
 """No secret leaves its file (issue 13 item 8).
 
-A short private run in process (``fedmf.federated.train``, with an injected mid-round fault and
+A short private run in process (``fedmf.run.federated.train``, with an injected mid-round fault and
 a resume) and two through the strategy (the ServerApp's ``run_server`` with the real ClientApp,
 and ``DPMFStrategy.start`` for its ``Result``) all run with every log line captured (our own
 handlers on the root, ``fedmf.server`` and ``flwr`` loggers, and the process's stdout/stderr file
@@ -46,12 +46,12 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from fedmf.config import RunConfig
 from server.config import ServerConfig
 from fedmf.errors import CheckpointError, ConfigError, FedmfError, PlanMismatch
-from fedmf.federated import train
+from fedmf.run.federated import train
 from fedmf.ledger.keys import ServerSecret
 from fedmf.round.draws import Draws
-from fedmf.outcome import OUTCOME_FILE, read_outcome
-from fedmf.privatize import RoundPrivatizer
-from fedmf.run import PrivateRun
+from fedmf.run.outcome import OUTCOME_FILE, read_outcome
+from fedmf.round.privatize import RoundPrivatizer
+from fedmf.run.private_run import PrivateRun
 from server.local_grid import LocalGrid, client_node
 from server.strategy import DPMFStrategy
 
@@ -499,7 +499,7 @@ def test_a_secret_file_readable_by_others_is_refused_at_start_in_one_line(tmp_pa
         logger.handlers[:], logger.level, logger.propagate = saved
     errors = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(errors) == 1 and errors[0].startswith("fedmf: error: secret file") and expected in errors[0], errors
-    # ...but how the run ended (fedmf.outcome: the launcher reads it instead of the log)
+    # ...but how the run ended (fedmf.run.outcome: the launcher reads it instead of the log)
     written = sorted(p.relative_to(run_dir) for p in run_dir.rglob("*"))
     assert [p for p in written if p.name != OUTCOME_FILE] == before
     assert expected in read_outcome(run_dir).error

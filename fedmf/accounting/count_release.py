@@ -1,6 +1,6 @@
 """Adaptive clipping's count release, composed with the MF mechanism; ρ-zCDP of Gaussian runs.
 
-Each round of an adaptively clipped run (``fedmf.adaptive_clipping``) releases the count of
+Each round of an adaptively clipped run (``fedmf.round.adaptive_clipping``) releases the count of
 unclipped updates plus independent N(0, σ_b²) noise. Under zero-out adjacency one participation
 changes the count by at most 1 (no centring: sensitivity 1), so over a user's k participations the
 counts are a Gaussian mechanism with ℓ2 sensitivity √k and std σ_b: multiplier σ_b/√k.

@@ -3,9 +3,9 @@
 Besides xₜ + σ·(C⁻¹Z)ₜ a round may release scalars, each with its own independent Gaussian noise:
 
     "count"           adaptive clipping's count of unclipped updates: sensitivity 1 per participation,
-                      std σ_b (``fedmf.adaptive_clipping``, ``fedmf.count_noise``)
+                      std σ_b (``fedmf.round.adaptive_clipping``, ``fedmf.round.count_noise``)
     "client-metrics"  the private client-metric release: each contributing user's value clipped to
-                      [0, L] and summed, sensitivity L per participation, std σ_m (``fedmf.client_metrics``)
+                      [0, L] and summed, sensitivity L per participation, std σ_m (``fedmf.round.client_metrics``)
 
 Each is, per participation, a Gaussian mechanism with multiplier σⱼ/Δⱼ (ρ = Δⱼ²/(2σⱼ²)-zCDP, Bun &
 Steinke, "Concentrated Differential Privacy", TCC 2016, Prop. 1.6), and zCDP composes additively

@@ -4,7 +4,7 @@
     print(result.summary())  # empirical ε ≥ X (95% confidence) vs accounted ε = Y
 
 or ``fedmf audit-empirical --canaries 200 --epsilon 2`` (the tiny task). ``M`` canary users join
-the population of a real ``fedmf.federated.train`` run (the round the Flower strategy drives, bit
+the population of a real ``fedmf.run.federated.train`` run (the round the Flower strategy drives, bit
 for bit). Canary c has a fixed random direction u_c in parameter space (the M directions are
 orthonormal when M ≤ d, nearly so otherwise) and is "in" with probability 1/2, independently of everything else:
 an in-canary sends ζ'·u_c whenever the scheduler selects it (ζ' a hair below the clip norm ζ, so
@@ -296,16 +296,16 @@ def run_canary_audit(model, users: Sequence[Hashable], plan, local_update: Calla
                      rounds: int | None = None, checkpoint_dir: str | Path | None = None,
                      ledger: str | None = None, ledger_diagnostics: bool = False,
                      fractions: Sequence[float] = DEFAULT_GUESS_FRACTIONS) -> AuditResult:
-    """Run ``fedmf.federated.train`` on ``users`` plus ``canaries`` canary users and audit it (see
+    """Run ``fedmf.run.federated.train`` on ``users`` plus ``canaries`` canary users and audit it (see
     the module docstring; ``ledger_diagnostics``: ``train``'s). ``seed``: the audit's own secret (canary directions and memberships;
     default: fresh randomness); it is never returned. ``checkpoint_dir`` must hold no earlier run
     (the audit must see every released model). The server optimizer is the plan's workload."""
     import torch
 
-    from ..cohort import NO_MINIMUM
-    from ..federated import train
+    from ..run.cohort import NO_MINIMUM
+    from ..run.federated import train
     from ..plan import RunPlan
-    from ..privatize import flat_size, layout_of
+    from ..round.privatize import flat_size, layout_of
 
     if not isinstance(plan, RunPlan):
         raise ConfigError(f"plan must be a RunPlan, got {type(plan).__name__}")

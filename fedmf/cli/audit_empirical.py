@@ -46,7 +46,7 @@ def cmd_audit_empirical(args: argparse.Namespace) -> int:
     from ..audit.empirical import run_canary_audit
     from ..config import RunConfig
     from ..files import atomic_write
-    from ..simulate import preset_values
+    from ..run.simulate import preset_values
 
     if not 2 <= args.canaries <= MAX_CANARIES:
         raise UsageError(f"--canaries must lie in [2, {MAX_CANARIES}], got {args.canaries}")
@@ -87,7 +87,7 @@ def cmd_audit_empirical(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from ..simulate import PRESETS
+    from ..run.simulate import PRESETS
 
     p = sub.add_parser("audit-empirical", help="empirical lower bound on epsilon from a run with canary users",
                        description="Run a preset task privately with canary users added (each, by a fair coin, "

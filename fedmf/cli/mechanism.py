@@ -68,7 +68,7 @@ def cmd_mechanism(args: argparse.Namespace) -> int:
     from ..mechanisms import KINDS, mechanism_class, plan
     from ..mechanisms.io import save
     from ..participation import FixedEpoch
-    from ..progress import ProgressBar
+    from ..run.progress import ProgressBar
     from ..workloads import parse_workload
 
     started = time.perf_counter()

@@ -142,9 +142,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from fedmf.tasks.base import MAX_WORKERS, default_workers
 
     from ..config import RunConfig
-    from ..progress import ProgressBar
-    from ..run import REPEATABLE_NOISE_WARNING, repeatable_noise_from_env
-    from ..simulate import PRESET_EVAL_EVERY, preset_values, simulate
+    from ..run.progress import ProgressBar
+    from ..run.private_run import REPEATABLE_NOISE_WARNING, repeatable_noise_from_env
+    from ..run.simulate import PRESET_EVAL_EVERY, preset_values, simulate
 
     if args.timeout is not None and not args.timeout > 0:
         raise ConfigError(f"--timeout must be > 0 seconds, got {args.timeout:g}")
@@ -249,16 +249,16 @@ def _time_line(seconds: float, total: float | None) -> str:
 
 
 def preset_help() -> str:
-    """Each preset and its expected cost (``fedmf.simulate.PRESET_COST``), for ``--help``."""
-    from ..simulate import PRESET_COST, PRESETS
+    """Each preset and its expected cost (``fedmf.run.simulate.PRESET_COST``), for ``--help``."""
+    from ..run.simulate import PRESET_COST, PRESETS
 
     return "; ".join(f"{name}: {PRESET_COST.get(name, 'cost not measured')}" for name in PRESETS)
 
 
 def health_lines(result, stop: str = "") -> list[str]:
     """The summary's lines on how the run went: why it stopped early (the stop's one line), whether it is
-    learning (``fedmf.learning_check``) and its cohorts (``fedmf.cohort``)."""
-    from ..cohort import summary_line
+    learning (``fedmf.run.learning_check``) and its cohorts (``fedmf.run.cohort``)."""
+    from ..run.cohort import summary_line
 
     lines = [f"stopped         {stop}"] if stop else []
     learning = result.learning or {}
@@ -271,7 +271,7 @@ def health_lines(result, stop: str = "") -> list[str]:
 
 def _clip_norm_warnings(config, history: list) -> list[str]:
     """Adaptive clipping's trajectory warnings (ζ at a bound, or still rising) from the rounds' ζₜ."""
-    from ..adaptive_clipping import trajectory_warnings
+    from ..round.adaptive_clipping import trajectory_warnings
 
     rows = [h for h in history if "clip-norm" in (h.get("metrics") or {})]
     return trajectory_warnings([h["metrics"]["clip-norm"] for h in rows], [h["round"] for h in rows],
@@ -279,7 +279,7 @@ def _clip_norm_warnings(config, history: list) -> list[str]:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from ..simulate import PRESETS
+    from ..run.simulate import PRESETS
 
     p = sub.add_parser("simulate", help="simulate private federated training of a preset task",
                        description="Train a preset task privately in process (the same private round the Flower "

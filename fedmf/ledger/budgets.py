@@ -71,7 +71,7 @@ class ChargeView:
 
 def load_budget_secret(path: str | os.PathLike, *, create: bool = False) -> ServerSecret:
     """The budget secret in the 0600 file ``path`` (``create``: made if absent)."""
-    from ..checkpoint import load_or_create_secret
+    from ..run.checkpoint import load_or_create_secret
 
     if not create and not os.path.exists(path):
         raise ConfigError(f"budget secret file {os.fspath(path)!r} does not exist (fedmf budget default creates it)")

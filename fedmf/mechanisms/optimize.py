@@ -1,5 +1,5 @@
 """Shared optimization machinery: deterministic 1-D search, L-BFGS with a stated stopping
-rule that reports each step to a progress callback (``fedmf.progress``).
+rule that reports each step to a progress callback (``fedmf.run.progress``).
 
 Every optimizer in fedmf is deterministic: the same inputs give the same coefficients
 (no random restarts; fixed initializations; single-threaded reductions where it matters).
@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..progress import ProgressCallback, Step
+from ..run.progress import ProgressCallback, Step
 
 __all__ = ["grid_then_golden", "OptimizationResult", "lbfgs", "ProgressCallback", "Step"]
 

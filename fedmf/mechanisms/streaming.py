@@ -4,7 +4,7 @@
 Every mechanism lowers to exactly one of these (``Mechanism.streaming_inverse()``); the
 numpy materializer here (``Mechanism.inverse_rows``/``inverse_matrix``/
 ``decoder_row_norms_sq``) and the torch noise generator (``fedmf.round.structures``) interpret the
-description by its type, never by a mechanism's kind (tests/test_streaming.py checks that the two
+description by its type, never by a mechanism's kind (tests/mechanisms/test_streaming.py checks that the two
 give the same noise from the same draws, for every type):
 
     Fir(taps)            banded lower-triangular Toeplitz L: w_t = sum_{j<p} a_j z_{t-j}

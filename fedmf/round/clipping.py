@@ -8,7 +8,7 @@
 A policy owns, for the round it serves next: ζ, the ℓ∞ zeroing threshold, the factor each accepted
 update is summed with, the std the correlated-noise generator draws with, the scaling of the noisy
 sum to the released mean, the round's extra release (adaptive clipping's noisy count) and its
-checkpoint entry. The privatizer (``fedmf.privatize``) applies it and never asks which policy it has.
+checkpoint entry. The privatizer (``fedmf.round.privatize``) applies it and never asks which policy it has.
 
 * ``FixedClipping``: ζ = ``plan.clip_norm`` in every round. Each update is clipped to ζ and summed
   as is; the generator's std is σ = z·ζ·sens ("Multi-Epoch Matrix Factorization Mechanisms",
@@ -17,8 +17,8 @@ checkpoint entry. The privatizer (``fedmf.privatize``) applies it and never asks
   The sum is normalized, Σ clip(Δᵢ, ζₜ)/ζₜ (sensitivity 1 per participation), the generator's
   std is z·sens (``plan.std_per_clip``), the mean is (sum + z·sens·(C⁻¹Z)ₜ)·ζₜ/m
   (post-processing). It releases the count of summed updates with norm ≤ ζₜ plus N(0, σ_b²) from
-  its own keyed stream (``fedmf.count_noise``) and moves to ζₜ₊₁ by Andrew et al. (NeurIPS 2021),
-  Alg. 1, clamped to ζ₀·[1/R, R] (``fedmf.adaptive_clipping``). Its checkpoint entry is
+  its own keyed stream (``fedmf.round.count_noise``) and moves to ζₜ₊₁ by Andrew et al. (NeurIPS 2021),
+  Alg. 1, clamped to ζ₀·[1/R, R] (``fedmf.round.adaptive_clipping``). Its checkpoint entry is
   ``{"adaptive_clipping": {"clip_norm": ζₜ₊₁}}`` in the privatizer's state.
 
 m is always the plan's expected users per round, never the number received (ARCHITECTURE.md rule 2).
@@ -32,12 +32,12 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 import torch
 
-from ..count_noise import count_noise
+from .count_noise import count_noise
 from ..errors import CheckpointError
 
 if TYPE_CHECKING:
     from ..plan import RunPlan
-    from ..privatize import UserReport
+    from .privatize import UserReport
 
 __all__ = ["ClippingPolicy", "FixedClipping", "AdaptiveClipping", "clipping_policy"]
 

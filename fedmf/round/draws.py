@@ -2,7 +2,7 @@
 
 Fresh Gaussian rows z_r are counter-based: the values of row r in chunk c of the flat
 parameter vector come from a generator seeded with a keyed hash of (secret seed, r, salt, c)
-(BLAKE2b; values by ``fedmf.normal``, tails to 8.6σ), so any past draw can be regenerated
+(BLAKE2b; values by ``fedmf.round.normal``, tails to 8.6σ), so any past draw can be regenerated
 exactly and any slice of the parameters (a shard) can be produced alone and equals the same
 slice of the unsharded noise
 ("Scaling up BandMF", Sec. 3.3: coordinate-wise independence).
@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError
-from ..normal import fill_normal
+from .normal import fill_normal
 
 __all__ = ["Draws", "CHUNK_SIZE", "BLOCK_SIZE", "SALT_BYTES", "is_int", "new_key", "key_of", "seed_check"]
 
@@ -93,7 +93,7 @@ os.register_at_fork(after_in_child=_forget_pool)
 
 class Draws:
     """Counter-based Gaussian rows, scaled by ``scale``, for the flat range [lo, hi) of a
-    size-``total`` vector (values from ``fedmf.normal.fill_normal``, whose tails are not cut
+    size-``total`` vector (values from ``fedmf.round.normal.fill_normal``, whose tails are not cut
     at 5.8σ as float32 ``torch.randn``'s are). On CPU the chunks of a row are drawn on several
     threads; each chunk has its own seed, so the result does not depend on the thread count.
     ``salts[r]``: the salt of row r (b"": unsalted), one entry per row drawn so far (a

@@ -40,7 +40,7 @@ __all__ = ["NoiseGenerator", "Layout"]
 Layout = Union[int, Mapping[str, Sequence[int]]]
 #: 4: salts of the rounds done; 3: bound to the mechanism's fingerprint, seed or seed_check,
 #: structure_rounds (read as 4 with every round unsalted); 2: std folded into the draws by
-#: fedmf.normal; 1: another sampler, unscaled state
+#: fedmf.round.normal; 1: another sampler, unscaled state
 _STATE_FORMAT = 4
 _UNSALTED_FORMAT = 3
 _FLOATING = checks.floating_dtypes()

@@ -1,6 +1,6 @@
 """The torch interpreters of the streaming descriptions of L = C^{-1}: one per description type
 (``fedmf.mechanisms.streaming``, whose numpy interpreters read the same descriptions;
-tests/test_streaming.py checks that the two agree on the same draws, for every type).
+tests/mechanisms/test_streaming.py checks that the two agree on the same draws, for every type).
 
 Each keeps the state its description bounds ("Scaling up BandMF" Alg. 1 for banded C;
 "Beyond Square Roots" Sec. 4 for banded C^{-1}; McMahan et al. 2024 for BLT buffers):

@@ -81,7 +81,7 @@ class Scheduler(abc.ABC):
         return self._last_round is not None and t == self._last_round and str(user) in self._last_ids
 
     def eligible(self, t: int, available: Iterable[Hashable]) -> int | None:
-        """How many of ``available`` round t may select, deciding nothing (``fedmf.cohort``); None
+        """How many of ``available`` round t may select, deciding nothing (``fedmf.run.cohort``); None
         for the samplers whose round size is their own random draw (amplified)."""
         return None
 

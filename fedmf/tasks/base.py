@@ -1,5 +1,5 @@
 """What a federated task is: a population of users with their own data, a model, and the local
-training and evaluation run on it. No Flower here: the in-process loop (``fedmf.federated.train``)
+training and evaluation run on it. No Flower here: the in-process loop (``fedmf.run.federated.train``)
 and the Flower ClientApp call the same methods, and get bit-identical results.
 
 Determinism contract: ``local_update`` depends only on (params, user, round, hyper, task options).
@@ -197,7 +197,7 @@ class Task(ABC):
                          device: str | torch.device | None = None, workers: int = 1,
                          chunk_users: int | None = None, with_metrics: bool = False
                          ) -> Callable[[Mapping[str, torch.Tensor], Sequence[Hashable], int], dict[Hashable, Any]]:
-        """``local_updates`` in the shape ``fedmf.federated.train(local_updates=...)`` calls:
+        """``local_updates`` in the shape ``fedmf.run.federated.train(local_updates=...)`` calls:
         (params, users, t) -> {user: delta}, the round's users trained together (``vectorized``)
         or ``workers`` at a time (``chunk_users``: see ``local_updates``). ``with_metrics``: each
         user's whole ``LocalResult`` (delta and metrics, for a private client-metric release)."""
@@ -218,7 +218,7 @@ class Task(ABC):
 
     def as_local_update(self, hyper: ClientHyper, *, with_metrics: bool = False
                         ) -> Callable[[Mapping[str, torch.Tensor], Hashable, int], Any]:
-        """``local_update`` in the shape ``fedmf.federated.train`` calls: (params, user, t) -> delta
+        """``local_update`` in the shape ``fedmf.run.federated.train`` calls: (params, user, t) -> delta
         (``with_metrics``: the whole ``LocalResult``, delta and metrics)."""
 
         def local_update(params: Mapping[str, torch.Tensor], user: Hashable, t: int) -> Any:

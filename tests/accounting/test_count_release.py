@@ -15,7 +15,7 @@ import pytest
 from fedmf import MinSep
 from fedmf.accounting import calibrate, cyclic_poisson, epsilon, epsilon_by_round, gaussian
 from fedmf.accounting.posthoc import account_observed
-from fedmf.adaptive_clipping import AdaptiveClipping
+from fedmf.round.adaptive_clipping import AdaptiveClipping
 from fedmf.errors import ConfigError
 from fedmf.accounting.run_privacy import run_privacy
 from fedmf.mechanisms import build
@@ -263,7 +263,7 @@ def test_posthoc_adds_each_users_actual_participations(bsr):
 
 
 def test_simulation_result_rho_is_the_planned_rho_spent(bsr):
-    from fedmf.simulate import rho_spent
+    from fedmf.run.simulate import rho_spent
 
     plan = RunPlan.create(bsr, SCHEMA, clip_norm=1.0, delta=1e-6, expected_users=100, noise_multiplier=1.0,
                           adaptive_clipping=AdaptiveClipping.create(0.5, expected_users=40))  # σ_b = 2

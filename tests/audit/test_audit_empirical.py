@@ -2,7 +2,7 @@
 
 The bound is checked against scipy's binomial tails, a brute-force evaluation of Steinke, Nasr and
 Jagielski's (ε, δ) theorem and the exact distribution of randomized response; the scores against a
-dense re-derivation through A⁻¹ and G⁻¹; the audit itself on real runs of ``fedmf.federated.train``:
+dense re-derivation through A⁻¹ and G⁻¹; the audit itself on real runs of ``fedmf.run.federated.train``:
 with the configured noise its bound stays at or below the accounted ε, with the noise draw
 monkeypatched to zero (a test-only switch: no configuration can do it) it exceeds it.
 """
@@ -114,7 +114,7 @@ def test_guess_rules_are_bonferroni_corrected_and_count_correct_guesses():
 def test_scores_invert_the_server_optimizer_and_whiten_the_noise():
     """Models made by the real server optimizer from known x̂; the scores equal a dense re-derivation:
     y = m·A⁻¹(θ_{1..n} − θ_0)/η, LLR = (ζ/σ²)(aᵀG⁻¹y − ζ aᵀG⁻¹a/2), G = L Lᵀ."""
-    from fedmf.server_optimizer import server_optimizer
+    from fedmf.round.server_optimizer import server_optimizer
 
     n, d, canaries, eta, users, sigma = 12, 40, 5, 0.7, 3.0, 2.5
     workload = Workload(momentum=0.5, cooldown=0.25)
@@ -191,7 +191,7 @@ _AUDIT_TINY = {"server-lr": 1.0, "client-lr": 0.2, "clip-norm": 1.0}
 def _tiny_audit(tmp_path, eps: float, rounds: int = 12, **kw):
     from fedmf.tasks import ClientHyper, get_task
     from fedmf.config import RunConfig
-    from fedmf.simulate import preset_values
+    from fedmf.run.simulate import preset_values
 
     config = RunConfig.from_mapping(preset_values("tiny", {**_AUDIT_TINY, "target-epsilon": eps, "clients-per-round": 40,
                                                                        "rounds": rounds}))
@@ -329,7 +329,7 @@ def test_heavy_under_noised_by_20x_is_detected(tmp_path, monkeypatch):
 def test_heavy_amplified_sampling_scores_every_round(tmp_path):
     from fedmf.tasks import ClientHyper, get_task
     from fedmf.config import RunConfig
-    from fedmf.simulate import preset_values
+    from fedmf.run.simulate import preset_values
 
     config = RunConfig.from_mapping(preset_values("tiny", {"target-epsilon": 2.0, "sampling": "bminsep:0.2",
                                                            "clients-per-round": 48}))

@@ -1,5 +1,5 @@
 """Every option of every ``fedmf`` sub-command has a description, and ``fedmf simulate --help``
-states each preset's cost (from ``fedmf.simulate.PRESET_COST``, next to the presets)."""
+states each preset's cost (from ``fedmf.run.simulate.PRESET_COST``, next to the presets)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import argparse
 import pytest
 
 from fedmf.cli import build_parser, main
-from fedmf.simulate import PRESET_COST, PRESETS
+from fedmf.run.simulate import PRESET_COST, PRESETS
 
 
 def _walk(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):

@@ -48,7 +48,7 @@ def test_one_round_numbering_in_every_output(tmp_path, capsys):
 def test_the_summary_time_covers_every_invocation(tmp_path, capsys):
     """A run stopped after 2 of 4 rounds and resumed: the summary's time is both invocations'."""
     from fedmf.config import RunConfig
-    from fedmf.simulate import ELAPSED_FILE, preset_values, simulate
+    from fedmf.run.simulate import ELAPSED_FILE, preset_values, simulate
     from fedmf.tasks import ClientHyper, get_task
 
     config = RunConfig.from_mapping(preset_values("tiny", {"rounds": 4, "run-dir": str(tmp_path / "run")}))

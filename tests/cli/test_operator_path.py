@@ -15,8 +15,8 @@ from fedmf.audit.auditor import AUDITOR_ROLE, audit_command, auditor_ledger
 from fedmf.cli import main
 from fedmf.config import RunConfig
 from fedmf.errors import ConfigError
-from fedmf.federated import train
-from fedmf.simulate import preset_values
+from fedmf.run.federated import train
+from fedmf.run.simulate import preset_values
 
 from tests import _federated_task as task
 

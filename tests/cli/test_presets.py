@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from fedmf.cli import main
-from fedmf.run import REPEATABLE_NOISE_ENV
-from fedmf.simulate import PRESETS, preset_values
+from fedmf.run.private_run import REPEATABLE_NOISE_ENV
+from fedmf.run.simulate import PRESETS, preset_values
 
 
 def _fixed_secrets(run_dir, label: str) -> None:
@@ -106,7 +106,7 @@ def test_so_paper_plans_its_full_geometry_and_runs_a_round(tmp_path):
     ε 8.84 over all 2,052 rounds; its mechanism then runs a round of the paper's 4M-parameter LSTM
     with a reduced cohort and population (the full one is for a large machine)."""
     from fedmf.config import RunConfig
-    from fedmf.federated import train
+    from fedmf.run.federated import train
     from fedmf.tasks import ClientHyper, get_task
 
     config = RunConfig.from_mapping(preset_values("so-paper", {"run-dir": str(tmp_path / "full")}))

@@ -10,7 +10,7 @@ import pytest
 
 from fedmf.cli import main
 from fedmf.errors import FedmfError
-from fedmf.simulate import PRESETS, preset_values
+from fedmf.run.simulate import PRESETS, preset_values
 
 
 def test_tiny_preset_runs_writes_its_outputs_and_resumes(tmp_path, capsys):
@@ -86,7 +86,7 @@ def test_vectorized_clients_give_the_one_at_a_time_model_within_float_tolerance(
     sequential run's within float tolerance, and the ledger records the same participations."""
     import torch
 
-    from fedmf.run import REPEATABLE_NOISE_ENV
+    from fedmf.run.private_run import REPEATABLE_NOISE_ENV
     from tests._federated_task import share_secrets
 
     monkeypatch.setenv(REPEATABLE_NOISE_ENV, "1")
@@ -114,7 +114,7 @@ def test_parallel_clients_give_the_one_at_a_time_model_bit_for_bit(tmp_path, cap
     tests only) the final model and the ledger are the one-at-a-time run's, bit for bit."""
     import torch
 
-    from fedmf.run import REPEATABLE_NOISE_ENV
+    from fedmf.run.private_run import REPEATABLE_NOISE_ENV
     from tests._federated_task import share_secrets
 
     monkeypatch.setenv(REPEATABLE_NOISE_ENV, "1")
@@ -137,7 +137,7 @@ def test_parallel_clients_give_the_one_at_a_time_model_bit_for_bit(tmp_path, cap
 
 def test_train_takes_exactly_one_kind_of_client_function(tmp_path):
     from fedmf.errors import ConfigError
-    from fedmf.federated import train
+    from fedmf.run.federated import train
     from tests import _federated_task as task
 
     plan = task.plan(rounds=4)
@@ -154,7 +154,7 @@ def test_a_batch_hook_answering_for_users_not_asked_is_refused(tmp_path):
     import torch
 
     from fedmf.errors import ConfigError
-    from fedmf.federated import train
+    from fedmf.run.federated import train
     from tests import _federated_task as task
 
     users = list(range(20))
@@ -172,7 +172,7 @@ def test_repeatable_noise_is_announced_on_stderr_for_both_backends_even_quiet(tm
     --quiet --json, on either backend (here the run then stops at its plan: a given min-sep 4 > 2 rounds)."""
     import os
 
-    from fedmf.run import REPEATABLE_NOISE_ENV, REPEATABLE_NOISE_WARNING
+    from fedmf.run.private_run import REPEATABLE_NOISE_ENV, REPEATABLE_NOISE_WARNING
 
     argv = [sys.executable, "-m", "fedmf.cli", "simulate", "--preset", "tiny", "--out", str(tmp_path / "o"),
             "--backend", backend, "--rounds", "2", "--min-sep", "4", "--quiet", "--json"]

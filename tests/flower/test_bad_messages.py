@@ -29,10 +29,10 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageType, MetricRecord, RecordDict
 from sqlalchemy import select
 
-from fedmf.client_metrics import ClientMetricRelease
+from fedmf.round.client_metrics import ClientMetricRelease
 from server.config import ServerConfig
 from fedmf.ledger.models import Participation, UpdateNorm
-from fedmf.run import PrivateRun
+from fedmf.run.private_run import PrivateRun
 from server import strategy as strategy_module
 from server.local_grid import LocalGrid
 from server.replies import RoundReplies
@@ -572,7 +572,7 @@ def _identity_grid(bad_reply: Callable[[Message], Any]) -> tuple[LocalGrid, dict
     return LocalGrid(nodes), nodes
 
 
-#: the private client-metric release (fedmf.client_metrics): losses clipped to [0, 2], noise std 0.5
+#: the private client-metric release (fedmf.round.client_metrics): losses clipped to [0, 2], noise std 0.5
 PRIVATE_METRICS = ClientMetricRelease.create(2.0, 0.5, expected_users=10)
 
 
@@ -646,7 +646,7 @@ def test_a_rejected_reply_does_not_change_the_released_train_loss(tmp_path):
     schedule = schedule_of(tmp_path / "probe")
     user = next(u for u in schedule[0] if u not in PLANTED)
 
-    def nan_with_metrics(ctx: Ctx) -> Message:  # rejected by fedmf.privatize, after the message checks
+    def nan_with_metrics(ctx: Ctx) -> Message:  # rejected by fedmf.round.privatize, after the message checks
         update = _set(ctx.update, "linear.weight", (0, 0), float("nan"))
         return ctx.reply(arrays=ArrayRecord(update), metrics=MetricRecord({"num-examples": 8, "train-loss": 1e3}))
 

@@ -173,7 +173,7 @@ def test_tiny_learns_with_fedavg(task):
     model = task.model()
     start = task.evaluate(model)
     params = _params(task)
-    update = task.as_local_update(hyper)  # the shape fedmf.federated.train calls
+    update = task.as_local_update(hyper)  # the shape fedmf.run.federated.train calls
     started = time.perf_counter()
     for t in range(10):
         updates = [update(params, user, t) for user in task.users()]

@@ -17,17 +17,17 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from fedmf import enrollment as enrollment_module
-from fedmf import ledger_retry as retry_module
+from fedmf.run import ledger_retry as retry_module
 from server.config import ServerConfig
 from fedmf.enrollment import EnrolledKey, Enrollment, EnrollmentFile, generate_key_pair, sign_proof, verify_proof
-from fedmf.federated import train
+from fedmf.run.federated import train
 from fedmf.ledger import Ledger, LedgerError
 from fedmf.budgets import ConcurrentChargeError, RunBudget
 from fedmf.ledger.budgets import load_budget_secret
 from fedmf.ledger.models import BudgetCharge, Participation
-from fedmf.ledger_retry import ledger_retry
-from fedmf.round_loop import ROUND
-from fedmf.run import PrivateRun
+from fedmf.run.ledger_retry import ledger_retry
+from fedmf.run.loop import ROUND
+from fedmf.run.private_run import PrivateRun
 from fedmf.schedule import make_scheduler
 from server.identity import BACKOFF_MAX_S, BACKOFF_S, IdentityPolicy, NodeDirectory
 from server.local_grid import LocalGrid

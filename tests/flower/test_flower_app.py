@@ -14,9 +14,9 @@ import torch
 
 from fedmf.tasks import ClientHyper, get_task
 from server.config import ServerConfig
-from fedmf.federated import train
+from fedmf.run.federated import train
 from fedmf.ledger import Ledger
-from fedmf.run import REPEATABLE_NOISE_ENV
+from fedmf.run.private_run import REPEATABLE_NOISE_ENV
 
 from tests import _federated_task as task
 from tests.flower_harness import Deployment, enrolled_users, run_simulation

@@ -20,7 +20,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageTy
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fedmf.run import PrivateRun
+from fedmf.run.private_run import PrivateRun
 from server.strategy import DPMFStrategy
 from tests import _federated_task as task
 from tests.flower.test_bad_messages import CONFIG, LAYOUT, NODE, USERS, BadGrid, make_node, npy

@@ -29,7 +29,7 @@ import launcher.processes as supervisor
 from fedmf.checks import host_port
 from fedmf.cli import main
 from fedmf.errors import ConfigError
-from fedmf.run import REPEATABLE_NOISE_ENV
+from fedmf.run.private_run import REPEATABLE_NOISE_ENV
 from launcher.ray_cluster import check_reachable, client_resources, ray_environment
 
 from tests import _federated_task as fixed

@@ -24,7 +24,7 @@ from sqlalchemy import select
 
 from fedmf.ledger.models import Participation
 
-from fedmf.run import PrivateRun
+from fedmf.run.private_run import PrivateRun
 from server.local_grid import LocalGrid
 from server.replies import RoundReplies, max_array_bytes, max_update_bytes, npy_header_max_bytes
 from server.strategy import DPMFStrategy

@@ -12,8 +12,8 @@ from client.app import app as client_app
 from fedmf.tasks import ClientHyper, get_task
 from server.config import ServerConfig
 from fedmf.errors import ConfigError
-from fedmf.federated import train
-from fedmf.run import REPEATABLE_NOISE_ENV
+from fedmf.run.federated import train
+from fedmf.run.private_run import REPEATABLE_NOISE_ENV
 from server.app import run_server
 from server.local_grid import LocalGrid, client_node
 

@@ -11,9 +11,9 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageTy
 from sqlalchemy import select
 
 from server.config import ServerConfig
-from fedmf.federated import train
+from fedmf.run.federated import train
 from fedmf.ledger.models import Participation
-from fedmf.run import PrivateRun
+from fedmf.run.private_run import PrivateRun
 from server.local_grid import LocalGrid
 from server.strategy import DPMFStrategy
 

@@ -18,8 +18,8 @@ import launcher.flower_cli as launcher
 import launcher.processes as supervisor
 from fedmf.cli import main
 from fedmf.config import RunConfig
-from fedmf.run import REPEATABLE_NOISE_ENV
-from fedmf.simulate import preset_values
+from fedmf.run.private_run import REPEATABLE_NOISE_ENV
+from fedmf.run.simulate import preset_values
 from launcher.flower_backend import flower_population, flower_run_config
 from server.config import APP_DEFAULTS, ServerConfig
 

@@ -19,9 +19,9 @@ from sqlalchemy.orm import Session
 from tests._federated_task import Tiny, write_secrets
 from fedmf import MinSep, Workload
 from fedmf.accounting.gdp import compose, delta_for, epsilon_for, mu_for, run_mu_squared
-from fedmf.adaptive_clipping import AdaptiveClipping
+from fedmf.round.adaptive_clipping import AdaptiveClipping
 from fedmf.errors import ConfigError
-from fedmf.federated import train
+from fedmf.run.federated import train
 from fedmf.ledger import Ledger, LedgerError
 from fedmf.budgets import RunBudget, user_accounts
 from fedmf.ledger.budgets import load_budget_secret, round_skips, set_default, set_user
@@ -45,7 +45,7 @@ def _update(params, user, t):
 
 def _run(tmp_path, name, z, ledger, key, rounds=None, label=None, on_event=None):
     """A run that plays rounds down to one user (min_clients_per_round 1) and stops before the first
-    round no user with budget left can join (fedmf.cohort: never a round of noise alone)."""
+    round no user with budget left can join (fedmf.run.cohort: never a round of noise alone)."""
     directory = tmp_path / name
     write_secrets(directory, (label or name).encode())
     return train(Tiny(), USERS, _plan(z), _update, checkpoint_dir=directory, ledger=ledger, budget_key=key,
@@ -303,7 +303,7 @@ def test_readme_budget_block_runs_as_written(tmp_path):
     r = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     # run b: the 30 users without a budget of their own have no room left; it plays round 1 with 8 of
-    # users 0-9 and stops before round 2, which the other 2 cannot fill (fedmf.cohort)
+    # users 0-9 and stops before round 2, which the other 2 cannot fill (fedmf.run.cohort)
     assert "budget skips        30 " in r.stdout
     assert "round 1 (1/20 done) not played: 2 users can take part, 8 needed" in r.stdout
     with Ledger.open(tmp_path / "budgets.db") as book:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from sqlalchemy.engine import make_url
 
-from fedmf.federated import train
+from fedmf.run.federated import train
 from fedmf.ledger.db import display_url, public_url, resolve_url
 
 from tests import _federated_task as task

@@ -14,11 +14,11 @@ from typing import Any
 import torch
 
 from fedmf import MinSep, Workload
-from fedmf.adaptive_clipping import AdaptiveClipping
-from fedmf.client_metrics import ClientMetricRelease
+from fedmf.round.adaptive_clipping import AdaptiveClipping
+from fedmf.round.client_metrics import ClientMetricRelease
 from fedmf.mechanisms import build
 from fedmf.plan import RunPlan
-from fedmf.privatize import RoundPrivatizer
+from fedmf.round.privatize import RoundPrivatizer
 
 SEED = b"clipping-policy-bit-identity"
 LAYOUT = {"w": (300,), "b": (7,)}

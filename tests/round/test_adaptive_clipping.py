@@ -16,17 +16,17 @@ import torch
 from scipy import stats
 
 from fedmf import MinSep, Workload
-from fedmf.adaptive_clipping import AdaptiveClipping
+from fedmf.round.adaptive_clipping import AdaptiveClipping
 from fedmf.config import RunConfig
-from fedmf.count_noise import count_noise
-from fedmf.federated import train
+from fedmf.round.count_noise import count_noise
+from fedmf.run.federated import train
 from fedmf.audit.replay import audit
 from fedmf.audit.report import ADAPTIVE_COLUMNS
 from fedmf.mechanisms import build
 from fedmf.round.draws import key_of
 from fedmf.round.noise import NoiseGenerator
 from fedmf.plan import RunPlan
-from fedmf.privatize import RoundPrivatizer
+from fedmf.round.privatize import RoundPrivatizer
 
 from tests import _federated_task as task
 
@@ -425,7 +425,7 @@ def test_the_flower_strategy_runs_adaptive_clipping_bit_for_bit_and_reports_zeta
                  repeatable_noise=True)
     task.share_secrets(tmp_path / "loop", tmp_path / "flower")
     model = task.Tiny()
-    from fedmf.run import PrivateRun
+    from fedmf.run.private_run import PrivateRun
 
     with PrivateRun.open(model, plan, tmp_path / "flower", population=task.users(), repeatable_noise=True) as run:
         result = DPMFStrategy(run, CONFIG).start(LocalGrid(_nodes()))
@@ -457,7 +457,7 @@ def test_each_normalized_contribution_has_norm_at_most_one_at_the_clip_boundary(
 def test_a_salted_run_resumed_after_a_crash_keeps_following_the_rule(tmp_path):
     """With per-attempt salts (every real run) the redone round draws fresh noise and a fresh count,
     and ζ resumes from the checkpoint: the audit finds the recorded sequence following the rule."""
-    from fedmf.checkpoint import CheckpointStore
+    from fedmf.run.checkpoint import CheckpointStore
 
     def fail(event, t):
         if (event, t) == ("noised", 5):

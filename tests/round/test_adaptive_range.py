@@ -13,15 +13,15 @@ import pytest
 import torch
 
 from fedmf import MinSep, Workload
-from fedmf.adaptive_clipping import (AT_BOUND_ROUNDS, DEFAULT_CLIP_NORM_RANGE, GROWTH_ROUNDS, LEGACY_CLIP_NORM_RANGE,
+from fedmf.round.adaptive_clipping import (AT_BOUND_ROUNDS, DEFAULT_CLIP_NORM_RANGE, GROWTH_ROUNDS, LEGACY_CLIP_NORM_RANGE,
                                      AdaptiveClipping, trajectory_warnings)
 from fedmf.config import DEFAULTS, RunConfig
 from fedmf.errors import ConfigError
-from fedmf.federated import train
+from fedmf.run.federated import train
 from fedmf.audit.replay import audit
 from fedmf.mechanisms import build
 from fedmf.plan import RunPlan
-from fedmf.privatize import RoundPrivatizer
+from fedmf.round.privatize import RoundPrivatizer
 
 from tests import _federated_task as task
 
@@ -243,7 +243,7 @@ def test_the_readme_adaptive_example_reduced_does_not_run_away(tmp_path):
     issue 33 (η 0.2, σ_b 2, no range) ζ went 0.1 → 5.1 and the held-out loss 7.60 → 26.3
     (EXPERIMENTS.md); now ζ stays within [0.01, 1], the audit warns that it sat at its upper bound,
     and the loss ends below the initial model's. About 1–10 min on 2 (shared) cores."""
-    from fedmf.simulate import preset_values
+    from fedmf.run.simulate import preset_values
     from fedmf.tasks import ClientHyper, get_task
 
     torch.set_num_threads(1)

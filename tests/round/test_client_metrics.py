@@ -1,5 +1,5 @@
 """Client-reported metrics (issue 34, item 2): nothing a client reports leaves the server as sent; the
-opt-in private release (fedmf.client_metrics) is exactly (Σ clip(vᵢ, 0, L) + N(0, σ_m²)) / m, and its
+opt-in private release (fedmf.round.client_metrics) is exactly (Σ clip(vᵢ, 0, L) + N(0, σ_m²)) / m, and its
 privacy is composed into the accountant, the calibration, ρ, the lifetime budgets and the audit —
 each checked against an independent computation (the analytic Gaussian in mpmath, dp_accounting)."""
 
@@ -19,20 +19,20 @@ from flwr.app import MessageType, MetricRecord
 from fedmf import MinSep
 from fedmf.accounting import calibrate, epsilon, epsilon_by_round
 from fedmf.accounting.releases import COUNT, CLIENT_METRICS, ExtraReleases, GaussianRelease
-from fedmf.adaptive_clipping import AdaptiveClipping
-from fedmf.client_metrics import ClientMetricRelease
+from fedmf.round.adaptive_clipping import AdaptiveClipping
+from fedmf.round.client_metrics import ClientMetricRelease
 from fedmf.config import RunConfig
 from server.config import ServerConfig
-from fedmf.count_noise import count_noise, metric_noise
+from fedmf.round.count_noise import count_noise, metric_noise
 from fedmf.errors import ConfigError
-from fedmf.federated import train
+from fedmf.run.federated import train
 from fedmf.audit.replay import audit
 from fedmf.accounting.gdp import run_mu_squared
 from fedmf.mechanisms import build
 from fedmf.round.draws import key_of
 from fedmf.plan import RunPlan
-from fedmf.privatize import RoundPrivatizer
-from fedmf.run import REPEATABLE_NOISE_ENV
+from fedmf.round.privatize import RoundPrivatizer
+from fedmf.run.private_run import REPEATABLE_NOISE_ENV
 from fedmf.tasks.base import LocalResult
 
 from tests import _federated_task as task

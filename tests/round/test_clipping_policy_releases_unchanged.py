@@ -16,19 +16,19 @@ from pathlib import Path
 import pytest
 import torch
 
-import fedmf.count_noise as count_module
+import fedmf.round.count_noise as count_module
 import fedmf.round.noise as noise_module
-import fedmf.privatize as privatize_module
+import fedmf.round.privatize as privatize_module
 import fedmf.round.clipping as clipping_module
 from fedmf import MinSep, Workload
-from fedmf.adaptive_clipping import AdaptiveClipping
-from fedmf.client_metrics import ClientMetricRelease
-from fedmf.count_noise import count_noise
+from fedmf.round.adaptive_clipping import AdaptiveClipping
+from fedmf.round.client_metrics import ClientMetricRelease
+from fedmf.round.count_noise import count_noise
 from fedmf.errors import CheckpointError
 from fedmf.mechanisms import build
 from fedmf.round.draws import key_of
 from fedmf.plan import RunPlan
-from fedmf.privatize import RoundPrivatizer
+from fedmf.round.privatize import RoundPrivatizer
 
 ROOT = Path(__file__).resolve().parents[2]
 SEED, M, N, D = b"review-i35-seed-0123456789abcdef", 4, 6, 64

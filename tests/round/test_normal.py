@@ -9,7 +9,7 @@ import pytest
 import torch
 from scipy import stats
 
-from fedmf.normal import MAX_ABS, box_muller, fill_normal
+from fedmf.round.normal import MAX_ABS, box_muller, fill_normal
 
 TORCH_FLOAT32_CAP = math.sqrt(-2 * math.log(2.0**-24))  # where float32 torch.randn stops on CPU
 

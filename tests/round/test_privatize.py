@@ -14,7 +14,7 @@ from fedmf.errors import HorizonReached, PlanMismatch, RoundOrderError
 from fedmf.mechanisms import build
 from fedmf.round.noise import NoiseGenerator
 from fedmf.plan import RunPlan
-from fedmf.privatize import RoundPrivatizer, check_update
+from fedmf.round.privatize import RoundPrivatizer, check_update
 
 N, B, K = 12, 3, 4
 LAYOUT = {"w": (3, 4), "b": (4,)}

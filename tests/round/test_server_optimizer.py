@@ -1,4 +1,4 @@
-"""fedmf.server_optimizer: the model trajectory is exactly theta_0 + eta * A x̂ (A from
+"""fedmf.round.server_optimizer: the model trajectory is exactly theta_0 + eta * A x̂ (A from
 Workload.matrix in numpy), resume is bit-identical, other kinds match torch.optim and warn."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fedmf.errors import CheckpointError, ConfigError, FedmfError, HorizonReached, PlanMismatch
-from fedmf.server_optimizer import ServerOptimizer, server_optimizer
+from fedmf.round.server_optimizer import ServerOptimizer, server_optimizer
 from fedmf.workloads import Workload
 
 SHAPES = {"w": (3, 4), "b": (4,), "s": ()}

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from fedmf import MinSep
-from fedmf.checkpoint import CheckpointStore, RunSecrets, load_or_create_secret
+from fedmf.run.checkpoint import CheckpointStore, RunSecrets, load_or_create_secret
 from fedmf.errors import CheckpointError
 from fedmf.mechanisms import build
 from fedmf.plan import RunPlan
-from fedmf.privatize import RoundPrivatizer
+from fedmf.round.privatize import RoundPrivatizer
 
 N, B, K = 16, 4, 4
 LAYOUT = {"w": (64, 32), "b": (32,)}

@@ -1,4 +1,4 @@
-"""No silent noise-only rounds (fedmf.cohort): a round too few users can join is not played — in
+"""No silent noise-only rounds (fedmf.run.cohort): a round too few users can join is not played — in
 process the run stops with one line, a deployment's server waits and says so — before anything of it
 is recorded; amplified samplers keep their empty rounds and the summary counts them."""
 
@@ -16,18 +16,18 @@ from sqlalchemy.orm import Session
 
 from fedmf import FixedEpoch, MinSep, Workload
 from fedmf.accounting.gdp import epsilon_for
-from fedmf.cohort import counts, resolve_min_cohort, summary_line
+from fedmf.run.cohort import counts, resolve_min_cohort, summary_line
 from fedmf.config import RunConfig
 from server.config import ServerConfig
 from fedmf.errors import ConfigError
-from fedmf.federated import train
+from fedmf.run.federated import train
 from fedmf.ledger import Ledger
 from fedmf.accounting.gdp import run_mu_squared
 from fedmf.ledger.budgets import load_budget_secret, round_skips, set_default, set_user
 from fedmf.ledger.models import BudgetCharge, Participation
 from fedmf.mechanisms import build
 from fedmf.plan import RunPlan
-from fedmf.run import PrivateRun
+from fedmf.run.private_run import PrivateRun
 from fedmf.schedule import FixedEpochOrder, MinSepSelection
 
 from tests import _federated_task as task
@@ -255,7 +255,7 @@ def test_a_deployment_waits_for_users_and_says_so(tmp_path, caplog):
         assert book.run(strategy.run.run_id).round(0).status == "planned"  # not opened, no attempt
         with Session(book.engine) as session:
             assert session.scalar(select(func.count()).select_from(Participation)) == 0
-    from fedmf.outcome import RunOutcome
+    from fedmf.run.outcome import RunOutcome
     from server.app import _stopped
 
     assert RunOutcome(1, 0, _stopped(strategy)).stopped.startswith("cohort: round 0 (0/4 done)")

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from fedmf import FixedEpoch, MinSep, Workload
-from fedmf.adaptive_clipping import AdaptiveClipping
+from fedmf.round.adaptive_clipping import AdaptiveClipping
 from fedmf.accounting import disk_cache, gaussian
 from fedmf.errors import PlanMismatch
-from fedmf.federated import train
+from fedmf.run.federated import train
 from fedmf.ledger import Ledger
 from fedmf.mechanisms import build
 from fedmf.plan import RunPlan

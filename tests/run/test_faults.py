@@ -1,7 +1,7 @@
 """Fault injection against the ServerApp code path (issue 13 item 4; the in-process parts of item 5).
 
 Kill points: ``server.app.run_server`` over a LocalGrid of real ClientApps runs in a subprocess
-(tests/_fault_script.py) that SIGKILLs itself at one point — a round event of ``fedmf.run.EVENTS``
+(tests/_fault_script.py) that SIGKILLs itself at one point — a round event of ``fedmf.run.private_run.EVENTS``
 or a point inside an operation, armed by monkeypatching in the child only — and is then started
 again with the same configuration. For every point: the final model is bit-identical to the
 uninterrupted ServerApp run and to the in-process loop (same fixed secrets, and repeatable noise:
@@ -38,11 +38,11 @@ from sqlalchemy import select
 from fedmf.tasks import ClientHyper, get_task
 from fedmf.tasks.tiny import TinyTask
 from server.config import ServerConfig
-from fedmf.federated import train
+from fedmf.run.federated import train
 from fedmf.ledger import Ledger
 from fedmf.ledger.db import LedgerError
 from fedmf.ledger.models import Participation
-from fedmf.run import REPEATABLE_NOISE_ENV
+from fedmf.run.private_run import REPEATABLE_NOISE_ENV
 
 from tests import _fault_script as fs
 from tests import _federated_task as task
@@ -100,7 +100,7 @@ def _assert_same(got: dict, want: dict) -> None:
 
 
 def _loop(values: dict, directory: Path, drop=(), available=None) -> dict:
-    """The in-process loop (fedmf.federated.train) with the same secrets; ``drop``: {(user, t)}
+    """The in-process loop (fedmf.run.federated.train) with the same secrets; ``drop``: {(user, t)}
     whose update is missing (None)."""
     task.write_secrets(directory)
     config = ServerConfig.from_mapping({**values, "run-dir": str(directory)})
@@ -291,10 +291,10 @@ def test_a_sigkilled_server_restarts_bit_identically_releasing_nothing_twice(tmp
     _check_ledger(run_dir, attempts={t: 2} if redone else {})
     records = fs.read_log(log)
     # killed between round t's commit and its release: the restart evaluates round t from its checkpoint
-    # (fedmf.round_loop.recover_records: the same model, so the same evaluation) before round t+1
+    # (fedmf.run.loop.recover_records: the same model, so the same evaluation) before round t+1
     _check_releases(records, reference, complete=True)
     if kills.startswith(("event:committed", "event:witnessed")):
-        from fedmf.run import RECOVERED_EVALUATED
+        from fedmf.run.private_run import RECOVERED_EVALUATED
 
         lines = [json.loads(line) for line in (run_dir / "rounds.jsonl").read_text().splitlines()]
         assert [(x["round"], x.get("recovered")) for x in lines] == [

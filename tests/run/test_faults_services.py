@@ -178,7 +178,7 @@ def _main(values: dict, recorder: fs.Recorder, capsys, **faults) -> tuple[str | 
 
 
 def _on_event(monkeypatch, hooks: dict) -> None:
-    """Call ``hooks[(event, t)]()`` the first time the run reaches that point (``fedmf.run.EVENTS``)."""
+    """Call ``hooks[(event, t)]()`` the first time the run reaches that point (``fedmf.run.private_run.EVENTS``)."""
     import server.app
 
     hooks = dict(hooks)

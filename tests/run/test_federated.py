@@ -15,11 +15,11 @@ import torch
 from sqlalchemy import select
 
 from fedmf.errors import CheckpointError, PlanMismatch
-from fedmf.federated import train
+from fedmf.run.federated import train
 from fedmf.ledger import Ledger
 from fedmf.ledger.models import Participation
 from fedmf.round.noise import NoiseGenerator
-from fedmf.run import REPEATABLE_NOISE_ENV
+from fedmf.run.private_run import REPEATABLE_NOISE_ENV
 from fedmf.schedule import make_scheduler
 
 from tests import _federated_task as task
@@ -231,7 +231,7 @@ def test_a_lost_run_file_never_starts_a_second_run_with_the_same_noise(tmp_path)
 
 def test_an_abort_that_cannot_restore_leaves_nothing_releasable(tmp_path):
     from fedmf.errors import RoundOrderError
-    from fedmf.run import PrivateRun
+    from fedmf.run.private_run import PrivateRun
 
     with PrivateRun.open(task.Tiny(), task.plan(rounds=6), tmp_path, population=task.users()) as run:
         selection = run.select(task.users())
@@ -249,7 +249,7 @@ def test_an_abort_that_cannot_restore_leaves_nothing_releasable(tmp_path):
 
 
 def test_abort_restores_the_committed_state_and_the_redo_is_identical(tmp_path):
-    from fedmf.run import PrivateRun
+    from fedmf.run.private_run import PrivateRun
 
     task.write_secrets(tmp_path / "a")
     task.share_secrets(tmp_path / "a", tmp_path / "b")

@@ -1,4 +1,4 @@
-"""A run that is not learning says so (fedmf.learning_check): a non-finite model stops the run with one
+"""A run that is not learning says so (fedmf.run.learning_check): a non-finite model stops the run with one
 line, a held-out loss above the initial one by 20% for 3 evaluations gives one line (and stops it with
 --stop-when-diverging); results.json records it."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fedmf import MinSep, Workload
-from fedmf.learning_check import (DIVERGENCE_EVALUATIONS, DIVERGENCE_MARGIN, INITIAL_EVALUATION_FILE, NOT_FINITE_FILE,
+from fedmf.run.learning_check import (DIVERGENCE_EVALUATIONS, DIVERGENCE_MARGIN, INITIAL_EVALUATION_FILE, NOT_FINITE_FILE,
                                   LearningCheck, model_is_finite)
 
 from fedmf.mechanisms import build
@@ -124,7 +124,7 @@ def test_a_deployment_stops_on_a_non_finite_model_without_sending_it(tmp_path, c
     from flwr.app import MessageType
 
     from server.config import ServerConfig
-    from fedmf.run import PrivateRun
+    from fedmf.run.private_run import PrivateRun
     from server.local_grid import LocalGrid
     from server.strategy import DPMFStrategy
 

@@ -1,4 +1,4 @@
-"""How a server run ended, as data (fedmf/outcome.py): ``<run-dir>/outcome.json`` written by the
+"""How a server run ended, as data (fedmf/run/outcome.py): ``<run-dir>/outcome.json`` written by the
 ServerApp's code path (server.app.run_server, here on a LocalGrid with the real ClientApp: no Flower
 process) and read back by the Flower backend of ``fedmf simulate`` instead of log lines."""
 
@@ -9,7 +9,7 @@ import json
 import pytest
 
 from fedmf.errors import FedmfError, OutcomeError, PrivacyBudgetExceeded
-from fedmf.outcome import OUTCOME_FILE, OUTCOME_FORMAT, RunOutcome, read_outcome, write_outcome
+from fedmf.run.outcome import OUTCOME_FILE, OUTCOME_FORMAT, RunOutcome, read_outcome, write_outcome
 
 
 def test_written_and_read_back(tmp_path):

@@ -1,4 +1,4 @@
-"""Progress of long work (fedmf/progress.py): the bar's rate and time left, a live bar on a terminal
+"""Progress of long work (fedmf/run/progress.py): the bar's rate and time left, a live bar on a terminal
 and plain lines on a pipe, the optimizers' reports, and ``fedmf simulate``'s progress."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import math
 import pytest
 
 from fedmf.cli import main
-from fedmf.progress import ProgressBar, Step, eta_seconds, format_seconds
+from fedmf.run.progress import ProgressBar, Step, eta_seconds, format_seconds
 
 
 class Clock:

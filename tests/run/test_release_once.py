@@ -22,9 +22,9 @@ import pytest
 import torch
 
 from fedmf import MinSep, Workload
-from fedmf.checkpoint import CheckpointStore
+from fedmf.run.checkpoint import CheckpointStore
 from fedmf.errors import CheckpointError
-from fedmf.federated import train
+from fedmf.run.federated import train
 from fedmf.mechanisms import build
 from fedmf.round.noise import NoiseGenerator
 from fedmf.plan import RunPlan
@@ -107,7 +107,7 @@ def test_a_redone_round_gets_new_noise_and_committed_rounds_resume_exactly(tmp_p
     first_salt = bytes.fromhex(first_attempt["privatizer"]["noise"]["salts"][5])
     assert _train(tmp_path, _zeros, released=released) is not None
     # round 2 committed but its release was cut: the resume releases its record with its committed model
-    # (fedmf.round_loop.recover_records), before round 3; round 5 once
+    # (fedmf.run.loop.recover_records), before round 3; round 5 once
     assert sorted(released) == list(range(ROUNDS))
 
     salts = task.checkpoint_salts(tmp_path)
@@ -311,7 +311,7 @@ def test_a_run_directory_is_used_by_one_server_at_a_time(tmp_path):
     import subprocess
     import sys
 
-    from fedmf.run import PrivateRun
+    from fedmf.run.private_run import PrivateRun
 
     run_dir, users, plan = tmp_path / "run", task.users(), task.plan(rounds=ROUNDS)
     first = PrivateRun.open(task.Tiny(), plan, run_dir, population=users)
@@ -326,7 +326,7 @@ def test_a_run_directory_is_used_by_one_server_at_a_time(tmp_path):
                               "it): stop that one first; one directory, one server"
     first.close()  # aborts round 1 and frees the directory
     child = subprocess.Popen(
-        [sys.executable, "-c", "import sys\nfrom fedmf.run import PrivateRun\nfrom tests import _federated_task as t\n"
+        [sys.executable, "-c", "import sys\nfrom fedmf.run.private_run import PrivateRun\nfrom tests import _federated_task as t\n"
          "r = PrivateRun.open(t.Tiny(), t.plan(rounds=int(sys.argv[2])), sys.argv[1], population=t.users())\n"
          "print(r.next_round, flush=True)\nsys.stdin.read()", str(run_dir), str(ROUNDS)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[2])
@@ -346,7 +346,7 @@ def test_a_run_directory_is_used_by_one_server_at_a_time(tmp_path):
 def test_repeatable_noise_is_logged_and_recorded_in_run_json(tmp_path, caplog):
     """repeatable_noise=True warns on the "fedmf" logger however it is turned on, and run.json
     says how the run's noise is keyed; a run ever resumed unsalted stays marked unsafe."""
-    from fedmf.run import PrivateRun
+    from fedmf.run.private_run import PrivateRun
 
     def open_and_close(directory, repeatable):
         caplog.clear()
@@ -369,7 +369,7 @@ def test_a_start_interrupted_after_binding_the_seed_says_what_to_do(tmp_path, mo
     run.json: the next start names that case (not only a copied seed) and what to remove; done
     so, the run starts."""
     from fedmf.ledger import Ledger
-    from fedmf.run import PrivateRun
+    from fedmf.run.private_run import PrivateRun
 
     def crash(*args, **kwargs):
         raise Stop("killed")

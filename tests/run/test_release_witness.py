@@ -3,7 +3,7 @@
 A resume is refused, in one line naming both sides, when the run directory shows more rounds than the
 ledger (a ledger restored from a backup, or with rounds deleted), as it is when the ledger shows more
 (tests/run/test_release_once.py); a rollback of both together is refused by the release witness
-(fedmf/witness.py), which the server appends to after each ledger commit and before the round's
+(fedmf/run/witness.py), which the server appends to after each ledger commit and before the round's
 release. ``fedmf audit --verify --head`` checks a ledger against a head recorded outside it. Every
 witness lives under tmp_path (or the session's temporary XDG_STATE_HOME, tests/conftest.py).
 """
@@ -21,11 +21,11 @@ import pytest
 
 from fedmf.cli import main
 from fedmf.errors import CheckpointError
-from fedmf.federated import train
+from fedmf.run.federated import train
 from fedmf.ledger import Ledger
-from fedmf.round_log import ROUND_LOG
-from fedmf.run import PrivateRun
-from fedmf.witness import Witness
+from fedmf.run.round_log import ROUND_LOG
+from fedmf.run.private_run import PrivateRun
+from fedmf.run.witness import Witness
 
 from tests import _federated_task as task
 
@@ -395,7 +395,7 @@ def test_audit_checks_a_recorded_head(tmp_path, capsys):
 _BACK_UP_AFTER_ROUND_1 = """
 import shutil, sqlite3, sys
 from fedmf.cli import main
-from fedmf.run import PrivateRun
+from fedmf.run.private_run import PrivateRun
 real = PrivateRun.released
 def released(self, t):
     real(self, t)

@@ -10,13 +10,13 @@ from dataclasses import asdict
 
 import pytest
 
-import fedmf.simulate
+import fedmf.run.simulate
 from fedmf.cli import main
 from server.config import ServerConfig
 from fedmf.errors import RoundOrderError
-from fedmf.federated import train
-from fedmf.round_log import ROUND_LOG, append_round, read_rounds
-from fedmf.run import REPEATABLE_NOISE_ENV, PrivateRun, RoundRecord
+from fedmf.run.federated import train
+from fedmf.run.round_log import ROUND_LOG, append_round, read_rounds
+from fedmf.run.private_run import REPEATABLE_NOISE_ENV, PrivateRun, RoundRecord
 
 from tests import _federated_task as task
 
@@ -61,8 +61,8 @@ def test_results_cover_the_whole_run_across_a_stop_a_resume_and_a_rerun(tmp_path
         f.write(b'{"checkpoint_sha256": "sha256:')
 
     plotted = []
-    real_plot = fedmf.simulate._plot
-    monkeypatch.setattr(fedmf.simulate, "_plot", lambda history, path: (plotted.append(
+    real_plot = fedmf.run.simulate._plot
+    monkeypatch.setattr(fedmf.run.simulate, "_plot", lambda history, path: (plotted.append(
         [h["round"] for h in history]), real_plot(history, path)))
     for attempt in ("resume", "re-run"):  # the second is the README's first command again: nothing left to run
         assert main([*SIMULATE, "--out", str(out)]) == 0, attempt
@@ -83,7 +83,7 @@ def test_a_round_committed_but_not_released_gets_its_record_and_evaluation_on_re
     equals an uninterrupted run's with the same secrets (repeatable noise, tests only). A log that lacks
     an older round (a run directory from before this recovery) gets that round with the ledger's
     counts and no metrics; the last round's missing line is evaluated again, to the same values."""
-    from fedmf.run import RECOVERED_EVALUATED, RECOVERED_UNEVALUATED
+    from fedmf.run.private_run import RECOVERED_EVALUATED, RECOVERED_UNEVALUATED
 
     monkeypatch.setenv(REPEATABLE_NOISE_ENV, "1")
     ref, out = tmp_path / "ref", tmp_path / "out"
@@ -222,7 +222,7 @@ def test_the_server_app_records_a_round_a_stop_cut_off_and_says_it_resumed(tmp_p
 
     monkeypatch.setenv(REPEATABLE_NOISE_ENV, "1")  # tests only: both runs draw the same (unsalted) noise
     from client.app import app as client_app
-    from fedmf.run import RECOVERED_EVALUATED
+    from fedmf.run.private_run import RECOVERED_EVALUATED
     from fedmf.tasks import get_task
     from launcher.flower_backend import flower_result
     from server.app import run_server

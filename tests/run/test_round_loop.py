@@ -1,4 +1,4 @@
-"""The one round loop (fedmf.round_loop) that both drivers run — the in-process ``train`` and the
+"""The one round loop (fedmf.run.loop) that both drivers run — the in-process ``train`` and the
 Flower strategy's ``start``: the order of a round's steps (commit before anything is released), how
 the guard ends it, the observed guard's default, the retry hook, and both drivers going through it
 with the same outcome."""
@@ -11,12 +11,12 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord
 
-from fedmf import round_loop
+from fedmf.run import loop as round_loop
 from fedmf.errors import HorizonReached, PrivacyBudgetExceeded
-from fedmf.federated import train
+from fedmf.run.federated import train
 from fedmf.ledger.db import LedgerError
-from fedmf.round_loop import GUARD, ROUND, LoopEnd, observed_accounting, observed_guard, run_rounds
-from fedmf.run import PrivateRun, RoundRecord
+from fedmf.run.loop import GUARD, ROUND, LoopEnd, observed_accounting, observed_guard, run_rounds
+from fedmf.run.private_run import PrivateRun, RoundRecord
 from fedmf.schedule import Selection
 from server.local_grid import LocalGrid
 from server.strategy import DPMFStrategy

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from fedmf.errors import CheckpointError
-from fedmf.federated import train
-from fedmf.witness import Witness
+from fedmf.run.federated import train
+from fedmf.run.witness import Witness
 
 from tests import _federated_task as task
 

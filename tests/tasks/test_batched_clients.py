@@ -229,7 +229,7 @@ def test_simulate_so_tiny_vectorized_equals_one_at_a_time(tmp_path, capsys, monk
     import json
 
     from fedmf.cli import main
-    from fedmf.run import REPEATABLE_NOISE_ENV
+    from fedmf.run.private_run import REPEATABLE_NOISE_ENV
     from tests._federated_task import share_secrets
 
     monkeypatch.setenv(REPEATABLE_NOISE_ENV, "1")
@@ -244,7 +244,7 @@ def test_simulate_so_tiny_vectorized_equals_one_at_a_time(tmp_path, capsys, monk
     b = torch.load(tmp_path / "vec" / "final-model.pt")
     assert list(a) == list(b)
     from fedmf.config import RunConfig
-    from fedmf.simulate import preset_values
+    from fedmf.run.simulate import preset_values
 
     config = RunConfig.from_mapping(preset_values("so-tiny", {"run-dir": "x"}))
     initial = get_task(config.task, **config.task_options).model().state_dict()

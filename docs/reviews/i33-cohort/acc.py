@@ -2,7 +2,7 @@
 no R) and in the worktree (R = 2, 10, 1e6) and compare: `python acc.py > old.json` etc."""
 import inspect, json, sys
 from fedmf import MinSep, FixedEpoch, Workload
-from fedmf.adaptive_clipping import AdaptiveClipping
+from fedmf.round.adaptive_clipping import AdaptiveClipping
 from fedmf.mechanisms import build
 from fedmf.plan import RunPlan
 

@@ -7,8 +7,8 @@ os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp()
 from tests import _federated_task as task
 from tests.test_review_i33 import _update, USERS
 from fedmf import MinSep, Workload
-from fedmf.adaptive_clipping import AdaptiveClipping
-from fedmf.federated import train
+from fedmf.round.adaptive_clipping import AdaptiveClipping
+from fedmf.run.federated import train
 from fedmf.audit.replay import audit, clip_norm_violations
 from fedmf.mechanisms import build
 from fedmf.plan import RunPlan

@@ -5,7 +5,7 @@ os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp()
 from tests import _federated_task as task
 from tests.test_review_i33 import _plan, _update, _rows, USERS
 from fedmf import MinSep
-from fedmf.federated import train
+from fedmf.run.federated import train
 d = pathlib.Path(tempfile.mkdtemp()) / "r"
 task.write_secrets(d, b"lr")
 plan = _plan(MinSep(2, None), adaptive=False)

@@ -5,8 +5,8 @@ from scipy.optimize import brentq
 from fedmf import MinSep
 from fedmf.mechanisms import build
 from fedmf.plan import RunPlan
-from fedmf.client_metrics import ClientMetricRelease
-from fedmf.adaptive_clipping import AdaptiveClipping
+from fedmf.round.client_metrics import ClientMetricRelease
+from fedmf.round.adaptive_clipping import AdaptiveClipping
 from fedmf.accounting.gdp import run_mu_squared
 
 def gdp_eps(mu, delta):

@@ -1,8 +1,8 @@
 import sys, math, json
 sys.path.insert(0, ".")
 from tests import _federated_task as task
-from fedmf.client_metrics import ClientMetricRelease
-from fedmf.federated import train
+from fedmf.round.client_metrics import ClientMetricRelease
+from fedmf.run.federated import train
 from fedmf.audit.replay import audit
 from fedmf.tasks.base import LocalResult
 from scipy.stats import norm

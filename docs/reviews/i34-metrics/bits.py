@@ -3,7 +3,7 @@ from fedmf import MinSep
 from fedmf.mechanisms import build
 from fedmf.accounting import epsilon, calibrate, epsilon_by_round
 from fedmf.plan import RunPlan
-from fedmf.adaptive_clipping import AdaptiveClipping
+from fedmf.round.adaptive_clipping import AdaptiveClipping
 from fedmf.accounting.gdp import run_mu_squared
 out = {}
 S = MinSep(8, 4); mech = build("bsr", 64, S, num_bands=8)

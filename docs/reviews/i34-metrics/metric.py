@@ -2,9 +2,9 @@ import math, torch, numpy as np, statistics
 from fedmf import MinSep
 from fedmf.mechanisms import build
 from fedmf.plan import RunPlan
-from fedmf.privatize import RoundPrivatizer
-from fedmf.client_metrics import ClientMetricRelease
-from fedmf.count_noise import metric_noise, count_noise
+from fedmf.round.privatize import RoundPrivatizer
+from fedmf.round.client_metrics import ClientMetricRelease
+from fedmf.round.count_noise import metric_noise, count_noise
 from fedmf.round.draws import key_of
 S = MinSep(1, 200); mech = build("bsr", 200, S, num_bands=1)
 layout = {"w": (2,)}

@@ -1,8 +1,8 @@
 import sys, tempfile, pathlib
 sys.path.insert(0, ".")
 from tests import _federated_task as task
-from fedmf.client_metrics import ClientMetricRelease
-from fedmf.federated import train
+from fedmf.round.client_metrics import ClientMetricRelease
+from fedmf.run.federated import train
 from fedmf.errors import FedmfError
 from fedmf.plan import RunPlan
 from fedmf import MinSep

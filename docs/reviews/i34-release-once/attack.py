@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 from tests import _federated_task as task  # noqa: E402
 
 from fedmf.errors import FedmfError  # noqa: E402
-from fedmf.federated import train  # noqa: E402
+from fedmf.run.federated import train  # noqa: E402
 
 ROUNDS = 6
 
@@ -170,7 +170,7 @@ def scenarios(tmp: Path):
         """Stop at each event of round 1 (and inside its evaluation); then (i) a plain resume releases
         each round once; (ii) the ledger alone restored to a backup taken while round 1 was open, the
         witness lost: accepted only where nothing of round 1 had left (its evaluation not made)."""
-        from fedmf.run import EVENTS
+        from fedmf.run.private_run import EVENTS
         rows = []
         for stop in [("ev", e) for e in EVENTS] + [("eval", None)]:
             for mode in ("plain", "ledger-rollback"):

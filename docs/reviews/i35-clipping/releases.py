@@ -13,15 +13,23 @@ import sys
 
 import torch
 
-import fedmf.count_noise as cn
-import fedmf.noise as nz
-import fedmf.privatize as pv
 from fedmf import MinSep, Workload
-from fedmf.adaptive_clipping import AdaptiveClipping
-from fedmf.client_metrics import ClientMetricRelease
 from fedmf.mechanisms import build
 from fedmf.plan import RunPlan
-from fedmf.privatize import RoundPrivatizer
+
+try:  # the engine's layout since the root was grouped into rooms (issue 35)
+    import fedmf.round.count_noise as cn
+    import fedmf.round.noise as nz
+    import fedmf.round.privatize as pv
+    from fedmf.round.adaptive_clipping import AdaptiveClipping
+    from fedmf.round.client_metrics import ClientMetricRelease
+except ImportError:  # the tree before it (4c6cbb1: flat fedmf/)
+    import fedmf.count_noise as cn
+    import fedmf.noise as nz
+    import fedmf.privatize as pv
+    from fedmf.adaptive_clipping import AdaptiveClipping
+    from fedmf.client_metrics import ClientMetricRelease
+RoundPrivatizer = pv.RoundPrivatizer
 
 ROUNDS, M = 9, 6
 LAYOUT = {"a": (40, 7), "b": (13,)}

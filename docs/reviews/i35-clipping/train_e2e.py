@@ -1,4 +1,4 @@
-"""fedmf.federated.train end to end (tree chosen by PYTHONPATH), every secret from a deterministic
+"""fedmf.run.federated.train end to end (tree chosen by PYTHONPATH), every secret from a deterministic
 stand-in for secrets.token_bytes; dumps the final model and every round's released record (clip-norm included):
     PYTHONPATH=<tree> python docs/reviews/i35-clipping/train_e2e.py OUT.pt
 Also (salted=False only) a run stopped after 4 rounds and resumed from its checkpoint directory."""
@@ -11,9 +11,9 @@ import tempfile
 import torch
 
 from fedmf import MinSep, Workload
-from fedmf.adaptive_clipping import AdaptiveClipping
-from fedmf.client_metrics import ClientMetricRelease
-from fedmf.federated import train
+from fedmf.round.adaptive_clipping import AdaptiveClipping
+from fedmf.round.client_metrics import ClientMetricRelease
+from fedmf.run.federated import train
 from fedmf.mechanisms import build
 from fedmf.plan import RunPlan
 

@@ -28,7 +28,7 @@ Secrets (noise seed, scheduler key, ledger HMAC secret) live in files of mode 06
 ``<directory>/secrets``; they are never in a checkpoint, the ledger or a log. A run binds its
 noise seed to itself: a random binding id is appended to the ``noise_seed`` file (and recorded
 in ``run.json``) before the seed's first use, so a copy of the file carries it and a new run
-refuses a seed that is already bound (``fedmf.run``). The checkpoints
+refuses a seed that is already bound (``fedmf.run.private_run``). The checkpoints
 themselves are confidential too — a banded C's past noise outputs and the scheduler's record of
 who was sampled are in them — so the directory must be 0700 and every file is written 0600.
 """
@@ -44,9 +44,9 @@ import stat
 from pathlib import Path
 from typing import Any, Mapping
 
-from . import checks
-from .errors import CheckpointError
-from .files import check_private, check_private_path, fsync_dir
+from .. import checks
+from ..errors import CheckpointError
+from ..files import check_private, check_private_path, fsync_dir
 
 __all__ = ["CheckpointStore", "load_or_create_secret", "RunSecrets", "BINDING_BYTES", "noise_file_rounds"]
 

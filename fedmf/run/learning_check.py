@@ -40,7 +40,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
-from .files import atomic_write
+from ..files import atomic_write
 
 __all__ = ["LearningCheck", "DIVERGENCE_MARGIN", "DIVERGENCE_EVALUATIONS", "INITIAL_EVALUATION_FILE",
            "NOT_FINITE_FILE", "model_is_finite"]
@@ -154,7 +154,7 @@ class LearningCheck:
         return self.line
 
     def replay(self, history: Iterable[Mapping[str, Any]]) -> "LearningCheck":
-        """A check over a whole run's ``history`` (``fedmf.simulate.run_history``: rounds with their
+        """A check over a whole run's ``history`` (``fedmf.run.simulate.run_history``: rounds with their
         released metrics, across resumes), with this one's rule, advice and initial loss; a model this
         one found not finite stays so. Nothing is announced."""
         other = LearningCheck(margin=self.margin, evaluations=self.evaluations,

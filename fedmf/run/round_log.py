@@ -13,7 +13,7 @@ crash mid-write can leave a torn last line: readers ignore it and the next appen
 Readers keep only the lines of rounds the ledger committed, with the same run id and checkpoint hash
 (a line of a rolled-back attempt or of another run is ignored), the last such line of each round.
 A committed round whose line a stop cut off gets one on resume, marked ``"recovered"`` (what its
-metrics are: ``fedmf.round_loop.recover_records``). A line past the ledger's last committed round
+metrics are: ``fedmf.run.loop.recover_records``). A line past the ledger's last committed round
 shows a rolled-back ledger: ``PrivateRun.open`` refuses to resume (``logged_rounds``).
 """
 
@@ -25,10 +25,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 if TYPE_CHECKING:
-    from .run import RoundRecord
+    from .private_run import RoundRecord
 
 __all__ = ["ROUND_LOG", "append_round", "read_rounds", "logged_rounds", "cut_torn_tail", "append_line"]
 

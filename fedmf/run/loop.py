@@ -2,7 +2,7 @@
 
     end = run_rounds(run, rounds, available, cohort, evaluate=..., on_round=...)
 
-``fedmf.federated.train`` and the Flower strategy (``server/strategy.py``) differ only in the
+``fedmf.run.federated.train`` and the Flower strategy (``server/strategy.py``) differ only in the
 cohort step — how the selected users' updates reach the server: local updates in process, or
 messages to the users' nodes and their validated replies — and in what they do with a committed
 round (metrics, evaluation, progress) and with a failing ledger (``retry``). The order of the
@@ -24,11 +24,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Iterable, Mapping, TypeVar
 
-from .errors import CohortTooSmall, FedmfError, HorizonReached, NotLearning, PrivacyBudgetExceeded
-from .plan import RunPlan
-from .privatize import RoundReport
-from .run import RECOVERED_EVALUATED, RECOVERED_UNEVALUATED, PrivateRun, RoundRecord
-from .schedule import Selection
+from ..errors import CohortTooSmall, FedmfError, HorizonReached, NotLearning, PrivacyBudgetExceeded
+from ..plan import RunPlan
+from ..round.privatize import RoundReport
+from .private_run import RECOVERED_EVALUATED, RECOVERED_UNEVALUATED, PrivateRun, RoundRecord
+from ..schedule import Selection
 
 __all__ = ["run_rounds", "play_round", "settle", "recover_records", "LoopEnd", "Contributions", "CohortStep", "Retry", "no_retry",
            "observed_accounting", "observed_guard", "GUARD", "ROUND"]
@@ -71,7 +71,7 @@ class LoopEnd:
     """How the loop ended: ``reason`` "horizon" (the plan's last round done), "rounds" (the
     rounds asked for done, before the horizon), "guard" (``stop``, the guard's
     ``PrivacyBudgetExceeded`` or ``HorizonReached``, ended it before a round), "cohort" (``stop``, a
-    ``CohortTooSmall``: too few users could take part, the round was not played; ``fedmf.cohort``) or
+    ``CohortTooSmall``: too few users could take part, the round was not played; ``fedmf.run.cohort``) or
     "learning" (``stop``, a ``NotLearning`` from the driver's ``stop`` hook after a committed round)."""
 
     reason: str
@@ -133,7 +133,7 @@ def run_rounds(run: PrivateRun, end: int, available: Callable[[int], Iterable[Ha
     ``play_round`` with the users ``available(t)``; the committed record appended to ``history``;
     ``committed(record, report)`` (the driver's round metrics); ``evaluate(record)``, whose
     scores join ``record.metrics``; ``run.released(t)``; ``on_round(record)``; ``stop(record)``, whose
-    reason (not None) ends the loop after that round (``NotLearning``: ``fedmf.learning_check``). A
+    reason (not None) ends the loop after that round (``NotLearning``: ``fedmf.run.learning_check``). A
     ``CohortTooSmall`` from the round's selection (which ``retry`` may wait out) ends the loop before
     anything of the round exists. First, the records a stop cut off are written (``recover_records``,
     with ``evaluate`` and ``on_round``)."""

@@ -24,8 +24,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from . import checks
-from .errors import ConfigError
+from .. import checks
+from ..errors import ConfigError
 
 __all__ = ["AdaptiveClipping", "DEFAULT_LEARNING_RATE", "DEFAULT_COUNT_NOISE_FRACTION", "MAX_LOG_STEP",
            "DEFAULT_CLIP_NORM_RANGE", "LEGACY_CLIP_NORM_RANGE", "AT_BOUND_ROUNDS", "GROWTH_ROUNDS",

@@ -5,7 +5,7 @@ round must be able to select. ``PrivateRun.select`` checks it (``check``) after 
 have passed over the users without room and BEFORE the scheduler decides the round: when too few are
 eligible, it raises ``CohortTooSmall`` and nothing of the round exists — no ledger row, no budget
 charge, no noise drawn, the scheduler's state unchanged. In process (``fedmf simulate``,
-``fedmf.federated.train``) the run then ends with that one line; a deployment's server
+``fedmf.run.federated.train``) the run then ends with that one line; a deployment's server
 (``server/strategy.py``) waits for users, polling, and stops with the line if the wait runs out.
 Resumed later (budgets raised, users back), the run goes on from that round, exactly.
 
@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from typing import Any, Hashable, Sequence
 
-from .errors import CohortTooSmall, ConfigError
+from ..errors import CohortTooSmall, ConfigError
 
 __all__ = ["NO_MINIMUM", "resolve_min_cohort", "check", "counts", "summary_line"]
 
@@ -52,7 +52,7 @@ def resolve_min_cohort(plan, configured: int | str | None, population: int | Non
     """The minimum cohort a run enforces (None: none — the sampler keeps every round, amplified, or
     ``NO_MINIMUM``) from the configured ``min-clients-per-round`` (None or 0: the default, module
     docstring); a one-line ``ConfigError`` when it can never be met or does not apply."""
-    from .participation import FixedEpoch
+    from ..participation import FixedEpoch
 
     if configured == NO_MINIMUM:
         return None

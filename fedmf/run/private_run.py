@@ -11,14 +11,14 @@ checkpoint store, and exposes the round as the steps of ARCHITECTURE.md's data f
     record = run.commit()                               # checkpoint, then the ledger commit naming its hash
     ...only now release the model, metrics, evaluation...
 
-Both drivers, ``fedmf.federated.train`` (in process) and the Flower strategy (``server/``), run
-``fedmf.round_loop.run_rounds``, which makes these calls in this order. A round that was not
+Both drivers, ``fedmf.run.federated.train`` (in process) and the Flower strategy (``server/``), run
+``fedmf.run.loop.run_rounds``, which makes these calls in this order. A round that was not
 committed is redone with fresh noise (a new noise salt per attempt, fedmf.round.noise) and the same
 selection when the same users are available (the scheduler's decisions are a deterministic
 function of its state and the available set); the committed rounds resume bit-exactly (their
 noise is reproduced from the checkpoint's salts). So a run directory restored from a backup
 never releases a round again with the noise it was released with — and a resume is refused when
-the run directory, the ledger and the release witness (``fedmf.witness``, appended after each
+the run directory, the ledger and the release witness (``fedmf.run.witness``, appended after each
 commit, before the release) disagree on the rounds committed (``_refuse_rollback``,
 ``_refuse_ledger_rollback``, ``_check_witness``). One server at a time: a
 PrivateRun locks its directory (``run.lock``, flock) until it is closed or its process dies.
@@ -40,13 +40,13 @@ from typing import Any, Callable, Hashable, Iterable, Mapping
 import torch
 
 from .checkpoint import CheckpointStore, RunSecrets
-from .client_metrics import RELEASED as CLIENT_METRIC_RELEASED
+from ..round.client_metrics import RELEASED as CLIENT_METRIC_RELEASED
 from .cohort import check as check_cohort
-from .errors import CheckpointError, ConfigError, FedmfError, RoundOrderError
-from .files import atomic_write, lock_directory
-from .participation import MinSep
-from .plan import RunPlan
-from .privatize import RoundPrivatizer, RoundReport, layout_of
+from ..errors import CheckpointError, ConfigError, FedmfError, RoundOrderError
+from ..files import atomic_write, lock_directory
+from ..participation import MinSep
+from ..plan import RunPlan
+from ..round.privatize import RoundPrivatizer, RoundReport, layout_of
 from .round_log import append_round, logged_rounds
 from .witness import WITNESS_OFF, Witness
 
@@ -178,7 +178,7 @@ class PrivateRun:
         self._witness = witness  # None: off (tests only)
         #: the rounds committed before this process opened the run (None: a new run)
         self.resumed_from = resumed_from
-        self.min_cohort: int | None = None  # the fewest users a round must be able to select (fedmf.cohort)
+        self.min_cohort: int | None = None  # the fewest users a round must be able to select (fedmf.run.cohort)
         self._population: int | None = None
         # the last committed checkpoint's hash, kept in memory so that an abort needs no database, and
         # the ledger's chain head (round, hash) there: what the summary asks to record elsewhere
@@ -207,19 +207,19 @@ class PrivateRun:
         A population smaller than the plan's expected users per round is refused
         (``RunPlan.check_population``). ``budget_key``: the ledger's budget secret file, required
         when the ledger enforces lifetime budgets (``fedmf.budgets``). ``witness``: the release
-        witness's directory (``fedmf.witness``; None: the user's state directory; ``"off"``: none,
+        witness's directory (``fedmf.run.witness``; None: the user's state directory; ``"off"``: none,
         tests only, unsafe). ``min_clients_per_round``: the fewest users a round must be able to select
-        (None or 0: the default; ``fedmf.cohort``).
+        (None or 0: the default; ``fedmf.run.cohort``).
 
         A resume is refused (``CheckpointError``, one line) when the ledger and the run directory
         disagree on the rounds committed — either one is older than the other (restored from a
         backup) — or when both are behind the release witness: resuming would release rounds again."""
-        from .budgets import RunBudget
+        from ..budgets import RunBudget
         from .cohort import resolve_min_cohort
-        from .ledger import Ledger
-        from .ledger.budgets import load_budget_secret
-        from .schedule import make_scheduler
-        from .server_optimizer import server_optimizer
+        from ..ledger import Ledger
+        from ..ledger.budgets import load_budget_secret
+        from ..schedule import make_scheduler
+        from ..round.server_optimizer import server_optimizer
 
         if not isinstance(plan, RunPlan):
             raise ConfigError(f"plan must be a RunPlan, got {type(plan).__name__}")
@@ -416,7 +416,7 @@ class PrivateRun:
 
     def observed_epsilon(self) -> float | None:
         """The worst user's ε over the committed rounds, accounted from the ledger's pattern."""
-        from .accounting.posthoc import account_observed
+        from ..accounting.posthoc import account_observed
 
         observed = self._run.observed_pattern()
         if not observed.rounds_by_user:
@@ -437,7 +437,7 @@ class PrivateRun:
         """Decide who takes part in the next round, open it in the ledger and record the
         selection (amplified schemes: sampled users who are unreachable are dropouts). Raises
         ``CohortTooSmall`` before anything is decided or recorded when fewer than ``min_cohort``
-        users can be selected (``fedmf.cohort``)."""
+        users can be selected (``fedmf.run.cohort``)."""
         self._check_usable()
         if self._selection is not None:
             raise RoundOrderError(f"round {self._selection.round} is still open")
@@ -447,7 +447,7 @@ class PrivateRun:
         offered = len(available)
         if self._budget is not None:  # users whose lifetime budget forbids this run are not available
             available = self._budget.admissible(t, available)
-        # before the scheduler decides anything and before the ledger records anything (fedmf.cohort)
+        # before the scheduler decides anything and before the ledger records anything (fedmf.run.cohort)
         check_cohort(t, self.min_cohort, self.scheduler, offered, available, rounds=self.plan.rounds,
                      budget_skipped=None if self._budget is None else self._budget.skipped,
                      population=self._population)
@@ -471,7 +471,7 @@ class PrivateRun:
         """Privatize the round's updates (summed in ``str(user)`` order) and step the model.
         ``rejected``: users whose reply was refused before it reached the engine (reason).
         ``values``: the users' reported training loss, read only by the plan's private client-metric
-        release (``fedmf.client_metrics``). Nothing of this round may be released before ``commit``."""
+        release (``fedmf.round.client_metrics``). Nothing of this round may be released before ``commit``."""
         selection = self._require_open()
         t = selection.round
         self._event("updates", t)
@@ -545,7 +545,7 @@ class PrivateRun:
                              time.perf_counter() - self._started, self.store.last_bytes)
         if report.clip_norm is not None:  # adaptive clipping: ζₜ and the released noisy fraction b̃ₜ/m
             record.metrics.update(adaptive_metrics(report.clip_norm, report.noisy_unclipped, self.plan.expected_users))
-        if report.noisy_client_metric is not None:  # the private client-metric release (fedmf.client_metrics)
+        if report.noisy_client_metric is not None:  # the private client-metric release (fedmf.round.client_metrics)
             record.metrics[CLIENT_METRIC_RELEASED] = report.noisy_client_metric
         self._committed_record = record
         return record
@@ -560,7 +560,7 @@ class PrivateRun:
 
     def released(self, t: int) -> None:
         """Mark round t's release: append the record ``commit`` returned for it — with the metrics the
-        driver has added to it since (evaluation) — to the run's round log (``fedmf.round_log``), the
+        driver has added to it since (evaluation) — to the run's round log (``fedmf.run.round_log``), the
         durable source of ``results.json`` and ``progress.png``. Only the round just committed can be
         released (``RoundOrderError`` otherwise)."""
         record, self._committed_record = self._committed_record, None
@@ -659,7 +659,7 @@ def _refuse_rollback(store: CheckpointStore, committed: int) -> None:
 def _resume_ledger_run(book, run_id: int, directory: Path):
     """The ledger run ``run.json`` names; a ledger without it was rolled back to before the run
     began (or is another ledger): one line, since resuming would release the run's rounds again."""
-    from .ledger.db import LedgerError
+    from ..ledger.db import LedgerError
 
     try:
         return book.run(run_id)

@@ -5,7 +5,7 @@ After round t's ledger commit and before anything of round t is released, the se
 line ``{"v": 1, "run_id", "genesis_sha256", "round": t, "chain_sha256": the ledger's chain head at
 round t}`` to the run's witness file and fsyncs it (and its directory when the file is new). A
 resume whose ledger has committed fewer rounds than the witness recorded, or whose chain head at the
-witness's last round is another one, is refused (``fedmf.run``): the stores were restored from a
+witness's last round is another one, is refused (``fedmf.run.private_run``): the stores were restored from a
 backup or rewritten, and resuming would release rounds again.
 
 A crash between the ledger commit and the append leaves the witness one round behind: that round
@@ -29,8 +29,8 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import CheckpointError
-from .files import check_private, check_private_path, fsync_dir
+from ..errors import CheckpointError
+from ..files import check_private, check_private_path, fsync_dir
 from .round_log import append_line
 
 __all__ = ["Witness", "WitnessEntry", "witness_key", "default_witness_directory", "WITNESS_OFF"]

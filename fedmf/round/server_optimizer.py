@@ -26,9 +26,9 @@ from typing import Any, Mapping
 
 import torch
 
-from . import checks
-from .errors import CheckpointError, ConfigError, HorizonReached, PlanMismatch
-from .workloads import Workload
+from .. import checks
+from ..errors import CheckpointError, ConfigError, HorizonReached, PlanMismatch
+from ..workloads import Workload
 
 __all__ = ["ServerOptimizer", "server_optimizer", "KINDS"]
 

@@ -14,9 +14,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from . import checks
-from .errors import OutcomeError
-from .files import atomic_write
+from .. import checks
+from ..errors import OutcomeError
+from ..files import atomic_write
 
 __all__ = ["RunOutcome", "OUTCOME_FILE", "OUTCOME_FORMAT", "STOP_PREFIXES", "write_outcome", "read_outcome",
            "clear_outcome"]
@@ -27,8 +27,8 @@ OUTCOME_FILE = "outcome.json"
 OUTCOME_FORMAT = 1
 
 _FIELDS = ("run_id", "rounds_done", "stopped", "ledger", "error")
-#: the stops that carry their one line (``fedmf.round_loop.LoopEnd``): the privacy guard, a round too few
-#: users could join (``fedmf.cohort``), a run that is not learning (``fedmf.learning_check``)
+#: the stops that carry their one line (``fedmf.run.loop.LoopEnd``): the privacy guard, a round too few
+#: users could join (``fedmf.run.cohort``), a run that is not learning (``fedmf.run.learning_check``)
 STOP_PREFIXES = ("guard: ", "cohort: ", "learning: ")
 
 

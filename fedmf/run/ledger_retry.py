@@ -2,7 +2,7 @@
 
     run_rounds(..., retry=ledger_retry((ConcurrentChargeError,), log=log))
 
-A failure of ``errors`` in round t's guard or round step (``fedmf.round_loop``: the round was
+A failure of ``errors`` in round t's guard or round step (``fedmf.run.loop``: the round was
 aborted before its commit, so nothing of it was released) is retried after 1, 2, 4, … s (at most
 30 s), up to 8 times; the last failure is raised. The Flower strategy retries every ``LedgerError``
 (a database that went away); the in-process ``train`` the concurrent budget charge only
@@ -16,8 +16,8 @@ import logging
 import time
 from typing import Callable, TypeVar
 
-from .ledger.db import LedgerError
-from .round_loop import GUARD, ROUND, Retry
+from ..ledger.db import LedgerError
+from .loop import GUARD, ROUND, Retry
 
 __all__ = ["ledger_retry", "LEDGER_RETRIES", "LEDGER_BACKOFF_S", "LEDGER_BACKOFF_MAX_S"]
 

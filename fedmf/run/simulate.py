@@ -3,7 +3,7 @@
 ``fedmf simulate`` (fedmf/cli/simulate.py) builds a ``RunConfig`` from a preset plus
 overrides, takes the preset's task from ``fedmf.tasks`` (at the edge: the engine itself knows
 no task), and calls ``simulate``, which runs
-``fedmf.federated.train`` (the same private round the Flower server runs) and writes, next to
+``fedmf.run.federated.train`` (the same private round the Flower server runs) and writes, next to
 the ledger and checkpoints in the output directory, ``final-model.pt``, ``results.json`` and
 ``progress.png``. Both always cover the whole run (``run_history``: the ledger's committed rounds
 with the round log's records), however many processes, re-runs and resumes it took.
@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .cohort import counts as cohort_counts
-from .config import DEFAULTS, RunConfig
-from .errors import ConfigError
-from .files import atomic_write
+from ..config import DEFAULTS, RunConfig
+from ..errors import ConfigError
+from ..files import atomic_write
 from .progress import ProgressCallback
 
 __all__ = ["PRESETS", "PRESET_COST", "PRESET_EVAL_EVERY", "preset_values", "simulate", "SimulationResult", "run_history", "write_outputs",
@@ -138,7 +138,7 @@ def _preset_min_sep(values: Mapping[str, Any]) -> Any:
 def _preset_bands_apply(values: Mapping[str, Any]) -> bool:
     """Whether a preset's ``num-bands`` still fits after overrides: a banded kind, at most the rounds
     and at most min-sep (a banded C keeps its MinSep sensitivity only up to b bands)."""
-    from .mechanisms import BANDED_KINDS
+    from ..mechanisms import BANDED_KINDS
 
     bands = values["num-bands"]
     if not bands:
@@ -172,14 +172,14 @@ class SimulationResult:
     #: the ledger's chain head at the last committed round, "ROUND:HASH" (ROUND -1: the genesis): record it
     #: outside the ledger, check it later with ``fedmf audit --verify --head ROUND:HASH``
     chain_head: str | None = None
-    #: rounds without contribution / below the expected users (``fedmf.cohort.counts``)
+    #: rounds without contribution / below the expected users (``fedmf.run.cohort.counts``)
     cohorts: dict[str, Any] | None = None
-    #: whether the run is learning (``fedmf.learning_check.LearningCheck.to_dict``, over the whole run)
+    #: whether the run is learning (``fedmf.run.learning_check.LearningCheck.to_dict``, over the whole run)
     learning: dict[str, Any] | None = None
 
     def audit_command(self) -> str:
         """``fedmf audit`` as the auditor runs it (``fedmf.audit.auditor``: never the server's role or password)."""
-        from .audit.auditor import audit_command  # here: the CLI reads PRESETS without loading the ledger's SQL
+        from ..audit.auditor import audit_command  # here: the CLI reads PRESETS without loading the ledger's SQL
 
         return audit_command(self.ledger, self.run_id)
 
@@ -191,12 +191,12 @@ def simulate(config: RunConfig, *, model, users, local_update=None, local_update
              progress: bool | ProgressCallback = True, plot: bool = True, repeatable_noise: bool = False,
              plan_progress: ProgressCallback | None = None, evaluate_every: int = 1) -> SimulationResult:
     """Train ``model`` privately under ``config`` in process over ``users`` with ``local_update``
-    (``fedmf.federated.LocalUpdate``, one user at a time) or ``local_updates`` (a round's users
+    (``fedmf.run.federated.LocalUpdate``, one user at a time) or ``local_updates`` (a round's users
     together: vectorized clients) and server-side ``evaluate(model)``; resumes from
     ``config.run_dir``. The caller (the CLI) takes these from a task of ``fedmf.tasks``.
-    ``repeatable_noise``: tests only, unsafe (``fedmf.run.PrivateRun.open``). The ledger's budget
+    ``repeatable_noise``: tests only, unsafe (``fedmf.run.private_run.PrivateRun.open``). The ledger's budget
     secret file (lifetime budgets) is ``config.budget_key``. ``progress``: the rounds' progress
-    (``fedmf.federated.train``); ``plan_progress``: the mechanism optimizer's, when the plan needs one.
+    (``fedmf.run.federated.train``); ``plan_progress``: the mechanism optimizer's, when the plan needs one.
     The run directory's ``ELAPSED_FILE`` adds this invocation's time after every round.
     ``evaluate_every``: held-out evaluation after every n-th round and the last (``train``)."""
     from .federated import train
@@ -236,7 +236,7 @@ def simulate(config: RunConfig, *, model, users, local_update=None, local_update
 
 def _open_ledger(config: RunConfig):
     """``config``'s ledger, opened with its run directory's ledger secret (read-only use)."""
-    from .ledger import Ledger
+    from ..ledger import Ledger
 
     directory = Path(config.run_dir)
     try:
@@ -256,7 +256,7 @@ def chain_head(config: RunConfig, run_id: int) -> str:
 
 
 def learning_check(config: RunConfig, flag: str = "--"):
-    """The run's ``fedmf.learning_check.LearningCheck``, its advice naming ``config``'s values."""
+    """The run's ``fedmf.run.learning_check.LearningCheck``, its advice naming ``config``'s values."""
     from .learning_check import LearningCheck
 
     settings = {"server-lr": config.server_lr, "clip-norm": config.clip_norm}
@@ -274,11 +274,11 @@ def rho_spent(plan, rounds_done: int) -> float | None:
 def run_history(config: RunConfig, plan, run_id: int) -> list[dict[str, Any]]:
     """Every committed round of run ``run_id`` of ``config.run_dir``, in order, rebuilt from what is
     durable across re-runs and resumes: the ledger's committed rounds, each with the record its round
-    log line holds (``fedmf.round_log``: ``RoundRecord`` fields with the released metrics). A committed
+    log line holds (``fedmf.run.round_log``: ``RoundRecord`` fields with the released metrics). A committed
     round without a log line (the process died between the commit and the release) keeps the ledger's
     counts, no metrics, and ``None`` for what only the log knew."""
     from .round_log import read_rounds
-    from .run import adaptive_metrics
+    from .private_run import adaptive_metrics
 
     directory = Path(config.run_dir)
     with _open_ledger(config) as book:

@@ -17,7 +17,7 @@ example counts clients report. With ``client-metrics = "private"`` each round re
   2016, Prop. 1.6 and Lemma 1.7).
 * m: the plan's expected users per round, never the number received (ARCHITECTURE.md rule 2). The
   released value is therefore not a mean of the reporters: rounds with dropouts read low.
-* the noise comes from ``fedmf.count_noise.metric_noise``: keyed by the run's noise secret, the round
+* the noise comes from ``fedmf.round.count_noise.metric_noise``: keyed by the run's noise secret, the round
   and the round's noise salt (a redone round draws fresh noise; never ``np.random``).
 
 This module is the description (``ClientMetricRelease``, frozen) and the arithmetic; the privatizer
@@ -30,8 +30,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-from . import checks
-from .errors import ConfigError
+from .. import checks
+from ..errors import ConfigError
 
 __all__ = ["ClientMetricRelease", "METRIC", "RELEASED", "MODES", "DEFAULT_CLIP", "DEFAULT_NOISE_FRACTION"]
 
@@ -70,7 +70,7 @@ class ClientMetricRelease:
 
     def release(self):
         """Its entry in the round's extra Gaussian releases: sensitivity L, std σ_m."""
-        from .accounting.releases import CLIENT_METRICS, GaussianRelease
+        from ..accounting.releases import CLIENT_METRICS, GaussianRelease
 
         return GaussianRelease(CLIENT_METRICS, self.clip, self.noise_std)
 

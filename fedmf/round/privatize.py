@@ -20,9 +20,9 @@ updates is seen, the mechanism run on the normalized sum Σ clip(Δᵢ, ζₜ)/�
 unclipped updates released, ζₜ₊₁ from it). Each round draws one salt (``finish``) that keys its
 correlated noise and each of its scalar releases.
 
-With a private client-metric release (``plan.client_metrics``, ``fedmf.client_metrics``) round t also
+With a private client-metric release (``plan.client_metrics``, ``fedmf.round.client_metrics``) round t also
 releases (Σ clip(vᵢ, 0, L) + N(0, σ_m²)) / m over the contributed users' reported values, its noise
-from its own keyed stream under the round's salt (``fedmf.count_noise.metric_noise``).
+from its own keyed stream under the round's salt (``fedmf.round.count_noise.metric_noise``).
 """
 
 from __future__ import annotations
@@ -34,14 +34,14 @@ from typing import Any, Collection, Hashable, Iterable, Mapping
 
 import torch
 
-from . import checks
+from .. import checks
 from .count_noise import metric_noise
-from .errors import ConfigError, PlanMismatch, RoundOrderError
-from .round.draws import SALT_BYTES, key_of
-from .round.noise import NoiseGenerator
-from .plan import RunPlan
-from .round.clipping import ClippingPolicy, clipping_policy
-from .threads import one_thread
+from ..errors import ConfigError, PlanMismatch, RoundOrderError
+from .draws import SALT_BYTES, key_of
+from .noise import NoiseGenerator
+from ..plan import RunPlan
+from .clipping import ClippingPolicy, clipping_policy
+from ..threads import one_thread
 
 __all__ = ["check_update", "RoundPrivatizer", "RoundReport", "UserReport", "flat_size", "layout_of"]
 
@@ -110,7 +110,7 @@ class RoundReport:
     clip_norm: float | None = None
     noisy_unclipped: float | None = None
     #: the private client-metric release only (else None): (Σ clip(vᵢ, 0, L) + N(0, σ_m²)) / m over the
-    #: contributed users (fedmf.client_metrics)
+    #: contributed users (fedmf.round.client_metrics)
     noisy_client_metric: float | None = None
 
     @property
@@ -167,7 +167,7 @@ class RoundPrivatizer:
         #: ζ of each round and what follows from it (fedmf.round.clipping)
         self.clipping: ClippingPolicy = clipping_policy(plan)
         self._salted = not repeatable_noise
-        # the run's noise key: the correlated noise's, and the scalar releases' streams (fedmf.count_noise)
+        # the run's noise key: the correlated noise's, and the scalar releases' streams (fedmf.round.count_noise)
         self._key = secrets.token_bytes(32) if seed is None else key_of(seed)
         self.noise = NoiseGenerator(plan.mechanism, self.layout, self.clipping.generator_std, dtype=work,
                                     device=device, seed=self._key, salted=not repeatable_noise)
@@ -202,7 +202,7 @@ class RoundPrivatizer:
             raise RoundOrderError(f"this privatizer serves round {self.next_round} next, not {t} "
                                   "(rounds are never skipped or repeated)")
         if t >= self.plan.rounds:
-            from .errors import HorizonReached
+            from ..errors import HorizonReached
 
             raise HorizonReached(f"round {t} is past the mechanism's horizon of {self.plan.rounds} rounds")
         self._sum.zero_()
@@ -270,7 +270,7 @@ class RoundPrivatizer:
 
     def _release_client_metric(self, report: RoundReport, values: Mapping[Hashable, Any] | None,
                                salt: bytes) -> None:
-        """The private client-metric release (``fedmf.client_metrics``): each contributed user's value
+        """The private client-metric release (``fedmf.round.client_metrics``): each contributed user's value
         clipped to [0, L] (missing or not finite: 0), summed, N(0, σ_m²) from the round's keyed stream
         (the round's salt: a redone round draws afresh), ÷ the planned m."""
         release = self.plan.client_metrics

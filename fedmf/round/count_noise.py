@@ -2,7 +2,7 @@
 release's sum): each its own stream.
 
 Round t's draw N(0, σ_b²) (Andrew et al., NeurIPS 2021, Alg. 1: b̃ₜ = Σ bᵢ + N(0, σ_b²)) comes from
-``fedmf.normal`` seeded with a keyed hash of the run's noise secret, the round and the round's
+``fedmf.round.normal`` seeded with a keyed hash of the run's noise secret, the round and the round's
 noise salt:
 
     seed_t = BLAKE2b-128(key = noise seed, salt = salt_t, person = "fedmf-count-v1", message = LE64(t))
@@ -26,7 +26,7 @@ from .normal import fill_normal
 __all__ = ["count_noise", "metric_noise", "PERSON", "METRIC_PERSON"]
 
 PERSON = b"fedmf-count-v1"
-#: the private client-metric release's stream (``fedmf.client_metrics``): the same construction under
+#: the private client-metric release's stream (``fedmf.round.client_metrics``): the same construction under
 #: its own personalization, so it never shares a seed with the count or the correlated noise
 METRIC_PERSON = b"fedmf-metric-v1"
 

@@ -3,16 +3,16 @@ reference the Flower strategy must match bit for bit.
 
     result = train(model, users, plan, local_update, checkpoint_dir="run/", server_lr=1.0)
 
-Each round t is ``fedmf.round_loop``'s, the Flower strategy's too, with local updates as its
+Each round t is ``fedmf.run.loop``'s, the Flower strategy's too, with local updates as its
 cohort step: guard → select → open + record selection → local updates → validate, zero, clip,
 sum → noise → divide by the planned expected users → server optimizer (exactly the workload A) →
 checkpoint → ledger commit (naming the checkpoint's hash) → only then release (evaluation,
 progress, callbacks). A round whose lifetime-budget charge loses to a concurrent run
-(``ConcurrentChargeError``) is redone as the Flower strategy redoes it (``fedmf.ledger_retry``).
+(``ConcurrentChargeError``) is redone as the Flower strategy redoes it (``fedmf.run.ledger_retry``).
 
 Started again with the same plan and directory, ``train`` resumes after the last committed
 round, whose noise it reproduces exactly; a round that was not committed is redone with the
-same selection and fresh noise (fedmf.run). With deterministic local updates and
+same selection and fresh noise (fedmf.run.private_run). With deterministic local updates and
 ``repeatable_noise=True`` (tests only) the final model is bit-identical to an uninterrupted run.
 """
 
@@ -26,18 +26,18 @@ from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
 
 import torch
 
-from .audit.auditor import audit_command
-from .errors import ConfigError, NotLearning
+from ..audit.auditor import audit_command
+from ..errors import ConfigError, NotLearning
 from .learning_check import LearningCheck
-from .budgets import ConcurrentChargeError
-from .ledger.db import public_url
+from ..budgets import ConcurrentChargeError
+from ..ledger.db import public_url
 from .ledger_retry import ledger_retry
-from .plan import RunPlan
+from ..plan import RunPlan
 from .progress import ProgressBar, ProgressCallback, Step
-from .round_loop import CohortStep, Contributions, LoopEnd, run_rounds
-from .run import EVENTS, PrivateRun, RoundRecord
-from .client_metrics import METRIC as CLIENT_METRIC
-from .schedule import Selection
+from .loop import CohortStep, Contributions, LoopEnd, run_rounds
+from .private_run import EVENTS, PrivateRun, RoundRecord
+from ..round.client_metrics import METRIC as CLIENT_METRIC
+from ..schedule import Selection
 
 __all__ = ["train", "TrainResult", "RoundRecord", "LocalUpdate", "LocalUpdates", "EVENTS"]
 
@@ -63,9 +63,9 @@ class TrainResult:
     head: str = ""
     #: the release witness file (None: off)
     witness: str | None = None
-    #: the fewest users a round had to be able to select (``fedmf.cohort``; None: amplified sampling)
+    #: the fewest users a round had to be able to select (``fedmf.run.cohort``; None: amplified sampling)
     min_cohort: int | None = None
-    #: ``fedmf.learning_check.LearningCheck.to_dict()`` of this invocation's rounds
+    #: ``fedmf.run.learning_check.LearningCheck.to_dict()`` of this invocation's rounds
     learning: dict[str, Any] | None = None
 
     def audit_command(self) -> str:
@@ -96,7 +96,7 @@ def _local_cohort(run: PrivateRun, local_update: LocalUpdate | None,
     """The in-process cohort step: the selected users who are reachable train on a copy of the
     committed model (one at a time, or together through ``local_updates``). A result may be a task's
     ``LocalResult``: its reported train-loss then goes to the plan's private client-metric release
-    (``fedmf.client_metrics``) and nowhere else."""
+    (``fedmf.round.client_metrics``) and nowhere else."""
 
     def cohort(selection: Selection) -> Contributions:
         t = selection.round
@@ -163,7 +163,7 @@ def train(
     by default the SQLite ledger; the run resumes from it (default: a temporary directory, no
     resume). ``available(t)``: the users reachable in round t (default: all). ``evaluate(model)``
     runs after each commit (server-side held-out data). ``progress``: a callback that gets a
-    ``fedmf.progress.Step`` when the run starts and after each released round (``round_progress``),
+    ``fedmf.run.progress.Step`` when the run starts and after each released round (``round_progress``),
     or True for a ``ProgressBar`` on stderr. ``observed_guard`` (default: on for
     unamplified runs with a target ε) also stops before a round when a user's observed ε,
     accounted from the ledger, exceeds the target. ``repeatable_noise``: tests only, unsafe
@@ -173,9 +173,9 @@ def train(
     the user's state directory). A resumed run says so on stderr with ``progress``; a committed round
     whose record a stop cut off is recorded (the last one evaluated) before the next round.
     ``min_clients_per_round``: the fewest users a round must be able to
-    select, else the run stops before that round (None or 0: the default, ``fedmf.cohort``).
+    select, else the run stops before that round (None or 0: the default, ``fedmf.run.cohort``).
     ``learning``: what says that the run is not learning (default ``LearningCheck()``: a
-    non-finite model stops the run, a diverging held-out loss is recorded; ``fedmf.learning_check``).
+    non-finite model stops the run, a diverging held-out loss is recorded; ``fedmf.run.learning_check``).
     ``evaluate_every``: ``evaluate`` runs after every n-th round (rounds n-1, 2n-1, … 0-based) and after
     the last one (``rounds``) only; the others are released without held-out scores."""
     if isinstance(evaluate_every, bool) or not isinstance(evaluate_every, int) or evaluate_every < 1:
