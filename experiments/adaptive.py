@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from run import _write_secrets  # noqa: E402  (experiments/run.py: fixed secrets, one recipe for every experiment)
 
 OUT = Path(__file__).resolve().parent / "results" / "adaptive"
-#: arm → the preset overrides (the fixed-ζ main job, the README's adaptive example before and after issue 33,
-#: and the two steps between them)
+#: arm → the preset overrides (the fixed-ζ main job, the README's adaptive example before issue 33, after its
+#: first pass and the two steps between them, the second pass's screen and the README example now)
 ARMS: dict[str, dict[str, Any]] = {
     "fixed": {},
     "readme-before": {"adaptive-clipping": 0.5, "clip-norm": 0.1, "adaptive-clipping-count-noise": 2.0,
@@ -41,10 +41,18 @@ ARMS: dict[str, dict[str, Any]] = {
                         "adaptive-clipping-lr": 1.0},
     "readme": {"adaptive-clipping": 0.5, "clip-norm": 0.1, "adaptive-clipping-count-noise": 6.0,
                "adaptive-clipping-lr": 1.0},
+    "readme-eta2-sb12": {"adaptive-clipping": 0.5, "clip-norm": 0.1, "adaptive-clipping-count-noise": 12.0,
+                         "adaptive-clipping-lr": 2.0},
+    "readme-z0.25-R4-eta2-sb12": {"adaptive-clipping": 0.5, "clip-norm": 0.25, "adaptive-clipping-range": 4.0,
+                                  "adaptive-clipping-count-noise": 12.0, "adaptive-clipping-lr": 2.0},
 }
+#: paired arms: an adaptive arm under the fixed arm's secrets (the same noise seed, so the same Z and the same
+#: schedule): the difference from the fixed run of that seed is the rule's own, not another noise draw's
+ARMS["readme-paired"] = ARMS["readme"]
+ARMS["readme-z0.25-R4-eta2-sb12-paired"] = ARMS["readme-z0.25-R4-eta2-sb12"]
 #: the secrets label of an arm where it differs from its name (the runs were made under these names)
 LABELS = {"readme-before": "readme", "readme-eta0.2-sb2": "readme_R10", "readme-eta1-sb2": "readme_R10_eta1",
-          "readme": "readme_R10_eta1_sb6"}
+          "readme": "readme_R10_eta1_sb6", "readme-paired": "fixed", "readme-z0.25-R4-eta2-sb12-paired": "fixed"}
 
 
 def _parse_set(items: list[str]) -> dict[str, Any]:
@@ -69,7 +77,7 @@ def _instrument(trace: list[dict[str, Any]]) -> None:
         return
     original = RoundPrivatizer.finish
 
-    def finish(self, values=None):
+    def finish(self, values: Any = None):
         report = self._open
         zeta = self.clip_norm
         m = self.plan.expected_users
