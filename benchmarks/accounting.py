@@ -27,7 +27,7 @@ import time
 import numpy as np
 
 from fedmf import MinSep
-from fedmf.accounting import calibrate, epsilon, epsilon_by_round, evr
+from fedmf.accounting import calibrate, epsilon_by_round, evr
 from fedmf.accounting.bminsep import BMinSep
 from fedmf.accounting.montecarlo import MonteCarloAccountant
 from fedmf.mechanisms import build

@@ -43,8 +43,7 @@ from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fedmf.enrollment import (Enrollment, EnrollmentFile, new_challenge, proof_message,  # noqa: E402
-                              sign_proof, verify_proof)
+from fedmf.enrollment import Enrollment, EnrollmentFile, new_challenge, proof_message, sign_proof, verify_proof  # noqa: E402
 from server.identity import IDENTITY_RECORD, IdentityPolicy, NodeDirectory  # noqa: E402
 from server.local_grid import LocalGrid  # noqa: E402
 

@@ -37,8 +37,8 @@ import numpy as np
 from sqlalchemy import create_engine, insert, text
 
 from fedmf import MinSep, Workload
-from fedmf.ledger import Ledger
 from fedmf.audit.replay import audit
+from fedmf.ledger import Ledger
 from fedmf.ledger.chain import round_sha256
 from fedmf.ledger.models import Participation, Round
 from fedmf.mechanisms import build

@@ -52,21 +52,20 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 # this file is named server.py: run as a script, its folder would shadow the repository's `server` package
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 sys.path.insert(0, os.path.dirname(_HERE))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-
+import numpy as np
+import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from torch import nn
 
-from benchmarks._models import make_model  # noqa: E402
+from benchmarks._models import make_model
 from fedmf import mechanisms
 from fedmf.participation import MinSep
 from fedmf.plan import RunPlan

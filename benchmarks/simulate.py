@@ -59,7 +59,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -146,8 +146,8 @@ class SideResult:
 
 
 def _task(values: dict[str, Any]):
-    from fedmf.tasks import ClientHyper, get_task
     from fedmf.config import RunConfig
+    from fedmf.tasks import ClientHyper, get_task
 
     config = RunConfig.from_mapping(values)
     task = get_task(config.task, **config.task_options)
@@ -162,8 +162,8 @@ def _cohort(users: list[str], t: int, m: int) -> list[str]:
 # ---- in process ---------------------------------------------------------------------------------------
 def run_inprocess(case: Case, work: Path) -> SideResult:
     """``fedmf.run.federated.train`` as ``fedmf simulate`` runs it (no evaluation): whole rounds."""
-    from fedmf.tasks.base import default_workers
     from fedmf.run.federated import train
+    from fedmf.tasks.base import default_workers
 
     out = SideResult("inprocess")
     values = case.values(work / "inprocess")
@@ -319,7 +319,7 @@ def pfl_available(python: str) -> str | None:
 # ---- Flower -------------------------------------------------------------------------------------------
 def _utc(text: str) -> float:
     stamp = datetime.fromisoformat(text)
-    return (stamp if stamp.tzinfo else stamp.replace(tzinfo=timezone.utc)).timestamp()
+    return (stamp if stamp.tzinfo else stamp.replace(tzinfo=UTC)).timestamp()
 
 
 def run_flower_fedmf(case: Case, work: Path, timeout_s: float) -> SideResult:
@@ -508,7 +508,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"# {platform.node()} {os.cpu_count()} CPUs, torch {torch.__version__}, flwr {flwr.__version__}, "
           f"pfl {pfl_label} ({python}), python {platform.python_version()}", flush=True)
-    print(f"# {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {uptime()}", flush=True)
+    print(f"# {datetime.now(UTC):%Y-%m-%d %H:%M} UTC, {uptime()}", flush=True)
     results = []
     work_root = Path(tempfile.mkdtemp(prefix="fedmf-bench-simulate-"))
     try:
@@ -520,20 +520,20 @@ def main(argv: list[str] | None = None) -> int:
                 work.mkdir()
                 measured: list[SideResult] = []
                 if "inprocess" in runs:
-                    measured += _guarded(("inprocess",), lambda: run_inprocess(case, work))
+                    measured += _guarded(("inprocess",), lambda: run_inprocess(case, work))  # noqa: B023 (_guarded calls it at once)
                 if {"sequential", "parallel", "vectorized"} & set(runs):
                     measured += _guarded(("sequential", "parallel", "vectorized"),
-                                         lambda: run_client_loops(case, work))
+                                         lambda: run_client_loops(case, work))  # noqa: B023 (_guarded calls it at once)
                 for side in PFL_SIDES:
                     if side in runs:
-                        measured += _guarded((side,), lambda side=side: run_pfl(case, args.quick, python, side)
+                        measured += _guarded((side,), lambda side=side: run_pfl(case, args.quick, python, side)  # noqa: B023 (_guarded calls it at once)
                                              if pfl_version else
                                              SideResult(side, error=f"pfl not importable in {python}"))
                 if "flower-fedmf" in runs:
-                    measured += _guarded(("flower-fedmf",), lambda: run_flower_fedmf(case, work, args.flower_timeout))
+                    measured += _guarded(("flower-fedmf",), lambda: run_flower_fedmf(case, work, args.flower_timeout))  # noqa: B023 (_guarded calls it at once)
                 if "flower-fedavg" in runs:
                     measured += _guarded(("flower-fedavg",),
-                                         lambda: run_flower_fedavg(case, work, args.flower_timeout))
+                                         lambda: run_flower_fedavg(case, work, args.flower_timeout))  # noqa: B023 (_guarded calls it at once)
                 shutil.rmtree(work, ignore_errors=True)
                 for result in measured:
                     if result.side in runs:

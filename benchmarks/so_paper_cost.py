@@ -32,10 +32,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
 
-    from fedmf.tasks import ClientHyper, get_task
-    from fedmf.tasks.base import default_workers
     from fedmf.config import RunConfig
     from fedmf.run.simulate import preset_values
+    from fedmf.tasks import ClientHyper, get_task
+    from fedmf.tasks.base import default_workers
 
     config = RunConfig.from_mapping(preset_values("so-paper", {"run-dir": "unused"}))
     task = get_task(config.task, **config.task_options)

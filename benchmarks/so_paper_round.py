@@ -68,7 +68,7 @@ class Meter:
         if self.cuda:
             torch.cuda.synchronize(self.device)
 
-    def __enter__(self) -> "Meter":
+    def __enter__(self) -> Meter:
         self.sync()
         if self.cuda:
             self.base = torch.cuda.memory_allocated(self.device)
@@ -176,8 +176,9 @@ def check_batched(task, params: dict, users: list[str], hyper, device) -> dict:
 
 def time_server(device: torch.device, users_per_round: int, rounds: int, quick: bool, start: int | None,
                 cache: Path, pool_size: int) -> dict:
-    from round import FedmfServer, load_mechanism, make_pool
     from _models import make_model
+    from round import FedmfServer, load_mechanism, make_pool
+
     from fedmf.participation import MinSep
     from fedmf.plan import RunPlan
     from fedmf.round.privatize import layout_of
@@ -257,9 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     started_all = time.perf_counter()
 
     if any(p != "server" for p in paths):
-        from fedmf.tasks import ClientHyper, get_task
         from fedmf.config import RunConfig
         from fedmf.run.simulate import preset_values
+        from fedmf.tasks import ClientHyper, get_task
 
         config = RunConfig.from_mapping(preset_values("so-paper", {"run-dir": "unused"}))
         task = get_task(config.task, **config.task_options)
@@ -294,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
                 result = time_one(path, run, cohort[:args.one_users], warm, args.repeats, meter)
             elif path == "one-module":
                 work = task.model().to(device)
-                result = time_one(path, lambda users: one_module_updates(task, work, params, users, hyper, device),
+                result = time_one(path, lambda users: one_module_updates(task, work, params, users, hyper, device),  # noqa: B023 (timed at once)
                                   cohort[:args.one_users], warm, args.repeats, meter)
                 del work
             elif path == "check":
@@ -313,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
                     device, args.max_chunk or args.users, args.repeats, meter)
             elif path == "sequential":
                 cpu_params = {k: v.detach().cpu() for k, v in params.items()}
-                result = time_one(path, lambda users: task.local_updates(cpu_params, users, 0, hyper),
+                result = time_one(path, lambda users: task.local_updates(cpu_params, users, 0, hyper),  # noqa: B023 (timed at once)
                                   cohort[:args.one_users], warm, args.repeats, Meter(torch.device("cpu")))
             elif path == "server":
                 result = time_server(device, args.server_users, args.server_rounds, args.quick_server,

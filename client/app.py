@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
@@ -33,7 +34,6 @@ from flwr.common.constant import ErrorCode
 
 from fedmf.enrollment import CHALLENGE_BYTES, check_user_id, load_private_key, sign_proof
 from fedmf.errors import ConfigError, FedmfError
-
 from fedmf.tasks import ClientHyper, Task, get_task
 
 __all__ = ["app", "user_id", "load_task", "TrainRequest", "parse_request", "ERROR_CODE", "IDENTITY_RECORD"]

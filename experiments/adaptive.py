@@ -87,7 +87,10 @@ def _instrument(trace: list[dict[str, Any]]) -> None:
         flat = torch.cat([mean[k].reshape(-1).double() for k in self.layout])
         noise = flat - signal * factor
         norms = sorted(u.norm for u in report.contributed if u.norm is not None)
-        q = (lambda p: norms[min(len(norms) - 1, int(p * len(norms)))] if norms else None)
+
+        def q(p):
+            return norms[min(len(norms) - 1, int(p * len(norms)))] if norms else None
+
         RoundPrivatizer._trace.append({
             "round": rep.round, "zeta": zeta, "noisy_unclipped": rep.noisy_unclipped,
             "contributed": len(report.contributed),
@@ -192,7 +195,10 @@ def report(out: Path, preset: str) -> None:
     groups: dict[str, list[dict[str, Any]]] = {}
     for r in records:
         groups.setdefault(f"{r['arm']}{r['tag']} ({len(r['per_round'])} rounds)", []).append(r)
-    sd = (lambda v: f" ± {statistics.stdev(v):.4f}" if len(v) > 1 else "")
+
+    def sd(v):
+        return f" ± {statistics.stdev(v):.4f}" if len(v) > 1 else ""
+
     for arm, runs in groups.items():
         losses = [r["per_round"][-1]["loss"] for r in runs]
         accs = [r["per_round"][-1]["accuracy"] for r in runs]

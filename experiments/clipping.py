@@ -29,8 +29,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fedmf.errors import ConfigError, FedmfError  # noqa: E402
 from run import _write_secrets  # noqa: E402  (experiments/run.py: fixed secrets, one recipe for every experiment)
+
+from fedmf.errors import ConfigError, FedmfError  # noqa: E402
 
 #: dataset → (preset, overrides): 30 rounds, min-sep 15 (≤ 2 participations per user), 20 users a round
 #: (sized for 2 shared CPU cores: a so-small run took 155 s at 40 rounds there)
@@ -197,8 +198,8 @@ def measure_norms(out: Path = OUT) -> dict[str, Any]:
 def adaptive_plan(fixed_plan, job: dict[str, Any], expected_users: float):
     """The adaptive arm's plan at the fixed arm's total (ε, δ): z calibrated with the count's Gaussian
     release composed in (fedmf.accounting), so z must exceed the fixed plan's z at the same ε."""
-    from fedmf.round.adaptive_clipping import AdaptiveClipping
     from fedmf.plan import RunPlan
+    from fedmf.round.adaptive_clipping import AdaptiveClipping
 
     rule = AdaptiveClipping.create(ADAPTIVE["target_quantile"], expected_users=expected_users,
                                    learning_rate=ADAPTIVE["learning_rate"],

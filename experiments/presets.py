@@ -55,10 +55,8 @@ def run_one(preset: str, mechanism: str | None, lr: float, seed: int, workers: i
     import torch
 
     from fedmf.config import RunConfig
-    from fedmf.run.simulate import preset_values, simulate
+    from fedmf.run.simulate import PRESETS, preset_values, simulate
     from fedmf.tasks import ClientHyper, get_task
-
-    from fedmf.run.simulate import PRESETS
 
     kind = mechanism or PRESETS[preset].get("mechanism", "bsr")
     key = _key(preset, kind, lr, seed, extra)

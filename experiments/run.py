@@ -156,9 +156,9 @@ def run_job(job: dict[str, Any], out: Path, device: str) -> dict[str, Any]:
 
     import torch
 
-    from fedmf.tasks import ClientHyper, get_task
     from fedmf.config import RunConfig
     from fedmf.run.federated import train
+    from fedmf.tasks import ClientHyper, get_task
 
     key = _key(job)
     target = out / "results" / f"{key}.json"

@@ -19,13 +19,21 @@ set are not counted: set budgets before the first run.
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Hashable, Iterable, Sequence
 
 from .accounting.gdp import compose, epsilon_for, mu_for, run_mu_squared
 from .errors import ConfigError
-from .ledger.budgets import (ChargeView, UserCharges, all_user_charges, charging, read_charges, record_charges,
-                             run_settings, user_charges)
+from .ledger.budgets import (
+    ChargeView,
+    UserCharges,
+    all_user_charges,
+    charging,
+    read_charges,
+    record_charges,
+    run_settings,
+    user_charges,
+)
 from .ledger.db import LedgerError
 from .ledger.keys import ServerSecret
 
@@ -83,7 +91,7 @@ class RunBudget:
         return f"RunBudget(run={self.run_id}, mu_squared={self.mu_squared:g})"
 
     @classmethod
-    def open(cls, ledger, secret: ServerSecret | None, plan, run_id: int | None = None) -> "RunBudget | None":
+    def open(cls, ledger, secret: ServerSecret | None, plan, run_id: int | None = None) -> RunBudget | None:
         """None when the ledger has no budgets and no secret is given; refuses a ledger with budgets
         without its secret, and a secret for a ledger without budgets. Called before the run is
         recorded (``run_id`` None: set it once the run exists)."""

@@ -64,14 +64,15 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from . import checks
 from .errors import ConfigError, ConfigTypeError
-from .sampling import parse_sampling
 from .run.witness import WITNESS_OFF
+from .sampling import parse_sampling
 
 __all__ = ["RunConfig", "DEFAULTS", "read_int", "read_bool", "read_float", "read_text"]
 
@@ -179,7 +180,7 @@ class RunConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def from_mapping(cls, values: Mapping[str, Any], *, base_dir: str | os.PathLike | None = None) -> "RunConfig":
+    def from_mapping(cls, values: Mapping[str, Any], *, base_dir: str | os.PathLike | None = None) -> RunConfig:
         """Validate a mapping of kebab-case keys (unknown keys are refused; missing ones default).
         Relative paths are taken from ``base_dir`` (default: the working directory)."""
         unknown = sorted(set(values) - set(DEFAULTS))
@@ -307,8 +308,8 @@ class RunConfig:
 
     def build_plan(self, mechanism=None):
         """The RunPlan (calibrating z once when only a target ε is given)."""
-        from .round.adaptive_clipping import AdaptiveClipping
         from .plan import RunPlan
+        from .round.adaptive_clipping import AdaptiveClipping
 
         mechanism = mechanism if mechanism is not None else self.build_mechanism()
         adaptive = None

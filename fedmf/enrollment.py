@@ -27,9 +27,9 @@ import os
 import secrets
 import stat
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
@@ -313,7 +313,7 @@ class Enrollment:
         """``user``'s enrolled key, validated when the enrollment was loaded (None: not enrolled)."""
         return self._verifiers.get(user)
 
-    def with_user(self, user: str, public_key: bytes, *, replace: bool = False) -> "Enrollment":
+    def with_user(self, user: str, public_key: bytes, *, replace: bool = False) -> Enrollment:
         """Enroll ``user`` (``replace``: rotate the key of an enrolled user; required then, refused otherwise)."""
         if (user in self.users) != replace:
             raise ConfigError(f"user {user!r} is already enrolled (rotate replaces a key)" if not replace
@@ -323,14 +323,14 @@ class Enrollment:
             raise ConfigError(f"this public key is already enrolled (fingerprint {fingerprint(public_key)})")
         return Enrollment({**self._verifiers, user: public_key})
 
-    def without_user(self, user: str) -> "Enrollment":
+    def without_user(self, user: str) -> Enrollment:
         """Revoke ``user``."""
         if user not in self.users:
             raise ConfigError(f"user {user!r} is not enrolled")
         return Enrollment({u: k for u, k in self._verifiers.items() if u != user})
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "Enrollment":
+    def load(cls, path: str | os.PathLike) -> Enrollment:
         """Read and validate an enrollment file (one-line ``ConfigError`` on any problem)."""
         where = f"enrollment file {str(path)!r}"
         fd, info = _open_own_file(path, where)

@@ -9,8 +9,9 @@ import fcntl
 import os
 import stat
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any, Callable
+from typing import IO, Any
 
 from .errors import ConfigError
 

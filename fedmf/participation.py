@@ -10,8 +10,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Union
 
 from .checks import positive_int
 from .errors import ConfigError
@@ -99,7 +99,7 @@ class Observed:
     rounds_by_user: tuple[tuple[str, tuple[int, ...]], ...]
 
     @classmethod
-    def from_mapping(cls, mapping: Mapping[str, Iterable[int]]) -> "Observed":
+    def from_mapping(cls, mapping: Mapping[str, Iterable[int]]) -> Observed:
         items = []
         for user, rounds in mapping.items():
             r = tuple(sorted(int(t) for t in rounds))
@@ -131,7 +131,7 @@ class Observed:
                 "max_participations": self.participations(0)}
 
 
-Schema = Union[MinSep, FixedEpoch, Observed]
+Schema = MinSep | FixedEpoch | Observed
 
 
 def schema_from_dict(data: Mapping) -> Schema:

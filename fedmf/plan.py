@@ -16,18 +16,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from . import checks
-from .round.adaptive_clipping import AdaptiveClipping
-from .round.client_metrics import ClientMetricRelease
 from .accounting.schemes import check_delta, check_releases, has_per_round_curve
 from .errors import ConfigError, HorizonReached, PlanMismatch, PrivacyBudgetExceeded
 from .participation import FixedEpoch, MinSep, schema_from_dict
+from .round.adaptive_clipping import AdaptiveClipping
+from .round.client_metrics import ClientMetricRelease
 from .sampling import Sampling, parse_sampling
 
 if TYPE_CHECKING:
@@ -52,7 +53,7 @@ class RunPlan:
     """One private run. Build it with ``RunPlan.create`` (validates, resolves defaults and
     calibrates z once for a target ε); ``from_dict`` rebuilds it from ``to_dict``."""
 
-    mechanism: "Mechanism"
+    mechanism: Mechanism
     schema: MinSep | FixedEpoch
     sampling: Sampling
     clip_norm: float
@@ -71,11 +72,11 @@ class RunPlan:
 
     # ---- construction ----------------------------------------------------------------
     @classmethod
-    def create(cls, mechanism: "Mechanism", schema: MinSep | FixedEpoch, *, clip_norm: float, delta: float,
+    def create(cls, mechanism: Mechanism, schema: MinSep | FixedEpoch, *, clip_norm: float, delta: float,
                expected_users: float, noise_multiplier: float | None = None, target_epsilon: float | None = None,
                sampling: Sampling | str | None = None, zero_threshold: float | None | str = "default",
                accountant: str = "pld", adaptive_clipping: AdaptiveClipping | None = None,
-               client_metrics: ClientMetricRelease | None = None) -> "RunPlan":
+               client_metrics: ClientMetricRelease | None = None) -> RunPlan:
         """Validate every value once; with ``target_epsilon`` (and no ``noise_multiplier``)
         calibrate z for (ε, δ) with the plan's accountant and sampling (cached by fedmf.accounting)."""
         from .mechanisms.base import Mechanism
@@ -129,7 +130,7 @@ class RunPlan:
         return self.mechanism.rounds
 
     @cached_property
-    def sensitivity(self) -> "Sensitivity":
+    def sensitivity(self) -> Sensitivity:
         """Sensitivity of C under the planned schema (``.value``, ``.exact``, ``.method``)."""
         return self.mechanism.sensitivity(self.schema)
 
@@ -272,7 +273,7 @@ class RunPlan:
         return "sha256:" + hashlib.sha256(_canonical(self.to_dict())).hexdigest()
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any], mechanism: "Mechanism") -> "RunPlan":
+    def from_dict(cls, data: Mapping[str, Any], mechanism: Mechanism) -> RunPlan:
         """Rebuild a plan written by ``to_dict`` for ``mechanism`` (its fingerprint must match)."""
         checks.state_format(data, "run plan", PLAN_FORMAT, error=PlanMismatch)
         try:
@@ -313,7 +314,7 @@ class RunPlan:
 
 
 def _extra_releases(adaptive: AdaptiveClipping | None, metrics: ClientMetricRelease | None):
-    from .accounting.releases import ExtraReleases, GaussianRelease, COUNT
+    from .accounting.releases import COUNT, ExtraReleases, GaussianRelease
 
     count = None if adaptive is None else GaussianRelease(COUNT, 1.0, adaptive.count_noise_std)
     return ExtraReleases.of(count, None if metrics is None else metrics.release())

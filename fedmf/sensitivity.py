@@ -10,9 +10,10 @@ is used and ``exact`` is False.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
-from typing import TYPE_CHECKING, Sequence
+from functools import cache
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -135,7 +136,7 @@ _SIGN_ENUMERATION = 12
 _CERTIFY_RTOL = 1e-9
 
 
-@lru_cache(maxsize=None)
+@cache
 def _sign_vectors(k: int) -> np.ndarray:
     """The 2^(k-1) vectors in {+-1}^k with first entry +1, shape (2^(k-1), k)."""
     tails = np.array(list(itertools.product((1.0, -1.0), repeat=k - 1))).reshape(-1, k - 1)
@@ -270,7 +271,7 @@ def _worst(results: Sequence[Sensitivity], exact_name: str, bound_name: str) -> 
     return Sensitivity(worst.value, exact_name if exact else bound_name, exact)
 
 
-def fixed_epoch(mechanism: "Mechanism", schema: FixedEpoch) -> Sensitivity:
+def fixed_epoch(mechanism: Mechanism, schema: FixedEpoch) -> Sensitivity:
     """Sensitivity under FixedEpoch(k, b): the worst of the b patterns {j, j+b, …}
     (Multi-Epoch MF, Sec. 2, Eq. 3 per pattern)."""
     schema.validate(mechanism.rounds)
@@ -281,7 +282,7 @@ def fixed_epoch(mechanism: "Mechanism", schema: FixedEpoch) -> Sensitivity:
     return _worst(results, "fixed-epoch-exact", "fixed-epoch-bound")
 
 
-def observed(mechanism: "Mechanism", rounds: Sequence[int]) -> Sensitivity:
+def observed(mechanism: Mechanism, rounds: Sequence[int]) -> Sensitivity:
     """Sensitivity of one user's observed participation rounds."""
     cols = mechanism.strategy_columns(list(rounds))
     result = pattern_sensitivity(cols.T @ cols, gram_error(cols))
@@ -291,7 +292,7 @@ def observed(mechanism: "Mechanism", rounds: Sequence[int]) -> Sensitivity:
 _GRAM_LIMIT = 8192
 
 
-def minsep(mechanism: "Mechanism", schema: MinSep) -> Sensitivity:
+def minsep(mechanism: Mechanism, schema: MinSep) -> Sensitivity:
     """MinSep(b, k) sensitivity, exact whenever a closed form's conditions hold."""
     n = mechanism.rounds
     schema.validate(n)
@@ -313,7 +314,7 @@ def minsep(mechanism: "Mechanism", schema: MinSep) -> Sensitivity:
     return gram_upper_bound(mechanism.gram(), b, k)
 
 
-def sensitivity(mechanism: "Mechanism", schema: Schema) -> Sensitivity:
+def sensitivity(mechanism: Mechanism, schema: Schema) -> Sensitivity:
     """Sensitivity of ``mechanism``'s strategy under any schema (for ``Observed``: the worst user)."""
     if isinstance(schema, MinSep):
         return minsep(mechanism, schema)

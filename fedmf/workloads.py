@@ -45,7 +45,7 @@ class Workload:
             raise ConfigError(f"cooldown final factor must lie in (0, 1], got {self.cooldown_final}")
 
     @classmethod
-    def prefix(cls) -> "Workload":
+    def prefix(cls) -> Workload:
         return cls()
 
     @property
@@ -67,7 +67,7 @@ class Workload:
         return {"momentum": self.momentum, "cooldown": self.cooldown, "cooldown_final": self.cooldown_final}
 
     @classmethod
-    def from_dict(cls, data: dict) -> "Workload":
+    def from_dict(cls, data: dict) -> Workload:
         values = [data["momentum"], data["cooldown"], data["cooldown_final"]]
         if any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in values):
             raise ConfigError("workload parameters must be numbers")

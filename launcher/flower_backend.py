@@ -13,17 +13,18 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping, TextIO
+from typing import Any, TextIO
 
-from fedmf.config import RunConfig
 from fedmf import checks
+from fedmf.config import RunConfig
 from fedmf.errors import ConfigError, FedmfError, OutcomeError
 from fedmf.files import atomic_write
 from fedmf.ledger.db import public_url
-from fedmf.run.outcome import OUTCOME_FILE, clear_outcome, read_outcome
 from fedmf.run.cohort import counts as cohort_counts
 from fedmf.run.cohort import resolve_min_cohort
+from fedmf.run.outcome import OUTCOME_FILE, clear_outcome, read_outcome
 from fedmf.run.simulate import SimulationResult, chain_head, learning_check, rho_spent, run_history, write_outputs
 from fedmf.tasks import Task
 from server.config import APP_DEFAULTS

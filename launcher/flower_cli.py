@@ -46,9 +46,10 @@ import tomllib
 import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Mapping, TextIO
+from typing import TextIO
 
 from .processes import TAG_VAR, ProcessTracker, sigterm_raises, strip_ansi
 from .ray_cluster import client_resources, ray_environment
@@ -209,7 +210,7 @@ class FlowerResult:
         return (f"Flower run {self.run_id} ended {self.status or 'with an unknown status'}"
                 + (f": {details}" if details else "") + (f" (flwr run exit {self.flwr_rc})" if self.flwr_rc else ""))
 
-    def check(self) -> "FlowerResult":
+    def check(self) -> FlowerResult:
         if self.rc != 0:
             raise AssertionError(
                 f"flower run failed: rc={self.rc} flwr_rc={self.flwr_rc} status={self.status!r} "

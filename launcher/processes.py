@@ -21,8 +21,9 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Iterable, Mapping, TextIO
+from typing import TextIO
 
 __all__ = [
     "TAG_VAR",

@@ -17,9 +17,10 @@ ServerApp validates once, before round 1: the engine's ``RunConfig`` and these k
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from fedmf.config import DEFAULTS, RunConfig, read_float, read_text
 from fedmf.errors import ConfigError
@@ -44,7 +45,7 @@ class ServerConfig(RunConfig):
     identity_timeout: float = 30.0
 
     @classmethod
-    def from_mapping(cls, values: Mapping[str, Any], *, base_dir: str | os.PathLike | None = None) -> "ServerConfig":
+    def from_mapping(cls, values: Mapping[str, Any], *, base_dir: str | os.PathLike | None = None) -> ServerConfig:
         """Validate a mapping of kebab-case keys of ``APP_DEFAULTS`` (unknown keys are refused; missing
         ones default). Relative paths are taken from ``base_dir`` (default: the working directory)."""
         unknown = sorted(set(values) - set(APP_DEFAULTS))

@@ -7,7 +7,7 @@ replies) in one process, without a SuperLink. ``client_node(app, node_config)`` 
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from flwr.app import Context, Message, RecordDict
 from flwr.serverapp import Grid

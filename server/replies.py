@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 

@@ -25,7 +25,8 @@ import json
 import logging
 import secrets
 import time
-from typing import Callable, Iterable, TypeVar
+from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
@@ -33,10 +34,10 @@ from flwr.serverapp.strategy import Result, Strategy
 
 from fedmf.audit.auditor import audit_command
 from fedmf.errors import CohortTooSmall, NotLearning
-from fedmf.run.learning_check import LearningCheck
 from fedmf.ledger.db import LedgerError, public_url
-from fedmf.run.ledger_retry import ledger_retry
 from fedmf.round.privatize import RoundReport
+from fedmf.run.learning_check import LearningCheck
+from fedmf.run.ledger_retry import ledger_retry
 from fedmf.run.loop import Contributions, LoopEnd, observed_accounting, run_rounds, settle
 from fedmf.run.private_run import PrivateRun, RoundRecord
 from fedmf.schedule import Selection

@@ -22,8 +22,9 @@ import signal
 import sqlite3
 import sys
 import threading
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -125,6 +126,7 @@ def read_log(path: str | os.PathLike) -> list[dict[str, Any]]:
 
 def _make_local_grid():
     from flwr.app import MessageType
+
     from server.local_grid import LocalGrid
 
     class RecordingGrid(LocalGrid):

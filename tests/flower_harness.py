@@ -40,8 +40,8 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Iterable, Mapping
 
 from launcher.flower_cli import (
     FlowerResult,
@@ -146,7 +146,7 @@ class Deployment:
         self.startup_s: float = 0.0
 
     # -- lifecycle --
-    def __enter__(self) -> "Deployment":
+    def __enter__(self) -> Deployment:
         try:
             self.start()
         except BaseException:

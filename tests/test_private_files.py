@@ -14,7 +14,6 @@ import pytest
 from fedmf.cli import main
 from fedmf.errors import FedmfError
 from fedmf.run.federated import train
-
 from tests import _federated_task as task
 
 TARGETS = {"run directory": ".", "secrets directory": "secrets", "SQLite ledger": "ledger.db"}

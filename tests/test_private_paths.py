@@ -14,11 +14,10 @@ import pytest
 from fedmf.cli import main
 from fedmf.enrollment import Enrollment, generate_key_pair, load_private_key
 from fedmf.errors import CheckpointError, ConfigError, FedmfError
-from fedmf.run.federated import train
 from fedmf.files import check_private_path
 from fedmf.ledger import Ledger, LedgerError
 from fedmf.ledger.budgets import load_budget_secret
-
+from fedmf.run.federated import train
 from tests import _federated_task as task
 
 AS_ROOT = os.geteuid() == 0

@@ -33,10 +33,11 @@ import shutil
 import sqlite3
 import stat
 import traceback
+from collections.abc import Iterator
 from dataclasses import fields, is_dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -44,17 +45,16 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 
 from fedmf.config import RunConfig
-from server.config import ServerConfig
 from fedmf.errors import CheckpointError, ConfigError, FedmfError, PlanMismatch
-from fedmf.run.federated import train
 from fedmf.ledger.keys import ServerSecret
 from fedmf.round.draws import Draws
-from fedmf.run.outcome import OUTCOME_FILE, read_outcome
 from fedmf.round.privatize import RoundPrivatizer
+from fedmf.run.federated import train
+from fedmf.run.outcome import OUTCOME_FILE, read_outcome
 from fedmf.run.private_run import PrivateRun
+from server.config import ServerConfig
 from server.local_grid import LocalGrid, client_node
 from server.strategy import DPMFStrategy
-
 from tests import _federated_task as task
 
 SECRET_FILES = ("noise_seed", "schedule_key", "ledger_secret")
@@ -369,7 +369,7 @@ def test_no_secret_appears_in_anything_a_run_writes_logs_releases_or_raises(tmp_
                 hay.add(f"{label} message metadata", repr(m.metadata))
                 for name, record in m.content.config_records.items():
                     hay.add_object(f"{label} message config {name}", dict(record))
-                for name, record in m.content.array_records.items():
+                for _name, record in m.content.array_records.items():
                     for key, array in record.items():
                         hay.add(f"{label} message array {key}", array.data)
 
@@ -394,18 +394,18 @@ def test_no_secret_appears_in_anything_a_run_writes_logs_releases_or_raises(tmp_
             other = os.urandom(32)
             other_secrets[f"replacement {name}"] = other
             replace_secret(wrong, name, other)
-            provoke(hay, f"wrong {name}", lambda: PrivateRun.open(task.Tiny(), task.plan(rounds=ROUNDS), wrong,
+            provoke(hay, f"wrong {name}", lambda: PrivateRun.open(task.Tiny(), task.plan(rounds=ROUNDS), wrong,  # noqa: B023 (called within this iteration)
                                                                   population=task.users()), FedmfError)
         damaged = copy_run(loop_dir, tmp_path / "damaged-secret")
         replace_secret(damaged, "noise_seed", read_secrets(loop_dir)["loop/noise_seed"][:31])
         provoke(hay, "damaged secret", lambda: PrivateRun.open(task.Tiny(), task.plan(rounds=ROUNDS), damaged),
                 CheckpointError)
-        for target in ("round-%06d.pt" % (ROUNDS - 1), "run.json"):
+        for target in (f"round-{ROUNDS - 1:06d}.pt", "run.json"):
             tampered = copy_run(loop_dir, tmp_path / f"tampered-{target}")
             data = bytearray((tampered / target).read_bytes())
             data[len(data) // 2] ^= 0x55
             (tampered / target).write_bytes(bytes(data))
-            provoke(hay, f"tampered {target}", lambda: PrivateRun.open(task.Tiny(), task.plan(rounds=ROUNDS), tampered,
+            provoke(hay, f"tampered {target}", lambda: PrivateRun.open(task.Tiny(), task.plan(rounds=ROUNDS), tampered,  # noqa: B023 (called within this iteration)
                                                                        population=task.users()), FedmfError)
         noise_files = sorted(p.name for p in app_dir.glob("noise-*.pt"))
         if noise_files:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from typing import Iterable
+from collections.abc import Iterable
 
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp

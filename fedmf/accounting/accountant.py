@@ -21,8 +21,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ConfigError
 from .. import checks
+from ..errors import ConfigError
 from ..sampling import Sampling, parse_sampling
 from . import count_release, gaussian, schemes
 from .releases import ExtraReleases
@@ -85,7 +85,7 @@ def _rho(sampling: Sampling, details: dict[str, Any]) -> float | None:
 
 
 def _extra(sampling: Sampling, count_noise_std: float | None,
-           releases: "ExtraReleases | None") -> tuple[float | None, "ExtraReleases | None"]:
+           releases: ExtraReleases | None) -> tuple[float | None, ExtraReleases | None]:
     """The round's extra Gaussian releases (``releases``, or ``count_noise_std``: σ_b of adaptive clipping's
     count alone; None: none) as σ_unit, the std per unit sensitivity the formulas compose (``releases`` (R)),
     after checking that ``sampling``'s accountant composes them."""
@@ -102,7 +102,7 @@ def _extra(sampling: Sampling, count_noise_std: float | None,
     return releases.unit_std, releases
 
 
-def schema_sensitivity(mechanism: "Mechanism", schema: "Schema"):
+def schema_sensitivity(mechanism: Mechanism, schema: Schema):
     """The sensitivity of C under ``schema`` (a ``fedmf.sensitivity.Sensitivity``)."""
     return mechanism.sensitivity(schema)
 
@@ -117,11 +117,11 @@ def _sens_details(sens) -> dict[str, Any]:
     return {"sensitivity_method": sens.method, "sensitivity_exact": sens.exact}
 
 
-def epsilon(mechanism: "Mechanism", noise_multiplier: float, delta: float, schema: "Schema", *,
+def epsilon(mechanism: Mechanism, noise_multiplier: float, delta: float, schema: Schema, *,
             sampling: Sampling | str | None = None, accountant: str = "pld",
             noise_sensitivity: float | None = None, per_round: bool = False,
             monte_carlo: MonteCarloOptions = MonteCarloOptions(), count_noise_std: float | None = None,
-            releases: "ExtraReleases | None" = None) -> Accounting:
+            releases: ExtraReleases | None = None) -> Accounting:
     """epsilon at ``delta`` of a run of ``mechanism`` with noise multiplier z under
     ``schema`` and ``sampling``. See the module docstring for the noise convention.
     ``count_noise_std``: σ_b of adaptive clipping's count release, composed in (``count_release``);
@@ -161,10 +161,10 @@ def epsilon(mechanism: "Mechanism", noise_multiplier: float, delta: float, schem
     return result
 
 
-def calibrate(mechanism: "Mechanism", epsilon: float, delta: float, schema: "Schema", *,
+def calibrate(mechanism: Mechanism, epsilon: float, delta: float, schema: Schema, *,
               sampling: Sampling | str | None = None, accountant: str = "pld", per_round: bool = False,
               monte_carlo: MonteCarloOptions = MonteCarloOptions(), count_noise_std: float | None = None,
-              releases: "ExtraReleases | None" = None) -> Accounting:
+              releases: ExtraReleases | None = None) -> Accounting:
     """The smallest noise multiplier z (noise std = z·ζ·sens_schema) whose run is
     (epsilon, delta)-DP. Cached for the analytic accountants; b-min-sep runs EVR.
     ``count_noise_std``: σ_b of adaptive clipping's count release; ``releases``: the round's extra
@@ -208,11 +208,11 @@ def calibrate(mechanism: "Mechanism", epsilon: float, delta: float, schema: "Sch
     return out
 
 
-def epsilon_by_round(mechanism: "Mechanism", noise_multiplier: float, delta: float, schema: "Schema", *,
+def epsilon_by_round(mechanism: Mechanism, noise_multiplier: float, delta: float, schema: Schema, *,
                      sampling: Sampling | str | None = None, accountant: str = "pld",
                      noise_sensitivity: float | None = None, final: float | None = None,
                      max_points: int = 64, count_noise_std: float | None = None,
-                     releases: "ExtraReleases | None" = None) -> "ByRound":
+                     releases: ExtraReleases | None = None) -> ByRound:
     """epsilon after each round (``per_round``: un-amplified or cyclic-Poisson). ``final``: the
     planned epsilon when already known (the curve ends exactly there). ``count_noise_std``: σ_b of
     adaptive clipping's count release; ``releases``: the round's extra Gaussian releases; composed in."""

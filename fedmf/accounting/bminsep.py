@@ -30,8 +30,9 @@ The Monte Carlo accountant that samples this privacy loss lives in ``montecarlo`
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -123,7 +124,7 @@ class BMinSep:
 
     @classmethod
     def from_coefficients(cls, coefficients: Sequence[float], rounds: int, min_sep: int,
-                          sampling_probability: float, warm_start: bool = False) -> "BMinSep":
+                          sampling_probability: float, warm_start: bool = False) -> BMinSep:
         rounds = checks.positive_int("rounds", rounds)
         c = np.asarray(coefficients, dtype=np.float64)
         if c.ndim != 1 or c.size == 0:
@@ -141,8 +142,8 @@ class BMinSep:
         return cls(bands_from_coefficients(c, rounds), min_sep, sampling_probability, warm_start, toeplitz=c[:rounds])
 
     @classmethod
-    def from_mechanism(cls, mechanism: "Mechanism", min_sep: int, sampling_probability: float,
-                       warm_start: bool = False) -> "BMinSep":
+    def from_mechanism(cls, mechanism: Mechanism, min_sep: int, sampling_probability: float,
+                       warm_start: bool = False) -> BMinSep:
         """From a fedmf mechanism whose strategy C is banded with L <= b bands."""
         bands = mechanism.strategy_bands
         if bands is None:

@@ -36,7 +36,6 @@ from typing import TYPE_CHECKING
 
 from .. import checks
 from ..errors import ConfigError
-from ..participation import FixedEpoch
 
 if TYPE_CHECKING:
     from ..participation import Schema
@@ -53,7 +52,7 @@ def check_count_noise_std(count_noise_std: float | None) -> float | None:
     return None if count_noise_std is None else checks.positive("count_noise_std", count_noise_std)
 
 
-def participations(schema: "Schema", rounds: int) -> int:
+def participations(schema: Schema, rounds: int) -> int:
     """k: the most rounds one user may take part in among the first ``rounds`` rounds under ``schema``
     (the schema's own count: ceil(t/b) capped at k for MinSep(b, k) and FixedEpoch(k, b) alike)."""
     return schema.participations(rounds)

@@ -72,7 +72,7 @@ def mu_for(epsilon: float, delta: float) -> float:
     return mu
 
 
-def compose(mu_squares: "list[float] | tuple[float, ...]") -> float:
+def compose(mu_squares: list[float] | tuple[float, ...]) -> float:
     """μ of the composition of mechanisms with the given μ² (Dong et al. Cor. 3.3): √Σμ²."""
     return math.sqrt(math.fsum(mu_squares))
 

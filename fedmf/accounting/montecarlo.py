@@ -18,9 +18,9 @@ from __future__ import annotations
 import math
 import os
 import threading
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -382,7 +382,7 @@ class _Shared:
         self._items = iter(items)
         self._lock = threading.Lock()
 
-    def __iter__(self) -> "_Shared":
+    def __iter__(self) -> _Shared:
         return self
 
     def __next__(self):

@@ -27,13 +27,14 @@ rule when there are more than ``max_points`` distinct counts).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..errors import ConfigTypeError
 from .. import sensitivity as _sens
+from ..errors import ConfigTypeError
 from . import cyclic_poisson, gaussian
 
 if TYPE_CHECKING:
@@ -60,7 +61,7 @@ class ByRound:
 class _Prefix:
     """Duck-typed view of the first t rounds of a mechanism for ``fedmf.sensitivity``."""
 
-    def __init__(self, mechanism: "Mechanism", t: int, full: np.ndarray) -> None:
+    def __init__(self, mechanism: Mechanism, t: int, full: np.ndarray) -> None:
         rows = sum(mechanism.fresh_rows(s) for s in range(t))
         self.rounds = t
         self.kind = mechanism.kind
@@ -88,7 +89,7 @@ def _toeplitz_closed_form(coef: np.ndarray, n: int, b: int, k: int) -> np.ndarra
     return np.sqrt(np.cumsum(_sens.shifted_sum(coef, n, b, k) ** 2))
 
 
-def _banded_vecsens(mechanism: "Mechanism", n: int, b: int, k: int, bands: int) -> np.ndarray:
+def _banded_vecsens(mechanism: Mechanism, n: int, b: int, k: int, bands: int) -> np.ndarray:
     """sens_t for t = 1 … n of a banded C (<= b bands), O(n·(k + bands)).
 
     With <= b bands the columns of a b-min-sep pattern have disjoint supports, so
@@ -126,7 +127,7 @@ def _fill(points: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:
     return values[idx]
 
 
-def _generic(mechanism: "Mechanism", schema: "Schema", max_points: int) -> tuple[np.ndarray, str, np.ndarray]:
+def _generic(mechanism: Mechanism, schema: Schema, max_points: int) -> tuple[np.ndarray, str, np.ndarray]:
     from ..participation import FixedEpoch, MinSep, Observed
 
     n = mechanism.rounds
@@ -159,7 +160,7 @@ def _generic(mechanism: "Mechanism", schema: "Schema", max_points: int) -> tuple
     return _fill(points, values, n), name + ("-exact" if per_round.all() else "-upper-bound"), per_round
 
 
-def _prefix_sensitivities(mechanism: "Mechanism", schema: "Schema",
+def _prefix_sensitivities(mechanism: Mechanism, schema: Schema,
                           max_points: int) -> tuple[np.ndarray, str, np.ndarray]:
     """sens_t, the method, and per round whether sens_t is exact (not only an upper bound)."""
     from ..participation import MinSep
@@ -180,7 +181,7 @@ def _prefix_sensitivities(mechanism: "Mechanism", schema: "Schema",
     return _generic(mechanism, schema, max_points)
 
 
-def prefix_sensitivities(mechanism: "Mechanism", schema: "Schema", max_points: int = 64) -> tuple[np.ndarray, str]:
+def prefix_sensitivities(mechanism: Mechanism, schema: Schema, max_points: int = 64) -> tuple[np.ndarray, str]:
     """sens_t for t = 1 … n (see the module docstring) and how they were obtained
     ("…-exact" only when every sens_t is exact)."""
     sens_t, method, _ = _prefix_sensitivities(mechanism, schema, max_points)
@@ -213,7 +214,7 @@ def cyclic_poisson_curve(rounds: int, min_sep: int, probability: float, step_noi
     return ByRound(curve, None, method, np.isin(counts, points) & np.isclose(curve, eps, rtol=1e-12, atol=0.0))
 
 
-def unamplified_curve(mechanism: "Mechanism", schema: "Schema", planned: "Sensitivity", *, noise_multiplier: float,
+def unamplified_curve(mechanism: Mechanism, schema: Schema, planned: Sensitivity, *, noise_multiplier: float,
                       std_per_clip: float, delta: float, accountant: str, noise_sensitivity: float | None,
                       final: float | None, max_points: int, count_noise_std: float | None = None) -> ByRound:
     """epsilon after t = 1 … n rounds of the un-amplified run: the Gaussian mechanism with

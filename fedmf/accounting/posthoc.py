@@ -33,8 +33,9 @@ sensitivity — never with the planned one. The run's guarantee is the worst use
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 from scipy import sparse
@@ -138,7 +139,7 @@ class ObservedSensitivities:
     worst_by_round: np.ndarray | None  # (n,) max over users of (1) after each round (by_round=True)
 
 
-def breaks_schema(rounds: tuple[int, ...], schema: "Schema", n: int) -> str | None:
+def breaks_schema(rounds: tuple[int, ...], schema: Schema, n: int) -> str | None:
     """Why ``rounds`` is not allowed by ``schema`` (None when it is)."""
     if any(t < 0 or t >= n for t in rounds):
         return f"round outside [0, {n})"
@@ -159,7 +160,7 @@ def breaks_schema(rounds: tuple[int, ...], schema: "Schema", n: int) -> str | No
     raise ConfigError(f"post-hoc accounting needs a planned MinSep or FixedEpoch schema, got {schema!r}")
 
 
-def release_rows(mechanism: "Mechanism") -> np.ndarray:
+def release_rows(mechanism: Mechanism) -> np.ndarray:
     """R(t): how many noise rows have been released by the end of round t."""
     n = mechanism.rounds
     if mechanism.noise_rows == n:
@@ -176,7 +177,7 @@ def _user_blocks(users: np.ndarray, rounds: np.ndarray, n_users: int, n: int):
                                              shape=(stop - start, n))
 
 
-def _abs_bound(mechanism: "Mechanism", c: np.ndarray, users: np.ndarray, rounds: np.ndarray, n_users: int,
+def _abs_bound(mechanism: Mechanism, c: np.ndarray, users: np.ndarray, rounds: np.ndarray, n_users: int,
                by_round: bool) -> tuple[np.ndarray, np.ndarray | None]:
     """(1) for every user at the end of the run, and its maximum over users after each round.
 
@@ -205,7 +206,7 @@ def _abs_bound(mechanism: "Mechanism", c: np.ndarray, users: np.ndarray, rounds:
     return np.sqrt(final_sq), None if worst_sq is None else np.sqrt(worst_sq)
 
 
-def observed_sensitivities(mechanism: "Mechanism", users: np.ndarray, rounds: np.ndarray, n_users: int, *,
+def observed_sensitivities(mechanism: Mechanism, users: np.ndarray, rounds: np.ndarray, n_users: int, *,
                            by_round: bool = False) -> ObservedSensitivities:
     """Every user's sensitivity over their recorded rounds (see the module docstring).
 
@@ -316,7 +317,7 @@ def _suspects(schema: MinSep | FixedEpoch, users: np.ndarray, rounds: np.ndarray
     return suspect
 
 
-def account_contributions(mechanism: "Mechanism", noise_multiplier: float, delta: float, planned: "Schema",
+def account_contributions(mechanism: Mechanism, noise_multiplier: float, delta: float, planned: Schema,
                           users: np.ndarray, rounds: np.ndarray, labels: Sequence[str], *, accountant: str = "pld",
                           noise_sensitivity: float | None = None, by_round: bool = False,
                           count_noise_std: float | None = None) -> PosthocReport:
@@ -385,8 +386,8 @@ def account_contributions(mechanism: "Mechanism", noise_multiplier: float, delta
     )
 
 
-def account_observed(mechanism: "Mechanism", noise_multiplier: float, delta: float,
-                     observed: Observed | Mapping[str, Iterable[int]], planned: "Schema", *,
+def account_observed(mechanism: Mechanism, noise_multiplier: float, delta: float,
+                     observed: Observed | Mapping[str, Iterable[int]], planned: Schema, *,
                      accountant: str = "pld", noise_sensitivity: float | None = None,
                      count_noise_std: float | None = None) -> PosthocReport:
     """Per-user epsilon from the observed rounds of every user (see the module docstring).

@@ -79,13 +79,13 @@ class ExtraReleases:
             raise ConfigError(f"extra releases must be distinct and at least one, got {names}")
 
     @classmethod
-    def of(cls, *releases: GaussianRelease | None) -> "ExtraReleases | None":
+    def of(cls, *releases: GaussianRelease | None) -> ExtraReleases | None:
         """The description of the releases given (None entries skipped); None when there are none."""
         kept = tuple(r for r in releases if r is not None)
         return cls(kept) if kept else None
 
     @classmethod
-    def count(cls, count_noise_std: float) -> "ExtraReleases":
+    def count(cls, count_noise_std: float) -> ExtraReleases:
         """Adaptive clipping's count alone (sensitivity 1, std σ_b)."""
         return cls((GaussianRelease(COUNT, 1.0, float(count_noise_std)),))
 

@@ -10,8 +10,8 @@ accounting, so the audit's per-user ε is ``account_observed``'s.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 

@@ -23,8 +23,9 @@ documented there.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
 from ..sampling import BMinSepSampling, CyclicPoissonSampling, NoSampling, PlainPoissonSampling, Sampling
@@ -54,7 +55,7 @@ def _accepts(*_: Any) -> None:
     """No refusal."""
 
 
-def _refuses_releases(sampling: Sampling, releases: "ExtraReleases | None") -> None:
+def _refuses_releases(sampling: Sampling, releases: ExtraReleases | None) -> None:
     what = "adaptive clipping's count release" if releases is None else releases.what()
     raise ConfigError(f"{what} is accounted with sampling none (un-amplified) or cyclic-poisson:Q only, not {sampling}")
 
@@ -75,16 +76,16 @@ class SchemeAccountant:
     #: refuses calibration where the scheme has no calibrator
     check_calibrate: Callable[[Sampling], None] = _accepts
     #: refuses the round's extra Gaussian releases (``releases``) where the accountant does not compose them
-    check_releases: Callable[[Sampling, "ExtraReleases | None"], None] = _refuses_releases
+    check_releases: Callable[[Sampling, ExtraReleases | None], None] = _refuses_releases
 
 
 def _entry(sampling: Sampling) -> SchemeAccountant:
     return ACCOUNTANTS[type(sampling)]
 
 
-def epsilon(sampling: Sampling, mechanism: "Mechanism", schema: "Schema", sens: "Sensitivity", *,
+def epsilon(sampling: Sampling, mechanism: Mechanism, schema: Schema, sens: Sensitivity, *,
             noise_multiplier: float, std_per_clip: float, delta: float, accountant: str,
-            noise_sensitivity: float | None, monte_carlo: "MonteCarloOptions",
+            noise_sensitivity: float | None, monte_carlo: MonteCarloOptions,
             count_noise_std: float | None = None) -> Result:
     """ε at ``delta`` of the run whose noise std is ``std_per_clip`` clip norms."""
     return _entry(sampling).epsilon(sampling, mechanism, schema, sens, noise_multiplier=noise_multiplier,
@@ -93,8 +94,8 @@ def epsilon(sampling: Sampling, mechanism: "Mechanism", schema: "Schema", sens: 
                                     count_noise_std=count_noise_std)
 
 
-def calibrate(sampling: Sampling, mechanism: "Mechanism", schema: "Schema", sens: "Sensitivity", *,
-              epsilon: float, delta: float, accountant: str, monte_carlo: "MonteCarloOptions",
+def calibrate(sampling: Sampling, mechanism: Mechanism, schema: Schema, sens: Sensitivity, *,
+              epsilon: float, delta: float, accountant: str, monte_carlo: MonteCarloOptions,
               count_noise_std: float | None = None) -> Result:
     """The smallest noise multiplier (first item) whose run is (epsilon, delta)-DP."""
     return _entry(sampling).calibrate(sampling, mechanism, schema, sens, epsilon=epsilon, delta=delta,
@@ -102,7 +103,7 @@ def calibrate(sampling: Sampling, mechanism: "Mechanism", schema: "Schema", sens
                                       count_noise_std=count_noise_std)
 
 
-def epsilon_by_round(sampling: Sampling, mechanism: "Mechanism", schema: "Schema", planned: "Sensitivity", *,
+def epsilon_by_round(sampling: Sampling, mechanism: Mechanism, schema: Schema, planned: Sensitivity, *,
                      noise_multiplier: float, std_per_clip: float, delta: float, accountant: str,
                      noise_sensitivity: float | None, final: float | None, max_points: int,
                      count_noise_std: float | None = None) -> ByRound:
@@ -128,13 +129,13 @@ def check_calibrate(sampling: Sampling) -> None:
     _entry(sampling).check_calibrate(sampling)
 
 
-def check_releases(sampling: Sampling, releases: "ExtraReleases | None" = None) -> None:
+def check_releases(sampling: Sampling, releases: ExtraReleases | None = None) -> None:
     """Refuse a sampler whose accountant does not compose the count release (or ``releases``: the
     round's extra Gaussian releases, ``fedmf.accounting.releases``)."""
     _entry(sampling).check_releases(sampling, releases)
 
 
-def check_banded(mechanism: "Mechanism", min_sep: int, what: str) -> int:
+def check_banded(mechanism: Mechanism, min_sep: int, what: str) -> int:
     """The bands of C, which amplification (``what``) needs square and banded with <= min_sep bands."""
     bands = mechanism.strategy_bands
     if bands is None:
@@ -146,7 +147,7 @@ def check_banded(mechanism: "Mechanism", min_sep: int, what: str) -> int:
     return bands
 
 
-def max_column_norm(mechanism: "Mechanism") -> float:
+def max_column_norm(mechanism: Mechanism) -> float:
     """max_j ||C e_j||: the per-participation sensitivity of one amplified step."""
     return float(math.sqrt(max(mechanism.column_norms_sq())))
 
@@ -159,9 +160,9 @@ def _gaussian_guarantee(accountant: str, exact: bool) -> str:
     return "exact (Gaussian privacy loss distribution)" if exact else "upper bound (sensitivity bound)"
 
 
-def _none_epsilon(sampling: NoSampling, mechanism: "Mechanism", schema: "Schema", sens: "Sensitivity", *,
+def _none_epsilon(sampling: NoSampling, mechanism: Mechanism, schema: Schema, sens: Sensitivity, *,
                   noise_multiplier: float, std_per_clip: float, delta: float, accountant: str,
-                  noise_sensitivity: float | None, monte_carlo: "MonteCarloOptions",
+                  noise_sensitivity: float | None, monte_carlo: MonteCarloOptions,
                   count_noise_std: float | None = None) -> Result:
     """The Gaussian mechanism's ε at multiplier z·sens/sens_schema (= z when the noise was scaled for it)."""
     z_eff = noise_multiplier if noise_sensitivity is None else std_per_clip / sens.value
@@ -178,8 +179,8 @@ def _none_epsilon(sampling: NoSampling, mechanism: "Mechanism", schema: "Schema"
             {"effective_noise_multiplier": z_eff, **more})
 
 
-def _none_calibrate(sampling: NoSampling, mechanism: "Mechanism", schema: "Schema", sens: "Sensitivity", *,
-                    epsilon: float, delta: float, accountant: str, monte_carlo: "MonteCarloOptions",
+def _none_calibrate(sampling: NoSampling, mechanism: Mechanism, schema: Schema, sens: Sensitivity, *,
+                    epsilon: float, delta: float, accountant: str, monte_carlo: MonteCarloOptions,
                     count_noise_std: float | None = None) -> Result:
     z = gaussian.calibrate(epsilon, delta, accountant)
     if count_noise_std is None:
@@ -194,7 +195,7 @@ def _none_calibrate(sampling: NoSampling, mechanism: "Mechanism", schema: "Schem
         "privacy_split": count_release.privacy_split(z, count_noise_std, k)}
 
 
-def _unamplified_curve(sampling: Sampling, mechanism: "Mechanism", schema: "Schema", planned: "Sensitivity", *,
+def _unamplified_curve(sampling: Sampling, mechanism: Mechanism, schema: Schema, planned: Sensitivity, *,
                        noise_multiplier: float, std_per_clip: float, delta: float, accountant: str,
                        noise_sensitivity: float | None, final: float | None, max_points: int,
                        count_noise_std: float | None = None) -> ByRound:
@@ -217,8 +218,8 @@ def _mc_refusal(delta: float, needed: str) -> str:
             f"{MAX_MONTE_CARLO_SAMPLES}): use cyclic-poisson:Q (PLD) or sampling none (un-amplified) for this delta")
 
 
-def _bminsep_accountant(sampling: BMinSepSampling, mechanism: "Mechanism", schema: "Schema",
-                        options: "MonteCarloOptions") -> MonteCarloAccountant:
+def _bminsep_accountant(sampling: BMinSepSampling, mechanism: Mechanism, schema: Schema,
+                        options: MonteCarloOptions) -> MonteCarloAccountant:
     b = sampling.min_sep_of(schema)
     check_banded(mechanism, b, "b-min-sep")
     scheme = BMinSep.from_mechanism(mechanism, b, sampling.probability, sampling.warm_start)  # ConfigError: e.g. C < 0
@@ -239,7 +240,7 @@ def _bminsep_check_delta(sampling: BMinSepSampling, delta: float) -> None:
     _minimum_samples(delta)
 
 
-def _bminsep_samples(options: "MonteCarloOptions", delta: float) -> tuple[int, float]:
+def _bminsep_samples(options: MonteCarloOptions, delta: float) -> tuple[int, float]:
     """Samples per verification and the base delta with which they certify ``delta``."""
     samples = options.samples or _minimum_samples(delta)
     if samples > MAX_MONTE_CARLO_SAMPLES:
@@ -247,9 +248,9 @@ def _bminsep_samples(options: "MonteCarloOptions", delta: float) -> tuple[int, f
     return samples, evr.base_delta(samples, delta)  # a ConfigError when too few samples certify delta
 
 
-def _bminsep_epsilon(sampling: BMinSepSampling, mechanism: "Mechanism", schema: "Schema", sens: "Sensitivity", *,
+def _bminsep_epsilon(sampling: BMinSepSampling, mechanism: Mechanism, schema: Schema, sens: Sensitivity, *,
                      noise_multiplier: float, std_per_clip: float, delta: float, accountant: str,
-                     noise_sensitivity: float | None, monte_carlo: "MonteCarloOptions",
+                     noise_sensitivity: float | None, monte_carlo: MonteCarloOptions,
                      count_noise_std: float | None = None) -> Result:
     """MC-verified epsilon at a fixed noise: the smallest eps whose estimate is <= base
     delta in both directions, with base chosen so that overall_delta(s, base) <= delta.
@@ -276,8 +277,8 @@ def _bminsep_epsilon(sampling: BMinSepSampling, mechanism: "Mechanism", schema: 
             more)
 
 
-def _bminsep_calibrate(sampling: BMinSepSampling, mechanism: "Mechanism", schema: "Schema", sens: "Sensitivity", *,
-                       epsilon: float, delta: float, accountant: str, monte_carlo: "MonteCarloOptions",
+def _bminsep_calibrate(sampling: BMinSepSampling, mechanism: Mechanism, schema: Schema, sens: Sensitivity, *,
+                       epsilon: float, delta: float, accountant: str, monte_carlo: MonteCarloOptions,
                        count_noise_std: float | None = None) -> Result:
     """Estimate-Verify-Release (Thm A.1 of arXiv 2602.09338) with the un-amplified fallback."""
     mc = _bminsep_accountant(sampling, mechanism, schema, monte_carlo)
@@ -295,14 +296,14 @@ def _bminsep_calibrate(sampling: BMinSepSampling, mechanism: "Mechanism", schema
     return z, name, guarantee, {"evr": result.to_dict(), "scheme": mc.scheme.to_dict()}
 
 
-def _bminsep_by_round(sampling: BMinSepSampling, mechanism: "Mechanism", schema: "Schema", planned: "Sensitivity",
+def _bminsep_by_round(sampling: BMinSepSampling, mechanism: Mechanism, schema: Schema, planned: Sensitivity,
                       **_: Any) -> ByRound:
     raise ConfigError("per-round spend is not available for bminsep sampling (Monte Carlo accounting covers the "
                       "whole run only)")
 
 
 # ---- cyclic-poisson: PLD or RDP of the subsampled Gaussian -------------------------------------
-def _cyclic_steps(sampling: CyclicPoissonSampling, mechanism: "Mechanism", schema: "Schema") -> tuple[int, float]:
+def _cyclic_steps(sampling: CyclicPoissonSampling, mechanism: Mechanism, schema: Schema) -> tuple[int, float]:
     """b and max_j ||C e_j||, once C is checked square and banded with <= b bands."""
     b = sampling.min_sep_of(schema)
     check_banded(mechanism, b, "cyclic-Poisson")
@@ -319,9 +320,9 @@ def _with_count(z_step: float, count_noise_std: float | None, details: dict[str,
     return composed
 
 
-def _cyclic_epsilon(sampling: CyclicPoissonSampling, mechanism: "Mechanism", schema: "Schema", sens: "Sensitivity",
+def _cyclic_epsilon(sampling: CyclicPoissonSampling, mechanism: Mechanism, schema: Schema, sens: Sensitivity,
                     *, noise_multiplier: float, std_per_clip: float, delta: float, accountant: str,
-                    noise_sensitivity: float | None, monte_carlo: "MonteCarloOptions",
+                    noise_sensitivity: float | None, monte_carlo: MonteCarloOptions,
                     count_noise_std: float | None = None) -> Result:
     b, col = _cyclic_steps(sampling, mechanism, schema)
     count = cyclic_poisson.steps(mechanism.rounds, b)
@@ -333,9 +334,9 @@ def _cyclic_epsilon(sampling: CyclicPoissonSampling, mechanism: "Mechanism", sch
     return eps, f"cyclic-poisson-{accountant}", f"upper bound ({accountant.upper()})", more
 
 
-def _cyclic_calibrate(sampling: CyclicPoissonSampling, mechanism: "Mechanism", schema: "Schema",
-                      sens: "Sensitivity", *, epsilon: float, delta: float, accountant: str,
-                      monte_carlo: "MonteCarloOptions", count_noise_std: float | None = None) -> Result:
+def _cyclic_calibrate(sampling: CyclicPoissonSampling, mechanism: Mechanism, schema: Schema,
+                      sens: Sensitivity, *, epsilon: float, delta: float, accountant: str,
+                      monte_carlo: MonteCarloOptions, count_noise_std: float | None = None) -> Result:
     b, col = _cyclic_steps(sampling, mechanism, schema)
     count = cyclic_poisson.steps(mechanism.rounds, b)
     z_step = cyclic_poisson.calibrate(epsilon, delta, sampling.probability, count, accountant)
@@ -350,8 +351,8 @@ def _cyclic_calibrate(sampling: CyclicPoissonSampling, mechanism: "Mechanism", s
                  sampling_probability=sampling.probability))
 
 
-def _cyclic_by_round(sampling: CyclicPoissonSampling, mechanism: "Mechanism", schema: "Schema",
-                     planned: "Sensitivity", *, noise_multiplier: float, std_per_clip: float, delta: float,
+def _cyclic_by_round(sampling: CyclicPoissonSampling, mechanism: Mechanism, schema: Schema,
+                     planned: Sensitivity, *, noise_multiplier: float, std_per_clip: float, delta: float,
                      accountant: str, noise_sensitivity: float | None, final: float | None, max_points: int,
                      count_noise_std: float | None = None) -> ByRound:
     b, col = _cyclic_steps(sampling, mechanism, schema)
@@ -364,9 +365,9 @@ def _cyclic_by_round(sampling: CyclicPoissonSampling, mechanism: "Mechanism", sc
 _NO_MMCC_CALIBRATION = "calibrate does not support poisson (MMCC) sampling yet: run epsilon at candidate z"
 
 
-def _poisson_epsilon(sampling: PlainPoissonSampling, mechanism: "Mechanism", schema: "Schema", sens: "Sensitivity",
+def _poisson_epsilon(sampling: PlainPoissonSampling, mechanism: Mechanism, schema: Schema, sens: Sensitivity,
                      *, noise_multiplier: float, std_per_clip: float, delta: float, accountant: str,
-                     noise_sensitivity: float | None, monte_carlo: "MonteCarloOptions",
+                     noise_sensitivity: float | None, monte_carlo: MonteCarloOptions,
                      count_noise_std: float | None = None) -> Result:
     if accountant != "pld":
         raise ConfigError("poisson (MMCC) sampling is accounted with PLD only (accountant 'pld')")

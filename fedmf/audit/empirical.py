@@ -35,9 +35,10 @@ from __future__ import annotations
 
 import math
 import secrets
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Hashable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -302,10 +303,10 @@ def run_canary_audit(model, users: Sequence[Hashable], plan, local_update: Calla
     (the audit must see every released model). The server optimizer is the plan's workload."""
     import torch
 
-    from ..run.cohort import NO_MINIMUM
-    from ..run.federated import train
     from ..plan import RunPlan
     from ..round.privatize import flat_size, layout_of
+    from ..run.cohort import NO_MINIMUM
+    from ..run.federated import train
 
     if not isinstance(plan, RunPlan):
         raise ConfigError(f"plan must be a RunPlan, got {type(plan).__name__}")

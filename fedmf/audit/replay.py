@@ -121,8 +121,8 @@ def clip_norm_violations(adaptive: Any, clip_norm: float, expected_users: Any, c
     """The committed rounds whose recorded ζₜ does not follow adaptive clipping's rule: ζ₀ = the plan's
     clip norm, ζₜ₊₁ = next_clip_norm(ζₜ, b̃ₜ, m) (within ζ₀'s range) from the recorded noisy counts (Andrew et al., Alg. 1);
     a round without its ζₜ or b̃ₜ, or a plan whose rule cannot be read, violates it."""
-    from ..round.adaptive_clipping import AdaptiveClipping
     from ..errors import FedmfError
+    from ..round.adaptive_clipping import AdaptiveClipping
 
     try:
         rule = AdaptiveClipping.from_dict(adaptive)
@@ -143,8 +143,8 @@ def clip_norm_violations(adaptive: Any, clip_norm: float, expected_users: Any, c
 def clip_norm_warnings(adaptive: Any, clip_norm: float, committed: list) -> list[str]:
     """``adaptive_clipping.trajectory_warnings`` of the recorded ζ sequence (ζ at a bound for many rounds,
     or rising round after round); none where the rule cannot be read (``clip_norm_violations`` says so)."""
-    from ..round.adaptive_clipping import AdaptiveClipping, trajectory_warnings
     from ..errors import FedmfError
+    from ..round.adaptive_clipping import AdaptiveClipping, trajectory_warnings
 
     try:
         rule = AdaptiveClipping.from_dict(adaptive)

@@ -20,7 +20,8 @@ import argparse
 import json
 import math
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ..sampling import GRAMMAR, parse_sampling
 from .common import UsageError, minsep_schema

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 import re
-from typing import TYPE_CHECKING, Mapping
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
 
@@ -71,7 +72,7 @@ def one_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
-def minsep_schema(rounds: int, participations: int | None, min_sep: int | None) -> "MinSep":
+def minsep_schema(rounds: int, participations: int | None, min_sep: int | None) -> MinSep:
     """MinSep from the options: k defaults to ceil(n/b); b defaults to floor(n/k); neither: b = n."""
     from ..participation import MinSep
 
@@ -91,7 +92,7 @@ def minsep_schema(rounds: int, participations: int | None, min_sep: int | None) 
     return MinSep(min_sep, participations)
 
 
-def fixed_epoch_schema(rounds: int, participations: int | None, min_sep: int | None) -> "FixedEpoch":
+def fixed_epoch_schema(rounds: int, participations: int | None, min_sep: int | None) -> FixedEpoch:
     """FixedEpoch(k, b) with k·b = n from whichever of k, b is given."""
     from ..participation import FixedEpoch
 

@@ -29,7 +29,7 @@ def _parse_range(text: str) -> tuple[int, int]:
     return b0, b1
 
 
-def _report(mechanism: "Mechanism", schema: "Schema", started: float, extra: dict[str, Any]) -> dict[str, Any]:
+def _report(mechanism: Mechanism, schema: Schema, started: float, extra: dict[str, Any]) -> dict[str, Any]:
     metrics = mechanism.evaluate(schema)
     params = mechanism.params()
     out: dict[str, Any] = {
@@ -95,7 +95,7 @@ def cmd_mechanism(args: argparse.Namespace) -> int:
         if min_sep_range[1] > args.rounds:
             raise UsageError(f"--min-sep-range B1={min_sep_range[1]} exceeds the number of rounds n={args.rounds}")
         k = args.participations if args.participations is not None else math.ceil(args.rounds / min_sep_range[1])
-        schema: "Schema" = minsep_schema(args.rounds, k, min_sep_range[1])
+        schema: Schema = minsep_schema(args.rounds, k, min_sep_range[1])
     elif args.min_sep_range is not None or args.taper:
         takers = [k for k in KINDS if "min_sep_range" in mechanism_class(k).options]
         raise UsageError(f"--min-sep-range and --taper apply to {', '.join(takers)} only")
@@ -149,7 +149,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     if args.fixed_epoch:
         if k is None and planned is not None:
             k = planned.participations(n)
-        schema: "Schema" = fixed_epoch_schema(n, k, None)
+        schema: Schema = fixed_epoch_schema(n, k, None)
     elif k is None and args.min_sep is None and planned is not None:
         schema = planned
     else:
@@ -163,7 +163,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(sub: "argparse._SubParsersAction") -> None:
+def register(sub: argparse._SubParsersAction) -> None:
     """Add ``mechanism`` and ``evaluate`` to fedmf's sub-parsers."""
     from ..mechanisms import KINDS
 

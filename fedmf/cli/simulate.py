@@ -142,8 +142,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from fedmf.tasks.base import MAX_WORKERS, default_workers
 
     from ..config import RunConfig
-    from ..run.progress import ProgressBar
     from ..run.private_run import REPEATABLE_NOISE_WARNING, repeatable_noise_from_env
+    from ..run.progress import ProgressBar
     from ..run.simulate import PRESET_EVAL_EVERY, preset_values, simulate
 
     if args.timeout is not None and not args.timeout > 0:

@@ -14,9 +14,9 @@ user together.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Mapping, Sequence
 
 from sqlalchemy import delete, insert, select, text, update
 from sqlalchemy.engine import Connection

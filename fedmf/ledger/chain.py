@@ -29,8 +29,9 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 __all__ = ["GENESIS_FIELDS", "ROUND_FIELDS", "OPTIONAL_ROUND_FIELDS", "genesis_sha256", "round_sha256", "ChainCheck",
            "check_chain", "HeadCheck", "check_head", "parse_head"]

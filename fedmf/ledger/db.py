@@ -12,9 +12,10 @@ import functools
 import os
 import re
 import sqlite3
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, TypeVar
+from typing import TypeVar
 from urllib.parse import quote, unquote
 
 from sqlalchemy import create_engine, event, inspect, pool, text

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from typing import Iterable
+from collections.abc import Iterable
 
 from .. import checks
 from ..errors import ConfigError, ConfigTypeError

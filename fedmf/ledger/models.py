@@ -13,7 +13,7 @@ compares them); the same migrations run on SQLite and PostgreSQL.
 from __future__ import annotations
 
 import datetime as dt
-from typing import Any, Optional
+from typing import Any
 
 from sqlalchemy import (
     JSON,
@@ -65,7 +65,7 @@ NOISE_STD_COMMENT = "absolute noise std sigma = z * clip_norm * sensitivity (not
 
 
 def _utcnow() -> dt.datetime:
-    return dt.datetime.now(dt.timezone.utc)
+    return dt.datetime.now(dt.UTC)
 
 
 class Base(DeclarativeBase):
@@ -79,7 +79,7 @@ class Run(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     uid: Mapped[str] = mapped_column(String(32))  # random; salts the client keys
-    name: Mapped[Optional[str]] = mapped_column(String(200))
+    name: Mapped[str | None] = mapped_column(String(200))
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=_utcnow)
     code_version: Mapped[str] = mapped_column(String(64))
     config: Mapped[dict[str, Any]] = mapped_column(JSON)  # free-form server configuration
@@ -90,12 +90,12 @@ class Run(Base):
     noise_multiplier: Mapped[float] = mapped_column(Float)  # z
     clip_norm: Mapped[float] = mapped_column(Float)  # zeta
     delta: Mapped[float] = mapped_column(Float)
-    target_epsilon: Mapped[Optional[float]] = mapped_column(Float)
+    target_epsilon: Mapped[float | None] = mapped_column(Float)
     participation_schema: Mapped[dict[str, Any]] = mapped_column(JSON)  # the plan: MinSep or FixedEpoch
     sampling: Mapped[str] = mapped_column(String(200))
     key_check: Mapped[str] = mapped_column(String(64))  # HMAC of a fixed label under the secret
-    plan: Mapped[Optional[dict[str, Any]]] = mapped_column(JSON, comment="RunPlan.to_dict(); never a secret")
-    plan_fingerprint: Mapped[Optional[str]] = mapped_column(
+    plan: Mapped[dict[str, Any] | None] = mapped_column(JSON, comment="RunPlan.to_dict(); never a secret")
+    plan_fingerprint: Mapped[str | None] = mapped_column(
         String(80), comment="RunPlan.fingerprint: finds the run to resume"
     )
     diagnostics: Mapped[bool] = mapped_column(
@@ -125,22 +125,22 @@ class Round(Base):
     round_index: Mapped[int] = mapped_column(Integer, primary_key=True)
     status: Mapped[str] = mapped_column(String(16), default="committed")
     attempts: Mapped[int] = mapped_column(Integer, default=1)
-    opened_at: Mapped[Optional[dt.datetime]] = mapped_column(DateTime(timezone=True))
-    closed_at: Mapped[Optional[dt.datetime]] = mapped_column(DateTime(timezone=True))
+    opened_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    closed_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
     selected: Mapped[int] = mapped_column(Integer, default=0)
     contributed: Mapped[int] = mapped_column(Integer, default=0)
     dropped: Mapped[int] = mapped_column(Integer, default=0)
     rejected: Mapped[int] = mapped_column(Integer, default=0)
     # the absolute std sigma = z * clip_norm * sensitivity added to the round's sum (never z * sensitivity)
-    noise_std: Mapped[Optional[float]] = mapped_column(Float, comment=NOISE_STD_COMMENT)
-    checkpoint_sha256: Mapped[Optional[str]] = mapped_column(
+    noise_std: Mapped[float | None] = mapped_column(Float, comment=NOISE_STD_COMMENT)
+    checkpoint_sha256: Mapped[str | None] = mapped_column(
         String(64), comment="SHA-256 (hex) of the checkpoint written for this committed round"
     )
-    epsilon_worst_user: Mapped[Optional[float]] = mapped_column(Float)  # as the server's accountant reported
-    epsilon_planned: Mapped[Optional[float]] = mapped_column(Float)
-    clip_norm: Mapped[Optional[float]] = mapped_column(
+    epsilon_worst_user: Mapped[float | None] = mapped_column(Float)  # as the server's accountant reported
+    epsilon_planned: Mapped[float | None] = mapped_column(Float)
+    clip_norm: Mapped[float | None] = mapped_column(
         Float, comment="the clip norm zeta_t of this round (adaptive clipping: it changes per round)")
-    noisy_unclipped: Mapped[Optional[float]] = mapped_column(
+    noisy_unclipped: Mapped[float | None] = mapped_column(
         Float, comment="count of updates with norm <= zeta_t plus Gaussian noise (adaptive clipping only)")
     chain_sha256: Mapped[str] = mapped_column(String(64), comment="hash of this record, its participations and "
                                                                   "the previous round's hash")
@@ -160,7 +160,7 @@ class Participation(Base):
     round_index: Mapped[int] = mapped_column(Integer, primary_key=True)
     client_key: Mapped[bytes] = mapped_column(LargeBinary(32), primary_key=True)
     status: Mapped[str] = mapped_column(String(16))
-    reason: Mapped[Optional[str]] = mapped_column(String(200))
+    reason: Mapped[str | None] = mapped_column(String(200))
 
     __table_args__ = (
         CheckConstraint("status IN ('contributed', 'dropped', 'rejected')", name="ck_participations_status"),
@@ -184,8 +184,8 @@ class UpdateNorm(Base):
     run_id: Mapped[int] = mapped_column(Integer, primary_key=True)
     round_index: Mapped[int] = mapped_column(Integer, primary_key=True)
     client_key: Mapped[bytes] = mapped_column(LargeBinary(32), primary_key=True)
-    update_norm: Mapped[Optional[float]] = mapped_column(Float)
-    clipped: Mapped[Optional[bool]] = mapped_column(Boolean)
+    update_norm: Mapped[float | None] = mapped_column(Float)
+    clipped: Mapped[bool | None] = mapped_column(Boolean)
 
     __table_args__ = (
         ForeignKeyConstraint(
@@ -208,9 +208,9 @@ class RoundState(Base):
     round_index: Mapped[int] = mapped_column(Integer, primary_key=True)
     status: Mapped[str] = mapped_column(String(16))
     attempts: Mapped[int] = mapped_column(Integer)
-    opened_at: Mapped[Optional[dt.datetime]] = mapped_column(DateTime(timezone=True))
-    closed_at: Mapped[Optional[dt.datetime]] = mapped_column(DateTime(timezone=True))
-    abort_reason: Mapped[Optional[str]] = mapped_column(String(200))
+    opened_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    closed_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    abort_reason: Mapped[str | None] = mapped_column(String(200))
 
     __table_args__ = (
         CheckConstraint("status IN ('open', 'committed', 'aborted')", name="ck_round_state_status"),
@@ -243,7 +243,7 @@ class BudgetSettings(Base):
     __tablename__ = "budget_settings"
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    default_epsilon: Mapped[Optional[float]] = mapped_column(Float)
+    default_epsilon: Mapped[float | None] = mapped_column(Float)
     delta: Mapped[float] = mapped_column(Float)
     key_check: Mapped[str] = mapped_column(String(64), comment="HMAC of a fixed label under the budget secret")
 

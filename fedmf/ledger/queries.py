@@ -10,8 +10,9 @@ indexed scan (the observed pattern for post-hoc accounting, and the audit's); ``
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 from sqlalchemy import Text, cast, func, select
@@ -62,7 +63,7 @@ class RunInfo:
         return self.schema.participations(self.rounds)
 
     @classmethod
-    def from_row(cls, row: Run) -> "RunInfo":
+    def from_row(cls, row: Run) -> RunInfo:
         return cls(
             id=row.id, uid=row.uid, name=row.name, created_at=row.created_at, code_version=row.code_version,
             rounds=row.rounds, noise_multiplier=row.noise_multiplier, clip_norm=row.clip_norm, delta=row.delta,
@@ -75,7 +76,7 @@ class RunInfo:
     def to_dict(self) -> dict[str, Any]:
         created = self.created_at
         if created.tzinfo is None:  # SQLite keeps no time zone; the ledger writes UTC
-            created = created.replace(tzinfo=dt.timezone.utc)
+            created = created.replace(tzinfo=dt.UTC)
         return {
             "id": self.id, "name": self.name, "created_at": created.isoformat(),
             "code_version": self.code_version, "rounds": self.rounds,
@@ -115,7 +116,7 @@ class RoundSummary:
     noisy_unclipped: float | None = None  # adaptive clipping: the released noisy count of norms ≤ ζₜ
 
     @classmethod
-    def committed(cls, row: Any, norms: Sequence[tuple[float | None, bool | None]] | None) -> "RoundSummary":
+    def committed(cls, row: Any, norms: Sequence[tuple[float | None, bool | None]] | None) -> RoundSummary:
         """From a ``rounds`` record and, with diagnostics, its (update_norm, clipped) pairs."""
         fields = {f: getattr(row, f) for f in ("round_index", "status", "attempts", "selected", "contributed",
                                                "dropped", "rejected", "noise_std", "checkpoint_sha256",
@@ -124,7 +125,7 @@ class RoundSummary:
         return cls(**fields, **norm_summary(norms))
 
     @classmethod
-    def uncommitted(cls, t: int, status: str = "planned", attempts: int = 0) -> "RoundSummary":
+    def uncommitted(cls, t: int, status: str = "planned", attempts: int = 0) -> RoundSummary:
         return cls(t, status, attempts, 0, 0, 0, 0, None, None)
 
 

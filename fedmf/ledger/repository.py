@@ -40,7 +40,8 @@ import json
 import os
 import re
 import secrets
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 from sqlalchemy import func, insert, select, update
@@ -114,7 +115,7 @@ def migrate(url: str | os.PathLike | URL) -> tuple[str | None, str]:
 
 
 def _now() -> dt.datetime:
-    return dt.datetime.now(dt.timezone.utc)
+    return dt.datetime.now(dt.UTC)
 
 
 def _key_label(key: bytes) -> str:
@@ -185,7 +186,7 @@ class Ledger:
         return f"Ledger({display_url(self.url)!r})"
 
     @classmethod
-    def open(cls, url: str | os.PathLike, secret: bytes | str | ServerSecret | None = None) -> "Ledger":
+    def open(cls, url: str | os.PathLike, secret: bytes | str | ServerSecret | None = None) -> Ledger:
         """Open (creating or migrating) the ledger at ``url``; refuses one from a newer fedmf."""
         resolved = resolve_url(url)
         if secret is not None and not isinstance(secret, ServerSecret):
@@ -203,7 +204,7 @@ class Ledger:
     def close(self) -> None:
         self.engine.dispose()
 
-    def __enter__(self) -> "Ledger":
+    def __enter__(self) -> Ledger:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -228,7 +229,7 @@ class Ledger:
         plan: dict[str, Any] | None = None,
         plan_fingerprint: str | None = None,
         diagnostics: bool = False,
-    ) -> "RunLedger":
+    ) -> RunLedger:
         """Record a new run and its plan; returns it ready for round 0.
 
         ``mechanism`` is a mechanism file (its text and checksum are stored, so the ledger
@@ -287,7 +288,7 @@ class Ledger:
             rows = session.scalars(select(Run).where(Run.plan_fingerprint == fingerprint).order_by(Run.id))
             return [RunInfo.from_row(r) for r in rows]
 
-    def run(self, run_id: int) -> "RunLedger":
+    def run(self, run_id: int) -> RunLedger:
         """Resume a run (needs the secret it was created with). A round that a stopped server
         left open stays open until ``open_round`` takes it over (as a new attempt)."""
         secret = self._need_secret()

@@ -8,8 +8,9 @@ of its own, that module); ``plan`` and ``fedmf mechanism`` read the facts, never
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Union
+from typing import Any
 
 from .. import checks
 from ..errors import ConfigError
@@ -50,7 +51,7 @@ class _Solved:
             object.__setattr__(self, "kind", self.cls.kind)
 
 
-_Entry = Union[type[Mechanism], _Solved]
+_Entry = type[Mechanism] | _Solved
 
 #: every kind a mechanism file may hold, in the order ``fedmf mechanism`` lists them
 _REGISTRY: tuple[_Entry, ...] = (

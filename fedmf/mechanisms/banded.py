@@ -21,9 +21,9 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import ConfigError
 from ..participation import MinSep, Schema
 from ..workloads import Workload
-from ..errors import ConfigError
 from .base import OPTIMIZED, Mechanism, default_bands
 from .optimize import OptimizationResult, ProgressCallback, lbfgs
 from .streaming import Iir
@@ -171,7 +171,7 @@ class ColumnNormalizedBanded(Mechanism):
 
     @classmethod
     def make(cls, rounds: int, schema: Schema, workload: Workload, num_bands: int | None,
-             **options: Any) -> tuple["ColumnNormalizedBanded", OptimizationResult]:
+             **options: Any) -> tuple[ColumnNormalizedBanded, OptimizationResult]:
         p = default_bands(rounds, schema) if num_bands is None else num_bands
         return optimize_banded(rounds, p, schema, workload, **options)
 
@@ -194,7 +194,7 @@ class ColumnNormalizedBanded(Mechanism):
         return {"bands": self.bands.tolist()}
 
     @classmethod
-    def from_params(cls, rounds: int, workload: Workload, params: dict[str, Any]) -> "ColumnNormalizedBanded":
+    def from_params(cls, rounds: int, workload: Workload, params: dict[str, Any]) -> ColumnNormalizedBanded:
         return cls(rounds, np.asarray(params["bands"], dtype=np.float64), workload)
 
     @property

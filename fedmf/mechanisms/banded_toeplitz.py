@@ -18,12 +18,12 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import ConfigError
 from ..filters import series_inverse, toeplitz_solve
 from ..participation import MinSep, Schema
 from ..workloads import Workload
-from ..errors import ConfigError
-from .optimize import OptimizationResult, ProgressCallback, Step, grid_then_golden, lbfgs
 from .base import default_bands
+from .optimize import OptimizationResult, ProgressCallback, Step, grid_then_golden, lbfgs
 from .toeplitz import BandedToeplitz, fractional_power_coefficients
 
 __all__ = ["ToeplitzObjective", "make", "optimize_banded_toeplitz", "reciprocal_plus_constant"]

@@ -13,8 +13,9 @@ from __future__ import annotations
 import hashlib
 import json
 from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -77,7 +78,7 @@ class Mechanism(ABC):
 
     @classmethod
     def make(cls, rounds: int, schema: Schema, workload: Workload, num_bands: int | None,
-             **options: Any) -> tuple["Mechanism", "OptimizationResult | None"]:
+             **options: Any) -> tuple[Mechanism, OptimizationResult | None]:
         """Build or optimize one for ``schema`` (``plan`` has checked the facts above and passes
         only ``options`` that were given); the optimizer's report, or None for a closed form. A
         kind whose solver has a module of its own (it imports the class) is made by that module's
@@ -93,7 +94,7 @@ class Mechanism(ABC):
 
     @classmethod
     @abstractmethod
-    def from_params(cls, rounds: int, workload: Workload, params: dict[str, Any]) -> "Mechanism": ...
+    def from_params(cls, rounds: int, workload: Workload, params: dict[str, Any]) -> Mechanism: ...
 
     @property
     def fingerprint(self) -> str:
@@ -208,7 +209,7 @@ class Mechanism(ABC):
         stream = WorkloadStream(self.workload, self.noise_rows, n)
         return np.array([float(np.dot(row, row)) for row in map(stream.step, self.inverse_rows())])
 
-    def sensitivity(self, schema: Schema) -> "_sens.Sensitivity":
+    def sensitivity(self, schema: Schema) -> _sens.Sensitivity:
         return _sens.sensitivity(self, schema)
 
     def evaluate(self, schema: Schema) -> dict[str, Any]:

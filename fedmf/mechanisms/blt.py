@@ -32,9 +32,9 @@ import numpy as np
 import torch
 
 from .. import sensitivity as _sens
+from ..errors import ConfigError
 from ..participation import MinSep, Schema
 from ..workloads import Workload
-from ..errors import ConfigError
 from .base import OPTIMIZED, Mechanism, check_rounds
 from .streaming import Blt
 
@@ -301,13 +301,13 @@ class BufferedLinearToeplitz(Mechanism):
 
     # ---- construction ----------------------------------------------------------------
     @classmethod
-    def from_decays(cls, rounds: int, buf_decay: Any, inverse_buf_decay: Any, workload: Workload = Workload()) -> "BufferedLinearToeplitz":
+    def from_decays(cls, rounds: int, buf_decay: Any, inverse_buf_decay: Any, workload: Workload = Workload()) -> BufferedLinearToeplitz:
         """From the decay pair (theta, that). Near theta = 1 prefer the constructor with rates:
         a float theta holds 1 - theta only to ~1e-16 absolute."""
         return cls(rounds, -np.log(np.asarray(buf_decay, float)), -np.log(np.asarray(inverse_buf_decay, float)), workload)
 
     @classmethod
-    def from_output_scale(cls, rounds: int, output_scale: Any, buf_decay: Any, workload: Workload = Workload()) -> "BufferedLinearToeplitz":
+    def from_output_scale(cls, rounds: int, output_scale: Any, buf_decay: Any, workload: Workload = Workload()) -> BufferedLinearToeplitz:
         """From C's (w, theta) (the jax_privacy ``BufferedToeplitz`` parameters). The inverse
         decays are the eigenvalues of diag(theta) - w 1^T, the transition matrix of the recursion
         x_t = y_t - sum_i w_i buf_i, buf_i <- theta_i buf_i + x_t ([MXZ24] Alg. 3; [DMPST24] Lemma 5.2)."""
@@ -323,7 +323,7 @@ class BufferedLinearToeplitz(Mechanism):
         return {"decay_rates": self.decay_rates.tolist(), "inverse_decay_rates": self.inverse_decay_rates.tolist()}
 
     @classmethod
-    def from_params(cls, rounds: int, workload: Workload, params: dict[str, Any]) -> "BufferedLinearToeplitz":
+    def from_params(cls, rounds: int, workload: Workload, params: dict[str, Any]) -> BufferedLinearToeplitz:
         """Accepts our ``params()`` or jax_privacy's {"output_scale", "buf_decay"}."""
         if "decay_rates" in params:
             return cls(rounds, params["decay_rates"], params["inverse_decay_rates"], workload)

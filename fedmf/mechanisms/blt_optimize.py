@@ -19,9 +19,9 @@ import numpy as np
 import torch
 
 from .. import checks
+from ..errors import ConfigError
 from ..participation import MinSep, Schema
 from ..workloads import Workload
-from ..errors import ConfigError
 from .base import check_rounds
 from .blt import (
     _F64,

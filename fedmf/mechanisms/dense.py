@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -397,7 +398,7 @@ class DenseMechanism(Mechanism):
         return {"max_participations": self.max_participations, "min_sep": self.min_sep, "duals": self.duals.tolist()}
 
     @classmethod
-    def from_params(cls, rounds: int, workload: Workload, params: dict[str, Any]) -> "DenseMechanism":
+    def from_params(cls, rounds: int, workload: Workload, params: dict[str, Any]) -> DenseMechanism:
         return cls(
             rounds,
             int(params["max_participations"]),

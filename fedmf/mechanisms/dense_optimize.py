@@ -287,7 +287,7 @@ _MU_START, _MU_DECAY, _MU_FLOOR = 0.1, 0.35, 1e-12
 _SLACK = 1e-12
 
 
-def _start_blocks(problem: "_BlockDual") -> torch.Tensor:
+def _start_blocks(problem: _BlockDual) -> torch.Tensor:
     """First U: the multipliers of the KKT condition X U X = T at the structured X = I (jax's
     start X = I/k up to scale) are the blocks T_jj; projected onto the constant-diagonal blocks
     and shifted by a multiple of I (a direction of that set) until lambda_min >= the diagonal."""
@@ -353,8 +353,8 @@ def _optimize_blocks(
             root = (point.basis * point.sigma.sqrt()) @ point.basis.transpose(1, 2) + math.sqrt(mu) * u_inv
             root_inv = torch.linalg.inv(root)
             step_dir, used = _pcg(
-                lambda z: -problem.hessian_vector(point, kernel, z) + mu * problem.project(u_inv @ z @ u_inv),
-                grad, lambda r: problem.project(root_inv @ r @ root_inv),
+                lambda z: -problem.hessian_vector(point, kernel, z) + mu * problem.project(u_inv @ z @ u_inv),  # noqa: B023 (_pcg calls it within this iteration)
+                grad, lambda r: problem.project(root_inv @ r @ root_inv),  # noqa: B023 (_pcg calls it within this iteration)
                 min(0.5, math.sqrt(norm / first_norm)) * norm, 500)
             hvps += used
             slope = float((grad * step_dir).sum())

@@ -7,8 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from ..workloads import Workload
 from ..participation import Schema
+from ..workloads import Workload
 from .base import CLOSED_FORM, Mechanism, check_rounds
 from .streaming import Fir
 
@@ -26,7 +26,7 @@ class DpSgd(Mechanism):
 
     @classmethod
     def make(cls, rounds: int, schema: Schema, workload: Workload, num_bands: int | None,
-             **options: Any) -> tuple["DpSgd", None]:
+             **options: Any) -> tuple[DpSgd, None]:
         return cls(rounds, workload), None
 
     def __post_init__(self) -> None:
@@ -36,7 +36,7 @@ class DpSgd(Mechanism):
         return {}
 
     @classmethod
-    def from_params(cls, rounds: int, workload: Workload, params: dict[str, Any]) -> "DpSgd":
+    def from_params(cls, rounds: int, workload: Workload, params: dict[str, Any]) -> DpSgd:
         return cls(rounds, workload)
 
     @property

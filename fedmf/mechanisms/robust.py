@@ -20,10 +20,10 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import ConfigError
 from ..participation import MinSep, Schema
 from ..sensitivity import is_nonnegative_nonincreasing
 from ..workloads import Workload
-from ..errors import ConfigError
 from .banded_toeplitz import ToeplitzObjective, optimize_banded_toeplitz
 from .optimize import OptimizationResult, ProgressCallback, lbfgs
 from .toeplitz import BandedToeplitz
@@ -81,7 +81,7 @@ def optimize_robust(
     grid_points: int = 9,
     starts: list[np.ndarray] | None = None,
     progress: ProgressCallback | None = None,
-) -> tuple["RobustToeplitz", OptimizationResult]:
+) -> tuple[RobustToeplitz, OptimizationResult]:
     """Banded Toeplitz C (p bands, default b1) minimizing the worst-case (``weighting=
     "worst"``) or mean (``"mean"``) loss over separations in [b0, b1], k = ``participations``
     (default ceil(n/b1), the cap the server enforces). Starts from banded-Toeplitz optima for
@@ -158,7 +158,7 @@ class RobustToeplitz(BandedToeplitz):
 
     @classmethod
     def make(cls, rounds: int, schema: Schema, workload: Workload, num_bands: int | None,
-             **options: Any) -> tuple["RobustToeplitz", OptimizationResult]:
+             **options: Any) -> tuple[RobustToeplitz, OptimizationResult]:
         """Optimized over the separations ``min_sep_range`` (B0, B1) for ``schema``'s k, or (``taper``)
         the App. H taper of the banded-Toeplitz optimum for B1."""
         min_sep_range = options.pop("min_sep_range", None)
@@ -183,6 +183,6 @@ class RobustToeplitz(BandedToeplitz):
         return {**super().params(), "min_sep_range": list(self.min_sep_range)}
 
     @classmethod
-    def from_params(cls, rounds: int, workload: Workload, params: dict) -> "RobustToeplitz":
+    def from_params(cls, rounds: int, workload: Workload, params: dict) -> RobustToeplitz:
         b0, b1 = params["min_sep_range"]
         return cls(rounds, np.asarray(params["coefficients"], dtype=np.float64), int(b0), int(b1), workload)

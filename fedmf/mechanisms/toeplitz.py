@@ -13,10 +13,10 @@ from typing import Any
 import numpy as np
 
 from .. import checks
+from ..errors import ConfigError
 from ..filters import series_inverse
 from ..participation import Schema
 from ..workloads import Workload
-from ..errors import ConfigError
 from .base import CLOSED_FORM, OPTIMIZED, Mechanism, check_rounds, default_bands
 from .optimize import grid_then_golden
 from .streaming import Fir, Iir
@@ -78,7 +78,7 @@ class BandedToeplitz(Mechanism):
         return {"coefficients": self.coefficients.tolist()}
 
     @classmethod
-    def from_params(cls, rounds: int, workload: Workload, params: dict[str, Any]) -> "BandedToeplitz":
+    def from_params(cls, rounds: int, workload: Workload, params: dict[str, Any]) -> BandedToeplitz:
         return cls(rounds, np.asarray(params["coefficients"], dtype=np.float64), workload)
 
     @property
@@ -115,7 +115,7 @@ class BandedSquareRoot(BandedToeplitz):
 
     @classmethod
     def make(cls, rounds: int, schema: Schema, workload: Workload, num_bands: int | None,
-             **options: Any) -> tuple["BandedSquareRoot", None]:
+             **options: Any) -> tuple[BandedSquareRoot, None]:
         return cls(rounds, default_bands(rounds, schema) if num_bands is None else num_bands, workload), None
 
     def __init__(self, rounds: int, num_bands: int, workload: Workload = Workload()) -> None:
@@ -129,7 +129,7 @@ class BandedSquareRoot(BandedToeplitz):
         return {"num_bands": self.num_bands}
 
     @classmethod
-    def from_params(cls, rounds: int, workload: Workload, params: dict[str, Any]) -> "BandedSquareRoot":
+    def from_params(cls, rounds: int, workload: Workload, params: dict[str, Any]) -> BandedSquareRoot:
         return cls(rounds, params["num_bands"], workload)
 
 
@@ -153,7 +153,7 @@ class BandedInverseToeplitz(Mechanism):
         return {"inverse_coefficients": self.inverse_coefficients.tolist()}
 
     @classmethod
-    def from_params(cls, rounds: int, workload: Workload, params: dict[str, Any]) -> "BandedInverseToeplitz":
+    def from_params(cls, rounds: int, workload: Workload, params: dict[str, Any]) -> BandedInverseToeplitz:
         return cls(rounds, np.asarray(params["inverse_coefficients"], dtype=np.float64), workload)
 
     @property
@@ -190,7 +190,7 @@ class BandedInverseFractionalRoot(BandedInverseToeplitz):
 
     @classmethod
     def make(cls, rounds: int, schema: Schema, workload: Workload, num_bands: int | None,
-             **options: Any) -> tuple["BandedInverseFractionalRoot", None]:
+             **options: Any) -> tuple[BandedInverseFractionalRoot, None]:
         """With ``gamma``, that BIFR; without, the gamma best for ``schema`` (``optimal_gamma``)."""
         p = default_bands(rounds, schema) if num_bands is None else num_bands
         if options.get("gamma") is not None:
@@ -211,7 +211,7 @@ class BandedInverseFractionalRoot(BandedInverseToeplitz):
         return {"num_bands": self.num_bands, "gamma": self.gamma}
 
     @classmethod
-    def from_params(cls, rounds: int, workload: Workload, params: dict[str, Any]) -> "BandedInverseFractionalRoot":
+    def from_params(cls, rounds: int, workload: Workload, params: dict[str, Any]) -> BandedInverseFractionalRoot:
         return cls(rounds, params["num_bands"], checks.number("gamma", params["gamma"]), workload)
 
 
@@ -224,7 +224,7 @@ class BandedInverseSquareRoot(BandedInverseFractionalRoot):
 
     @classmethod
     def make(cls, rounds: int, schema: Schema, workload: Workload, num_bands: int | None,
-             **options: Any) -> tuple["BandedInverseSquareRoot", None]:
+             **options: Any) -> tuple[BandedInverseSquareRoot, None]:
         return cls(rounds, default_bands(rounds, schema) if num_bands is None else num_bands, workload), None
 
     def __init__(self, rounds: int, num_bands: int, workload: Workload = Workload()) -> None:
@@ -234,7 +234,7 @@ class BandedInverseSquareRoot(BandedInverseFractionalRoot):
         return {"num_bands": self.num_bands}
 
     @classmethod
-    def from_params(cls, rounds: int, workload: Workload, params: dict[str, Any]) -> "BandedInverseSquareRoot":
+    def from_params(cls, rounds: int, workload: Workload, params: dict[str, Any]) -> BandedInverseSquareRoot:
         return cls(rounds, params["num_bands"], workload)
 
 

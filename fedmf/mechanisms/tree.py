@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from ..workloads import Workload
 from ..participation import Schema
+from ..workloads import Workload
 from .base import CLOSED_FORM, Mechanism, check_rounds
 from .streaming import Tree
 
@@ -55,7 +55,7 @@ class TreeAggregation(Mechanism):
 
     @classmethod
     def make(cls, rounds: int, schema: Schema, workload: Workload, num_bands: int | None,
-             **options: Any) -> tuple["TreeAggregation", None]:
+             **options: Any) -> tuple[TreeAggregation, None]:
         return cls(rounds, workload), None
 
     def __post_init__(self) -> None:
@@ -65,7 +65,7 @@ class TreeAggregation(Mechanism):
         return {}
 
     @classmethod
-    def from_params(cls, rounds: int, workload: Workload, params: dict[str, Any]) -> "TreeAggregation":
+    def from_params(cls, rounds: int, workload: Workload, params: dict[str, Any]) -> TreeAggregation:
         return cls(rounds, workload)
 
     @property

@@ -21,8 +21,9 @@ clipping policy of the same name (``fedmf.round.clipping.AdaptiveClipping``) app
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from .. import checks
 from ..errors import ConfigError
@@ -69,7 +70,7 @@ class AdaptiveClipping:
     @classmethod
     def create(cls, target_quantile: float, *, expected_users: float, learning_rate: float = DEFAULT_LEARNING_RATE,
                count_noise_std: float | None = None,
-               clip_norm_range: float = DEFAULT_CLIP_NORM_RANGE) -> "AdaptiveClipping":
+               clip_norm_range: float = DEFAULT_CLIP_NORM_RANGE) -> AdaptiveClipping:
         """Validated; ``count_noise_std`` defaults to m/20 (Andrew et al.)."""
         gamma = checks.interval("target_quantile", target_quantile, 0.0, 1.0, low_open=True, high_open=True)
         eta = checks.positive("learning_rate", learning_rate)
@@ -104,7 +105,7 @@ class AdaptiveClipping:
         return out
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "AdaptiveClipping":
+    def from_dict(cls, data: Mapping[str, Any]) -> AdaptiveClipping:
         if not isinstance(data, Mapping):
             raise ConfigError(f"adaptive_clipping must be a mapping, got {type(data).__name__}")
         try:

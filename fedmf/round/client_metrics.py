@@ -27,8 +27,9 @@ applies it.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from .. import checks
 from ..errors import ConfigError
@@ -58,7 +59,7 @@ class ClientMetricRelease:
 
     @classmethod
     def create(cls, clip: float = DEFAULT_CLIP, noise_std: float | None = None, *,
-               expected_users: float) -> "ClientMetricRelease":
+               expected_users: float) -> ClientMetricRelease:
         """Validated; ``noise_std`` defaults to L·m/20."""
         L = checks.positive("client-metrics-clip", clip)
         m = checks.positive("expected_users", expected_users)
@@ -93,7 +94,7 @@ class ClientMetricRelease:
         return {"metric": METRIC, "clip": self.clip, "noise_std": self.noise_std}
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "ClientMetricRelease":
+    def from_dict(cls, data: Mapping[str, Any]) -> ClientMetricRelease:
         if not isinstance(data, Mapping) or data.get("metric") != METRIC:
             raise ConfigError(f"client_metrics must be a mapping for the metric {METRIC!r}, got {data!r}")
         try:

@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .count_noise import count_noise
 from ..errors import CheckpointError
+from .count_noise import count_noise
 
 if TYPE_CHECKING:
     from ..plan import RunPlan

@@ -23,8 +23,9 @@ import hashlib
 import os
 import secrets
 import struct
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch

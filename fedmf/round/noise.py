@@ -25,7 +25,8 @@ from __future__ import annotations
 import hmac
 import math
 import secrets
-from typing import Any, Mapping, Sequence, Union
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -37,7 +38,7 @@ from .structures import structure
 
 __all__ = ["NoiseGenerator", "Layout"]
 
-Layout = Union[int, Mapping[str, Sequence[int]]]
+Layout = int | Mapping[str, Sequence[int]]
 #: 4: salts of the rounds done; 3: bound to the mechanism's fingerprint, seed or seed_check,
 #: structure_rounds (read as 4 with every round unsalted); 2: std folded into the draws by
 #: fedmf.round.normal; 1: another sampler, unscaled state
@@ -321,7 +322,7 @@ class NoiseGenerator:
             if not all(isinstance(x, torch.Tensor) and x.shape == (size,) for x in tensors):
                 raise CheckpointError(f"noise state structure {name!r} must hold flat tensors of {size} elements")
 
-    def shard(self, index: int, count: int) -> "NoiseGenerator":
+    def shard(self, index: int, count: int) -> NoiseGenerator:
         """A generator for the i-th of ``count`` slices, at this generator's current round."""
         if self.shard_count != 1:
             raise ConfigError("shard() splits an unsharded generator")

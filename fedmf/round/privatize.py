@@ -29,19 +29,20 @@ from __future__ import annotations
 
 import math
 import secrets
+from collections.abc import Collection, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Collection, Hashable, Iterable, Mapping
+from typing import Any
 
 import torch
 
 from .. import checks
-from .count_noise import metric_noise
 from ..errors import ConfigError, PlanMismatch, RoundOrderError
+from ..plan import RunPlan
+from ..threads import one_thread
+from .clipping import ClippingPolicy, clipping_policy
+from .count_noise import metric_noise
 from .draws import SALT_BYTES, key_of
 from .noise import NoiseGenerator
-from ..plan import RunPlan
-from .clipping import ClippingPolicy, clipping_policy
-from ..threads import one_thread
 
 __all__ = ["check_update", "RoundPrivatizer", "RoundReport", "UserReport", "flat_size", "layout_of"]
 

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import copy
 import warnings
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 

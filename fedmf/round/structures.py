@@ -14,7 +14,8 @@ Each keeps the state its description bounds ("Scaling up BandMF" Alg. 1 for band
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch

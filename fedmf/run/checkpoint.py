@@ -41,8 +41,9 @@ import os
 import re
 import secrets as _secrets
 import stat
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from .. import checks
 from ..errors import CheckpointError
@@ -114,7 +115,7 @@ def load_or_create_secret(path: str | os.PathLike, nbytes: int = 32, *, bindable
         check_private(path, "secret file", CheckpointError)
         data = path.read_bytes()
         if len(data) != nbytes and not (bindable and len(data) == nbytes + BINDING_BYTES):
-            raise CheckpointError(f"secret file {str(path)!r} is damaged (expected {nbytes} bytes)")
+            raise CheckpointError(f"secret file {str(path)!r} is damaged (expected {nbytes} bytes)") from None
         return data
     except OSError as e:
         raise CheckpointError(f"cannot create secret file {str(path)!r}: {e.strerror or e}") from None

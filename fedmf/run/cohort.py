@@ -35,7 +35,8 @@ Which samplers it applies to, and why that keeps the guarantee (ARCHITECTURE.md 
 
 from __future__ import annotations
 
-from typing import Any, Hashable, Sequence
+from collections.abc import Hashable, Sequence
+from typing import Any
 
 from ..errors import CohortTooSmall, ConfigError
 

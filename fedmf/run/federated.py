@@ -21,23 +21,24 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 
 from ..audit.auditor import audit_command
-from ..errors import ConfigError, NotLearning
-from .learning_check import LearningCheck
 from ..budgets import ConcurrentChargeError
+from ..errors import ConfigError, NotLearning
 from ..ledger.db import public_url
-from .ledger_retry import ledger_retry
 from ..plan import RunPlan
-from .progress import ProgressBar, ProgressCallback, Step
-from .loop import CohortStep, Contributions, LoopEnd, run_rounds
-from .private_run import EVENTS, PrivateRun, RoundRecord
 from ..round.client_metrics import METRIC as CLIENT_METRIC
 from ..schedule import Selection
+from .learning_check import LearningCheck
+from .ledger_retry import ledger_retry
+from .loop import CohortStep, Contributions, LoopEnd, run_rounds
+from .private_run import EVENTS, PrivateRun, RoundRecord
+from .progress import ProgressBar, ProgressCallback, Step
 
 __all__ = ["train", "TrainResult", "RoundRecord", "LocalUpdate", "LocalUpdates", "EVENTS"]
 

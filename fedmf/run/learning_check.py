@@ -35,8 +35,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 
@@ -153,7 +154,7 @@ class LearningCheck:
                 self.announce(line)
         return self.line
 
-    def replay(self, history: Iterable[Mapping[str, Any]]) -> "LearningCheck":
+    def replay(self, history: Iterable[Mapping[str, Any]]) -> LearningCheck:
         """A check over a whole run's ``history`` (``fedmf.run.simulate.run_history``: rounds with their
         released metrics, across resumes), with this one's rule, advice and initial loss; a model this
         one found not finite stays so. Nothing is announced."""

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 from ..ledger.db import LedgerError
 from .loop import GUARD, ROUND, Retry

@@ -21,14 +21,15 @@ steps, which carries ARCHITECTURE.md's rules, is here once:
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Iterable, Mapping, TypeVar
+from typing import Any, TypeVar
 
 from ..errors import CohortTooSmall, FedmfError, HorizonReached, NotLearning, PrivacyBudgetExceeded
 from ..plan import RunPlan
 from ..round.privatize import RoundReport
-from .private_run import RECOVERED_EVALUATED, RECOVERED_UNEVALUATED, PrivateRun, RoundRecord
 from ..schedule import Selection
+from .private_run import RECOVERED_EVALUATED, RECOVERED_UNEVALUATED, PrivateRun, RoundRecord
 
 __all__ = ["run_rounds", "play_round", "settle", "recover_records", "LoopEnd", "Contributions", "CohortStep", "Retry", "no_retry",
            "observed_accounting", "observed_guard", "GUARD", "ROUND"]
@@ -147,7 +148,7 @@ def run_rounds(run: PrivateRun, end: int, available: Callable[[int], Iterable[Ha
         except (PrivacyBudgetExceeded, HorizonReached) as e:
             return LoopEnd("guard", e)
         try:
-            record, report = retry(t, lambda: play_round(run, available(t), cohort), ROUND)
+            record, report = retry(t, lambda: play_round(run, available(t), cohort), ROUND)  # noqa: B023 (retry calls it at once)
         except CohortTooSmall as e:  # raised by select before the round was decided or recorded
             return LoopEnd("cohort", e)
         history.append(record)

@@ -33,20 +33,21 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Hashable, Iterable, Mapping
+from typing import Any
 
 import torch
 
-from .checkpoint import CheckpointStore, RunSecrets
-from ..round.client_metrics import RELEASED as CLIENT_METRIC_RELEASED
-from .cohort import check as check_cohort
 from ..errors import CheckpointError, ConfigError, FedmfError, RoundOrderError
 from ..files import atomic_write, lock_directory
 from ..participation import MinSep
 from ..plan import RunPlan
+from ..round.client_metrics import RELEASED as CLIENT_METRIC_RELEASED
 from ..round.privatize import RoundPrivatizer, RoundReport, layout_of
+from .checkpoint import CheckpointStore, RunSecrets
+from .cohort import check as check_cohort
 from .round_log import append_round, logged_rounds
 from .witness import WITNESS_OFF, Witness
 
@@ -196,7 +197,7 @@ class PrivateRun:
              name: str | None = None, repeatable_noise: bool = False,
              ledger_diagnostics: bool = False, budget_key: str | os.PathLike | None = None,
              witness: str | os.PathLike | None = None,
-             min_clients_per_round: int | None = None) -> "PrivateRun":
+             min_clients_per_round: int | None = None) -> PrivateRun:
         """Resume the run recorded in ``directory`` (restoring the last committed round's
         checkpoint; the plan must be the same) or start a new one. ``ledger``: a ledger URL
         (default: ``<directory>/ledger.db``). ``population``: the users, for schedulers that
@@ -215,11 +216,11 @@ class PrivateRun:
         disagree on the rounds committed — either one is older than the other (restored from a
         backup) — or when both are behind the release witness: resuming would release rounds again."""
         from ..budgets import RunBudget
-        from .cohort import resolve_min_cohort
         from ..ledger import Ledger
         from ..ledger.budgets import load_budget_secret
-        from ..schedule import make_scheduler
         from ..round.server_optimizer import server_optimizer
+        from ..schedule import make_scheduler
+        from .cohort import resolve_min_cohort
 
         if not isinstance(plan, RunPlan):
             raise ConfigError(f"plan must be a RunPlan, got {type(plan).__name__}")
@@ -367,7 +368,7 @@ class PrivateRun:
                 os.close(self._lock)
                 self._lock = None
 
-    def __enter__(self) -> "PrivateRun":
+    def __enter__(self) -> PrivateRun:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -19,8 +19,9 @@ import math
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, TextIO
+from typing import TextIO
 
 __all__ = ["Step", "ProgressCallback", "ProgressBar", "format_seconds", "eta_seconds"]
 

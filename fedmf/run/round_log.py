@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError
 
@@ -67,7 +68,7 @@ def cut_torn_tail(fd: int) -> None:
     os.ftruncate(fd, keep)
 
 
-def append_round(directory: str | os.PathLike, run_id: int, checkpoint_sha256: str, record: "RoundRecord", *,
+def append_round(directory: str | os.PathLike, run_id: int, checkpoint_sha256: str, record: RoundRecord, *,
                  recovered: str | None = None) -> None:
     """Append committed round ``record`` of run ``run_id``, whose ledger commit names
     ``checkpoint_sha256``, to ``directory``'s round log (created 0600). ``recovered``: the record

@@ -21,14 +21,15 @@ import math
 import os
 import secrets
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
-from .cohort import counts as cohort_counts
 from ..config import DEFAULTS, RunConfig
 from ..errors import ConfigError
 from ..files import atomic_write
+from .cohort import counts as cohort_counts
 from .progress import ProgressCallback
 
 __all__ = ["PRESETS", "PRESET_COST", "PRESET_EVAL_EVERY", "preset_values", "simulate", "SimulationResult", "run_history", "write_outputs",
@@ -277,8 +278,8 @@ def run_history(config: RunConfig, plan, run_id: int) -> list[dict[str, Any]]:
     log line holds (``fedmf.run.round_log``: ``RoundRecord`` fields with the released metrics). A committed
     round without a log line (the process died between the commit and the release) keeps the ledger's
     counts, no metrics, and ``None`` for what only the log knew."""
-    from .round_log import read_rounds
     from .private_run import adaptive_metrics
+    from .round_log import read_rounds
 
     directory = Path(config.run_dir)
     with _open_ledger(config) as book:

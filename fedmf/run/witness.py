@@ -98,7 +98,7 @@ class Witness:
         return where
 
     @classmethod
-    def open(cls, directory: str | os.PathLike | None, *, run_id: int, genesis_sha256: str) -> "Witness":
+    def open(cls, directory: str | os.PathLike | None, *, run_id: int, genesis_sha256: str) -> Witness:
         """The witness of run ``run_id`` (its ledger genesis ``genesis_sha256``) in ``directory``
         (``Witness.directory``); its file is read (absent: no entry). A directory or file another
         user owns or may write, a symbolic link, or a file holding another run's entries:

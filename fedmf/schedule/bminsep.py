@@ -3,7 +3,7 @@ BandMF via b-Min-Sep Subsampling", Alg. 1 cold / Alg. 2 warm start)."""
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 

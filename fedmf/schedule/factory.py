@@ -6,12 +6,17 @@ per scheme (``BUILDERS``); the accountants read the same description (``fedmf.ac
 
 from __future__ import annotations
 
-from typing import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 
 from ..errors import ConfigError
 from ..participation import FixedEpoch, MinSep
 from ..sampling import (
-    BMinSepSampling, CyclicPoissonSampling, NoSampling, PlainPoissonSampling, Sampling, parse_sampling,
+    BMinSepSampling,
+    CyclicPoissonSampling,
+    NoSampling,
+    PlainPoissonSampling,
+    Sampling,
+    parse_sampling,
 )
 from .base import Scheduler
 from .bminsep import BMinSepPoisson

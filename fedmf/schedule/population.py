@@ -4,7 +4,7 @@ seen available) flips its own coin, whether or not it is reachable."""
 from __future__ import annotations
 
 import abc
-from typing import Hashable, Iterable, Mapping
+from collections.abc import Hashable, Iterable, Mapping
 
 import numpy as np
 

@@ -6,7 +6,8 @@ these raises ``CheckpointError``, one of another scheduler ``PlanMismatch``."""
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import numpy as np
 

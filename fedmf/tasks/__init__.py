@@ -10,7 +10,6 @@ import importlib
 from typing import Any
 
 from ..errors import ConfigError
-
 from .base import ClientHyper, LocalResult, Task, stable_seed
 from .supervised import SupervisedTask
 

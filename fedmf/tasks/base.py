@@ -14,9 +14,10 @@ import hashlib
 import json
 import os
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Hashable, Mapping, Sequence
+from typing import Any, ClassVar
 
 import torch
 

@@ -35,7 +35,8 @@ trained ``chunk_users`` at a time (default: as many as :func:`default_budget_byt
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 

@@ -42,9 +42,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import ConfigError
-
 from .. import checks
+from ..errors import ConfigError
 from .base import check_options, stable_seed
 from .text import LRU, TextTask, Vocab, common_options, frame, read_word_counts, to_xy
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 from abc import abstractmethod
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 

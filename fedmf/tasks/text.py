@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import collections
 import threading
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 
+from .. import checks
 from ..errors import ConfigError
 from ..threads import one_thread
-
-from .. import checks
 from .base import ClientHyper, LocalResult, stable_seed
 from .batched_lstm import batched_local_updates, supports_batched
 from .losses import softmax_cross_entropy

@@ -14,9 +14,8 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError
-
 from .. import checks
+from ..errors import ConfigError
 from .base import check_options, stable_seed
 from .supervised import SupervisedTask
 

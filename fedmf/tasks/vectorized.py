@@ -32,7 +32,8 @@ pass: less memory per user and faster); this path stays for the other tasks and 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.func import functional_call, grad_and_value, vmap
@@ -40,7 +41,6 @@ from torch.func import functional_call, grad_and_value, vmap
 from .. import checks
 from ..errors import ConfigError
 from ..threads import one_thread
-
 from .base import ClientHyper, LocalResult, Task, stable_seed
 from .models import WordLSTM
 
@@ -160,7 +160,7 @@ def _compute_device(device: str | torch.device | None, params: Mapping[str, torc
     return out
 
 
-def users_data(task: "SupervisedTask", users: Sequence[str]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def users_data(task: SupervisedTask, users: Sequence[str]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(x, y) of each user, in order; a one-line ConfigError for a user without data."""
     data = []
     for user in users:

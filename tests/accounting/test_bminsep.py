@@ -76,7 +76,7 @@ def test_brute_force_three_and_four_bands(bands, warm):
     """The truncated column norms of the last L-1 columns must be in the right order
     (jax_privacy HEAD has them reversed): checked for L = 3, 4 and b = L … L+2."""
     rng = np.random.default_rng(10 * bands + warm)
-    for trial in range(6):
+    for _trial in range(6):
         n = int(rng.integers(bands, 9))
         b = int(bands + rng.integers(0, 3))
         p = float(rng.uniform(0.1, 0.9))

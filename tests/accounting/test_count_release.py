@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 
 from fedmf import MinSep
-from fedmf.accounting import calibrate, cyclic_poisson, epsilon, epsilon_by_round, gaussian
+from fedmf.accounting import calibrate, cyclic_poisson, epsilon, epsilon_by_round
 from fedmf.accounting.posthoc import account_observed
-from fedmf.round.adaptive_clipping import AdaptiveClipping
-from fedmf.errors import ConfigError
 from fedmf.accounting.run_privacy import run_privacy
+from fedmf.errors import ConfigError
 from fedmf.mechanisms import build
 from fedmf.plan import RunPlan
+from fedmf.round.adaptive_clipping import AdaptiveClipping
 
 SCHEMA = MinSep(8, 4)  # k = 4 participations in n = 64 rounds
 CYCLIC = MinSep(16, 4)

@@ -6,13 +6,12 @@ from __future__ import annotations
 import itertools
 import math
 
+import dp_accounting
 import numpy as np
 import pytest
-from scipy import stats
-
-import dp_accounting
 from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
+from scipy import stats
 
 from fedmf import mechanisms
 from fedmf.accounting import mmcc

@@ -13,11 +13,25 @@ from fedmf.accounting.schemes import ACCOUNTANTS, has_per_round_curve
 from fedmf.errors import ConfigError
 from fedmf.participation import FixedEpoch, MinSep
 from fedmf.sampling import (
-    GRAMMAR, NONE, SCHEMES as BY_KIND, BMinSepSampling, CyclicPoissonSampling, NoSampling, PlainPoissonSampling,
-    Sampling, parse_sampling,
+    GRAMMAR,
+    NONE,
+    BMinSepSampling,
+    CyclicPoissonSampling,
+    NoSampling,
+    PlainPoissonSampling,
+    Sampling,
+    parse_sampling,
+)
+from fedmf.sampling import (
+    SCHEMES as BY_KIND,
 )
 from fedmf.schedule import (
-    BMinSepPoisson, CyclicPoisson, FixedEpochOrder, MinSepSelection, PoissonSampling, make_scheduler,
+    BMinSepPoisson,
+    CyclicPoisson,
+    FixedEpochOrder,
+    MinSepSelection,
+    PoissonSampling,
+    make_scheduler,
 )
 from fedmf.schedule.factory import BUILDERS
 

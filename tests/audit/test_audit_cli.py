@@ -12,9 +12,8 @@ import pytest
 from sqlalchemy import text
 
 from fedmf import MinSep
-from fedmf.ledger import Ledger, head_revision
 from fedmf.cli import main as ledger_main
-
+from fedmf.ledger import Ledger, head_revision
 from tests.ledger_helpers import SECRET, TABLES, mechanism_file
 
 

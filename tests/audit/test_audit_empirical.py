@@ -23,7 +23,11 @@ from scipy.stats import binom
 import fedmf.round.draws
 from fedmf import MinSep, Workload
 from fedmf.audit.empirical import (
-    best_guess_bound, canary_scores, epsilon_lower_bound, p_value, run_canary_audit,
+    best_guess_bound,
+    canary_scores,
+    epsilon_lower_bound,
+    p_value,
+    run_canary_audit,
 )
 from fedmf.errors import ConfigError
 from fedmf.mechanisms import build
@@ -189,9 +193,9 @@ _AUDIT_TINY = {"server-lr": 1.0, "client-lr": 0.2, "clip-norm": 1.0}
 
 
 def _tiny_audit(tmp_path, eps: float, rounds: int = 12, **kw):
-    from fedmf.tasks import ClientHyper, get_task
     from fedmf.config import RunConfig
     from fedmf.run.simulate import preset_values
+    from fedmf.tasks import ClientHyper, get_task
 
     config = RunConfig.from_mapping(preset_values("tiny", {**_AUDIT_TINY, "target-epsilon": eps, "clients-per-round": 40,
                                                                        "rounds": rounds}))
@@ -327,9 +331,9 @@ def test_heavy_under_noised_by_20x_is_detected(tmp_path, monkeypatch):
 
 @pytest.mark.heavy
 def test_heavy_amplified_sampling_scores_every_round(tmp_path):
-    from fedmf.tasks import ClientHyper, get_task
     from fedmf.config import RunConfig
     from fedmf.run.simulate import preset_values
+    from fedmf.tasks import ClientHyper, get_task
 
     config = RunConfig.from_mapping(preset_values("tiny", {"target-epsilon": 2.0, "sampling": "bminsep:0.2",
                                                            "clients-per-round": 48}))

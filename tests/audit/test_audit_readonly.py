@@ -13,11 +13,10 @@ import pytest
 from sqlalchemy import text
 
 from fedmf import MinSep
+from fedmf.audit.replay import audit
 from fedmf.cli import main as fedmf_main
 from fedmf.ledger import Ledger, LedgerError
-from fedmf.audit.replay import audit
 from fedmf.ledger.models import VERSION_TABLE
-
 from tests.ledger_helpers import SECRET, mechanism_file
 
 

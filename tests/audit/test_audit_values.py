@@ -11,13 +11,12 @@ import pytest
 from sqlalchemy import text
 
 from fedmf import FixedEpoch, MinSep, Observed, Workload
-from fedmf.ledger import Ledger, LedgerError
-from fedmf.audit.replay import audit
-from fedmf.ledger.db import reader_engine, resolve_url
 from fedmf.accounting.run_privacy import release_rows, run_privacy
+from fedmf.audit.replay import audit
+from fedmf.ledger import Ledger, LedgerError
+from fedmf.ledger.db import reader_engine, resolve_url
 from fedmf.mechanisms import build
 from fedmf.sensitivity import exhaustive_minsep, pattern_sensitivity, sensitivity
-
 from tests.ledger_helpers import SECRET, mechanism_file
 
 

@@ -20,7 +20,8 @@ import pytest
 
 from fedmf import FixedEpoch, MinSep
 from fedmf.cli import main
-from fedmf.mechanisms import CLOSED_FORM_KINDS as KINDS, build
+from fedmf.mechanisms import CLOSED_FORM_KINDS as KINDS
+from fedmf.mechanisms import build
 from fedmf.mechanisms.io import _checksum, load_with_schema, save
 from fedmf.mechanisms.toeplitz import BandedInverseToeplitz, BandedToeplitz
 from fedmf.sensitivity import exhaustive_minsep

@@ -17,7 +17,6 @@ from fedmf.config import RunConfig
 from fedmf.errors import ConfigError
 from fedmf.run.federated import train
 from fedmf.run.simulate import preset_values
-
 from tests import _federated_task as task
 
 BASE = {"noise-multiplier": 1.0, "rounds": 12, "min-sep": 3, "clients-per-round": 4}

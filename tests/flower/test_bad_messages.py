@@ -20,8 +20,9 @@ import io
 import logging
 import math
 from collections import Counter, defaultdict
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import numpy as np
 import pytest
@@ -29,15 +30,14 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageType, MetricRecord, RecordDict
 from sqlalchemy import select
 
-from fedmf.round.client_metrics import ClientMetricRelease
-from server.config import ServerConfig
 from fedmf.ledger.models import Participation, UpdateNorm
+from fedmf.round.client_metrics import ClientMetricRelease
 from fedmf.run.private_run import PrivateRun
 from server import strategy as strategy_module
+from server.config import ServerConfig
 from server.local_grid import LocalGrid
 from server.replies import RoundReplies
 from server.strategy import DPMFStrategy
-
 from tests import _federated_task as task
 
 ROUNDS = 10

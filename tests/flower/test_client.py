@@ -18,8 +18,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, M
 
 import fedmf.tasks
 from client.app import ERROR_CODE, app, load_task, user_id
-from fedmf.tasks import TASKS, ClientHyper, get_task, stable_seed
 from fedmf.errors import ConfigError
+from fedmf.tasks import TASKS, ClientHyper, get_task, stable_seed
 
 HYPER = ClientHyper(client_lr=0.1, local_epochs=2, batch_size=8)
 ROOT = Path(__file__).resolve().parents[2]

@@ -17,26 +17,25 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from fedmf import enrollment as enrollment_module
-from fedmf.run import ledger_retry as retry_module
-from server.config import ServerConfig
-from fedmf.enrollment import EnrolledKey, Enrollment, EnrollmentFile, generate_key_pair, sign_proof, verify_proof
-from fedmf.run.federated import train
-from fedmf.ledger import Ledger, LedgerError
 from fedmf.budgets import ConcurrentChargeError, RunBudget
+from fedmf.enrollment import EnrolledKey, Enrollment, EnrollmentFile, generate_key_pair, sign_proof, verify_proof
+from fedmf.ledger import Ledger, LedgerError
 from fedmf.ledger.budgets import load_budget_secret
 from fedmf.ledger.models import BudgetCharge, Participation
+from fedmf.run import ledger_retry as retry_module
+from fedmf.run.federated import train
 from fedmf.run.ledger_retry import ledger_retry
 from fedmf.run.loop import ROUND
 from fedmf.run.private_run import PrivateRun
 from fedmf.schedule import make_scheduler
+from server.config import ServerConfig
 from server.identity import BACKOFF_MAX_S, BACKOFF_S, IdentityPolicy, NodeDirectory
 from server.local_grid import LocalGrid
 from server.strategy import DPMFStrategy
-
 from tests import _federated_task as task
 from tests.flower.test_identity import RUN, Clock, CountingGrid, _node, _raw
-from tests.ledger.test_lifetime_budgets import USERS, _plan, _setup, _update
 from tests.flower.test_server_strategy import honest_node
+from tests.ledger.test_lifetime_budgets import USERS, _plan, _setup, _update
 
 # ---- item 4a: enrolled keys are validated once ------------------------------------------------------
 

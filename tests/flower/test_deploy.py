@@ -18,8 +18,8 @@ import subprocess
 import time
 import urllib.request
 import uuid
-from types import SimpleNamespace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from sqlalchemy import create_engine, text
@@ -28,7 +28,6 @@ from sqlalchemy.engine import make_url
 from fedmf import MinSep
 from fedmf.cli import main as fedmf_main
 from fedmf.ledger import Ledger
-
 from tests.ledger_helpers import SECRET, mechanism_file
 
 REPO = Path(__file__).resolve().parents[2]
@@ -485,7 +484,7 @@ def test_tls_node_auth_federation_with_postgres_ledger(roles_db, test_ca, tmp_pa
         assert "SuperNode authentication is enabled. All SuperNodes must be registered" in tracker.log_text("impostor")
         assert "Failed to activate SuperNode" in tracker.log_text("intruder")
         end = time.monotonic() + 90
-        while len(online := [n for n in _nodes(tracker, _exe) if n.get("status") == "online"]) < 2:
+        while len([n for n in _nodes(tracker, _exe) if n.get("status") == "online"]) < 2:
             assert all(p.poll() is None for p in nodes), [tracker.log_text(f"supernode{i}")[-2000:] for i in (0, 1)]
             assert time.monotonic() < end, "registered SuperNodes not online"
             time.sleep(0.5)

@@ -12,12 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from fedmf.ledger import Ledger
+from fedmf.run.federated import train
+from fedmf.run.private_run import REPEATABLE_NOISE_ENV
 from fedmf.tasks import ClientHyper, get_task
 from server.config import ServerConfig
-from fedmf.run.federated import train
-from fedmf.ledger import Ledger
-from fedmf.run.private_run import REPEATABLE_NOISE_ENV
-
 from tests import _federated_task as task
 from tests.flower_harness import Deployment, enrolled_users, run_simulation
 

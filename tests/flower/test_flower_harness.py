@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.flower_harness import Deployment, flower_env, pid_alive, run_simulation, tagged_pids, TAG_VAR
+from tests.flower_harness import TAG_VAR, Deployment, flower_env, pid_alive, run_simulation, tagged_pids
 
 PYPROJECT = """\
 [project]

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import numpy as np
 import pytest
@@ -24,7 +25,6 @@ from fedmf.run.private_run import PrivateRun
 from server.strategy import DPMFStrategy
 from tests import _federated_task as task
 from tests.flower.test_bad_messages import CONFIG, LAYOUT, NODE, USERS, BadGrid, make_node, npy
-
 
 # ---- fuzz ------------------------------------------------------------------------------------------
 FUZZ_ROUNDS = 40
@@ -279,7 +279,7 @@ class Twins:
         a.fuzz = lambda m: build_reply(spec, m)
         self.strategies[0].start(a, num_rounds=t + 1)  # never raises
         assert self.runs[0].next_round == t + 1
-        for user, update, report in self.reports:
+        for _user, update, report in self.reports:
             if report.status == "contributed":  # every accepted update: exactly the model's names and shapes
                 assert isinstance(update, Mapping) and set(update) == set(LAYOUT)
                 for name, shape in LAYOUT.items():

@@ -17,13 +17,23 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from flwr.app import ConfigRecord, Message, RecordDict
 
-from client.app import ERROR_CODE, app as client_app
+from client.app import ERROR_CODE
+from client.app import app as client_app
 from fedmf.cli import main as fedmf_main
-from server.config import ServerConfig
-from fedmf.enrollment import (Enrollment, EnrollmentFile, generate_key_pair, load_private_key, new_challenge,
-                              proof_message, read_public_key, sign_proof, verify_proof)
+from fedmf.enrollment import (
+    Enrollment,
+    EnrollmentFile,
+    generate_key_pair,
+    load_private_key,
+    new_challenge,
+    proof_message,
+    read_public_key,
+    sign_proof,
+    verify_proof,
+)
 from fedmf.errors import ConfigError
 from server import identity as identity_module
+from server.config import ServerConfig
 from server.identity import IdentityPolicy, NodeDirectory, identity_policy
 from server.local_grid import LocalGrid, client_node
 
@@ -105,7 +115,7 @@ def test_a_key_file_that_is_not_an_ed25519_key_is_refused(tmp_path):
 # ---- the enrollment file -----------------------------------------------------------------------
 
 def _enrollment_text(users: str, version: int = 1) -> str:
-    return '{"format": "fedmf-user-enrollment", "version": %d, "users": {%s}}' % (version, users)
+    return f'{{"format": "fedmf-user-enrollment", "version": {version:d}, "users": {{{users}}}}}'
 
 
 def test_the_enrollment_file_round_trips_and_refuses_what_is_ambiguous(tmp_path):

@@ -16,7 +16,6 @@ import subprocess
 import time
 from pathlib import Path
 
-
 from fedmf.cli import main as fedmf_main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -27,10 +26,9 @@ ROUNDS, IDENTITY_TIMEOUT_S, REPLY_TIMEOUT_S = 2, 20.0, 400.0
 def test_an_impostor_is_refused_and_a_silent_node_costs_one_identity_timeout_per_backoff(tmp_path, capsys):
     import sqlite3
 
-    from server.identity import BACKOFF_S
     from launcher.flower_cli import _exe, flower_env, flwr_run, free_port
     from launcher.processes import ProcessTracker
-
+    from server.identity import BACKOFF_S
     from tests.flower.test_deploy import _nodes, start_tls_superlink
 
     pki = tmp_path / "pki"

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.flower_harness import Deployment, _cmdline, enrolled_users, tagged_pids
 from tests.flower.test_flower_app import ROOT, _values
+from tests.flower_harness import Deployment, _cmdline, enrolled_users, tagged_pids
 
 NODES = int(os.environ.get("FEDMF_LOAD_NODES", "20"))
 ROUNDS = int(os.environ.get("FEDMF_LOAD_ROUNDS", "20"))

@@ -31,7 +31,6 @@ from fedmf.cli import main
 from fedmf.errors import ConfigError
 from fedmf.run.private_run import REPEATABLE_NOISE_ENV
 from launcher.ray_cluster import check_reachable, client_resources, ray_environment
-
 from tests import _federated_task as fixed
 from tests.flower.test_simulate_backends import SO_TINY_2, TINY_2, _assert_nothing_left, launches  # noqa: F401 (fixture)
 
@@ -279,7 +278,7 @@ class _Watch(threading.Thread):
     ``ClientAppActor.run`` (Ray's process title while an actor runs that method), and any Ray
     (gcs_server, raylet) started by the Flower launch itself."""
 
-    def __init__(self, nodes: dict[int, str], launches):
+    def __init__(self, nodes: dict[int, str], launches):  # noqa: F811 (the imported fixture's value, passed in by the test)
         super().__init__(daemon=True)
         self.nodes, self.launches = nodes, launches
         self.ran: dict[str, set[int]] = {}
@@ -321,7 +320,7 @@ def _stop_nodes(tracker, timeout_s: float = 30.0) -> None:
 
 
 @pytest.mark.heavy  # 70-100 s on 2 loaded cores: two Ray nodes, a Flower run on them, the in-process run
-def test_so_tiny_on_a_two_node_ray_cluster_trains_on_both_nodes_and_matches_in_process(tmp_path, capsys, launches,
+def test_so_tiny_on_a_two_node_ray_cluster_trains_on_both_nodes_and_matches_in_process(tmp_path, capsys, launches,  # noqa: F811 (the imported fixture)
                                                                                       monkeypatch):
     monkeypatch.setenv(REPEATABLE_NOISE_ENV, "1")  # tests only: the same noise in both backends' runs
     readme = _readme_ray_lines()
@@ -345,9 +344,9 @@ def test_so_tiny_on_a_two_node_ray_cluster_trains_on_both_nodes_and_matches_in_p
         _wait_started(tracker, "head", head)
         node = tracker.spawn("node", [*as_run(readme["node"]), *_node_flags(root, "n")])
         _wait_started(tracker, "node", node)
-        probe = ("import ray, time; ray.init(address=%r, include_dashboard=False); end = time.time() + 60\n"
+        probe = (f"import ray, time; ray.init(address={address!r}, include_dashboard=False); end = time.time() + 60\n"
                  "while sum(n['Alive'] for n in ray.nodes()) < 2 and time.time() < end: time.sleep(0.5)\n"
-                 "print('NODES', sum(n['Alive'] for n in ray.nodes()), ray.cluster_resources().get('CPU'))" % address)
+                 "print('NODES', sum(n['Alive'] for n in ray.nodes()), ray.cluster_resources().get('CPU'))")
         rc, out, err, _ = tracker.run([sys.executable, "-c", probe], timeout=120)
         assert rc == 0 and "NODES 2 2.0" in out, (out + err)[-3000:]
         cluster_s = time.perf_counter() - started

@@ -23,15 +23,23 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, Met
 from sqlalchemy import select
 
 from fedmf.ledger.models import Participation
-
 from fedmf.run.private_run import PrivateRun
 from server.local_grid import LocalGrid
 from server.replies import RoundReplies, max_array_bytes, max_update_bytes, npy_header_max_bytes
 from server.strategy import DPMFStrategy
-
 from tests import _federated_task as task
-from tests.flower.test_bad_messages import (CONFIG, NODE, PLANTED, USERS, Ctx, Kind, make_node, raw_array, schedule_of,
-                                server_log)  # noqa: F401 - a fixture
+from tests.flower.test_bad_messages import (
+    CONFIG,
+    NODE,
+    PLANTED,
+    USERS,
+    Ctx,
+    Kind,
+    make_node,
+    raw_array,
+    schedule_of,
+    server_log,  # noqa: F401 - a fixture
+)
 
 LAYOUT = {"w": (64, 32), "b": (32,)}
 NONCE = "a" * 32
@@ -334,7 +342,7 @@ def test_a_client_adding_a_64_mib_record_is_rejected_and_the_run_is_bit_identica
     assert len(with_payload.sent) == 1 and alive == [0] * rounds
 
 
-def test_the_strategy_logs_the_reply_bound(tmp_path, server_log):
+def test_the_strategy_logs_the_reply_bound(tmp_path, server_log):  # noqa: F811 (the imported fixture)
     task.write_secrets(tmp_path / "run")
     with PrivateRun.open(task.Tiny(), task.plan(rounds=10), tmp_path / "run", population=USERS) as run:
         DPMFStrategy(run, CONFIG).summary()

@@ -9,14 +9,13 @@ import pytest
 import torch
 
 from client.app import app as client_app
-from fedmf.tasks import ClientHyper, get_task
-from server.config import ServerConfig
 from fedmf.errors import ConfigError
 from fedmf.run.federated import train
 from fedmf.run.private_run import REPEATABLE_NOISE_ENV
+from fedmf.tasks import ClientHyper, get_task
 from server.app import run_server
+from server.config import ServerConfig
 from server.local_grid import LocalGrid, client_node
-
 from tests import _federated_task as task
 
 USERS = 12
@@ -107,9 +106,8 @@ def test_the_server_app_enforces_lifetime_budgets_with_its_budget_key(tmp_path):
     the key the app refuses the ledger before round one."""
     import math
 
-    from fedmf.accounting.gdp import epsilon_for
+    from fedmf.accounting.gdp import epsilon_for, run_mu_squared
     from fedmf.ledger import Ledger
-    from fedmf.accounting.gdp import run_mu_squared
     from fedmf.ledger.budgets import load_budget_secret, round_skips, set_default, set_user
 
     ledger_url = f"sqlite:///{tmp_path / 'shared.db'}"

@@ -10,13 +10,12 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageType, MetricRecord, RecordDict
 from sqlalchemy import select
 
-from server.config import ServerConfig
-from fedmf.run.federated import train
 from fedmf.ledger.models import Participation
+from fedmf.run.federated import train
 from fedmf.run.private_run import PrivateRun
+from server.config import ServerConfig
 from server.local_grid import LocalGrid
 from server.strategy import DPMFStrategy
-
 from tests import _federated_task as task
 
 ROUNDS = 10

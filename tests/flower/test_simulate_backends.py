@@ -22,7 +22,6 @@ from fedmf.run.private_run import REPEATABLE_NOISE_ENV
 from fedmf.run.simulate import preset_values
 from launcher.flower_backend import flower_population, flower_run_config
 from server.config import APP_DEFAULTS, ServerConfig
-
 from tests import _federated_task as fixed
 
 TINY_2 = ["simulate", "--preset", "tiny", "--rounds", "2", "--min-sep", "1", "--json", "--no-plot"]

@@ -12,11 +12,10 @@ import pytest
 from sqlalchemy import text
 
 from fedmf import MinSep
+from fedmf.audit.replay import audit
 from fedmf.cli import main as fedmf_main
 from fedmf.ledger import Ledger
-from fedmf.audit.replay import audit
 from fedmf.ledger.chain import round_sha256
-
 from tests.ledger_helpers import SECRET, mechanism_file
 
 ROUNDS = 5

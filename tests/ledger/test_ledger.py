@@ -14,7 +14,6 @@ from fedmf import FixedEpoch, MinSep
 from fedmf.ledger import Ledger, LedgerError, ServerSecret, head_revision
 from fedmf.ledger.models import VERSION_TABLE, Base, ClientState, Participation, Round, Run, UpdateNorm
 from fedmf.mechanisms.io import load_with_schema
-
 from tests.ledger_helpers import SECRET, dump_database, mechanism_file
 
 
@@ -586,8 +585,7 @@ def test_no_temporary_files_when_a_run_is_created(tmp_path, monkeypatch):
         monkeypatch.setattr(tempfile, name, refuse)
     with Ledger.open(str(tmp_path / "l.db"), secret=SECRET) as ledger:
         from_file = ledger.create_run(path, noise_multiplier=1.0, clip_norm=1.0, delta=1e-6)
-        from_object = ledger.create_run(mechanism, noise_multiplier=1.0, clip_norm=1.0, delta=1e-6,
-                                        schema=MinSep(4, 6))
+        ledger.create_run(mechanism, noise_multiplier=1.0, clip_norm=1.0, delta=1e-6, schema=MinSep(4, 6))
         assert from_file.info.mechanism_checksum == load_with_schema(path)[2]
         with ledger.engine.connect() as conn:
             docs = conn.execute(select(Run.mechanism_document).order_by(Run.id)).scalars().all()
@@ -621,7 +619,7 @@ def _write_at_0001(url: str, tmp_path) -> dict:
             meta = MetaData()
             meta.reflect(conn)
             assert "plan" not in meta.tables["runs"].c and "checkpoint_sha256" not in meta.tables["rounds"].c
-            now = dt.datetime(2026, 11, 30, tzinfo=dt.timezone.utc)
+            now = dt.datetime(2026, 11, 30, tzinfo=dt.UTC)
             conn.execute(meta.tables["runs"].insert().values(
                 id=1, uid=uid, name="old", created_at=now, code_version="fedmf 0.1", config={"lr": 0.5},
                 mechanism_kind=mechanism.kind, mechanism_checksum=checksum, mechanism_document=document, rounds=12,
@@ -708,7 +706,7 @@ def _write_at_0002(url: str, tmp_path) -> dict:
     secret = ServerSecret(SECRET)
     uid = "fedcba9876543210fedcba9876543210"
     key = {c: secret.client_key(uid, c) for c in ("a", "b", "c")}
-    now = dt.datetime(2026, 11, 30, tzinfo=dt.timezone.utc)
+    now = dt.datetime(2026, 11, 30, tzinfo=dt.UTC)
     engine = writer_engine(resolve_url(url))
     try:
         with engine.begin() as conn:
@@ -746,8 +744,8 @@ def _write_at_0002(url: str, tmp_path) -> dict:
 
 
 def test_a_ledger_at_0002_moves_to_append_only_history_and_verifies(ledger_url, tmp_path, capsys):
-    from fedmf.cli import main as fedmf_main
     from fedmf.audit.replay import audit
+    from fedmf.cli import main as fedmf_main
 
     key = _write_at_0002(ledger_url, tmp_path)
     with pytest.raises(LedgerError, match="schema version 0002, older than this fedmf's 0005"):

@@ -16,18 +16,18 @@ from scipy.special import ndtr
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from tests._federated_task import Tiny, write_secrets
 from fedmf import MinSep, Workload
 from fedmf.accounting.gdp import compose, delta_for, epsilon_for, mu_for, run_mu_squared
-from fedmf.round.adaptive_clipping import AdaptiveClipping
-from fedmf.errors import ConfigError
-from fedmf.run.federated import train
-from fedmf.ledger import Ledger, LedgerError
 from fedmf.budgets import RunBudget, user_accounts
+from fedmf.errors import ConfigError
+from fedmf.ledger import Ledger, LedgerError
 from fedmf.ledger.budgets import load_budget_secret, round_skips, set_default, set_user
 from fedmf.ledger.models import BudgetCharge, Participation, UserBudget
 from fedmf.mechanisms import build
 from fedmf.plan import RunPlan
+from fedmf.round.adaptive_clipping import AdaptiveClipping
+from fedmf.run.federated import train
+from tests._federated_task import Tiny, write_secrets
 
 ROUNDS, USERS, PER_ROUND, DELTA = 8, [f"u{i:02d}" for i in range(12)], 3, 1e-10
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 from sqlalchemy.engine import make_url
 
-from fedmf.run.federated import train
 from fedmf.ledger.db import display_url, public_url, resolve_url
-
+from fedmf.run.federated import train
 from tests import _federated_task as task
 
 SECRET = "s3cret-Pw"

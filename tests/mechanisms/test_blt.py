@@ -14,7 +14,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fedmf import sensitivity as S
-from fedmf.filters import lower_toeplitz
 from fedmf.mechanisms import blt as B
 from fedmf.mechanisms.base import Mechanism
 from fedmf.mechanisms.blt import BufferedLinearToeplitz

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
-from functools import lru_cache
+from functools import cache
 
 import numpy as np
 import pytest
@@ -23,7 +23,7 @@ MOMENTUM = Workload(0.95, 0.25)
 TIGHT = 1e-7
 
 
-@lru_cache(maxsize=None)
+@cache
 def solve(n: int, k: int, workload: Workload = Workload(), tolerance: float = TIGHT):
     return optimize_dense(n, FixedEpoch(k, n // k), workload, tolerance=tolerance, device="cpu")
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from scipy.linalg import solve_triangular
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from scipy.linalg import solve_triangular
 
 from fedmf.filters import lower_toeplitz, series_inverse, toeplitz_multiply, toeplitz_solve
 from fedmf.workloads import Workload, WorkloadStream, parse_workload

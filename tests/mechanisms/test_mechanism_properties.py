@@ -395,7 +395,7 @@ def test_build_kinds():
 # ---------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _opt_rmse(n, p, schema, workload=Workload()):
     return optimal_gamma(n, p, schema, workload).rmse(schema)
 

@@ -86,7 +86,7 @@ def test_banded_objective_matches_dense_and_gradient():
         assert value == pytest.approx(np.sum(dense**2), rel=1e-12)
         np.testing.assert_allclose(mech.decoder_row_norms_sq, np.sum(dense**2, axis=1), rtol=1e-12)
         mask = (np.arange(p)[:, None] + np.arange(n)[None, :]) < n
-        fd = _finite_difference(lambda t: objective(t)[0], theta)
+        fd = _finite_difference(lambda t: objective(t)[0], theta)  # noqa: B023 (called within this iteration)
         np.testing.assert_allclose(grad[mask], fd[mask], rtol=1e-5, atol=1e-6)
 
 

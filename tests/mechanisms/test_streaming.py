@@ -29,9 +29,9 @@ from fedmf.mechanisms.toeplitz import (
     BandedToeplitz,
 )
 from fedmf.mechanisms.tree import TreeAggregation, honaker_weights
+from fedmf.participation import MinSep
 from fedmf.round.draws import Draws
 from fedmf.round.noise import NoiseGenerator
-from fedmf.participation import MinSep
 from fedmf.workloads import Workload
 
 N = 12

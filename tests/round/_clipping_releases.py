@@ -14,10 +14,10 @@ from typing import Any
 import torch
 
 from fedmf import MinSep, Workload
-from fedmf.round.adaptive_clipping import AdaptiveClipping
-from fedmf.round.client_metrics import ClientMetricRelease
 from fedmf.mechanisms import build
 from fedmf.plan import RunPlan
+from fedmf.round.adaptive_clipping import AdaptiveClipping
+from fedmf.round.client_metrics import ClientMetricRelease
 from fedmf.round.privatize import RoundPrivatizer
 
 SEED = b"clipping-policy-bit-identity"

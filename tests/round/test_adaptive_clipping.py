@@ -16,18 +16,17 @@ import torch
 from scipy import stats
 
 from fedmf import MinSep, Workload
-from fedmf.round.adaptive_clipping import AdaptiveClipping
-from fedmf.config import RunConfig
-from fedmf.round.count_noise import count_noise
-from fedmf.run.federated import train
 from fedmf.audit.replay import audit
 from fedmf.audit.report import ADAPTIVE_COLUMNS
+from fedmf.config import RunConfig
 from fedmf.mechanisms import build
+from fedmf.plan import RunPlan
+from fedmf.round.adaptive_clipping import AdaptiveClipping
+from fedmf.round.count_noise import count_noise
 from fedmf.round.draws import key_of
 from fedmf.round.noise import NoiseGenerator
-from fedmf.plan import RunPlan
 from fedmf.round.privatize import RoundPrivatizer
-
+from fedmf.run.federated import train
 from tests import _federated_task as task
 
 SEED = b"adaptive-clipping-test-seed"
@@ -173,8 +172,8 @@ def test_round_t_clips_and_noises_with_zeta_t_not_zeta_t_plus_1():
         following = rule.next_clip_norm(zeta, noisy, m, initial_clip_norm=plan.clip_norm)
 
         def release(clip_at: float, noise_at: float) -> torch.Tensor:
-            clipped = sum(u["w"] * min(1.0, clip_at / float(u["w"].norm())) for u in updates.values())
-            return (clipped + noise_at * noise) / m
+            clipped = sum(u["w"] * min(1.0, clip_at / float(u["w"].norm())) for u in updates.values())  # noqa: B023 (called within this iteration)
+            return (clipped + noise_at * noise) / m  # noqa: B023 (called within this iteration)
 
         assert report.clip_norm == zeta and report.noisy_unclipped == pytest.approx(noisy, abs=1e-12)
         assert torch.allclose(mean["w"], release(zeta, zeta), rtol=1e-12, atol=1e-13)
@@ -414,7 +413,6 @@ def test_the_canary_audit_refuses_an_adaptive_plan():
 def test_the_flower_strategy_runs_adaptive_clipping_bit_for_bit_and_reports_zeta(tmp_path):
     from server.local_grid import LocalGrid
     from server.strategy import DPMFStrategy
-
     from tests.flower.test_server_strategy import CONFIG, _nodes
 
     rounds = 6

@@ -17,14 +17,13 @@ import torch
 from scipy.stats import norm
 
 from fedmf import MinSep, Workload
-from fedmf.round.adaptive_clipping import AdaptiveClipping
-from fedmf.run.federated import train
 from fedmf.mechanisms import build
 from fedmf.participation import FixedEpoch
 from fedmf.plan import RunPlan
+from fedmf.round.adaptive_clipping import AdaptiveClipping
 from fedmf.round.privatize import RoundPrivatizer
+from fedmf.run.federated import train
 from fedmf.run.round_log import ROUND_LOG
-
 from tests import _federated_task as task
 
 SEED = b"review-i25-seed-0123456789abcdef"

@@ -13,16 +13,21 @@ import pytest
 import torch
 
 from fedmf import MinSep, Workload
-from fedmf.round.adaptive_clipping import (AT_BOUND_ROUNDS, DEFAULT_CLIP_NORM_RANGE, GROWTH_ROUNDS, LEGACY_CLIP_NORM_RANGE,
-                                     AdaptiveClipping, trajectory_warnings)
+from fedmf.audit.replay import audit
 from fedmf.config import DEFAULTS, RunConfig
 from fedmf.errors import ConfigError
-from fedmf.run.federated import train
-from fedmf.audit.replay import audit
 from fedmf.mechanisms import build
 from fedmf.plan import RunPlan
+from fedmf.round.adaptive_clipping import (
+    AT_BOUND_ROUNDS,
+    DEFAULT_CLIP_NORM_RANGE,
+    GROWTH_ROUNDS,
+    LEGACY_CLIP_NORM_RANGE,
+    AdaptiveClipping,
+    trajectory_warnings,
+)
 from fedmf.round.privatize import RoundPrivatizer
-
+from fedmf.run.federated import train
 from tests import _federated_task as task
 
 SEED = b"adaptive-range-test-seed"

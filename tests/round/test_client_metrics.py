@@ -18,23 +18,22 @@ from flwr.app import MessageType, MetricRecord
 
 from fedmf import MinSep
 from fedmf.accounting import calibrate, epsilon, epsilon_by_round
-from fedmf.accounting.releases import COUNT, CLIENT_METRICS, ExtraReleases, GaussianRelease
+from fedmf.accounting.gdp import run_mu_squared
+from fedmf.accounting.releases import CLIENT_METRICS, COUNT, ExtraReleases, GaussianRelease
+from fedmf.audit.replay import audit
+from fedmf.config import RunConfig
+from fedmf.errors import ConfigError
+from fedmf.mechanisms import build
+from fedmf.plan import RunPlan
 from fedmf.round.adaptive_clipping import AdaptiveClipping
 from fedmf.round.client_metrics import ClientMetricRelease
-from fedmf.config import RunConfig
-from server.config import ServerConfig
 from fedmf.round.count_noise import count_noise, metric_noise
-from fedmf.errors import ConfigError
-from fedmf.run.federated import train
-from fedmf.audit.replay import audit
-from fedmf.accounting.gdp import run_mu_squared
-from fedmf.mechanisms import build
 from fedmf.round.draws import key_of
-from fedmf.plan import RunPlan
 from fedmf.round.privatize import RoundPrivatizer
+from fedmf.run.federated import train
 from fedmf.run.private_run import REPEATABLE_NOISE_ENV
 from fedmf.tasks.base import LocalResult
-
+from server.config import ServerConfig
 from tests import _federated_task as task
 from tests.accounting.test_count_release import analytic_epsilon, check_cyclic, pld_of
 
@@ -182,8 +181,8 @@ def test_samplers_the_count_refuses_refuse_the_metric_release(sampling, schema):
 
 
 def test_the_budget_charge_includes_the_release(tmp_path, bsr):
-    from fedmf.ledger import Ledger
     from fedmf.budgets import RunBudget
+    from fedmf.ledger import Ledger
     from fedmf.ledger.budgets import load_budget_secret, set_default
 
     secret = load_budget_secret(tmp_path / "budget.key", create=True)

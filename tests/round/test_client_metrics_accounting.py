@@ -18,15 +18,15 @@ from scipy.stats import norm
 
 from fedmf import MinSep
 from fedmf.accounting import calibrate, epsilon
+from fedmf.accounting.gdp import run_mu_squared
+from fedmf.config import RunConfig
+from fedmf.errors import ConfigError
+from fedmf.mechanisms import build
+from fedmf.plan import RunPlan
 from fedmf.round.adaptive_clipping import AdaptiveClipping
 from fedmf.round.client_metrics import ClientMetricRelease
-from fedmf.config import RunConfig
 from fedmf.round.count_noise import metric_noise
-from fedmf.errors import ConfigError
-from fedmf.accounting.gdp import run_mu_squared
-from fedmf.mechanisms import build
 from fedmf.round.draws import key_of
-from fedmf.plan import RunPlan
 from fedmf.round.privatize import RoundPrivatizer
 
 SCHEMA = MinSep(8, 4)  # k = 4 participations in 64 rounds

@@ -9,12 +9,12 @@ import math
 import pytest
 import torch
 
-from fedmf.round.count_noise import count_noise, metric_noise
 from fedmf.errors import CheckpointError
+from fedmf.round.clipping import AdaptiveClipping, FixedClipping, clipping_policy
+from fedmf.round.count_noise import count_noise, metric_noise
 from fedmf.round.draws import key_of
 from fedmf.round.noise import NoiseGenerator
 from fedmf.round.privatize import RoundPrivatizer
-from fedmf.round.clipping import AdaptiveClipping, FixedClipping, clipping_policy
 
 from . import _clipping_releases as rel
 

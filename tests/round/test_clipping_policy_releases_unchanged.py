@@ -16,18 +16,18 @@ from pathlib import Path
 import pytest
 import torch
 
+import fedmf.round.clipping as clipping_module
 import fedmf.round.count_noise as count_module
 import fedmf.round.noise as noise_module
 import fedmf.round.privatize as privatize_module
-import fedmf.round.clipping as clipping_module
 from fedmf import MinSep, Workload
+from fedmf.errors import CheckpointError
+from fedmf.mechanisms import build
+from fedmf.plan import RunPlan
 from fedmf.round.adaptive_clipping import AdaptiveClipping
 from fedmf.round.client_metrics import ClientMetricRelease
 from fedmf.round.count_noise import count_noise
-from fedmf.errors import CheckpointError
-from fedmf.mechanisms import build
 from fedmf.round.draws import key_of
-from fedmf.plan import RunPlan
 from fedmf.round.privatize import RoundPrivatizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -134,7 +134,7 @@ def test_one_salt_per_round_keys_every_stream_and_is_never_reused(monkeypatch):
     for t in range(N):
         privatizer.privatize(t, _updates(t, privatizer.clip_norm), values={"u0": 0.5})
     by_round: dict[int, set[bytes]] = {}
-    for stream, t, salt in calls:
+    for _stream, t, salt in calls:
         by_round.setdefault(t, set()).add(salt)
     assert sorted(stream for stream, t, _ in calls if t == 0) == ["count", "metric", "noise"]
     assert all(len(salts) == 1 for salts in by_round.values())

@@ -16,9 +16,9 @@ from fedmf.mechanisms import build, plan
 from fedmf.mechanisms.banded import optimize_banded
 from fedmf.mechanisms.blt_optimize import optimize_blt
 from fedmf.mechanisms.toeplitz import BandedInverseToeplitz
+from fedmf.participation import MinSep
 from fedmf.round.draws import Draws
 from fedmf.round.noise import NoiseGenerator
-from fedmf.participation import MinSep
 
 N = 16
 SCHEMA = MinSep(4, 4)

@@ -12,8 +12,8 @@ import torch
 from fedmf import MinSep
 from fedmf.errors import HorizonReached, PlanMismatch, RoundOrderError
 from fedmf.mechanisms import build
-from fedmf.round.noise import NoiseGenerator
 from fedmf.plan import RunPlan
+from fedmf.round.noise import NoiseGenerator
 from fedmf.round.privatize import RoundPrivatizer, check_update
 
 N, B, K = 12, 3, 4

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from functools import lru_cache
+from functools import cache
 
 import numpy as np
 import pytest
@@ -52,7 +52,7 @@ def minsep_patterns(n: int, b: int, k: int) -> list[tuple[int, ...]]:
     return out
 
 
-@lru_cache(maxsize=None)
+@cache
 def _sign_vectors(n: int, b: int) -> tuple[np.ndarray, np.ndarray]:
     """All u in {-1,0,1}^n (first non-zero +1) with a b-min-sep support; with support sizes."""
     rows, sizes = [], []

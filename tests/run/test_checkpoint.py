@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from fedmf import MinSep
-from fedmf.run.checkpoint import CheckpointStore, RunSecrets, load_or_create_secret
 from fedmf.errors import CheckpointError
 from fedmf.mechanisms import build
 from fedmf.plan import RunPlan
 from fedmf.round.privatize import RoundPrivatizer
+from fedmf.run.checkpoint import CheckpointStore, RunSecrets, load_or_create_secret
 
 N, B, K = 16, 4, 4
 LAYOUT = {"w": (64, 32), "b": (32,)}

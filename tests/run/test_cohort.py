@@ -15,21 +15,19 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from fedmf import FixedEpoch, MinSep, Workload
-from fedmf.accounting.gdp import epsilon_for
-from fedmf.run.cohort import counts, resolve_min_cohort, summary_line
+from fedmf.accounting.gdp import epsilon_for, run_mu_squared
 from fedmf.config import RunConfig
-from server.config import ServerConfig
 from fedmf.errors import ConfigError
-from fedmf.run.federated import train
 from fedmf.ledger import Ledger
-from fedmf.accounting.gdp import run_mu_squared
 from fedmf.ledger.budgets import load_budget_secret, round_skips, set_default, set_user
 from fedmf.ledger.models import BudgetCharge, Participation
 from fedmf.mechanisms import build
 from fedmf.plan import RunPlan
+from fedmf.run.cohort import counts, resolve_min_cohort, summary_line
+from fedmf.run.federated import train
 from fedmf.run.private_run import PrivateRun
 from fedmf.schedule import FixedEpochOrder, MinSepSelection
-
+from server.config import ServerConfig
 from tests import _federated_task as task
 
 ROUNDS, PER_ROUND, DELTA = 8, 4, 1e-10

@@ -12,15 +12,14 @@ import pytest
 import torch
 
 from fedmf import FixedEpoch, MinSep, Workload
-from fedmf.round.adaptive_clipping import AdaptiveClipping
 from fedmf.accounting import disk_cache, gaussian
 from fedmf.errors import PlanMismatch
-from fedmf.run.federated import train
 from fedmf.ledger import Ledger
 from fedmf.mechanisms import build
 from fedmf.plan import RunPlan
+from fedmf.round.adaptive_clipping import AdaptiveClipping
+from fedmf.run.federated import train
 from fedmf.schedule import BMinSepPoisson, CyclicPoisson, FixedEpochOrder, MinSepSelection, PoissonSampling
-
 from tests import _federated_task as task
 
 USERS = [f"u{i:02d}" for i in range(8)]

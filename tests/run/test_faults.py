@@ -35,15 +35,14 @@ import pytest
 import torch
 from sqlalchemy import select
 
-from fedmf.tasks import ClientHyper, get_task
-from fedmf.tasks.tiny import TinyTask
-from server.config import ServerConfig
-from fedmf.run.federated import train
 from fedmf.ledger import Ledger
 from fedmf.ledger.db import LedgerError
 from fedmf.ledger.models import Participation
+from fedmf.run.federated import train
 from fedmf.run.private_run import REPEATABLE_NOISE_ENV
-
+from fedmf.tasks import ClientHyper, get_task
+from fedmf.tasks.tiny import TinyTask
+from server.config import ServerConfig
 from tests import _fault_script as fs
 from tests import _federated_task as task
 

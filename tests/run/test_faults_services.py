@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import glob
-import json
 import logging
 import os
 import pwd
@@ -46,10 +45,21 @@ from sqlalchemy import create_engine, event, pool, text
 from sqlalchemy.engine import Engine
 
 from fedmf.ledger import Ledger
-
 from tests import _fault_script as fs
-from tests.run.test_faults import (ROUNDS, _assert_same, _check_ledger, _check_releases, _final, _new_run, _recording_evaluate,
-                          _repeatable_noise, _resume_and_check, _serve, _statuses, reference)
+from tests.run.test_faults import (
+    ROUNDS,
+    _assert_same,
+    _check_ledger,
+    _check_releases,
+    _final,
+    _new_run,
+    _recording_evaluate,
+    _repeatable_noise,
+    _resume_and_check,
+    _serve,
+    _statuses,
+    reference,
+)
 
 # the uninterrupted run, shared with tests/run/test_faults.py, and its unsalted noise (tests only): every
 # case here is compared bit for bit with it, redone rounds included
@@ -372,7 +382,6 @@ def test_postgresql_down_between_rounds_of_a_target_epsilon_run_is_waited_for(
     database crashes after round 2's release and comes back 2 s later; the guard waits with
     backoff, no round is opened meanwhile, and the run equals an uninterrupted one (SQLite ledger)."""
     import server.strategy
-
     from tests.run.test_faults import Reference
 
     monkeypatch.setattr(server.strategy, "LEDGER_BACKOFF_S", 0.25)
@@ -451,7 +460,6 @@ def test_a_commit_whose_outcome_is_unknown_is_resolved_from_the_ledger(
     nothing of it is released — and, the database staying down, stops with one line; the
     restarted server resumes after round 3 from its checkpoint (committed once, never redone)."""
     import server.strategy
-
     from fedmf.ledger.db import LedgerError
     from fedmf.ledger.repository import RunLedger
 

@@ -15,13 +15,12 @@ import torch
 from sqlalchemy import select
 
 from fedmf.errors import CheckpointError, PlanMismatch
-from fedmf.run.federated import train
 from fedmf.ledger import Ledger
 from fedmf.ledger.models import Participation
 from fedmf.round.noise import NoiseGenerator
+from fedmf.run.federated import train
 from fedmf.run.private_run import REPEATABLE_NOISE_ENV
 from fedmf.schedule import make_scheduler
-
 from tests import _federated_task as task
 
 TASK = Path(__file__).resolve().parents[1] / "_federated_task.py"

@@ -10,12 +10,16 @@ import pytest
 import torch
 
 from fedmf import MinSep, Workload
-from fedmf.run.learning_check import (DIVERGENCE_EVALUATIONS, DIVERGENCE_MARGIN, INITIAL_EVALUATION_FILE, NOT_FINITE_FILE,
-                                  LearningCheck, model_is_finite)
-
 from fedmf.mechanisms import build
 from fedmf.plan import RunPlan
-
+from fedmf.run.learning_check import (
+    DIVERGENCE_EVALUATIONS,
+    DIVERGENCE_MARGIN,
+    INITIAL_EVALUATION_FILE,
+    NOT_FINITE_FILE,
+    LearningCheck,
+    model_is_finite,
+)
 from tests import _federated_task as task
 
 
@@ -123,11 +127,10 @@ def test_a_deployment_stops_on_a_non_finite_model_without_sending_it(tmp_path, c
 
     from flwr.app import MessageType
 
-    from server.config import ServerConfig
     from fedmf.run.private_run import PrivateRun
+    from server.config import ServerConfig
     from server.local_grid import LocalGrid
     from server.strategy import DPMFStrategy
-
     from tests.flower.test_server_strategy import honest_node
 
     nodes = {7000 + i: honest_node(u) for i, u in enumerate(task.users())}

@@ -57,9 +57,9 @@ def _serve(tmp_path, name, monkeypatch=None):
 
 
 def _result(values):
-    from server.config import ServerConfig
     from fedmf.tasks import get_task
     from launcher.flower_backend import flower_result
+    from server.config import ServerConfig
 
     tiny = get_task("tiny", num_users=6)
     return flower_result(ServerConfig.from_mapping(values), model=tiny.model(), evaluate=tiny.evaluate, plot=False)

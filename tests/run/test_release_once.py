@@ -22,13 +22,12 @@ import pytest
 import torch
 
 from fedmf import MinSep, Workload
-from fedmf.run.checkpoint import CheckpointStore
 from fedmf.errors import CheckpointError
-from fedmf.run.federated import train
 from fedmf.mechanisms import build
-from fedmf.round.noise import NoiseGenerator
 from fedmf.plan import RunPlan
-
+from fedmf.round.noise import NoiseGenerator
+from fedmf.run.checkpoint import CheckpointStore
+from fedmf.run.federated import train
 from tests import _federated_task as task
 
 ROUNDS, LR, USERS_PER_ROUND = 8, 0.3, 10
@@ -209,8 +208,8 @@ def test_the_server_app_reports_a_rolled_back_run_directory_in_one_line(tmp_path
     from flwr.app import Context, RecordDict
 
     from fedmf.tasks import ClientHyper, get_task
-    from server.config import ServerConfig
     from server.app import ServerAppError, main
+    from server.config import ServerConfig
     from server.local_grid import LocalGrid
 
     values = {"task": "tiny", "task-options": '{"num_users": 12}', "mechanism": "bsr", "rounds": 6, "min-sep": 2,

@@ -21,12 +21,11 @@ import pytest
 
 from fedmf.cli import main
 from fedmf.errors import CheckpointError
-from fedmf.run.federated import train
 from fedmf.ledger import Ledger
-from fedmf.run.round_log import ROUND_LOG
+from fedmf.run.federated import train
 from fedmf.run.private_run import PrivateRun
+from fedmf.run.round_log import ROUND_LOG
 from fedmf.run.witness import Witness
-
 from tests import _federated_task as task
 
 ROUNDS = 6

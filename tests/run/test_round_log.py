@@ -12,12 +12,11 @@ import pytest
 
 import fedmf.run.simulate
 from fedmf.cli import main
-from server.config import ServerConfig
 from fedmf.errors import RoundOrderError
 from fedmf.run.federated import train
-from fedmf.run.round_log import ROUND_LOG, append_round, read_rounds
 from fedmf.run.private_run import REPEATABLE_NOISE_ENV, PrivateRun, RoundRecord
-
+from fedmf.run.round_log import ROUND_LOG, append_round, read_rounds
+from server.config import ServerConfig
 from tests import _federated_task as task
 
 SIMULATE = ["simulate", "--preset", "tiny", "--rounds", "6", "--epsilon", "6", "--json"]

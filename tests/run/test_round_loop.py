@@ -11,16 +11,15 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord
 
-from fedmf.run import loop as round_loop
 from fedmf.errors import HorizonReached, PrivacyBudgetExceeded
-from fedmf.run.federated import train
 from fedmf.ledger.db import LedgerError
+from fedmf.run import loop as round_loop
+from fedmf.run.federated import train
 from fedmf.run.loop import GUARD, ROUND, LoopEnd, observed_accounting, observed_guard, run_rounds
 from fedmf.run.private_run import PrivateRun, RoundRecord
 from fedmf.schedule import Selection
 from server.local_grid import LocalGrid
 from server.strategy import DPMFStrategy
-
 from tests import _federated_task as task
 from tests.flower.test_server_strategy import CONFIG, _nodes
 

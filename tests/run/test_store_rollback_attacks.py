@@ -17,7 +17,6 @@ import pytest
 from fedmf.errors import CheckpointError
 from fedmf.run.federated import train
 from fedmf.run.witness import Witness
-
 from tests import _federated_task as task
 
 ROUNDS = 6

@@ -19,7 +19,13 @@ import pytest
 from fedmf.errors import CheckpointError, ConfigError, HorizonReached, PlanMismatch, RoundOrderError
 from fedmf.participation import FixedEpoch, MinSep
 from fedmf.schedule import (
-    BMinSepPoisson, CyclicPoisson, FixedEpochOrder, MinSepSelection, PoissonSampling, Selection, make_scheduler,
+    BMinSepPoisson,
+    CyclicPoisson,
+    FixedEpochOrder,
+    MinSepSelection,
+    PoissonSampling,
+    Selection,
+    make_scheduler,
 )
 
 KEY = bytes(range(32))

@@ -15,7 +15,12 @@ from fedmf.errors import ConfigError, FedmfError
 from fedmf.secagg.errors import SecAggError
 from fedmf.secagg.masks import mod_sum
 from fedmf.secagg.quantize import (
-    Quantization, check_no_wrap, decode_sum, kls_bound_sq, max_safe_cohort, quantize,
+    Quantization,
+    check_no_wrap,
+    decode_sum,
+    kls_bound_sq,
+    max_safe_cohort,
+    quantize,
 )
 from fedmf.secagg.sensitivity import effective_clip_norm
 

@@ -11,8 +11,14 @@ import torch
 import fedmf.tasks.text as text_module
 from fedmf.errors import ConfigError
 from fedmf.tasks import ClientHyper, get_task
-from fedmf.tasks.batched_lstm import (CPU_BUDGET_BYTES, batched_local_updates, bytes_per_user, chunk_for_budget,
-                                      default_budget_bytes, supports_batched)
+from fedmf.tasks.batched_lstm import (
+    CPU_BUDGET_BYTES,
+    batched_local_updates,
+    bytes_per_user,
+    chunk_for_budget,
+    default_budget_bytes,
+    supports_batched,
+)
 from fedmf.tasks.models import PAPER_PARAMS
 from fedmf.tasks.text import TextTask
 from fedmf.tasks.vectorized import vectorized_local_updates
@@ -67,7 +73,7 @@ def _play(tmp_path):
     speeches, k = [], 0
     for who, n in (("ALPHA.", 40), ("BETA.", 11), ("GAMMA.", 3), ("DELTA.", 23)):
         lines = []
-        for j in range(n):
+        for _j in range(n):
             k += 1
             lines.append(" ".join(words[(k * 7 + m * 3) % len(words)] for m in range(1 + (k * 13) % 29)) + ".")
         speeches.append(f"{who}\n" + "\n".join(lines) + "\n")

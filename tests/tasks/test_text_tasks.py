@@ -19,12 +19,12 @@ import numpy as np
 import pytest
 import torch
 
+from fedmf.errors import ConfigError
 from fedmf.tasks import TASKS, ClientHyper, get_task
 from fedmf.tasks.models import MODEL_SIZES, PAPER_PARAMS, make_word_model
 from fedmf.tasks.shakespeare import INSTALL, parse_play, read_corpus, texts_dir, tokenize
 from fedmf.tasks.stackoverflow import example_class, parse_tokens
 from fedmf.tasks.text import SEQ_LEN, Vocab, frame, special_ids, to_xy
-from fedmf.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fedmf.errors import ConfigError
 from fedmf.tasks import ClientHyper, get_task, stable_seed
 from fedmf.tasks.tiny import TinyTask
 from fedmf.tasks.vectorized import batch_schedule, supports_vectorized, vectorized_local_updates
-from fedmf.errors import ConfigError
 
 SMALL_SYN = dict(num_users=12, vocab_size=30, max_sentences=40, min_sentences=5, mean_sentences=20.0,
                  eval_users=4, topics=2, seed=0)

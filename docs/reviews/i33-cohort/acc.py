@@ -1,10 +1,13 @@
 """The accountant does not see R: z, ε and ρ of adaptive plans, printed as JSON. Run in /work/main (c9b3c4a,
 no R) and in the worktree (R = 2, 10, 1e6) and compare: `python acc.py > old.json` etc."""
-import inspect, json, sys
-from fedmf import MinSep, FixedEpoch, Workload
-from fedmf.round.adaptive_clipping import AdaptiveClipping
+import inspect
+import json
+import sys
+
+from fedmf import FixedEpoch, MinSep, Workload
 from fedmf.mechanisms import build
 from fedmf.plan import RunPlan
+from fedmf.round.adaptive_clipping import AdaptiveClipping
 
 has_range = "clip_norm_range" in inspect.signature(AdaptiveClipping.create).parameters
 out = {}

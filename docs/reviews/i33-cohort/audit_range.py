@@ -1,17 +1,22 @@
 """A run whose ζ hits both bounds of a small range (R = 1.2, η = 3) audits clean; the same recorded ζ
 sequence replayed with another R (the legacy 1e6, or 1.5) is flagged: the audit replays the clamp with
 the run's own R, read from the ledger's plan."""
-import os, pathlib, sys, tempfile
+import os
+import pathlib
+import sys
+import tempfile
+
 sys.path.insert(0, os.getcwd())
 os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp()
-from tests import _federated_task as task
-from tests.test_review_i33 import _update, USERS
+from tests.test_review_i33 import USERS, _update
+
 from fedmf import MinSep, Workload
-from fedmf.round.adaptive_clipping import AdaptiveClipping
-from fedmf.run.federated import train
 from fedmf.audit.replay import audit, clip_norm_violations
 from fedmf.mechanisms import build
 from fedmf.plan import RunPlan
+from fedmf.round.adaptive_clipping import AdaptiveClipping
+from fedmf.run.federated import train
+from tests import _federated_task as task
 
 d = pathlib.Path(tempfile.mkdtemp()) / "r"
 task.write_secrets(d, b"range")

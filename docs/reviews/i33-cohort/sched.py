@@ -1,8 +1,10 @@
 """Brute force: eligible() never changes a scheduler's decisions or state (min-sep, fixed-epoch), and
 eligible(t, A) equals the number of A the round could select (min-sep: |{s in A: allowed}|, checked
 against an independent re-implementation of MinSep(b, k); fixed-epoch: slot members in A)."""
-import random, json
-from fedmf.schedule import MinSepSelection, FixedEpochOrder
+import random
+
+from fedmf.schedule import FixedEpochOrder, MinSepSelection
+
 
 def indep_allowed(hist, t, b, k, users):
     out = 0

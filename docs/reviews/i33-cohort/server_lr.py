@@ -1,11 +1,17 @@
 """server-lr beyond the model dtype's range (1e45 on float32): what the failure leaves."""
-import os, pathlib, sys, tempfile
+import os
+import pathlib
+import sys
+import tempfile
+
 sys.path.insert(0, os.getcwd())
 os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp()
-from tests import _federated_task as task
-from tests.test_review_i33 import _plan, _update, _rows, USERS
+from tests.test_review_i33 import USERS, _plan, _rows, _update
+
 from fedmf import MinSep
 from fedmf.run.federated import train
+from tests import _federated_task as task
+
 d = pathlib.Path(tempfile.mkdtemp()) / "r"
 task.write_secrets(d, b"lr")
 plan = _plan(MinSep(2, None), adaptive=False)

@@ -1,13 +1,15 @@
-import math, sys, json
-import numpy as np
-from scipy.stats import norm
+import math
+
 from scipy.optimize import brentq
+from scipy.stats import norm
+
 from fedmf import MinSep
+from fedmf.accounting.gdp import run_mu_squared
 from fedmf.mechanisms import build
 from fedmf.plan import RunPlan
-from fedmf.round.client_metrics import ClientMetricRelease
 from fedmf.round.adaptive_clipping import AdaptiveClipping
-from fedmf.accounting.gdp import run_mu_squared
+from fedmf.round.client_metrics import ClientMetricRelease
+
 
 def gdp_eps(mu, delta):
     f = lambda e: norm.cdf(-e/mu + mu/2) - math.exp(e)*norm.cdf(-e/mu - mu/2) - delta

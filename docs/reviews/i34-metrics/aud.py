@@ -1,13 +1,20 @@
-import sys, math, json
+import math
+import sys
+
 sys.path.insert(0, ".")
-from tests import _federated_task as task
+import pathlib
+import tempfile
+
+from scipy.optimize import brentq
+from scipy.stats import norm
+
+from fedmf.audit.replay import audit
 from fedmf.round.client_metrics import ClientMetricRelease
 from fedmf.run.federated import train
-from fedmf.audit.replay import audit
 from fedmf.tasks.base import LocalResult
-from scipy.stats import norm
-from scipy.optimize import brentq
-import tempfile, pathlib
+from tests import _federated_task as task
+
+
 def gdp_eps(mu, delta):
     return brentq(lambda e: norm.cdf(-e/mu + mu/2) - math.exp(e)*norm.cdf(-e/mu - mu/2) - delta, 0, 500)
 d = pathlib.Path(tempfile.mkdtemp())
@@ -22,6 +29,7 @@ mu = math.sqrt(1/plan.noise_multiplier**2 + k*9/25)
 print("k", k, "planned", rep.planned["epsilon"], "plan", plan.epsilon(), "gdp", gdp_eps(mu, plan.delta))
 print({kk: v for kk, v in rep.realized.items() if "eps" in kk or "rho" in kk})
 import subprocess
+
 out = subprocess.run(["grep", "-rl", "31415", str(d)], capture_output=True, text=True).stdout
 print("raw value found in files:", out or "none")
 print([r.metrics for r in res.history][:3])

@@ -1,10 +1,12 @@
-import math, json
+import json
+
 from fedmf import MinSep
+from fedmf.accounting import calibrate, epsilon, epsilon_by_round
+from fedmf.accounting.gdp import run_mu_squared
 from fedmf.mechanisms import build
-from fedmf.accounting import epsilon, calibrate, epsilon_by_round
 from fedmf.plan import RunPlan
 from fedmf.round.adaptive_clipping import AdaptiveClipping
-from fedmf.accounting.gdp import run_mu_squared
+
 out = {}
 S = MinSep(8, 4); mech = build("bsr", 64, S, num_bands=8)
 S2 = MinSep(16, 4); mech2 = build("bsr", 64, S2, num_bands=16)

@@ -1,9 +1,10 @@
-import math
 import dp_accounting
+
 from fedmf import MinSep
-from fedmf.mechanisms import build
-from fedmf.accounting import epsilon, calibrate
+from fedmf.accounting import calibrate, epsilon
 from fedmf.accounting.releases import ExtraReleases, GaussianRelease
+from fedmf.mechanisms import build
+
 S = MinSep(16, 4)
 mech = build("bsr", 64, S, num_bands=16)
 def pld(zs, q, n, delta):

@@ -1,8 +1,14 @@
-import os, sys, struct, pathlib, tempfile
+import os
+import pathlib
+import struct
+import sys
+import tempfile
+
 sys.path.insert(0, ".")
 os.environ.update(FLWR_TELEMETRY_ENABLED="0", FLWR_DISABLE_UPDATE_CHECK="1", RAY_USAGE_STATS_ENABLED="0", FLWR_HOME=tempfile.mkdtemp())
-import pytest
 from tests import test_client_metrics as t
+
+
 class MP:
     def __init__(self): self.undo = []
     def setattr(self, obj, name, value):

@@ -1,11 +1,16 @@
-import math, torch, numpy as np, statistics
+import statistics
+
+import numpy as np
+import torch
+
 from fedmf import MinSep
 from fedmf.mechanisms import build
 from fedmf.plan import RunPlan
-from fedmf.round.privatize import RoundPrivatizer
 from fedmf.round.client_metrics import ClientMetricRelease
-from fedmf.round.count_noise import metric_noise, count_noise
+from fedmf.round.count_noise import metric_noise
 from fedmf.round.draws import key_of
+from fedmf.round.privatize import RoundPrivatizer
+
 S = MinSep(1, 200); mech = build("bsr", 200, S, num_bands=1)
 layout = {"w": (2,)}
 cm = ClientMetricRelease.create(2.0, 0.5, expected_users=4)

@@ -1,9 +1,14 @@
-import sys, torch, hashlib, json
+import hashlib
+import json
+
+import torch
+
 from fedmf import MinSep
 from fedmf.mechanisms import build
 from fedmf.plan import RunPlan
-from fedmf.round.privatize import RoundPrivatizer
 from fedmf.round.adaptive_clipping import AdaptiveClipping
+from fedmf.round.privatize import RoundPrivatizer
+
 S = MinSep(2, 3); mech = build("bsr", 6, S, num_bands=2)
 layout = {"w": (3, 2), "b": (2,)}
 out = {}

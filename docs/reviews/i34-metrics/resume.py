@@ -1,12 +1,16 @@
-import sys, tempfile, pathlib
+import pathlib
+import sys
+import tempfile
+
 sys.path.insert(0, ".")
-from tests import _federated_task as task
+from fedmf import MinSep
+from fedmf.errors import FedmfError
+from fedmf.mechanisms import build
+from fedmf.plan import RunPlan
 from fedmf.round.client_metrics import ClientMetricRelease
 from fedmf.run.federated import train
-from fedmf.errors import FedmfError
-from fedmf.plan import RunPlan
-from fedmf import MinSep
-from fedmf.mechanisms import build
+from tests import _federated_task as task
+
 d = pathlib.Path(tempfile.mkdtemp())
 p1 = task.plan(rounds=6, client_metrics=ClientMetricRelease.create(3.0, 5.0, expected_users=10))
 train(task.Tiny(), task.users(), p1, task.local_update, checkpoint_dir=d / "run", rounds=2)

@@ -13,10 +13,9 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-from tests import _federated_task as task  # noqa: E402
-
 from fedmf.errors import FedmfError  # noqa: E402
 from fedmf.run.federated import train  # noqa: E402
+from tests import _federated_task as task  # noqa: E402
 
 ROUNDS = 6
 
@@ -179,7 +178,7 @@ def scenarios(tmp: Path):
                 base.mkdir()
                 kw = dict(stop=(stop[1], 1)) if stop[0] == "ev" else dict(stop_eval=3)
                 first, evals = run(d, ledger=ledger, witness=w, rounds=3,
-                                   snap={("noised", 1): lambda: copy_sqlite(ledger, bk)}, **kw)
+                                   snap={("noised", 1): lambda: copy_sqlite(ledger, bk)}, **kw)  # noqa: B023 (run() calls it within this iteration)
                 round1_left = len(evals) >= 3  # initial, round 0, round 1
                 try:
                     if mode == "ledger-rollback":

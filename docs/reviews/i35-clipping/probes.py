@@ -5,14 +5,14 @@ import copy
 import io
 
 import torch
+from fedmf.noise import key_of
 
 from fedmf import MinSep, Workload
-from fedmf.round.adaptive_clipping import AdaptiveClipping
-from fedmf.round.count_noise import count_noise
 from fedmf.errors import CheckpointError, PlanMismatch
 from fedmf.mechanisms import build
-from fedmf.noise import key_of
 from fedmf.plan import RunPlan
+from fedmf.round.adaptive_clipping import AdaptiveClipping
+from fedmf.round.count_noise import count_noise
 from fedmf.round.privatize import RoundPrivatizer
 
 SEED, M, N, D = b"probe-seed-0123456789abcdef01234", 4, 6, 20000

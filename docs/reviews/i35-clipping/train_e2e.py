@@ -11,11 +11,11 @@ import tempfile
 import torch
 
 from fedmf import MinSep, Workload
+from fedmf.mechanisms import build
+from fedmf.plan import RunPlan
 from fedmf.round.adaptive_clipping import AdaptiveClipping
 from fedmf.round.client_metrics import ClientMetricRelease
 from fedmf.run.federated import train
-from fedmf.mechanisms import build
-from fedmf.plan import RunPlan
 
 ROUNDS, USERS = 8, [f"user{i}" for i in range(10)]
 
