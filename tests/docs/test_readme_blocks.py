@@ -105,7 +105,7 @@ def test_the_deployment_quick_start_runs_as_written_and_its_stop_line_stops_ever
     directory (which now holds the run directory) carries only code."""
     ports = [9093, 9100, 9101]
     assert all(_port_free(p) for p in ports), f"the README's ports {ports} must be free on 127.0.0.1"
-    run_block = _block("flower-superlink")
+    run_block = _block("fedmf user keygen")
     run_line = run_block[run_block.index("deploy/fedmf-run.sh"):]
     assert "rounds=2" in run_line
     other_plan = run_line.replace("rounds=2", "rounds=3").strip()
@@ -136,7 +136,7 @@ def test_the_readme_blocks_write_distinct_run_directories():
     """The main job, the Flower simulation and the deployment each write their own run directory."""
     setup = next(b for b in BLOCKS if "fedmf simulate --preset so-tiny" in b)
     dirs = [re.search(r"--out (\S+)", setup).group(1),
-            *(re.search(r"run-dir='\$PWD/([^']+)'", _block(m)).group(1) for m in ("--federation-config", "flower-superlink"))]
+            *(re.search(r"run-dir='\$PWD/([^']+)'", _block(m)).group(1) for m in ("--federation-config", "fedmf user keygen"))]
     assert len(set(dirs)) == 3, dirs
 
 

@@ -1,20 +1,23 @@
+# ruff: noqa: B023  (each lambda is called at once by rec(), inside its loop iteration)
 """Side-by-side accounting, plans, schedulers and the parser; PYTHONPATH selects the tree (4c6cbb1 or later). Prints one JSON dict."""
-import json, sys, math, hashlib
-import numpy as np
-from fedmf.participation import MinSep, FixedEpoch
+import json
+import os
+import sys
+
 import fedmf.mechanisms as M
 from fedmf.accounting import accountant as A
 from fedmf.errors import FedmfError
-import os
+from fedmf.participation import FixedEpoch, MinSep
+
 OLD = os.path.exists(os.path.join(os.environ["PYTHONPATH"], "fedmf/accounting/sampling.py"))
 if OLD:
     from fedmf.accounting.sampling import parse_sampling
     from fedmf.adaptive_clipping import AdaptiveClipping
     from fedmf.client_metrics import ClientMetricRelease
 else:
-    from fedmf.sampling import parse_sampling
     from fedmf.round.adaptive_clipping import AdaptiveClipping
     from fedmf.round.client_metrics import ClientMetricRelease
+    from fedmf.sampling import parse_sampling
 from fedmf.accounting.releases import ExtraReleases
 from fedmf.plan import RunPlan
 from fedmf.schedule import make_scheduler

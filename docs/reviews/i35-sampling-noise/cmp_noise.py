@@ -1,12 +1,20 @@
+# ruff: noqa: B023  (each lambda is called at once by rec(), inside its loop iteration)
 """Noise bit-identity + registry refusals; PYTHONPATH selects the tree."""
-import json, sys, os, hashlib, io, itertools
+import hashlib
+import io
+import json
+import os
+import sys
+
 import torch
+
 T = os.environ["PYTHONPATH"]
 OLD = os.path.exists(os.path.join(T, "fedmf/noise.py"))
 import fedmf.mechanisms as M
-from fedmf.participation import MinSep, FixedEpoch
-from fedmf.workloads import Workload
 from fedmf.errors import FedmfError
+from fedmf.participation import FixedEpoch, MinSep
+from fedmf.workloads import Workload
+
 if OLD:
     from fedmf.noise import NoiseGenerator
 else:

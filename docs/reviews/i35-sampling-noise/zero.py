@@ -1,10 +1,13 @@
 """A b-min-sep plan at z = 0.5186 (tiny preset, 6 rounds, bsr): its planned epsilon and round-0 guard in fresh plans (argv[1] of them)."""
-import os, sys
+import os
+import sys
+
 T = os.environ["PYTHONPATH"]
 import fedmf.mechanisms as M
+from fedmf.errors import FedmfError
 from fedmf.participation import MinSep
 from fedmf.plan import RunPlan
-from fedmf.errors import FedmfError
+
 m, _ = M.plan("bsr", 6, MinSep(4, 2))
 print("bands", m.strategy_bands)
 for i in range(int(sys.argv[1])):
