@@ -24,7 +24,7 @@ import json
 import logging
 import math
 import random
-from typing import Any, Hashable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Hashable, Iterable, Mapping
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
@@ -34,16 +34,30 @@ from flwr.serverapp import Grid
 from fedmf.secagg.errors import SecAggAbort, SecAggError
 from fedmf.secagg.messages import SECAGG_RECORD, from_wire, to_wire
 from fedmf.secagg.params import SecAggParams
-from fedmf.secagg.quantize import Quantization, decode_sum
+from fedmf.secagg.encode import quantization_for
+from fedmf.secagg.quantize import Quantization, check_no_wrap, decode_sum
 from fedmf.secagg.secure_sum import SecureSum
 
 from .secagg import SecAggServer
 
-__all__ = ["SecureRound", "STAGES"]
+if TYPE_CHECKING:
+    from fedmf.plan import RunPlan
+
+__all__ = ["SecureRound", "STAGES", "run_quantization"]
 
 log = logging.getLogger("fedmf.server")
 STAGES = (Stage.SETUP, Stage.SHARE_KEYS, Stage.COLLECT_MASKED_VECTORS, Stage.UNMASK)
 _MAX_REASON = 200
+
+
+def run_quantization(params: SecAggParams, plan: "RunPlan", dim: int, population: int | None = None) -> Quantization:
+    """The run's encoding of a ``dim``-value update (``fedmf.secagg.encode.quantization_for``);
+    refused (one line, before the run opens) when a cohort of the whole ``population`` could wrap
+    the modular sum."""
+    q = quantization_for(plan, dim, scale=params.scale, bits=params.bits, beta=params.beta)
+    if population is not None:
+        check_no_wrap(population, q.clip_norm, q.scale, q.bits)
+    return q
 
 
 class SecureRound:

@@ -48,15 +48,13 @@ from fedmf.run.loop import ROUND, Contributions, LoopEnd, observed_accounting, r
 from fedmf.run.private_run import PrivateRun, RoundRecord
 from fedmf.schedule import Selection
 
-from fedmf.secagg.encode import quantization_for
 from fedmf.secagg.errors import SecAggAbort
-from fedmf.secagg.quantize import check_no_wrap
 from fedmf.secagg.secure_sum import SecureSum
 
 from .config import ServerConfig
 from .identity import IdentityPolicy, NodeDirectory, identity_policy
 from .replies import RoundReplies, max_update_bytes
-from .secagg_round import SecureRound
+from .secagg_round import SecureRound, run_quantization
 
 __all__ = ["DPMFStrategy"]
 
@@ -105,11 +103,8 @@ class DPMFStrategy(Strategy):
     def _secure_round(run: PrivateRun, config: ServerConfig) -> SecureRound:
         """The run's SecAgg+ rounds; refused (one line) when a cohort as large as the population could
         wrap the modular sum."""
-        params, layout = config.secagg, run.privatizer.layout
-        q = quantization_for(run.plan, run.privatizer.size, scale=params.scale, bits=params.bits, beta=params.beta)
-        if run._population is not None:
-            check_no_wrap(run._population, q.clip_norm, q.scale, q.bits)
-        return SecureRound(params, q, layout)
+        q = run_quantization(config.secagg, run.plan, run.privatizer.size, run._population)
+        return SecureRound(config.secagg, q, run.privatizer.layout)
 
     # ---- Flower I/O: who is connected, the TRAIN messages, the replies --------------------------
     def _directory(self, grid: Grid) -> NodeDirectory:

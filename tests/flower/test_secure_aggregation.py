@@ -12,7 +12,7 @@ import torch
 from flwr.common.secure_aggregation.secaggplus_constants import Key, Stage
 
 from client.app import app as client_app
-from fedmf.errors import ConfigError
+from fedmf.secagg.errors import SecAggError
 from fedmf.run.private_run import REPEATABLE_NOISE_ENV
 from fedmf.secagg.messages import SECAGG_RECORD
 from server.app import run_server
@@ -125,5 +125,6 @@ def test_below_the_threshold_the_round_is_aborted_and_redone(tmp_path, logs):
 
 
 def test_secure_aggregation_refuses_a_cohort_that_could_wrap(tmp_path, logs):
-    with pytest.raises(ConfigError, match="could wrap"):
-        run_server(LocalGrid(_nodes()), _config(tmp_path, "wrap", **SECURE, **{"secagg-bits": 16}))
+    with pytest.raises(SecAggError, match="could wrap"):
+        run_server(LocalGrid(_nodes()), _config(tmp_path, "wrap", **{**SECURE, "secagg-bits": 16}))
+    assert not (tmp_path / "wrap").exists()  # refused before the run opened
