@@ -39,7 +39,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
 from fedmf.audit.auditor import audit_command
-from fedmf.errors import CohortTooSmall, NotLearning
+from fedmf.errors import CohortTooSmall, ConfigError, NotLearning
 from fedmf.run.learning_check import LearningCheck
 from fedmf.ledger.db import LedgerError, public_url
 from fedmf.run.ledger_retry import ledger_retry
@@ -223,7 +223,10 @@ class DPMFStrategy(Strategy):
         """Not called by ``start``. The first half of one round for a caller that drives the hooks
         itself (``benchmarks/server.py``): select (who is connected, then the scheduler and the
         ledger) and return the TRAIN messages carrying ``arrays``, which must be the committed
-        model. No guard: the caller runs ``run.guard`` first. ``config`` is not used."""
+        model. No guard: the caller runs ``run.guard`` first. ``config`` is not used. Refused with
+        secure aggregation (its stages run only in ``start``): the updates would reach the server."""
+        if self.secure is not None:
+            raise ConfigError("configure_train sends plain TRAIN messages: with secure-aggregation use start")
         selection = self.run.select(self._available(grid, self.run.next_round))
         return self._messages(selection, arrays)
 

@@ -128,3 +128,19 @@ def test_secure_aggregation_refuses_a_cohort_that_could_wrap(tmp_path, logs):
     with pytest.raises(SecAggError, match="could wrap"):
         run_server(LocalGrid(_nodes()), _config(tmp_path, "wrap", **{**SECURE, "secagg-bits": 16}))
     assert not (tmp_path / "wrap").exists()  # refused before the run opened
+
+
+@pytest.mark.heavy  # a real `flwr run` simulation (Ray actors, Context.state between stages): ~1-2 min
+def test_flwr_run_simulation_with_secure_aggregation(tmp_path):
+    from pathlib import Path
+
+    from tests.flower_harness import run_simulation
+
+    root = Path(__file__).resolve().parents[2]
+    values = _config(tmp_path, "sim", **{**SECURE, "reply-timeout": 120.0, "secagg-stage-timeout": 60.0,
+                                         "task-options": '{"num_users": 8}'})
+    result = run_simulation(root, num_supernodes=8, run_config=values, timeout=400, tmp_path=tmp_path / "flwr")
+    assert result.rc == 0, result.output[-3000:]
+    assert "secure aggregation (SecAgg+)" in result.output
+    assert (tmp_path / "sim" / "final-model.pt").exists()
+    assert "fedmf round 2 (3/3 done)" in result.output
