@@ -124,6 +124,62 @@ def test_below_the_threshold_the_round_is_aborted_and_redone(tmp_path, logs):
     assert strategy.history[0].contributed == PER_ROUND
 
 
+def test_adaptive_clipping_under_secure_aggregation_releases_the_central_count(tmp_path, logs):
+    adaptive = {"adaptive-clipping": 0.5, "clip-norm": 0.05}
+    central = run_server(LocalGrid(_nodes()), _config(tmp_path, "central", **adaptive))
+    task.share_secrets(tmp_path / "central", tmp_path / "secure")
+    secure = run_server(LocalGrid(_nodes()), _config(tmp_path, "secure", **{**SECURE, **adaptive}))
+    assert secure.secure.quantization.with_bit
+    # round 0: the same model and users, so the same unclipped count (decoded from the masked bits)
+    # and the same count noise (repeatable): the same released fraction and the same ζ₁
+    first_c, first_s = central.history[0].metrics, secure.history[0].metrics
+    assert first_s["noisy-unclipped-fraction"] == first_c["noisy-unclipped-fraction"]
+    assert secure.history[1].metrics["clip-norm"] == central.history[1].metrics["clip-norm"]
+
+
+class SpyGrid(LocalGrid):
+    """Keeps every reply the server receives."""
+
+    def __init__(self, nodes):
+        super().__init__(nodes)
+        self.replies = []
+
+    def send_and_receive(self, messages, *, timeout=None):
+        replies = super().send_and_receive(messages, timeout=timeout)
+        self.replies.extend(replies)
+        return replies
+
+
+def test_the_server_receives_no_update_only_masked_words(tmp_path, logs):
+    grid = SpyGrid(_nodes())
+    strategy = run_server(grid, _config(tmp_path, "spy", rounds=2, **SECURE))
+    answered = [reply for reply in grid.replies if reply.has_content() and SECAGG_RECORD in reply.content.config_records]
+    assert all(not reply.content.array_records and not reply.content.metric_records for reply in answered)
+    stages = [reply.content.config_records[SECAGG_RECORD][Key.STAGE] for reply in answered]
+    assert stages.count(Stage.COLLECT_MASKED_VECTORS) == 2 * PER_ROUND
+    assert [r.contributed for r in strategy.history] == [PER_ROUND, PER_ROUND]
+
+
+def test_a_node_that_errs_at_share_keys_is_dropped_and_recorded_as_rejected(tmp_path, logs):
+    nodes = _nodes()
+    victim: list[int] = []
+
+    def wrap(node_id, answer):
+        def node(message):
+            if _stage(message) == Stage.SHARE_KEYS and (not victim or victim == [node_id]):
+                victim[:] = [node_id]
+                from flwr.app import Error, Message
+
+                return Message(Error(code=1, reason="boom"), reply_to=message)
+            return answer(message)
+        return node
+
+    grid = LocalGrid({node_id: wrap(node_id, answer) for node_id, answer in nodes.items()})
+    strategy = run_server(grid, _config(tmp_path, "err", rounds=1, **{**SECURE, "min-sep": 1}))
+    [record] = strategy.history
+    assert (record.contributed, record.rejected) == (PER_ROUND - 1, 1)
+
+
 def test_secure_aggregation_refuses_a_cohort_that_could_wrap(tmp_path, logs):
     with pytest.raises(SecAggError, match="could wrap"):
         run_server(LocalGrid(_nodes()), _config(tmp_path, "wrap", **{**SECURE, "secagg-bits": 16}))
