@@ -34,6 +34,7 @@ from flwr.serverapp import Grid
 from fedmf.secagg.errors import SecAggAbort, SecAggError
 from fedmf.secagg.messages import SECAGG_RECORD, from_wire, to_wire
 from fedmf.secagg.params import SecAggParams
+from fedmf.errors import ConfigError
 from fedmf.secagg.encode import quantization_for
 from fedmf.secagg.quantize import Quantization, check_no_wrap, decode_sum
 from fedmf.secagg.secure_sum import SecureSum
@@ -52,8 +53,11 @@ _MAX_REASON = 200
 
 def run_quantization(params: SecAggParams, plan: "RunPlan", dim: int, population: int | None = None) -> Quantization:
     """The run's encoding of a ``dim``-value update (``fedmf.secagg.encode.quantization_for``);
-    refused (one line, before the run opens) when a cohort of the whole ``population`` could wrap
-    the modular sum."""
+    refused (one line, before the run opens) when the planned cohort is below the threshold or a
+    cohort of the whole ``population`` could wrap the modular sum."""
+    if plan.expected_users < params.threshold:
+        raise ConfigError(f"clients-per-round {plan.expected_users:g} is below the secure-aggregation threshold "
+                          f"{params.threshold}: every round would abort")
     q = quantization_for(plan, dim, scale=params.scale, bits=params.bits, beta=params.beta)
     if population is not None:
         check_no_wrap(population, q.clip_norm, q.scale, q.bits)
@@ -90,6 +94,7 @@ class SecureRound:
         ``config`` (the TRAIN config, with ``round`` and ``run-nonce``, and ``encoding``'s entries).
         Raises ``SecAggAbort`` when the survivors fall below the threshold."""
         q = self.quantization
+        self.server = None
         if not expected:  # an empty cohort (a Poisson draw): its sum is zero, no one to protect
             return SecureSum(np.zeros(q.dim), 0 if q.with_bit else None, frozenset(), q.inflation)
         user_of = {int(node): user for user, node in expected.items()}

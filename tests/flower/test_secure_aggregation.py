@@ -12,6 +12,7 @@ import torch
 from flwr.common.secure_aggregation.secaggplus_constants import Key, Stage
 
 from client.app import app as client_app
+from fedmf.errors import ConfigError
 from fedmf.secagg.errors import SecAggError
 from fedmf.run.private_run import REPEATABLE_NOISE_ENV
 from fedmf.secagg.messages import SECAGG_RECORD
@@ -200,3 +201,27 @@ def test_flwr_run_simulation_with_secure_aggregation(tmp_path):
     assert "secure aggregation (SecAgg+)" in result.output
     assert (tmp_path / "sim" / "final-model.pt").exists()
     assert "fedmf round 2 (3/3 done)" in result.output
+
+
+def test_a_cohort_always_below_the_threshold_ends_the_run_with_nothing_released(tmp_path, logs):
+    from fedmf.secagg.errors import SecAggAbort
+
+    answering: set[int] = set()
+
+    def silent(node, stage):  # only two nodes ever answer the setup: 2 < t = 3 in every attempt
+        if stage == Stage.SETUP and len(answering) < 2:
+            answering.add(node)
+        return stage == Stage.SETUP and node not in answering
+
+    with pytest.raises(SecAggAbort, match="below the threshold"):
+        run_server(LocalGrid(_nodes(silent)), _config(tmp_path, "small", **SECURE))
+    assert logs.text.count("redone with fresh noise") == 3
+    assert not (tmp_path / "small" / "final-model.pt").exists()
+    log = tmp_path / "small" / "rounds.jsonl"
+    assert not log.exists() or not log.read_text()
+
+
+def test_a_planned_cohort_below_the_threshold_is_refused_before_the_run_opens(tmp_path, logs):
+    with pytest.raises(ConfigError, match="threshold"):
+        run_server(LocalGrid(_nodes()), _config(tmp_path, "small", **{**SECURE, "clients-per-round": 2}))
+    assert not (tmp_path / "small").exists()
