@@ -101,9 +101,9 @@ class DPMFStrategy(Strategy):
 
     @staticmethod
     def _secure_round(run: PrivateRun, config: ServerConfig) -> SecureRound:
-        """The run's SecAgg+ rounds; refused (one line) when a cohort as large as the population could
-        wrap the modular sum."""
-        q = run_quantization(config.secagg, run.plan, run.privatizer.size, run._population)
+        """The run's SecAgg+ rounds (the ServerApp checked, before the run opened, that no cohort of
+        its population can wrap the modular sum: ``server.app``)."""
+        q = run_quantization(config.secagg, run.plan, run.privatizer.size)
         return SecureRound(config.secagg, q, run.privatizer.layout)
 
     # ---- Flower I/O: who is connected, the TRAIN messages, the replies --------------------------
