@@ -15,6 +15,10 @@ Messages (all config keys are ConfigRecord entries under "config"):
 * EVALUATE: the same config (hyperparameters not needed) → ``{"metrics": MetricRecord(
   {"num-examples", "eval-loss", "eval-accuracy"}), "config": {"round", "run-nonce", "user-id"}}``.
 
+* TRAIN with a ``"secagg"`` ConfigRecord: one stage of a secure-aggregation round
+  (``client/secagg_app.py``) → ``{"secagg": ConfigRecord(the stage's reply), "config": {"round",
+  "run-nonce", "user-id"}}``.
+
 A bad message, a task error, or a "user-id" other than this node's identity is answered with an
 error reply (``Error(ERROR_CODE, "fedmf: <one line>")``); any other exception is a bug and is left
 to Flower (which replies with its own error).
@@ -35,6 +39,8 @@ from flwr.common.constant import ErrorCode
 from fedmf.enrollment import CHALLENGE_BYTES, check_user_id, load_private_key, sign_proof
 from fedmf.errors import ConfigError, FedmfError
 from fedmf.tasks import ClientHyper, Task, get_task
+
+from .secagg_app import SECAGG_RECORD, secure_stage
 
 __all__ = ["app", "user_id", "load_task", "TrainRequest", "parse_request", "ERROR_CODE", "IDENTITY_RECORD"]
 
@@ -182,6 +188,9 @@ def train(msg: Message, context: Context) -> Message:
     """Local training: reply with the model delta, example count and training loss."""
     try:
         request, task = _checked(msg, context, hyper=True)
+        if SECAGG_RECORD in msg.content.config_records:  # one stage of a secure-aggregation round
+            record = secure_stage(msg, context, request, task)
+            return Message(RecordDict({SECAGG_RECORD: record, "config": _echo(request)}), reply_to=msg)
         params = _arrays(msg).to_torch_state_dict()
         result = task.local_update(params, request.user, request.round, request.hyper)
     except FedmfError as e:

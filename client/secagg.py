@@ -29,6 +29,7 @@ from flwr.common.secure_aggregation.secaggplus_utils import (
     share_keys_plaintext_separate,
 )
 from flwr.supercore.primitives.asymmetric import (
+    bytes_to_private_key,
     bytes_to_public_key,
     generate_key_pairs,
     private_key_to_bytes,
@@ -42,6 +43,8 @@ from fedmf.secagg.params import MAX_BITS, MIN_BITS
 
 __all__ = ["SecAggClient"]
 
+#: the tables kept in ``to_state``: state name → attribute (node id → bytes)
+_TABLES = {"pk1s": "_pk1s", "box-keys": "_box_keys", "seed-shares": "_seed_shares", "key-shares": "_key_shares"}
 _ORDER = (Stage.SETUP, Stage.SHARE_KEYS, Stage.COLLECT_MASKED_VECTORS, Stage.UNMASK)
 
 
@@ -76,6 +79,53 @@ class SecAggClient:
         self._box_keys: dict[int, bytes] = {}
         self._seed_shares: dict[int, bytes] = {}
         self._key_shares: dict[int, bytes] = {}
+
+    @property
+    def bits(self) -> int:
+        """The modulus bits the server announced at setup (0 before)."""
+        return self._bits
+
+    # -- kept between stages in the node's Context.state (one message per stage) ------------
+
+    def to_state(self) -> dict[str, Any]:
+        """This client's state as ConfigRecord values (its secrets included: the node's own
+        ``Context.state``, never sent)."""
+        state: dict[str, Any] = {"node-id": int(self.node_id), "next": self._next, "session": self._session or b"",
+                                 "threshold": self._threshold, "bits": self._bits, "length": self._length,
+                                 "neighbours": sorted(self._neighbours), "members": list(self._members),
+                                 "sources": sorted(self._sources)}
+        for name, table in _TABLES.items():
+            held = getattr(self, table)
+            state[f"{name}-ids"] = sorted(held)
+            state[name] = [held[k] for k in sorted(held)]
+        if self._next >= 1:
+            state.update(sk1=private_key_to_bytes(self._sk1), sk2=private_key_to_bytes(self._sk2), pk1=self._pk1,
+                         pk2=self._pk2)
+        if self._next >= 2:
+            state["seed"] = self._seed
+        return state
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> SecAggClient:
+        """The client ``to_state`` wrote (SecAggError when it is not one)."""
+        try:
+            client = cls(int(state["node-id"]))
+            client._next = int(state["next"])
+            client._session = bytes(state["session"]) or None
+            client._threshold, client._bits, client._length = (int(state[k]) for k in ("threshold", "bits", "length"))
+            client._neighbours = frozenset(int(v) for v in state["neighbours"])
+            client._members = [int(v) for v in state["members"]]
+            client._sources = frozenset(int(v) for v in state["sources"])
+            for name, table in _TABLES.items():
+                setattr(client, table, dict(zip((int(v) for v in state[f"{name}-ids"]), state[name])))
+            if client._next >= 1:
+                client._sk1, client._sk2 = bytes_to_private_key(state["sk1"]), bytes_to_private_key(state["sk2"])
+                client._pk1, client._pk2 = state["pk1"], state["pk2"]
+            if client._next >= 2:
+                client._seed = state["seed"]
+        except (KeyError, TypeError, ValueError) as e:
+            raise SecAggError(f"the secure-aggregation state of this node is malformed ({type(e).__name__})") from None
+        return client
 
     def handle(self, request: Mapping[str, Any], vector: np.ndarray | None = None) -> dict[str, Any]:
         """The reply to one stage's request; ``vector`` (uint64 words) only at collect."""

@@ -22,6 +22,7 @@ from fedmf.run.private_run import REPEATABLE_NOISE_WARNING, PrivateRun, repeatab
 
 from .config import ServerConfig
 from .identity import identity_policy
+from .secagg_round import run_quantization
 from .strategy import DPMFStrategy
 
 __all__ = ["app", "run_server", "ServerAppError"]
@@ -112,6 +113,8 @@ def _serve(grid: Grid, run_config: dict, opened: list[PrivateRun]) -> DPMFStrate
     identity = identity_policy(grid, config, task.users())  # before the run opens: a deployment needs enrollment
     plan = config.build_plan()
     model = task.model()
+    if config.secagg is not None:  # before the run opens: the whole population's sum must not wrap
+        run_quantization(config.secagg, plan, sum(p.numel() for p in model.parameters()), len(task.users()))
 
     def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
         # server-side held-out evaluation of the committed model (post-processing)

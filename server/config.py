@@ -12,6 +12,18 @@ ServerApp validates once, before round 1: the engine's ``RunConfig`` and these k
     user-enrollment   ""                          the enrollment file (``fedmf user enroll``); a deployment
                                                   with identity "enrolled" needs it
     identity-timeout  30.0                        seconds to wait for identity replies (then backoff per node)
+    secure-aggregation "off" | "secaggplus"       "secaggplus": the server learns only the sum of the clipped,
+                                                  quantized updates (SecAgg+, server/secagg_round.py; README
+                                                  "Secure aggregation (preview)")
+    secagg-degree     8                           k, neighbours of each client in SecAgg+'s random graph (even)
+    secagg-threshold  5                           t, shares that reconstruct a secret (2t > k + 1; a cohort
+                                                  below t aborts the round)
+    secagg-bits       32                          b, the sum is computed modulo 2^b (no wrap: checked)
+    secagg-scale      65536.0                     s, fixed-point units per unit of the clipped update
+    secagg-stage-timeout 120.0                    seconds to wait for one stage's replies (the collect stage,
+                                                  where clients train, waits at least reply-timeout)
+
+The SecAgg+ parameters' security meaning is ``fedmf.secagg.params.SecAggParams``'s docstring.
 """
 
 from __future__ import annotations
@@ -22,15 +34,21 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from fedmf.config import DEFAULTS, RunConfig, read_float, read_text
+from fedmf.config import DEFAULTS, RunConfig, read_float, read_int, read_text
 from fedmf.errors import ConfigError
+from fedmf.secagg.errors import SecAggError
+from fedmf.secagg.params import MIN_BITS, SecAggParams
 
 __all__ = ["FLOWER_DEFAULTS", "APP_DEFAULTS", "ServerConfig"]
 
 #: the defaults of the keys only the Flower adapter reads (pyproject.toml's app config ends with them)
 FLOWER_DEFAULTS: dict[str, Any] = {
     "reply-timeout": 600.0, "identity": "enrolled", "user-enrollment": "", "identity-timeout": 30.0,
+    "secure-aggregation": "off", "secagg-degree": 8, "secagg-threshold": 5, "secagg-bits": 32,
+    "secagg-scale": 65536.0, "secagg-stage-timeout": 120.0,
 }
+#: the values of the secure-aggregation key
+SECURE_AGGREGATION = ("off", "secaggplus")
 #: the one defaults table: the engine's keys, then the adapter's (pyproject.toml's [tool.flwr.app.config])
 APP_DEFAULTS: dict[str, Any] = {**DEFAULTS, **FLOWER_DEFAULTS}
 
@@ -43,6 +61,8 @@ class ServerConfig(RunConfig):
     identity: str = "enrolled"
     user_enrollment: str | None = None
     identity_timeout: float = 30.0
+    #: None: the central mode; else the SecAgg+ parameters of a secure-aggregation run
+    secagg: SecAggParams | None = None
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], *, base_dir: str | os.PathLike | None = None) -> ServerConfig:
@@ -63,4 +83,28 @@ class ServerConfig(RunConfig):
         return cls(**{f.name: getattr(engine, f.name) for f in fields(RunConfig)},
                    reply_timeout=read_float("reply-timeout", v["reply-timeout"], strict=True),
                    identity=identity, user_enrollment=str(base / enrollment) if enrollment else None,
-                   identity_timeout=read_float("identity-timeout", v["identity-timeout"], strict=True))
+                   identity_timeout=read_float("identity-timeout", v["identity-timeout"], strict=True),
+                   secagg=_secagg(v, engine))
+
+
+def _secagg(v: Mapping[str, Any], engine: RunConfig) -> SecAggParams | None:
+    """The SecAgg+ parameters when ``secure-aggregation`` is "secaggplus" (checked: ``SecAggParams``),
+    else None; the parameters are read (and checked) either way."""
+    mode = read_text("secure-aggregation", v["secure-aggregation"])
+    if mode not in SECURE_AGGREGATION:
+        raise ConfigError(f"secure-aggregation must be off or secaggplus, got {mode!r}")
+    try:
+        params = SecAggParams(degree=read_int("secagg-degree", v["secagg-degree"], 2),
+                              threshold=read_int("secagg-threshold", v["secagg-threshold"], 2),
+                              bits=read_int("secagg-bits", v["secagg-bits"], MIN_BITS),
+                              scale=read_float("secagg-scale", v["secagg-scale"], strict=True),
+                              stage_timeout_s=read_float("secagg-stage-timeout", v["secagg-stage-timeout"],
+                                                         strict=True))
+    except SecAggError as e:
+        raise ConfigError(str(e)) from None
+    if mode == "off":
+        return None
+    if engine.client_metrics != "none":
+        raise ConfigError("client-metrics must be none with secure-aggregation: the clients' training loss would "
+                          "reach the server unmasked (not yet carried inside the masked vector)")
+    return params

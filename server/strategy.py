@@ -17,6 +17,13 @@ metrics clients report (training loss, example counts) are never published as se
 (``fedmf.round.client_metrics``), otherwise nothing of them.
 ``configure_train`` / ``aggregate_train`` (abstract in Flower's ``Strategy``) are not used by
 ``start``: they are the two halves of one round for a caller that drives the hooks itself.
+
+With ``secure-aggregation = "secaggplus"`` (``config.secagg``) the send/validate steps are the
+SecAgg+ stages (``server/secagg_round.py``): the clients clip to the ζₜ sent, zero, check and
+quantize their own updates and mask them; the engine privatizes the decoded sum
+(``PrivateRun.aggregate`` with a ``SecureSum``: σ from ζ·inflation, ÷ the planned users). A round
+whose secure sum aborts (survivors below the threshold) is aborted — nothing of it was noised or
+released — and redone with fresh noise, up to ``SECAGG_REDOS`` times.
 """
 
 from __future__ import annotations
@@ -33,18 +40,21 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
 from fedmf.audit.auditor import audit_command
-from fedmf.errors import CohortTooSmall, NotLearning
+from fedmf.errors import CohortTooSmall, ConfigError, NotLearning
 from fedmf.ledger.db import LedgerError, public_url
 from fedmf.round.privatize import RoundReport
 from fedmf.run.learning_check import LearningCheck
 from fedmf.run.ledger_retry import ledger_retry
-from fedmf.run.loop import Contributions, LoopEnd, observed_accounting, run_rounds, settle
+from fedmf.run.loop import ROUND, Contributions, LoopEnd, observed_accounting, run_rounds, settle
 from fedmf.run.private_run import PrivateRun, RoundRecord
 from fedmf.schedule import Selection
+from fedmf.secagg.errors import SecAggAbort
+from fedmf.secagg.secure_sum import SecureSum
 
 from .config import ServerConfig
 from .identity import IdentityPolicy, NodeDirectory, identity_policy
 from .replies import RoundReplies, max_update_bytes
+from .secagg_round import SecureRound, run_quantization
 
 __all__ = ["DPMFStrategy"]
 
@@ -55,6 +65,8 @@ LEDGER_RETRIES, LEDGER_BACKOFF_S, LEDGER_BACKOFF_MAX_S = 8, 1.0, 30.0
 #: a round too few users can join (``fedmf.run.cohort``) is tried again every COHORT_POLL_S seconds, for at
 #: most the configuration's reply-timeout, then the run stops (resumable)
 COHORT_POLL_S = 5.0
+#: a round whose secure sum aborted is redone (fresh noise, nothing released) up to this many times
+SECAGG_REDOS = 3
 
 
 class DPMFStrategy(Strategy):
@@ -84,6 +96,15 @@ class DPMFStrategy(Strategy):
                                                    else {"epsilon": config.target_epsilon})},
                                       flag="", stop_when_diverging=config.stop_when_diverging,
                                       announce=lambda line: log.warning("fedmf: %s", line))
+        #: None: the central mode; else the SecAgg+ rounds (server/secagg_round.py)
+        self.secure = None if config.secagg is None else self._secure_round(run, config)
+
+    @staticmethod
+    def _secure_round(run: PrivateRun, config: ServerConfig) -> SecureRound:
+        """The run's SecAgg+ rounds (the ServerApp checked, before the run opened, that no cohort of
+        its population can wrap the modular sum: ``server.app``)."""
+        q = run_quantization(config.secagg, run.plan, run.privatizer.size)
+        return SecureRound(config.secagg, q, run.privatizer.layout)
 
     # ---- Flower I/O: who is connected, the TRAIN messages, the replies --------------------------
     def _directory(self, grid: Grid) -> NodeDirectory:
@@ -129,6 +150,41 @@ class DPMFStrategy(Strategy):
                           self.config.reply_timeout if timeout is None else timeout)
         return received
 
+    def _secure_exchange(self, grid: Grid, selection: Selection, timeout: float) -> SecureSum:
+        """The round's SecAgg+ stages with the selected users who are connected; their decoded sum.
+        A ``SecAggAbort`` aborts the open round (nothing of it was noised) before it propagates."""
+        t = selection.round
+        expected = {user: self._reachable[user] for user in selection.reachable}
+        privatizer = self.run.privatizer
+        config = {"round": t, "run-nonce": self.nonce, "task": self.config.task,
+                  "task-options": json.dumps(self.config.task_options, sort_keys=True),
+                  "client-lr": self.config.client_lr, "local-epochs": self.config.local_epochs,
+                  "batch-size": self.config.batch_size,
+                  **self.secure.encoding(privatizer.clip_norm, privatizer.clipping.zero_threshold)}
+        try:
+            total = self.secure.run(grid, expected, config, ArrayRecord(self.run.model.state_dict()), timeout)
+        except SecAggAbort as e:
+            self.run.abort(f"secure aggregation aborted: {e}")
+            raise
+        finally:
+            protocol = self.secure.server
+            heard = set() if protocol is None else {u for u, node in expected.items() if node in protocol.u1}
+            self.nodes.answered(node for user, node in expected.items() if user in heard)
+            self.nodes.missed([node for user, node in expected.items() if user not in heard], timeout)
+        return total
+
+    def _redo_aborted(self, t: int, step: Callable[[], T]) -> T:
+        """``step()``, redone while its secure sum aborts, at most ``SECAGG_REDOS`` times."""
+        for attempt in range(SECAGG_REDOS + 1):
+            try:
+                return step()
+            except SecAggAbort as e:
+                if attempt == SECAGG_REDOS:
+                    raise
+                log.warning("fedmf round %d: %s; the round was aborted and nothing of it was released; redone with "
+                            "fresh noise (%d/%d)", t, e, attempt + 1, SECAGG_REDOS)
+        raise AssertionError("unreachable")
+
     def _values(self, received: RoundReplies) -> dict | None:
         """The clients' reported training loss for the engine's private release (``fedmf.round.client_metrics``),
         only when the plan has one; nothing a client reports is ever published as sent."""
@@ -139,7 +195,8 @@ class DPMFStrategy(Strategy):
         (adaptive clipping's ζₜ and noisy fraction, the private client-metric release when planned) and
         (unamplified runs) the worst user's observed ε, which also joins ``record.metrics``. No
         client-reported value is among them as sent."""
-        metrics = {"epsilon": record.epsilon, "selected": record.selected, "received": len(received.updates),
+        got = len(received.updates) if self.secure is None else record.contributed  # secure: in the sum
+        metrics = {"epsilon": record.epsilon, "selected": record.selected, "received": got,
                    "rejected": record.rejected, "dropped": record.dropped, **record.metrics}
         if record.clipped is not None:  # ledger diagnostics only (outside the DP guarantee)
             metrics.update(clipped=record.clipped, zeroed=record.zeroed)
@@ -166,7 +223,10 @@ class DPMFStrategy(Strategy):
         """Not called by ``start``. The first half of one round for a caller that drives the hooks
         itself (``benchmarks/server.py``): select (who is connected, then the scheduler and the
         ledger) and return the TRAIN messages carrying ``arrays``, which must be the committed
-        model. No guard: the caller runs ``run.guard`` first. ``config`` is not used."""
+        model. No guard: the caller runs ``run.guard`` first. ``config`` is not used. Refused with
+        secure aggregation (its stages run only in ``start``): the updates would reach the server."""
+        if self.secure is not None:
+            raise ConfigError("configure_train sends plain TRAIN messages: with secure-aggregation use start")
         selection = self.run.select(self._available(grid, self.run.next_round))
         return self._messages(selection, arrays)
 
@@ -205,6 +265,12 @@ class DPMFStrategy(Strategy):
             log.info("fedmf: client metrics: the training loss released privately, clipped to [0, %g], noise std "
                      "%g on the sum, %.3g of the privacy spent", metrics.clip, metrics.noise_std,
                      plan.summary()["privacy_split"]["client-metrics"])
+        if self.secure is not None:
+            q, params = self.secure.quantization, self.secure.params
+            log.info("fedmf: secure aggregation (SecAgg+): degree %d, threshold %d, modulo 2^%d, scale %g; the "
+                     "server sees only the sum; quantization inflation %.6g (noise std x it)", params.degree,
+                     params.threshold, params.bits, params.scale, q.inflation)
+            return
         log.info("fedmf: a reply holds the records arrays, config and metrics only, its arrays at most %d bytes "
                  "(the model in float64 as .npy); anything else is rejected",
                  max_update_bytes(self.run.privatizer.layout))
@@ -219,6 +285,9 @@ class DPMFStrategy(Strategy):
         retry = ledger_retry((LedgerError,), retries=LEDGER_RETRIES, backoff_s=LEDGER_BACKOFF_S,
                              backoff_max_s=LEDGER_BACKOFF_MAX_S, log=log)
         waited_since = None
+        if self.secure is not None and stage == ROUND:
+            inner = step
+            step = lambda: self._redo_aborted(t, inner)  # noqa: E731
         while True:
             try:
                 value = retry(t, step, stage)
@@ -273,6 +342,9 @@ class DPMFStrategy(Strategy):
         def exchange(selection: Selection) -> Contributions:  # the cohort step: Flower I/O
             nonlocal received
             self.run.global_params()  # raises if the state in memory is not the committed one (nothing is sent)
+            if self.secure is not None:
+                received = RoundReplies(selection.round, self.nonce, {}, self.nodes)  # no update reaches the server
+                return self._secure_exchange(grid, selection, timeout), None, None
             messages = self._messages(selection, ArrayRecord(self.run.model.state_dict()))
             received = self._validate(grid.send_and_receive(messages, timeout=timeout), timeout)
             return received.updates, received.rejected, self._values(received)

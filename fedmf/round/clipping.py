@@ -86,9 +86,12 @@ class ClippingPolicy(ABC):
     def scale_back(self, noisy_sum: torch.Tensor) -> torch.Tensor:
         """The released mean from the noisy sum, in place."""
 
-    def release(self, key: bytes, t: int, salt: bytes, contributed: Iterable[UserReport]) -> float | None:
+    def release(self, key: bytes, t: int, salt: bytes, contributed: Iterable[UserReport],
+                unclipped: int | None = None) -> float | None:
         """Round t's extra release from the contributed users (None: none), and the move to the next
-        round's ζ. ``key``: the run's noise secret; ``salt``: the round's noise salt (b"": unsalted)."""
+        round's ζ. ``key``: the run's noise secret; ``salt``: the round's noise salt (b"": unsalted);
+        ``unclipped``: the count of unclipped updates when the server did not see the updates (a
+        secure sum's decoded bits), else counted from ``contributed``."""
         return None
 
     def state_dict(self) -> dict[str, Any]:
@@ -167,10 +170,13 @@ class AdaptiveClipping(ClippingPolicy):
     def scale_back(self, noisy_sum: torch.Tensor) -> torch.Tensor:
         return noisy_sum.mul_(self.clip_norm / self.plan.expected_users)
 
-    def release(self, key: bytes, t: int, salt: bytes, contributed: Iterable[UserReport]) -> float:
+    def release(self, key: bytes, t: int, salt: bytes, contributed: Iterable[UserReport],
+                unclipped: int | None = None) -> float:
         """b̃ₜ·m = Σ 1[‖Δᵢ‖ ≤ ζₜ] + N(0, σ_b²), then ζₜ₊₁ = next_clip_norm(ζₜ, b̃ₜ·m, m) (Alg. 1).
-        A zeroed update (ℓ∞ > threshold ≥ ζₜ, so ‖Δ‖ > ζₜ) counts as clipped."""
-        unclipped = sum(1 for u in contributed if not (u.clipped or u.zeroed))
+        A zeroed update (ℓ∞ > threshold ≥ ζₜ, so ‖Δ‖ > ζₜ) counts as clipped. ``unclipped``: the
+        secure sum's decoded count, used exactly as the count made here would be."""
+        if unclipped is None:
+            unclipped = sum(1 for u in contributed if not (u.clipped or u.zeroed))
         noisy = unclipped + count_noise(key, t, salt, self.rule.count_noise_std)
         self.clip_norm = self.rule.next_clip_norm(self.clip_norm, noisy, self.plan.expected_users,
                                                   initial_clip_norm=self.plan.clip_norm)

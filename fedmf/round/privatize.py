@@ -23,6 +23,12 @@ correlated noise and each of its scalar releases.
 With a private client-metric release (``plan.client_metrics``, ``fedmf.round.client_metrics``) round t also
 releases (Σ clip(vᵢ, 0, L) + N(0, σ_m²)) / m over the contributed users' reported values, its noise
 from its own keyed stream under the round's salt (``fedmf.round.count_noise.metric_noise``).
+
+With secure aggregation the server never sees an update: ``add_sum`` takes the decoded sum that
+SecAgg+ unmasked (the clients clipped, zeroed and checked their own updates; ``fedmf.secagg``) in
+place of ``add``, and ``finish`` adds the same correlated noise scaled by the quantization's stated
+inflation — σ from ζ_eff = ζ·inflation (``fedmf.secagg.sensitivity``) — and divides by the same
+planned m; adaptive clipping's count is the decoded count of unclipped bits.
 """
 
 from __future__ import annotations
@@ -181,6 +187,8 @@ class RoundPrivatizer:
         self._open: RoundReport | None = None
         self._seen: set[str] = set()
         self._selected: set[str] | None = None
+        #: a secure sum's (inflation, decoded unclipped count) for the open round (None: central)
+        self._secure: tuple[float, int | None] | None = None
 
     @property
     def clip_norm(self) -> float:
@@ -207,6 +215,7 @@ class RoundPrivatizer:
 
             raise HorizonReached(f"round {t} is past the mechanism's horizon of {self.plan.rounds} rounds")
         self._sum.zero_()
+        self._secure = None
         self._open = RoundReport(t, self.clipping.noise_std, self.plan.expected_users,
                                  clip_norm=self.clipping.reported_clip_norm)
         self._seen = set()
@@ -215,6 +224,8 @@ class RoundPrivatizer:
     def add(self, user: Hashable, update: object) -> UserReport:
         """Validate, zero, clip and sum one user's update (or reject it with its reason)."""
         report = self._require_open()
+        if self._secure is not None:
+            raise RoundOrderError(f"round {report.round} holds a secure sum: no update is added to it")
         key = _user_order(user)
         if key in self._seen:
             return self._reject(user, f"a second update from this user in round {report.round}", record=False)
@@ -250,6 +261,37 @@ class RoundPrivatizer:
         report.users.append(result)
         return result
 
+    def add_sum(self, total: Any, contributors: Iterable[Hashable], *, inflation: float,
+                unclipped: int | None = None) -> None:
+        """The open round's sum as a secure aggregation decoded it, in place of ``add``: ``total``,
+        float64 values in the layout's order, Σ clip(Δ, ζ) (fixed clipping) or Σ clip(Δ, ζₜ)/ζₜ
+        (adaptive) over ``contributors``, each update's decoded ℓ2 norm at most ζ·``inflation``
+        (Kairouz, Liu, Steinke, ICML 2021, Thm. 1); ``unclipped``: the decoded count of unclipped
+        bits (adaptive clipping only). ``finish`` then noises it with σ·inflation."""
+        import numpy as np
+
+        report = self._require_open()
+        if self._secure is not None or self._seen:
+            raise RoundOrderError(f"round {report.round} already has updates or a secure sum")
+        factor = checks.interval("quantization inflation", inflation, 1.0, float("inf"))
+        vector = np.asarray(total)
+        if vector.dtype != np.float64 or vector.shape != (self.size,) or not np.all(np.isfinite(vector)):
+            raise ConfigError(f"a secure sum must be {self.size} finite float64 values")
+        users = sorted({_user_order(u): u for u in contributors}.items())
+        if self._selected is not None and any(key not in self._selected for key, _ in users):
+            raise ConfigError(f"a secure sum of round {report.round} names users not selected for it")
+        adaptive = self.clipping.reported_clip_norm is not None
+        if adaptive != (unclipped is not None):
+            raise ConfigError("a secure sum carries the unclipped count exactly when ζ adapts")
+        if unclipped is not None:
+            # a hostile client may send any word: keep the count within [0, contributors]
+            # (1-Lipschitz, so one user's bit still moves it by at most 1)
+            unclipped = min(max(int(unclipped), 0), len(users))
+        self._sum.copy_(torch.from_numpy(vector).to(device=self.device, dtype=self._work))
+        self._seen = {key for key, _ in users}
+        report.users.extend(UserReport(user, "contributed") for _, user in users)
+        self._secure = (factor, unclipped)
+
     def finish(self, values: Mapping[Hashable, Any] | None = None) -> tuple[dict[str, torch.Tensor], RoundReport]:
         """Draw round t's noise (only now: the sum is complete), add it once, divide by the
         planned expected number of users; returns the mean update in the layout and the report.
@@ -263,10 +305,18 @@ class RoundPrivatizer:
         # σ·(C⁻¹Z)_t (Multi-Epoch MF Sec. 2), σ = the policy's generator std
         noise = self.noise.next(out=self._noise_buffer, salt=salt or None)
         flat_noise = noise if isinstance(noise, torch.Tensor) else self._noise_buffer
-        mean = self.clipping.scale_back(torch.add(self._sum, flat_noise))
-        report.noisy_unclipped = self.clipping.release(self._key, report.round, salt, report.contributed)
+        inflation, unclipped = self._secure if self._secure is not None else (1.0, None)
+        if inflation == 1.0:
+            noisy = torch.add(self._sum, flat_noise)
+        else:  # σ_eff = z·(ζ·inflation)·sens: the same draws, scaled (fedmf.secagg.sensitivity)
+            noisy = torch.add(self._sum, flat_noise, alpha=inflation)
+            report.noise_std = report.noise_std * inflation
+        mean = self.clipping.scale_back(noisy)
+        report.noisy_unclipped = self.clipping.release(self._key, report.round, salt, report.contributed,
+                                                       unclipped)
         self._open = None
         self._selected = None
+        self._secure = None
         return self._unflatten(mean.to(self.dtype)), report
 
     def _release_client_metric(self, report: RoundReport, values: Mapping[Hashable, Any] | None,
@@ -286,6 +336,7 @@ class RoundPrivatizer:
         """Drop an open round without drawing its noise (nothing was released)."""
         self._open = None
         self._selected = None
+        self._secure = None
 
     def privatize(self, t: int, updates: Mapping[Hashable, object], selected: Collection[Hashable] | None = None,
                   values: Mapping[Hashable, Any] | None = None) -> tuple[dict[str, torch.Tensor], RoundReport]:
@@ -300,6 +351,19 @@ class RoundPrivatizer:
             self.abort()
             raise
         return self.finish(values)
+
+    def privatize_sum(self, t: int, total: Any, contributors: Collection[Hashable], *, inflation: float,
+                      unclipped: int | None = None, selected: Collection[Hashable] | None = None,
+                      ) -> tuple[dict[str, torch.Tensor], RoundReport]:
+        """Round t in one call from a secure sum (``add_sum``): the same noise and scaling as
+        ``privatize``, σ from ζ·``inflation``, ÷ the planned m."""
+        self.begin(t, selected)
+        try:
+            self.add_sum(total, contributors, inflation=inflation, unclipped=unclipped)
+        except BaseException:
+            self.abort()
+            raise
+        return self.finish()
 
     # ---- checkpointing ---------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -46,6 +46,7 @@ from ..participation import MinSep
 from ..plan import RunPlan
 from ..round.client_metrics import RELEASED as CLIENT_METRIC_RELEASED
 from ..round.privatize import RoundPrivatizer, RoundReport, layout_of
+from ..secagg.secure_sum import SecureSum
 from .checkpoint import CheckpointStore, RunSecrets
 from .cohort import check as check_cohort
 from .round_log import append_round, logged_rounds
@@ -472,12 +473,20 @@ class PrivateRun:
         """Privatize the round's updates (summed in ``str(user)`` order) and step the model.
         ``rejected``: users whose reply was refused before it reached the engine (reason).
         ``values``: the users' reported training loss, read only by the plan's private client-metric
-        release (``fedmf.round.client_metrics``). Nothing of this round may be released before ``commit``."""
+        release (``fedmf.round.client_metrics``). ``updates`` may instead be a ``SecureSum``
+        (``fedmf.secagg.secure_sum``): the decoded sum secure aggregation unmasked, privatized by
+        ``RoundPrivatizer.privatize_sum``. Nothing of this round may be released before ``commit``."""
         selection = self._require_open()
         t = selection.round
         self._event("updates", t)
         try:
-            mean, report = self.privatizer.privatize(t, updates, selected=selection.selected, values=values)
+            if isinstance(updates, SecureSum):  # the clients' updates were summed by secure aggregation
+                mean, report = self.privatizer.privatize_sum(
+                    t, updates.vector, updates.contributors, inflation=updates.inflation,
+                    unclipped=updates.unclipped, selected=selection.selected)
+                rejected = {**updates.rejected, **(rejected or {})}
+            else:
+                mean, report = self.privatizer.privatize(t, updates, selected=selection.selected, values=values)
             self._event("noised", t)
             self.optimizer.step(mean)
             self._event("stepped", t)

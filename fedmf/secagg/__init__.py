@@ -16,25 +16,31 @@ the sum needs beyond Flower's cryptography:
 * ``masks.py``: masks expanded from 32-byte secrets (HKDF + ChaCha20 from ``cryptography``),
   arithmetic modulo 2^b.
 * ``messages.py``: what both ends agree on beyond Flower's record keys (extra keys, share
-  order, the commitment to a mask seed).
+  order, the commitment to a mask seed, the wire form of a payload in a ConfigRecord).
+* ``encode.py``: what a client does before masking (checks, ℓ∞ zeroing, clip to ζₜ, ÷ ζₜ and the
+  bit under adaptive clipping, quantize) and the run's one ``Quantization`` (``quantization_for``).
+* ``secure_sum.py``: ``SecureSum``, the decoded sum, the decoded count, the contributors, the
+  refused users and the inflation, which ``PrivateRun.aggregate`` privatizes with
+  ``RoundPrivatizer.privatize_sum`` (``fedmf/round/privatize.py``: the central path's noise and
+  scaling, σ from ζ_eff, ÷ the planned m; the count release reads the decoded count).
 * ``errors.py``: ``SecAggError`` and ``SecAggAbort`` (``FedmfError`` family).
 
 The protocol itself lives in the adapters: ``server/secagg.py`` (the server's four stages as a
 pure state machine over plain dict payloads, dropouts recovered from ≥ t shares, abort below
 the threshold, hostile replies rejected) and ``client/secagg.py`` (the client's answers and its
 checks against a lying server), both on Flower's primitives (key agreement, Fernet, Shamir).
-Tests: ``tests/secagg/``.
+Wired into a round of the Flower app (run-config ``secure-aggregation = "secaggplus"``):
+``server/secagg_round.py`` runs the stages over the Grid, one TRAIN message per stage per node,
+for ``server/strategy.py`` (a ``SecAggAbort`` aborts the round, which is redone with fresh noise);
+``client/secagg_app.py`` answers them, the client's protocol state kept in its ``Context.state``.
+Tests: ``tests/secagg/`` (the engine path against the central path: equal up to the bounded
+quantization error, bit-equal on the grid) and ``tests/flower/test_secure_aggregation.py``.
 
-Not built yet (issue 36): wiring into the round (``fedmf/round/``: the plan's σ from ζ_eff, the
-count release reading the decoded bit, a round aborted by ``SecAggAbort`` redone with fresh
-noise and nothing released, the ledger's contributed/dropped users from ``contributors``);
-the ``secure-aggregation`` run-config key and ``fedmf simulate --secure-aggregation``; the
-ServerApp driving the stages over the Grid/Message API (with ``stage_timeout_s``) and the
-ClientApp handlers (clip, ℓ∞ zeroing and shape checks on the client, quantize, mask);
-the audit saying a run used secure aggregation; a real-process run on loopback with TLS and
-node authentication; the comparison with the central mode in repeatable-noise mode; the cost
-benchmarks (BENCHMARKS.md) and the README/deploy documentation with the threat model (an
-honest-but-curious server for the updates, an honest server for the noise; a malicious client
-can add any vector within the modulus; a server lying about dropouts is limited only by
-2t > k + 1 — no consistency round of Bell et al.'s malicious variant yet).
+Not built yet (issue 36): ``fedmf simulate --secure-aggregation`` (the in-process backend and the
+Flower backend's CLI); the plan's fingerprint and the audit recording that a run used secure
+aggregation and its inflation (the ledger's per-round noise std already includes it); the
+client-metric release inside the masked vector (refused with secure aggregation for now); a
+real-process run on loopback with TLS and node authentication; the cost benchmarks
+(BENCHMARKS.md) and deploy/README; Bell et al.'s consistency round against a server lying about
+dropouts (today limited only by 2t > k + 1).
 """

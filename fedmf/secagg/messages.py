@@ -6,6 +6,9 @@
 * Share order: a client's secret is split into one share per member of its neighbourhood
   (itself included), share i + 1 to the i-th smallest node id; the server checks each share's
   index against its holder.
+* On the wire (``to_wire`` / ``from_wire``): a payload's values are what a Flower ConfigRecord
+  holds (str, int, bytes, lists of them); the one numpy vector (the masked words) travels as
+  little-endian uint64 bytes.
 * The commitment to a mask seed is SHA-256 over a domain tag and the seed (a 256-bit uniform
   seed: the digest reveals nothing usable); a reconstructed seed is accepted only when it
   matches. A reconstructed mask key is checked against the public key the client sent instead.
@@ -14,11 +17,16 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
-__all__ = ["SESSION", "BITS", "LENGTH", "NEIGHBOURS", "COMMITMENT", "SEED_BYTES", "share_order", "share_index",
-           "commit_seed"]
+import numpy as np
 
+__all__ = ["SECAGG_RECORD", "SESSION", "BITS", "LENGTH", "NEIGHBOURS", "COMMITMENT", "SEED_BYTES", "share_order", "share_index",
+           "commit_seed", "to_wire", "from_wire"]
+
+#: the Flower ConfigRecord holding a stage's payload, in the request and in the reply
+SECAGG_RECORD = "secagg"
 SESSION = "session"
 BITS = "bits"
 LENGTH = "length"
@@ -44,3 +52,18 @@ def share_index(members: Iterable[int], holder: int) -> int:
 def commit_seed(seed: bytes) -> bytes:
     """The 32-byte commitment to a mask seed."""
     return hashlib.sha256(_COMMIT_TAG + seed).digest()
+
+
+def to_wire(payload: Mapping[str, Any]) -> dict[str, Any]:
+    """``payload`` with its numpy vector as little-endian uint64 bytes (the rest as is)."""
+    return {k: (v.astype("<u8").tobytes() if isinstance(v, np.ndarray) else v) for k, v in payload.items()}
+
+
+def from_wire(record: Mapping[str, Any], vector_key: str) -> dict[str, Any]:
+    """The payload of a received record: ``vector_key``'s bytes as a uint64 vector when they are
+    whole words (else left as they are, for the receiver's checks to refuse); lists copied."""
+    out = {k: (list(v) if isinstance(v, list) else v) for k, v in record.items()}
+    raw = out.get(vector_key)
+    if isinstance(raw, bytes) and len(raw) % 8 == 0:
+        out[vector_key] = np.frombuffer(raw, dtype="<u8").astype(np.uint64)
+    return out

@@ -1,0 +1,103 @@
+"""The ClientApp's side of a secure-aggregation round: one TRAIN message per SecAgg+ stage.
+
+A TRAIN message with a ``"secagg"`` ConfigRecord is one stage (``server/secagg_round.py`` sends
+them): its payload (``fedmf.secagg.messages.from_wire``) goes to this node's ``SecAggClient``
+(``client/secagg.py``), kept between stages in the node's ``Context.state`` (private: never sent).
+At the collect stage the message also carries the model: the client trains, checks its update
+against the layout the server sent (names, shapes, floating, finite: ``check_update``), zeroes it
+when ‖·‖∞ exceeds the round's threshold, clips it to the ζₜ the server sent, quantizes it (with the
+unclipped bit when ζ adapts: ``fedmf.secagg.encode``) and masks the whole vector. The reply is the
+stage's payload in a ``"secagg"`` ConfigRecord.
+
+Config keys of a stage message, beside the TRAIN ones: ``clip-norm`` (ζₜ), ``zero-threshold``
+(absent: no zeroing), ``secagg-scale``, ``secagg-beta``, ``secagg-bit`` (bool: adaptive clipping's
+bit) and ``secagg-layout`` (JSON ``[[name, shape], …]``, the model's parameters in order).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import ConfigRecord, Context, Message
+from flwr.common.secure_aggregation.secaggplus_constants import Key, Stage
+
+from fedmf.errors import ConfigError
+from fedmf.round.privatize import check_update
+from fedmf.secagg.encode import encode_update
+from fedmf.secagg.errors import SecAggError
+from fedmf.secagg.messages import SECAGG_RECORD, from_wire, to_wire
+from fedmf.secagg.quantize import Quantization
+from fedmf.tasks import Task
+
+from .secagg import SecAggClient
+
+__all__ = ["SECAGG_RECORD", "STATE_RECORD", "secure_stage"]
+
+#: the node's Context.state record holding its SecAggClient between stages
+STATE_RECORD = "fedmf-secagg"
+
+
+def _layout(text: object) -> dict[str, tuple[int, ...]]:
+    try:
+        pairs = json.loads(text) if isinstance(text, str) else None
+        layout = {str(name): tuple(int(x) for x in shape) for name, shape in pairs}
+    except (TypeError, ValueError):
+        raise ConfigError("secagg-layout must be a JSON list of [name, shape] pairs") from None
+    if not layout:
+        raise ConfigError("secagg-layout is empty")
+    return layout
+
+
+def _number(config: ConfigRecord, key: str) -> float:
+    value = config.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"message config {key!r} is missing or not a number")
+    return float(value)
+
+
+def _words(msg: Message, config: ConfigRecord, client: SecAggClient, task: Task, request: Any) -> np.ndarray:
+    """Train, check, zero, clip, quantize: the words this client masks."""
+    arrays = msg.content.array_records.get("arrays")
+    if arrays is None:
+        raise ConfigError("the collect stage's message has no arrays record")
+    layout = _layout(config.get("secagg-layout"))
+    result = task.local_update(arrays.to_torch_state_dict(), request.user, request.round, request.hyper)
+    reason = check_update(result.update, layout)
+    if reason is not None:
+        raise SecAggError(f"this client's update cannot be summed: {reason}")
+    flat = np.concatenate([result.update[name].detach().to(torch.float64).reshape(-1).numpy() for name in layout])
+    zeta = _number(config, "clip-norm")
+    bit = config.get("secagg-bit")
+    if not isinstance(bit, bool):
+        raise ConfigError("message config 'secagg-bit' is missing or not a bool")
+    q = Quantization(clip_norm=1.0 if bit else zeta, scale=_number(config, "secagg-scale"), bits=client.bits,
+                     dim=flat.size, beta=_number(config, "secagg-beta"), with_bit=bit)
+    threshold = _number(config, "zero-threshold") if "zero-threshold" in config else None
+    return encode_update(q, flat, clip_norm=zeta, zero_threshold=threshold, rng=np.random.default_rng())
+
+
+def secure_stage(msg: Message, context: Context, request: Any, task: Task) -> ConfigRecord:
+    """This node's answer to one SecAgg+ stage (``request``: the parsed TRAIN config)."""
+    config = msg.content.config_records["config"]
+    payload = from_wire(msg.content.config_records[SECAGG_RECORD], Key.MASKED_PARAMETERS)
+    stage = payload.get(Key.STAGE)
+    if stage == Stage.SETUP:
+        client = SecAggClient(int(context.node_id))
+    elif STATE_RECORD in context.state.config_records:
+        client = SecAggClient.from_state(context.state.config_records[STATE_RECORD])
+    else:
+        raise SecAggError(f"secure-aggregation stage {stage!r} without a setup on this node")
+    vector = _words(msg, config, client, task, request) if stage == Stage.COLLECT_MASKED_VECTORS else None
+    try:
+        reply = client.handle(payload, vector)
+    except SecAggError:
+        context.state.config_records.pop(STATE_RECORD, None)  # a refused round is over for this node
+        raise
+    if stage == Stage.UNMASK:
+        context.state.config_records.pop(STATE_RECORD, None)
+    else:
+        context.state.config_records[STATE_RECORD] = ConfigRecord(client.to_state())
+    return ConfigRecord(to_wire(reply))

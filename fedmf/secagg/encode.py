@@ -1,0 +1,55 @@
+"""What a client does to its update before masking it, and the run's one ``Quantization``.
+
+The server no longer sees an update, so the checks and the clipping it made move to the client
+(ARCHITECTURE.md, "One round"): the update must be finite and of the model's layout; an update
+whose ℓ∞ norm exceeds the round's zeroing threshold is replaced by zero ("Multi-Epoch MF"
+StackOverflow recipe, as ``fedmf.round.privatize`` does); it is clipped to ℓ2 ≤ ζₜ and
+quantized (``fedmf.secagg.quantize``). With adaptive clipping the client encodes Δ/ζₜ clipped to
+1 (the mechanism runs on the normalized sum) and appends the bit 1[‖Δ‖ ≤ ζₜ] (0 when zeroed),
+inside the masked vector.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..checks import positive
+from .errors import SecAggError
+from .quantize import Quantization, quantize
+
+if TYPE_CHECKING:
+    from ..plan import RunPlan
+
+__all__ = ["quantization_for", "encode_update"]
+
+
+def quantization_for(plan: RunPlan, dim: int, *, scale: float, bits: int, beta: float) -> Quantization:
+    """The run's encoding of a ``dim``-value update: clip norm ζ (fixed clipping) or 1 and the bit
+    (adaptive clipping: the normalized update)."""
+    adaptive = plan.adaptive_clipping is not None
+    return Quantization(clip_norm=1.0 if adaptive else plan.clip_norm, scale=scale, bits=bits, dim=dim,
+                        beta=beta, with_bit=adaptive)
+
+
+def encode_update(q: Quantization, update: np.ndarray, *, clip_norm: float, zero_threshold: float | None,
+                  rng: np.random.Generator) -> np.ndarray:
+    """The words a client masks for its flat ``update`` in round t: checked (finite, ``q.dim``
+    values), zeroed when ‖·‖∞ > ``zero_threshold``, clipped to ``clip_norm`` = ζₜ (÷ ζₜ when ``q``
+    carries the bit), quantized."""
+    zeta = positive("clip_norm", clip_norm)
+    if not q.with_bit and zeta != q.clip_norm:
+        raise SecAggError(f"clip norm {zeta} differs from the run's quantization's {q.clip_norm}")
+    if not isinstance(update, np.ndarray) or update.shape != (q.dim,) or update.dtype.kind != "f":
+        raise SecAggError(f"update must be a floating numpy vector of {q.dim} values")
+    x = update.astype(np.float64)
+    if not np.all(np.isfinite(x)):
+        raise SecAggError("update has non-finite values")
+    zeroed = zero_threshold is not None and float(np.max(np.abs(x), initial=0.0)) > zero_threshold
+    if zeroed:
+        x = np.zeros_like(x)
+    unclipped = (not zeroed) and float(np.linalg.norm(x)) <= zeta
+    if q.with_bit:
+        return quantize(q, x / zeta, rng, unclipped)  # quantize clips the normalized update to 1
+    return quantize(q, x, rng)  # quantize clips to ζ

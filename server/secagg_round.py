@@ -1,0 +1,152 @@
+"""One round's secure sum over the Grid: SecAgg+ (``server/secagg.py``) with the Message API.
+
+    total = SecureRound(params, quantization, layout).run(grid, expected, config, arrays, collect_timeout)
+
+Each stage is one TRAIN message per node still in the protocol — ``{"config": the round's TRAIN
+config and the encoding's parameters, "secagg": the stage's payload}``, the collect stage's also
+``{"arrays": the committed model}`` — sent with ``grid.send_and_receive`` under the stage timeout
+(the collect stage, where clients train, at least the round's reply timeout). A reply is read only
+from a node that was asked, that echoes the round, the run nonce and its user, and that is not an
+error; everything else about it is checked by the state machine. A node that is silent, errs or is
+refused at a stage has dropped out: SecAgg+ removes its masks from the survivors' sum from the
+shares of t neighbours. Below the threshold ``SecAggAbort`` propagates: the strategy aborts the
+round (nothing of it was noised or released) and redoes it with fresh noise.
+
+The unmasked modular sum is decoded (``fedmf.secagg.quantize.decode_sum``) into a ``SecureSum``
+for ``PrivateRun.aggregate``: the float64 sum of the contributors' quantized, clipped updates (and
+the count of unclipped bits), who contributed, who was refused and why, and the quantization's
+inflation, which scales σ (ζ_eff = ζ·inflation).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+from collections.abc import Hashable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
+from flwr.common.secure_aggregation.secaggplus_constants import Key, Stage
+from flwr.serverapp import Grid
+
+from fedmf.errors import ConfigError
+from fedmf.secagg.encode import quantization_for
+from fedmf.secagg.errors import SecAggAbort, SecAggError
+from fedmf.secagg.messages import SECAGG_RECORD, from_wire, to_wire
+from fedmf.secagg.params import SecAggParams
+from fedmf.secagg.quantize import Quantization, check_no_wrap, decode_sum
+from fedmf.secagg.secure_sum import SecureSum
+
+from .secagg import SecAggServer
+
+if TYPE_CHECKING:
+    from fedmf.plan import RunPlan
+
+__all__ = ["SecureRound", "STAGES", "run_quantization"]
+
+log = logging.getLogger("fedmf.server")
+STAGES = (Stage.SETUP, Stage.SHARE_KEYS, Stage.COLLECT_MASKED_VECTORS, Stage.UNMASK)
+_MAX_REASON = 200
+
+
+def run_quantization(params: SecAggParams, plan: RunPlan, dim: int, population: int | None = None) -> Quantization:
+    """The run's encoding of a ``dim``-value update (``fedmf.secagg.encode.quantization_for``);
+    refused (one line, before the run opens) when the planned cohort is below the threshold or a
+    cohort of the whole ``population`` could wrap the modular sum."""
+    if plan.expected_users < params.threshold:
+        raise ConfigError(f"clients-per-round {plan.expected_users:g} is below the secure-aggregation threshold "
+                          f"{params.threshold}: every round would abort")
+    q = quantization_for(plan, dim, scale=params.scale, bits=params.bits, beta=params.beta)
+    if population is not None:
+        check_no_wrap(population, q.clip_norm, q.scale, q.bits)
+    return q
+
+
+class SecureRound:
+    """Runs SecAgg+ rounds of ``quantization``-encoded updates of a model ``layout`` (name → shape)."""
+
+    def __init__(self, params: SecAggParams, quantization: Quantization, layout: Mapping[str, tuple[int, ...]],
+                 *, rng: random.Random | None = None) -> None:
+        if quantization.bits != params.bits or quantization.scale != params.scale:
+            raise SecAggError("the quantization's bits and scale must be the SecAgg+ parameters'")
+        if quantization.dim != sum(math.prod(s) for s in layout.values()):
+            raise SecAggError("the quantization's dimension must be the layout's")
+        self.params, self.quantization = params, quantization
+        self.layout_json = json.dumps([[name, list(shape)] for name, shape in layout.items()])
+        self.rng = rng
+        #: the last round's protocol, for tests and diagnostics
+        self.server: SecAggServer | None = None
+
+    def encoding(self, clip_norm: float, zero_threshold: float | None) -> dict[str, Any]:
+        """The config entries a client needs to encode its update for a round clipped at ``clip_norm``."""
+        entries = {"clip-norm": float(clip_norm), "secagg-scale": float(self.params.scale),
+                   "secagg-beta": float(self.params.beta), "secagg-bit": self.quantization.with_bit,
+                   "secagg-layout": self.layout_json}
+        if zero_threshold is not None:
+            entries["zero-threshold"] = float(zero_threshold)
+        return entries
+
+    def run(self, grid: Grid, expected: Mapping[Hashable, int], config: Mapping[str, Any], arrays: ArrayRecord,
+            collect_timeout: float) -> SecureSum:
+        """The decoded secure sum of the users ``expected`` (user → node) for the round of
+        ``config`` (the TRAIN config, with ``round`` and ``run-nonce``, and ``encoding``'s entries).
+        Raises ``SecAggAbort`` when the survivors fall below the threshold."""
+        q = self.quantization
+        self.server = None
+        if not expected:  # an empty cohort (a Poisson draw): its sum is zero, no one to protect
+            return SecureSum(np.zeros(q.dim), 0 if q.with_bit else None, frozenset(), q.inflation)
+        user_of = {int(node): user for user, node in expected.items()}
+        if len(user_of) < max(2, self.params.threshold):
+            raise SecAggAbort(f"secure aggregation aborted at setup: {len(user_of)} reachable sampled clients, "
+                              f"below the threshold {self.params.threshold}")
+        self.server = server = SecAggServer(self.params, q.length, sorted(user_of), rng=self.rng)
+        refused: dict[Hashable, str] = {}
+        for stage in STAGES:
+            requests = server.requests()
+            messages = [self._message(stage, node, user_of[node], payload, config, arrays)
+                        for node, payload in requests.items()]
+            timeout = self.params.stage_timeout_s
+            if stage == Stage.COLLECT_MASKED_VECTORS:
+                timeout = max(timeout, collect_timeout)
+            replies = grid.send_and_receive(messages, timeout=timeout)
+            server.receive(self._read(replies, requests, user_of, config, refused))
+        for node, reason in server.rejected.items():
+            refused.setdefault(user_of[node], reason[:_MAX_REASON])
+        assert server.result is not None
+        decoded = decode_sum(q, server.result)
+        contributors = frozenset(user_of[node] for node in server.contributors)
+        rejected = {user: reason for user, reason in refused.items() if user not in contributors}
+        return SecureSum(decoded.vector, decoded.unclipped, contributors, q.inflation, rejected)
+
+    def _message(self, stage: str, node: int, user: Hashable, payload: Mapping[str, Any],
+                 config: Mapping[str, Any], arrays: ArrayRecord) -> Message:
+        content = RecordDict({"config": ConfigRecord({**config, "user-id": user}),
+                              SECAGG_RECORD: ConfigRecord(to_wire(payload))})
+        if stage == Stage.COLLECT_MASKED_VECTORS:
+            content["arrays"] = arrays
+        return Message(content, dst_node_id=node, message_type=MessageType.TRAIN)
+
+    @staticmethod
+    def _read(replies: Iterable[Message], requests: Mapping[int, Any], user_of: Mapping[int, Hashable],
+              config: Mapping[str, Any], refused: dict[Hashable, str]) -> dict[int, object]:
+        """The stage's payloads by node: only from nodes asked, echoing the round, nonce and user."""
+        read: dict[int, object] = {}
+        for reply in replies:
+            node = reply.metadata.src_node_id
+            if node not in requests or node in read:
+                continue
+            user = user_of[node]
+            if reply.has_error():
+                refused[user] = f"error reply: {str(reply.error.reason)[:_MAX_REASON]}"
+                continue
+            records = reply.content.config_records
+            echo, record = records.get("config"), records.get(SECAGG_RECORD)
+            if echo is None or record is None or echo.get("round") != config["round"] \
+                    or echo.get("run-nonce") != config["run-nonce"] or echo.get("user-id") != user:
+                refused[user] = "a secure-aggregation reply without the round's config echo or payload"
+                continue
+            read[node] = from_wire(record, Key.MASKED_PARAMETERS)
+        return read

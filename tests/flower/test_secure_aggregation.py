@@ -1,0 +1,225 @@
+"""Secure aggregation in the Flower app, in process (server.local_grid + the real ClientApp): rounds
+commit through the SecAgg+ stages, the released models equal the central mode's (same seed,
+repeatable noise) up to the bounded quantization error, a dropout at a stage is survived, and a
+round whose survivors fall below the threshold is aborted and redone, nothing released."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from flwr.common.secure_aggregation.secaggplus_constants import Key, Stage
+
+from client.app import app as client_app
+from fedmf.errors import ConfigError
+from fedmf.run.private_run import REPEATABLE_NOISE_ENV
+from fedmf.secagg.errors import SecAggError
+from fedmf.secagg.messages import SECAGG_RECORD
+from server.app import run_server
+from server.config import ServerConfig
+from server.local_grid import LocalGrid, client_node
+from tests import _federated_task as task
+
+USERS, PER_ROUND = 12, 4
+SECURE = {"secure-aggregation": "secaggplus", "secagg-degree": 4, "secagg-threshold": 3,
+          "secagg-stage-timeout": 5.0}
+
+
+def _config(tmp_path, name, **over):
+    values = {"task": "tiny", "task-options": f'{{"num_users": {USERS}}}', "mechanism": "bsr", "rounds": 3,
+              "min-sep": 2, "clients-per-round": PER_ROUND, "noise-multiplier": 0.7, "server-momentum": 0.5,
+              "client-lr": 0.2, "batch-size": 8, "run-dir": str(tmp_path / name), "reply-timeout": 5.0}
+    values.update(over)
+    return values
+
+
+def _stage(message) -> str | None:
+    record = message.content.config_records.get(SECAGG_RECORD) if message.has_content() else None
+    return None if record is None else record.get(Key.STAGE)
+
+
+def _nodes(silent=None):
+    """The real ClientApp on each node; ``silent(node, stage)`` True: that node sends nothing."""
+    nodes = {}
+    for i in range(USERS):
+        node_id = 9000 + 7 * i
+        answer = client_node(client_app, {"partition-id": i, "num-partitions": USERS}, node_id)
+
+        def node(message, node_id=node_id, answer=answer):
+            if silent is not None and silent(node_id, _stage(message)):
+                return None
+            return answer(message)
+
+        nodes[node_id] = node
+    return nodes
+
+
+@pytest.fixture
+def logs(monkeypatch, caplog):
+    monkeypatch.setenv(REPEATABLE_NOISE_ENV, "1")  # tests only: the two modes draw the same noise
+    monkeypatch.setattr(logging.getLogger("fedmf.server"), "propagate", True)
+    with caplog.at_level(logging.INFO, logger="fedmf.server"):
+        yield caplog
+
+
+def test_secure_rounds_commit_and_equal_the_central_mode_up_to_the_quantization_error(tmp_path, logs):
+    central = run_server(LocalGrid(_nodes()), _config(tmp_path, "central", rounds=1, **{"min-sep": 1}))
+    task.share_secrets(tmp_path / "central", tmp_path / "secure")
+    secure = run_server(LocalGrid(_nodes()), _config(tmp_path, "secure", rounds=1, **{**SECURE, "min-sep": 1}))
+    assert "secure aggregation (SecAgg+)" in logs.text
+    [record] = secure.history
+    assert (record.selected, record.contributed, record.dropped) == (PER_ROUND, PER_ROUND, 0)
+    # round 0 starts from the same model with the same users: the releases differ only by the
+    # quantization — each coordinate of each update rounded by < 1/s, and σ·(inflation − 1) —,
+    # and the first step of the server optimizer moves the model by server-lr × the release
+    config = ServerConfig.from_mapping(_config(tmp_path, "x", **SECURE))
+    plan, q = secure.run.plan, secure.secure.quantization
+    sigma = plan.noise_std
+    bound = config.server_lr * (PER_ROUND / q.scale + (q.inflation - 1.0) * 8 * sigma) / plan.expected_users
+    assert q.inflation > 1.0
+    got, want = secure.run.model.state_dict(), central.run.model.state_dict()
+    diff = max(float((got[k] - want[k]).abs().max()) for k in want)
+    assert 0 < diff <= bound + 1e-6, (diff, bound)
+
+
+def test_several_secure_rounds_track_the_central_mode(tmp_path, logs):
+    central = run_server(LocalGrid(_nodes()), _config(tmp_path, "central"))
+    task.share_secrets(tmp_path / "central", tmp_path / "secure")
+    secure = run_server(LocalGrid(_nodes()), _config(tmp_path, "secure", **SECURE))
+    assert [r.round for r in secure.history] == [0, 1, 2] and secure.stopped == "horizon"
+    got, want = secure.run.model.state_dict(), central.run.model.state_dict()
+    assert max(float((got[k] - want[k]).abs().max()) for k in want) < 1e-3
+
+
+def test_a_dropout_at_the_collect_stage_is_survived(tmp_path, logs):
+    dropped: list[int] = []
+
+    def silent(node, stage):  # the first node asked to send its masked vector never does (round 0)
+        if stage == Stage.COLLECT_MASKED_VECTORS and (not dropped or dropped == [node]) and len(dropped) < 2:
+            dropped[:] = [node]
+            return True
+        return False
+
+    strategy = run_server(LocalGrid(_nodes(silent)), _config(tmp_path, "drop", rounds=1, **{**SECURE, "min-sep": 1}))
+    [record] = strategy.history
+    assert (record.selected, record.contributed, record.dropped) == (PER_ROUND, PER_ROUND - 1, 1)
+    assert strategy.secure.server.dropped and len(strategy.secure.server.contributors) == PER_ROUND - 1
+
+
+def test_below_the_threshold_the_round_is_aborted_and_redone(tmp_path, logs):
+    attempts: list[set[int]] = [set()]
+
+    def silent(node, stage):  # in the first attempt, two of four drop at collect: 2 < t = 3
+        if stage == Stage.SETUP and node in attempts[-1]:
+            attempts.append(set())
+        if stage == Stage.COLLECT_MASKED_VECTORS and len(attempts) == 1:
+            attempts[0].add(node)
+            return len(attempts[0]) <= 2
+        return False
+
+    strategy = run_server(LocalGrid(_nodes(silent)), _config(tmp_path, "abort", rounds=2, **SECURE))
+    assert "aborted and nothing of it was released; redone with fresh noise" in logs.text
+    assert [r.round for r in strategy.history] == [0, 1]
+    assert strategy.history[0].contributed == PER_ROUND
+
+
+def test_adaptive_clipping_under_secure_aggregation_releases_the_central_count(tmp_path, logs):
+    adaptive = {"adaptive-clipping": 0.5, "clip-norm": 0.05}
+    central = run_server(LocalGrid(_nodes()), _config(tmp_path, "central", **adaptive))
+    task.share_secrets(tmp_path / "central", tmp_path / "secure")
+    secure = run_server(LocalGrid(_nodes()), _config(tmp_path, "secure", **{**SECURE, **adaptive}))
+    assert secure.secure.quantization.with_bit
+    # round 0: the same model and users, so the same unclipped count (decoded from the masked bits)
+    # and the same count noise (repeatable): the same released fraction and the same ζ₁
+    first_c, first_s = central.history[0].metrics, secure.history[0].metrics
+    assert first_s["noisy-unclipped-fraction"] == first_c["noisy-unclipped-fraction"]
+    assert secure.history[1].metrics["clip-norm"] == central.history[1].metrics["clip-norm"]
+
+
+class SpyGrid(LocalGrid):
+    """Keeps every reply the server receives."""
+
+    def __init__(self, nodes):
+        super().__init__(nodes)
+        self.replies = []
+
+    def send_and_receive(self, messages, *, timeout=None):
+        replies = super().send_and_receive(messages, timeout=timeout)
+        self.replies.extend(replies)
+        return replies
+
+
+def test_the_server_receives_no_update_only_masked_words(tmp_path, logs):
+    grid = SpyGrid(_nodes())
+    strategy = run_server(grid, _config(tmp_path, "spy", rounds=2, **SECURE))
+    answered = [reply for reply in grid.replies if reply.has_content() and SECAGG_RECORD in reply.content.config_records]
+    assert all(not reply.content.array_records and not reply.content.metric_records for reply in answered)
+    stages = [reply.content.config_records[SECAGG_RECORD][Key.STAGE] for reply in answered]
+    assert stages.count(Stage.COLLECT_MASKED_VECTORS) == 2 * PER_ROUND
+    assert [r.contributed for r in strategy.history] == [PER_ROUND, PER_ROUND]
+
+
+def test_a_node_that_errs_at_share_keys_is_dropped_and_recorded_as_rejected(tmp_path, logs):
+    nodes = _nodes()
+    victim: list[int] = []
+
+    def wrap(node_id, answer):
+        def node(message):
+            if _stage(message) == Stage.SHARE_KEYS and (not victim or victim == [node_id]):
+                victim[:] = [node_id]
+                from flwr.app import Error, Message
+
+                return Message(Error(code=1, reason="boom"), reply_to=message)
+            return answer(message)
+        return node
+
+    grid = LocalGrid({node_id: wrap(node_id, answer) for node_id, answer in nodes.items()})
+    strategy = run_server(grid, _config(tmp_path, "err", rounds=1, **{**SECURE, "min-sep": 1}))
+    [record] = strategy.history
+    assert (record.contributed, record.rejected) == (PER_ROUND - 1, 1)
+
+
+def test_secure_aggregation_refuses_a_cohort_that_could_wrap(tmp_path, logs):
+    with pytest.raises(SecAggError, match="could wrap"):
+        run_server(LocalGrid(_nodes()), _config(tmp_path, "wrap", **{**SECURE, "secagg-bits": 16}))
+    assert not (tmp_path / "wrap").exists()  # refused before the run opened
+
+
+@pytest.mark.heavy  # a real `flwr run` simulation (Ray actors, Context.state between stages): ~1-2 min
+def test_flwr_run_simulation_with_secure_aggregation(tmp_path):
+    from pathlib import Path
+
+    from tests.flower_harness import run_simulation
+
+    root = Path(__file__).resolve().parents[2]
+    values = _config(tmp_path, "sim", **{**SECURE, "reply-timeout": 120.0, "secagg-stage-timeout": 60.0,
+                                         "task-options": '{"num_users": 8}'})
+    result = run_simulation(root, num_supernodes=8, run_config=values, timeout=400, tmp_path=tmp_path / "flwr")
+    assert result.rc == 0, result.output[-3000:]
+    assert "secure aggregation (SecAgg+)" in result.output
+    assert (tmp_path / "sim" / "final-model.pt").exists()
+    assert "fedmf round 2 (3/3 done)" in result.output
+
+
+def test_a_cohort_always_below_the_threshold_ends_the_run_with_nothing_released(tmp_path, logs):
+    from fedmf.secagg.errors import SecAggAbort
+
+    answering: set[int] = set()
+
+    def silent(node, stage):  # only two nodes ever answer the setup: 2 < t = 3 in every attempt
+        if stage == Stage.SETUP and len(answering) < 2:
+            answering.add(node)
+        return stage == Stage.SETUP and node not in answering
+
+    with pytest.raises(SecAggAbort, match="below the threshold"):
+        run_server(LocalGrid(_nodes(silent)), _config(tmp_path, "small", **SECURE))
+    assert logs.text.count("redone with fresh noise") == 3
+    assert not (tmp_path / "small" / "final-model.pt").exists()
+    log = tmp_path / "small" / "rounds.jsonl"
+    assert not log.exists() or not log.read_text()
+
+
+def test_a_planned_cohort_below_the_threshold_is_refused_before_the_run_opens(tmp_path, logs):
+    with pytest.raises(ConfigError, match="threshold"):
+        run_server(LocalGrid(_nodes()), _config(tmp_path, "small", **{**SECURE, "clients-per-round": 2}))
+    assert not (tmp_path / "small").exists()
