@@ -175,13 +175,22 @@ class RunPlan:
 
     @cached_property
     def _accounting(self):
-        from .accounting import epsilon
+        from .accounting import MonteCarloOptions, epsilon
 
+        # the b-min-sep Monte Carlo accountant's seed comes from the plan's public fingerprint: the planned ε
+        # (and so the guard and results.json) is one number in every process that plans this run
+        seed = int.from_bytes(hashlib.sha256(self.fingerprint.encode()).digest()[:8], "big")
         return epsilon(self.mechanism, self.noise_multiplier, self.delta, self.schema, sampling=self.sampling,
-                       accountant=self.accountant, releases=self.extra_releases)
+                       accountant=self.accountant, releases=self.extra_releases,
+                       monte_carlo=MonteCarloOptions(seed=seed))
 
     def epsilon(self) -> float:
-        """ε of the whole run at δ (as planned; with adaptive clipping's count release composed in)."""
+        """ε of the whole run at δ (as planned; with adaptive clipping's count release composed in). A z
+        that Estimate-Verify-Release calibrated for the target is (target, δ)-DP (Thm A.1 of arXiv
+        2602.09338): the target is the planned ε, not a second Monte Carlo estimate at that z, which lands
+        on either side of it."""
+        if self.calibration.get("accountant") == "bminsep-evr":
+            return float(self.target_epsilon)
         return float(self._accounting.epsilon)
 
     def rho(self) -> float | None:

@@ -60,8 +60,20 @@ def _bminsep_plan() -> RunPlan:
                           target_epsilon=8.0, sampling="bminsep:0.5")
 
 
-@pytest.mark.xfail(strict=True, reason="REVIEW-i35-sampling-noise finding 1: RunPlan._accounting runs the b-min-sep "
-                                       "Monte Carlo accountant with MonteCarloOptions() (seed None), so the planned "
-                                       "epsilon, the guard and results.json change from process to process")
 def test_a_bminsep_plans_planned_epsilon_is_the_same_in_every_process():
     assert _bminsep_plan().epsilon() == _bminsep_plan().epsilon()
+
+
+def test_a_plan_calibrated_by_evr_plans_its_target_and_opens_round_0():
+    """EVR's z is (target, δ)-DP (Thm A.1 of arXiv 2602.09338): the plan says so, and its guard never
+    refuses round 0 on a second Monte Carlo estimate that landed just above the target."""
+    schema = MinSep(4, 2)
+    mechanism, _ = plan_mechanism("bsr", 6, schema)
+    plan = RunPlan.create(mechanism, schema, clip_norm=0.5, delta=1e-3, expected_users=8, target_epsilon=8.0,
+                          sampling="bminsep:0.5")
+    assert plan.calibration["accountant"] in ("bminsep-evr", "bminsep-evr-fallback")
+    if plan.calibration["accountant"] == "bminsep-evr":
+        assert plan.epsilon() == 8.0
+    assert plan.epsilon() <= 8.0 * (1 + 1e-9)
+    for t in range(plan.rounds):
+        plan.guard(t)
