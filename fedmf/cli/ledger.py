@@ -33,8 +33,7 @@ def read_password_file(path: str) -> str:
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
-    from ..ledger.db import display_url, resolve_url
-    from ..ledger.repository import migrate
+    from ..ledger.db import display_url, migrate, resolve_url
 
     url = resolve_url(args.url)
     if args.password_file is not None:

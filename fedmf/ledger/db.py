@@ -23,6 +23,7 @@ from sqlalchemy.engine import URL, Connection, Engine, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, SQLAlchemyError
 
 from ..errors import FedmfError
+from ..files import check_private, check_private_path
 from .models import VERSION_TABLE
 
 __all__ = [
@@ -36,6 +37,8 @@ __all__ = [
     "check_version",
     "head_revision",
     "database_errors",
+    "private_sqlite_file",
+    "migrate",
 ]
 
 T = TypeVar("T")
@@ -417,3 +420,35 @@ def upgrade(engine: Engine, url: URL) -> tuple[str | None, str]:
         finally:
             if sqlite:
                 connection.connection.dbapi_connection.execute("PRAGMA foreign_keys = ON")
+
+
+def private_sqlite_file(url: URL) -> None:
+    """A local SQLite ledger is created 0600 (its participation log is confidential; SQLite gives
+    its -wal and -shm files the database file's mode); one owned by another user or writable by
+    group or others is refused (``fedmf.files.check_private``), as is one reached through a
+    directory or link another user could change (``fedmf.files.check_private_path``)."""
+    path = url.database if url.get_backend_name() == "sqlite" else None
+    if not path or path == ":memory:" or path.startswith("file:"):
+        return
+    check_private_path(path, "SQLite ledger", LedgerError)  # the directories and links on the way to it
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except FileExistsError:
+        pass
+    except OSError:
+        return  # an unwritable place: opening the ledger reports it in one line
+    check_private(path, "SQLite ledger", LedgerError, others_may_read=True)
+
+
+def migrate(url: str | os.PathLike | URL) -> tuple[str | None, str]:
+    """Create or migrate the ledger at ``url`` to this fedmf's schema, as ``Ledger.open`` does first,
+    and close it; returns the schema revision it had (None: a new or empty database) and the one
+    it has now. A ledger from a newer fedmf is refused (``LedgerError``)."""
+    resolved = url if isinstance(url, URL) else resolve_url(url)
+    private_sqlite_file(resolved)
+    with database_errors(resolved, "cannot open ledger"):
+        engine = writer_engine(resolved)
+    try:
+        return upgrade(engine, resolved)
+    finally:
+        engine.dispose()

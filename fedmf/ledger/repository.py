@@ -50,16 +50,24 @@ from sqlalchemy.orm import Session
 
 from .. import checks
 from ..errors import ConfigError
-from ..files import check_private, check_private_path
 from ..participation import FixedEpoch, MinSep, Observed
 from .chain import genesis_sha256, round_sha256
-from .db import WRITE, LedgerError, database_errors, display_url, resolve_url, upgrade, writer_engine
+from .db import (
+    WRITE,
+    LedgerError,
+    database_errors,
+    display_url,
+    private_sqlite_file,
+    resolve_url,
+    upgrade,
+    writer_engine,
+)
 from .keys import ServerSecret
 from .models import ClientState, Participation, Round, RoundState, Run, UpdateNorm
 from .queries import RoundSummary, RunInfo, get_run, round_summary
 from .queries import observed_pattern as _observed_pattern
 
-__all__ = ["Ledger", "RunLedger", "migrate"]
+__all__ = ["Ledger", "RunLedger"]
 
 _IN_CHUNK = 5000  # keys per IN (...) list
 _HISTORY_SQL = "SELECT client_key, contributions, last_round FROM client_state WHERE run_id = %s AND client_key {}"
@@ -80,38 +88,6 @@ _REASON_MAX = 200
 _FINGERPRINT_MAX = 80
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 _SECRET_WORDS = ("secret", "seed")  # a plan's keys that would put a secret into the ledger
-
-
-def _private_sqlite_file(url: URL) -> None:
-    """A local SQLite ledger is created 0600 (its participation log is confidential; SQLite gives
-    its -wal and -shm files the database file's mode); one owned by another user or writable by
-    group or others is refused (``fedmf.files.check_private``), as is one reached through a
-    directory or link another user could change (``fedmf.files.check_private_path``)."""
-    path = url.database if url.get_backend_name() == "sqlite" else None
-    if not path or path == ":memory:" or path.startswith("file:"):
-        return
-    check_private_path(path, "SQLite ledger", LedgerError)  # the directories and links on the way to it
-    try:
-        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-    except FileExistsError:
-        pass
-    except OSError:
-        return  # an unwritable place: opening the ledger reports it in one line
-    check_private(path, "SQLite ledger", LedgerError, others_may_read=True)
-
-
-def migrate(url: str | os.PathLike | URL) -> tuple[str | None, str]:
-    """Create or migrate the ledger at ``url`` to this fedmf's schema, as ``Ledger.open`` does first,
-    and close it; returns the schema revision it had (None: a new or empty database) and the one
-    it has now. A ledger from a newer fedmf is refused (``LedgerError``)."""
-    resolved = url if isinstance(url, URL) else resolve_url(url)
-    _private_sqlite_file(resolved)
-    with database_errors(resolved, "cannot open ledger"):
-        engine = writer_engine(resolved)
-    try:
-        return upgrade(engine, resolved)
-    finally:
-        engine.dispose()
 
 
 def _now() -> dt.datetime:
@@ -191,7 +167,7 @@ class Ledger:
         resolved = resolve_url(url)
         if secret is not None and not isinstance(secret, ServerSecret):
             secret = ServerSecret(secret)
-        _private_sqlite_file(resolved)
+        private_sqlite_file(resolved)
         with database_errors(resolved, "cannot open ledger"):
             engine = writer_engine(resolved)
         try:

@@ -30,7 +30,7 @@ from ..errors import ConfigError
 
 __all__ = ["AdaptiveClipping", "DEFAULT_LEARNING_RATE", "DEFAULT_COUNT_NOISE_FRACTION", "MAX_LOG_STEP",
            "DEFAULT_CLIP_NORM_RANGE", "LEGACY_CLIP_NORM_RANGE", "AT_BOUND_ROUNDS", "GROWTH_ROUNDS",
-           "trajectory_warnings"]
+           "trajectory_warnings", "adaptive_metrics"]
 
 #: η of Andrew et al. (Sec. 3.1: 0.2 works across their tasks)
 DEFAULT_LEARNING_RATE = 0.2
@@ -155,3 +155,8 @@ def trajectory_warnings(zetas: Sequence[float], rounds: Sequence[int], initial_c
                    f"{zetas[b]:.6g}): it did not settle on the target quantile; if the held-out loss rose with it, "
                    "the run ran away (larger ζ, larger noise, larger update norms)")
     return out
+
+
+def adaptive_metrics(clip_norm: float, noisy_unclipped: float, expected_users: float) -> dict[str, float]:
+    """A committed adaptive round's released metrics: ``clip-norm`` ζₜ and ``noisy-unclipped-fraction`` b̃ₜ/m."""
+    return {"clip-norm": float(clip_norm), "noisy-unclipped-fraction": float(noisy_unclipped) / expected_users}

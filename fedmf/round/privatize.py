@@ -50,7 +50,7 @@ from .count_noise import metric_noise
 from .draws import SALT_BYTES, key_of
 from .noise import NoiseGenerator
 
-__all__ = ["check_update", "RoundPrivatizer", "RoundReport", "UserReport", "flat_size", "layout_of"]
+__all__ = ["check_update", "RoundPrivatizer", "RoundReport", "UserReport", "flat_size", "layout_of", "param_dtype"]
 
 Layout = Mapping[str, tuple[int, ...]]
 _FLOATING = checks.floating_dtypes()
@@ -439,3 +439,15 @@ class RoundPrivatizer:
             out[name] = flat[offset : offset + size].view(shape)
             offset += size
         return out
+
+
+def param_dtype(params: Mapping[str, torch.Tensor]) -> tuple[torch.dtype, torch.device]:
+    """The one floating dtype and device of a model's trainable parameters (refused otherwise)."""
+    dtypes = {p.dtype for p in params.values()}
+    devices = {p.device for p in params.values()}
+    if not params or len(dtypes) != 1 or len(devices) != 1:
+        raise ConfigError("all trainable parameters must share one floating dtype and one device")
+    dtype = dtypes.pop()
+    if not dtype.is_floating_point:
+        raise ConfigError(f"trainable parameters must be floating point, got {dtype}")
+    return dtype, devices.pop()

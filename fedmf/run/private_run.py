@@ -44,11 +44,14 @@ from ..errors import CheckpointError, ConfigError, FedmfError, RoundOrderError
 from ..files import atomic_write, lock_directory
 from ..participation import MinSep
 from ..plan import RunPlan
+from ..round.adaptive_clipping import adaptive_metrics
 from ..round.client_metrics import RELEASED as CLIENT_METRIC_RELEASED
-from ..round.privatize import RoundPrivatizer, RoundReport, layout_of
+from ..round.privatize import RoundPrivatizer, RoundReport, layout_of, param_dtype
 from ..secagg.secure_sum import SecureSum
 from .checkpoint import CheckpointStore, RunSecrets
 from .cohort import check as check_cohort
+from .refused_start import RUN_FILE, entries, missing_dirs, remove_created
+from .rollback import check_witness, refuse_ledger_rollback, refuse_rollback, resume_ledger_run
 from .round_log import append_round, logged_rounds
 from .witness import WITNESS_OFF, Witness
 
@@ -58,7 +61,7 @@ __all__ = ["PrivateRun", "RoundRecord", "EVENTS", "REPEATABLE_NOISE_ENV", "repea
 #: the points of a round at which ``on_event(event, t)`` is called (fault-injection tests use them)
 EVENTS = ("guarded", "selected", "updates", "noised", "stepped", "checkpointed", "committed", "witnessed",
           "released")
-_RUN_FILE = "run.json"
+
 #: set to 1 (tests only) to run the ServerApp and ``fedmf simulate`` without noise salts
 REPEATABLE_NOISE_ENV = "FEDMF_UNSAFE_REPEATABLE_NOISE"
 _UNSALTED = ("UNSAFE, for tests only: noise is not salted, so a redone round or a restored run directory releases "
@@ -99,66 +102,6 @@ class RoundRecord:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-def _param_dtype(params: Mapping[str, torch.Tensor]) -> tuple[torch.dtype, torch.device]:
-    dtypes = {p.dtype for p in params.values()}
-    devices = {p.device for p in params.values()}
-    if not params or len(dtypes) != 1 or len(devices) != 1:
-        raise ConfigError("all trainable parameters must share one floating dtype and one device")
-    dtype = dtypes.pop()
-    if not dtype.is_floating_point:
-        raise ConfigError(f"trainable parameters must be floating point, got {dtype}")
-    return dtype, devices.pop()
-
-
-def _entries(directory: Path) -> set[str] | None:
-    """The names in ``directory`` and in its ``secrets/`` (None: no directory)."""
-    if not directory.is_dir():
-        return None
-    names = {p.name for p in directory.iterdir()}
-    secrets = directory / "secrets"
-    if secrets.is_dir():
-        names |= {f"secrets/{p.name}" for p in secrets.iterdir()}
-    return names
-
-
-def _missing_dirs(directory: Path) -> set[Path]:
-    """``directory`` and those of its parents that do not exist yet (what a ``mkdir -p`` makes)."""
-    out, path = set(), directory.absolute()
-    while not path.exists() and path != path.parent:
-        out.add(path)
-        path = path.parent
-    return out
-
-
-def _remove_created(directory: Path, existed: set[str] | None, made: set[Path] = frozenset()) -> None:
-    """After a refused start (the run lock held): remove the files and directories this start created
-    in ``directory`` that ``existed`` did not list (the directory too, if it created it), unless a new
-    run was already started from its noise seed (``noise_seed.used``: that state must stay, and a
-    retry is refused with the way out). ``made``: the directories (``_missing_dirs``) that did not exist
-    before; the empty ones are removed. Nothing that was there before is touched."""
-    try:
-        now = _entries(directory) or set()
-        before = existed or set()
-        created = now - before
-        if "secrets/noise_seed.used" in created or _RUN_FILE in created:
-            return
-        for name in sorted(created, key=lambda n: -n.count("/")):  # files in secrets/ before secrets/
-            path = directory / name
-            if path.is_dir() and not path.is_symlink():
-                if not any(path.iterdir()):
-                    path.rmdir()
-            else:
-                path.unlink(missing_ok=True)
-        if existed is None:  # this start made the directory, and any missing parent of it: empty ones go
-            start = directory.absolute()
-            for path in (start, *start.parents):
-                if path not in made or not path.is_dir() or any(path.iterdir()):
-                    break
-                path.rmdir()
-    except OSError:
-        pass  # best effort: the refusal itself is the error to report
-
-
 class PrivateRun:
     """One private run of ``plan`` on ``model`` with its durable state in ``directory``."""
 
@@ -187,7 +130,7 @@ class PrivateRun:
         last = run.next_round - 1
         summary = run.round(last) if last >= 0 else None
         self._last_digest = (summary.checkpoint_sha256 if summary is not None
-                             else json.loads((directory / _RUN_FILE).read_text(encoding="utf-8"))["initial_sha256"])
+                             else json.loads((directory / RUN_FILE).read_text(encoding="utf-8"))["initial_sha256"])
         self._head = (last, summary.chain_sha256 if summary is not None else run.info.genesis_sha256)
 
     # ---- opening and closing -----------------------------------------------------------
@@ -234,12 +177,12 @@ class PrivateRun:
             plan.check_population(len(population))  # before anything is written
         min_cohort = resolve_min_cohort(plan, min_clients_per_round, None if population is None else len(population))
         directory = Path(directory)
-        existed = _entries(directory)  # a refused start removes what it created, and only that
-        made = _missing_dirs(directory)
+        existed = entries(directory)  # a refused start removes what it created, and only that
+        made = missing_dirs(directory)
         witness_off = witness is not None and os.fspath(witness) == WITNESS_OFF
         if witness_off:
             log.warning("fedmf: warning: %s", _WITNESS_OFF_WARNING)
-        resumed = (directory / _RUN_FILE).exists()
+        resumed = (directory / RUN_FILE).exists()
         witness_dir = None if witness_off else Witness.directory(witness)  # checked before anything is written
         store = CheckpointStore(directory, clean=False)  # another server's temporary files stay
         lock = lock_directory(directory, CheckpointError)  # held until close (or the process dies)
@@ -249,12 +192,12 @@ class PrivateRun:
             ledger_url = str(ledger) if ledger is not None else str(directory / "ledger.db")
             book = Ledger.open(ledger_url, secret=secrets.ledger_secret)
         except BaseException:
-            _remove_created(directory, existed, made)
+            remove_created(directory, existed, made)
             os.close(lock)
             raise
         try:
             params = dict(model.named_parameters())
-            dtype, device = _param_dtype(params)
+            dtype, device = param_dtype(params)
             privatizer = RoundPrivatizer(plan, layout_of(params), device=device, dtype=dtype, seed=secrets.noise_seed,
                                          repeatable_noise=repeatable_noise)
             opt = server_optimizer(params, plan.mechanism.workload, plan.rounds, server_lr, kind=optimizer)
@@ -274,11 +217,11 @@ class PrivateRun:
             if budget is not None:
                 budget.run_id = run.id
             committed = run.next_round
-            record = None if witness_off else _check_witness(
+            record = None if witness_off else check_witness(
                 Witness.open(witness_dir, run_id=run.id, genesis_sha256=run.info.genesis_sha256), run, committed - 1)
         except BaseException:
             book.close()
-            _remove_created(directory, existed, made)
+            remove_created(directory, existed, made)
             os.close(lock)
             raise
         out = cls(model, plan, directory, secrets, store, book, ledger_url, run, privatizer, opt, scheduler, on_event,
@@ -290,7 +233,7 @@ class PrivateRun:
     @staticmethod
     def _attach(book, directory: Path, store: CheckpointStore, secrets: RunSecrets, plan: RunPlan, model, privatizer,
                 optimizer, scheduler, name, noise_salts: str, diagnostics: bool):
-        run_file = directory / _RUN_FILE
+        run_file = directory / RUN_FILE
         seed_file = str(directory / "secrets" / "noise_seed")
         if run_file.exists():
             try:
@@ -301,14 +244,14 @@ class PrivateRun:
             except (OSError, ValueError, KeyError, TypeError):
                 raise ConfigError(f"{str(run_file)!r} is damaged") from None
             if binding is not None and (secrets.noise_seed_binding or b"").hex() != binding:
-                raise CheckpointError(f"the noise seed in {seed_file!r} is not bound to the run {_RUN_FILE} names: "
+                raise CheckpointError(f"the noise seed in {seed_file!r} is not bound to the run {RUN_FILE} names: "
                                       "restore that run's own secrets/ to resume it")
             plan.check_fingerprint(fingerprint, f"checkpoint directory {str(directory)!r}")
-            run = _resume_ledger_run(book, run_id, directory)
+            run = resume_ledger_run(book, run_id, directory)
             plan.check_fingerprint(run.info.plan_fingerprint, f"ledger run {run_id}")
             last = run.next_round - 1  # -1: the initial state, before round 0
-            _refuse_rollback(store, last)  # the run directory is older than the ledger
-            _refuse_ledger_rollback(directory, store, run, last)  # the ledger is older than the run directory
+            refuse_rollback(store, last)  # the run directory is older than the ledger
+            refuse_ledger_rollback(directory, store, run, last)  # the ledger is older than the run directory
             digest = run.round(last).checkpoint_sha256 if last >= 0 else initial_sha256
             state = store.load(last, digest)
             plan.check_fingerprint(state.get("plan_fingerprint"), f"checkpoint of round {last}")
@@ -325,7 +268,7 @@ class PrivateRun:
         # one noise seed, one run: a second run with this seed would repeat released noise
         if secrets.noise_seed_binding is not None:
             raise CheckpointError(f"the noise seed in {seed_file!r} is bound to another run (copied from its run "
-                                  f"directory?), or a start of a run here stopped before writing {_RUN_FILE}: a new "
+                                  f"directory?), or a start of a run here stopped before writing {RUN_FILE}: a new "
                                   "run needs new secrets (a new directory; or, if no round was ever committed from "
                                   "this directory, remove its secrets/ and initial.pt); noise is never reused")
         leftovers = sorted(p.name for p in directory.iterdir()
@@ -333,13 +276,13 @@ class PrivateRun:
         used = directory / "secrets" / "noise_seed.used"
         if leftovers or used.exists():
             raise CheckpointError(f"{str(directory)!r} holds the state of an earlier run ({', '.join(leftovers[:3]) or used.name}) "
-                                  f"but no {_RUN_FILE}: restore {_RUN_FILE} to resume it, or start a new run in a new "
+                                  f"but no {RUN_FILE}: restore {RUN_FILE} to resume it, or start a new run in a new "
                                   "directory (new secrets); noise is never reused")
         noise_check = privatizer.state_dict()["noise"]["seed_check"]
         for other in book.runs():
             if other.config.get("noise_key_check") == noise_check:
                 raise CheckpointError(f"ledger run {other.id} was made with the noise seed in {str(directory)!r} and "
-                                      f"{_RUN_FILE} is missing: restore {_RUN_FILE} to resume it, or start a new run "
+                                      f"{RUN_FILE} is missing: restore {RUN_FILE} to resume it, or start a new run "
                                       "in a new directory (new secrets); noise is never reused")
         binding = secrets.bind_noise_seed()  # before the seed's first use: a copy of the file carries it
         atomic_write(used, lambda f: f.write("a run was started with this noise seed; it is never used again\n"),
@@ -352,7 +295,7 @@ class PrivateRun:
                               diagnostics=diagnostics)
         record = {"run_id": run.id, "noise_salts": noise_salts, "plan_fingerprint": plan.fingerprint,
                   "initial_sha256": initial_sha256, "noise_seed_binding": binding}
-        atomic_write(directory / _RUN_FILE, lambda f: json.dump(record, f), text=True, mode=0o600)
+        atomic_write(directory / RUN_FILE, lambda f: json.dump(record, f), text=True, mode=0o600)
         return run
 
     def close(self) -> None:
@@ -647,112 +590,6 @@ class PrivateRun:
         if self._selection is None:
             raise RoundOrderError("no round is open: call select() first")
         return self._selection
-
-
-def adaptive_metrics(clip_norm: float, noisy_unclipped: float, expected_users: float) -> dict[str, float]:
-    """A committed adaptive round's released metrics: ``clip-norm`` ζₜ and ``noisy-unclipped-fraction`` b̃ₜ/m."""
-    return {"clip-norm": float(clip_norm), "noisy-unclipped-fraction": float(noisy_unclipped) / expected_users}
-
-
-def _refuse_rollback(store: CheckpointStore, committed: int) -> None:
-    """A run directory older than the ledger's last committed (so released) round is a restored
-    backup: resuming it would release rounds again. One line naming both rounds."""
-    newest = max(store.rounds(), default=-1)
-    if newest < committed:
-        have = "only the initial state" if newest < 0 else f"round {newest}"
-        raise CheckpointError(f"the ledger says round {committed} was committed and released, but "
-                              f"{str(store.directory)!r} holds checkpoints up to {have}: a run directory older than "
-                              "the ledger (a restored backup?) is never resumed, it would release those rounds again; "
-                              "start a new run in a new directory")
-
-
-def _resume_ledger_run(book, run_id: int, directory: Path):
-    """The ledger run ``run.json`` names; a ledger without it was rolled back to before the run
-    began (or is another ledger): one line, since resuming would release the run's rounds again."""
-    from ..ledger.db import LedgerError
-
-    try:
-        return book.run(run_id)
-    except LedgerError:
-        if any(other.id == run_id for other in book.runs()):
-            raise
-        raise CheckpointError(f"the run directory {str(directory)!r} belongs to ledger run {run_id}, which the ledger "
-                              "does not hold: the ledger was rolled back to before the run began (or is another "
-                              "ledger); refusing to release rounds again") from None
-
-
-def _refuse_ledger_rollback(directory: Path, store: CheckpointStore, run, committed: int) -> None:
-    """A ledger older than the run directory is a restored backup (or had rounds deleted): refused
-    in one line naming both sides. The run directory shows round r committed when it holds a round
-    log line of r (written after r's commit), or a checkpoint or noise file of r ≥ committed + 2 (a
-    round is checkpointed only after the one before it was committed). A checkpoint or noise file of
-    round committed + 1 is an attempt that a stop left uncommitted (redone with fresh noise: nothing
-    of it was released) only if the ledger opened that round and round committed's checkpoint is still
-    there (it is pruned after round committed + 1's commit); else the ledger lost it."""
-    from .checkpoint import noise_file_rounds
-
-    ledger_side = (f"the ledger's last committed round is {committed}" if committed >= 0
-                   else "the ledger has no committed round")
-    logged = logged_rounds(directory, run.id)
-    ahead = [t for t in logged if t > committed]
-    if ahead:
-        raise CheckpointError(f"run directory {str(directory)!r} shows round {max(ahead)} committed (its round log "
-                              f"rounds.jsonl) but {ledger_side} of run {run.id}: the ledger was rolled back; "
-                              "refusing to release rounds again")
-    if committed >= 0 and committed in logged and logged[committed] != run.round(committed).checkpoint_sha256:
-        raise CheckpointError(f"run directory {str(directory)!r} logged round {committed} with another checkpoint than "
-                              f"the ledger's commit of round {committed} names: the ledger was rolled back and the "
-                              "round released again, or it is another ledger; refusing to go on")
-    files = {t: f"checkpoint {store.path(t).name}" for t in store.rounds() if t > committed}
-    for t, name in noise_file_rounds(directory):
-        if t > committed and t not in files:
-            files[t] = f"noise file {name}"
-    if not files:
-        return
-    newest = max(files)
-    if newest >= committed + 2:
-        raise CheckpointError(f"run directory {str(directory)!r} shows round {newest - 1} committed (its "
-                              f"{files[newest]} of round {newest}) but {ledger_side} of run {run.id}: the ledger "
-                              "was rolled back; refusing to release rounds again")
-    if run.round(newest).status not in ("open", "aborted"):
-        raise CheckpointError(f"run directory {str(directory)!r} shows round {newest} begun (its {files[newest]}) but "
-                              f"{ledger_side} of run {run.id} and it never opened round {newest}: the ledger was "
-                              "rolled back; refusing to release rounds again")
-    if committed >= 0 and newest in files and files[newest].startswith("checkpoint") and \
-            not store.path(committed).exists():
-        # round committed's checkpoint is pruned only after round newest's commit and witness line
-        raise CheckpointError(f"run directory {str(directory)!r} shows round {newest} committed (its checkpoint "
-                              f"{store.path(newest).name} without round {committed}'s, which is removed only after "
-                              f"round {newest}'s commit) but {ledger_side} of run {run.id}: the ledger was rolled "
-                              "back; refusing to release rounds again")
-
-
-def _check_witness(witness: Witness, run, committed: int) -> Witness:
-    """Refuse (one line) a ledger behind the release witness, or whose chain head at the witness's
-    last round is another one; then bring a witness that is behind the ledger (a stop between a
-    commit and its witness entry: that round was never released) up to the ledger's last round,
-    before anything is released. Returns ``witness``."""
-    last = witness.last()
-    if last is not None:
-        if last.round > committed:
-            ledger_side = (f"the ledger's last committed round is {committed}" if committed >= 0
-                           else "the ledger has no committed round")
-            raise CheckpointError(f"the release witness {str(witness.path)!r} shows round {last.round} committed but "
-                                  f"{ledger_side} of run {run.id} (and the run directory agrees with the ledger): "
-                                  "both were rolled back (restored from a backup?); refusing to release rounds again")
-        head = run.round(last.round).chain_sha256
-        if head != last.chain_sha256:
-            raise CheckpointError(f"the release witness {str(witness.path)!r} records chain head "
-                                  f"{last.chain_sha256[:16]}… at round {last.round}, but the ledger's round "
-                                  f"{last.round} of run {run.id} has {str(head)[:16]}…: the ledger was rewritten or "
-                                  "rolled back and its rounds released again; refusing to go on")
-    if committed >= 0 and (last is None or last.round < committed):
-        if last is None or last.round < committed - 1:
-            log.info("fedmf: the release witness %s recorded %s; the ledger has committed up to round %d: recording "
-                     "that round now", witness.path, "no round" if last is None else f"up to round {last.round}",
-                     committed)
-        witness.append(committed, run.round(committed).chain_sha256)
-    return witness
 
 
 def _state(plan: RunPlan, model, optimizer, privatizer, scheduler) -> dict[str, Any]:

@@ -278,7 +278,7 @@ def run_history(config: RunConfig, plan, run_id: int) -> list[dict[str, Any]]:
     log line holds (``fedmf.run.round_log``: ``RoundRecord`` fields with the released metrics). A committed
     round without a log line (the process died between the commit and the release) keeps the ledger's
     counts, no metrics, and ``None`` for what only the log knew."""
-    from .private_run import adaptive_metrics
+    from ..round.adaptive_clipping import adaptive_metrics
     from .round_log import read_rounds
 
     directory = Path(config.run_dir)
