@@ -316,7 +316,8 @@ def _serve(tmp_path: Path, name: str, monkeypatch, num_examples: float, **over):
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())
     logger.addHandler(handler)
-    level, logger.level = logger.level, logging.INFO
+    level = logger.level
+    logger.setLevel(logging.INFO)  # setLevel, not .level =: it clears the logger's cached isEnabledFor answers
     try:
         run_server(LocalGrid(nodes), values)
     finally:
