@@ -1,0 +1,301 @@
+"""The independent review's findings on secure aggregation (docs/reviews/REVIEW-i36-secagg.md).
+
+Each test states what should hold; a finding that is not fixed yet is a strict xfail, so that its
+fix turns the test into an XPASS that must be acknowledged by removing the marker.
+"""
+
+from __future__ import annotations
+
+import base64
+import random
+
+import numpy as np
+import pytest
+from flwr.common.secure_aggregation.crypto.shamir import combine_shares, create_shares
+from flwr.common.secure_aggregation.crypto.symmetric_encryption import decrypt, encrypt, generate_shared_key
+from flwr.common.secure_aggregation.secaggplus_constants import Key, Stage
+from flwr.common.secure_aggregation.secaggplus_utils import (
+    share_keys_plaintext_concat,
+    share_keys_plaintext_separate,
+)
+from flwr.supercore.primitives.asymmetric import (
+    bytes_to_private_key,
+    bytes_to_public_key,
+    generate_key_pairs,
+    public_key_to_bytes,
+)
+
+from client.secagg import SecAggClient
+from fedmf.secagg.errors import SecAggAbort, SecAggError
+from fedmf.secagg.masks import PAIRWISE_MASK, SELF_MASK, expand_mask, mod_add, mod_sub, mod_sum
+from fedmf.secagg.messages import BITS, LENGTH, NEIGHBOURS, SESSION
+from fedmf.secagg.params import SecAggParams
+from server.secagg import DONE, SecAggServer
+from tests.secagg._drive import random_words, run_round
+
+LENGTH_WORDS = 5
+
+
+def _pairwise(sk, pk_bytes: bytes, bits: int) -> np.ndarray:
+    shared = base64.urlsafe_b64decode(generate_shared_key(sk, bytes_to_public_key(pk_bytes)))
+    return expand_mask(shared, LENGTH_WORDS, bits, PAIRWISE_MASK)
+
+
+def _unmask_one(masked: np.ndarray, v: int, seed: bytes, pair_keys: dict[int, np.ndarray], bits: int) -> np.ndarray:
+    """x_v from y_v = x_v + PRG(seed_v) + Σ_u ±PRG(s_uv) (client.secagg.SecAggClient._collect's signs)."""
+    x = mod_sub(masked, expand_mask(seed, LENGTH_WORDS, bits, SELF_MASK), bits)
+    for u, mask in pair_keys.items():
+        x = mod_sub(x, mask, bits) if v > u else mod_add(x, mask, bits)
+    return x
+
+
+# ---- HIGH: a server that lies about who dropped unmasks one client (no consistency round) ----------
+
+def _ring(nodes: list[int], seed: int) -> list[int]:
+    order = sorted(nodes)
+    random.Random(seed).shuffle(order)  # what server.secagg.harary_graph draws with the same generator
+    return order
+
+
+def _honest_until_unmask(params: SecAggParams, nodes: list[int], graph_seed: int,
+                         trim: dict[int, int] | None = None):
+    """Setup, share keys and collect played honestly, except that the server forwards to node v
+    only the first ``trim[v]`` sources' shares at collect (the client accepts any ≥ t − 1)."""
+    words = random_words(nodes, LENGTH_WORDS, params.bits, seed=7)
+    server = SecAggServer(params, LENGTH_WORDS, nodes, rng=random.Random(graph_seed))
+    clients = {u: SecAggClient(u) for u in nodes}
+    masked: dict[int, np.ndarray] = {}
+    for stage in (Stage.SETUP, Stage.SHARE_KEYS, Stage.COLLECT_MASKED_VECTORS):
+        replies = {}
+        for u, request in server.requests().items():
+            if stage == Stage.COLLECT_MASKED_VECTORS and u in (trim or {}):
+                keep = trim[u]
+                request = dict(request) | {Key.SOURCE_LIST: request[Key.SOURCE_LIST][:keep],
+                                           Key.CIPHERTEXT_LIST: request[Key.CIPHERTEXT_LIST][:keep]}
+            replies[u] = clients[u].handle(request, words[u] if stage == Stage.COLLECT_MASKED_VECTORS else None)
+            if stage == Stage.COLLECT_MASKED_VECTORS:
+                masked[u] = replies[u][Key.MASKED_PARAMETERS]
+        server.receive(replies)
+    return server, clients, masked, words
+
+
+def _lie_and_unmask(params, server, clients, masked, v: int, pairs: list[int],
+                    dead_of: dict[int, set[int]]) -> np.ndarray | None:
+    """The unmask stage with a different survivor story per holder w (``dead_of[w]`` dropped, the
+    rest of its neighbourhood alive); then v's update from its seed and the mask keys of ``pairs``
+    (the nodes v masked with), or None when too few shares came back."""
+    shares: dict[int, dict[str, list[bytes]]] = {u: {"seed": [], "key": []} for u in server.sampled}
+    for w, dead_set in dead_of.items():
+        dead = sorted(dead_set)
+        active = sorted((server.neighbours[w] | {w}) - dead_set)
+        request = {Key.STAGE: Stage.UNMASK, SESSION: server.session, Key.ACTIVE_NODE_ID_LIST: active,
+                   Key.DEAD_NODE_ID_LIST: dead}
+        try:
+            reply = clients[w].handle(request)
+        except SecAggError:  # a client that detects the lie reveals nothing
+            continue
+        for owner, share in zip(reply[Key.NODE_ID_LIST], reply[Key.SHARE_LIST]):
+            shares[owner]["key" if owner in dead_set else "seed"].append(share)
+    t = params.threshold
+    if len(shares[v]["seed"]) < t or any(len(shares[u]["key"]) < t for u in pairs):
+        return None
+    seed = combine_shares(shares[v]["seed"][:t])
+    pair = {u: _pairwise(bytes_to_private_key(combine_shares(shares[u]["key"][:t])), server._pk1[v], params.bits)
+            for u in pairs}
+    return _unmask_one(masked[v], v, seed, pair, params.bits)
+
+
+@pytest.mark.xfail(strict=True, reason="HIGH: no consistency round (agreed, signed U3): a server lying about "
+                                     "dropouts unmasks one client")
+def test_a_server_lying_about_dropouts_cannot_unmask_one_client():
+    """k = 4, t = 3 (2t > k + 1 holds), a sparse Harary graph. The server runs setup, share keys and
+    collect honestly, then tells each holder a different story: every neighbour u of the target v
+    "dropped" (to t of u's holders) and v "survived". No holder is asked for both secrets of one
+    node, yet the server gets v's self-mask seed and every neighbour's mask key, hence every
+    pairwise mask of v, hence v's update. Bell et al. (CCS 2020, Sec. 5) and Bonawitz et al.
+    (CCS 2017, ConsistencyCheck) prevent this with a round in which the clients agree on (sign) the
+    survivor set U3 before any share is revealed."""
+    params = SecAggParams(degree=4, threshold=3, bits=16, scale=1.0)
+    nodes = list(range(101, 111))
+    server, clients, masked, words = _honest_until_unmask(params, nodes, 3)
+    assert server.stage == Stage.UNMASK and server.u3 == frozenset(nodes)  # nobody dropped
+    order = _ring(nodes, 3)
+    assert all(server.neighbours[u] == frozenset({order[(i + o) % 10] for o in (-2, -1, 1, 2)})
+               for i, u in enumerate(order))
+    at = {p: order[p % 10] for p in range(-4, 5)}  # the node at ring offset p from v = at[0]
+    # who declares which neighbour of v dead (ring offsets): each u in N(v) gets t = 3 such holders and
+    # each holder keeps ≥ t survivors in its list (a b-matching; max-flow finds one for k = 8, t = 5 too)
+    dead_at = {4: {2}, 3: {1, 2}, -4: {-2}, -3: {-1, -2}, 2: {1}, -2: {-1}, 1: {-1, 2}, -1: {1, -2}, 0: set()}
+    dead_of = {at[p]: {at[q] for q in qs} for p, qs in dead_at.items()}
+    recovered = _lie_and_unmask(params, server, clients, masked, at[0], sorted(server.neighbours[at[0]]), dead_of)
+    assert recovered is None or not np.array_equal(recovered, words[at[0]]), "the server learned one client's update"
+
+
+@pytest.mark.xfail(strict=True, reason="HIGH: same, on the complete graph, after forwarding only t − 1 sources")
+def test_a_server_lying_about_dropouts_cannot_unmask_one_client_in_a_complete_graph():
+    """Nine clients, k = 8 (the complete graph, the original SecAgg), t = 5. At collect the server
+    forwards to v only t − 1 = 4 neighbours' shares (v accepts: 4 + 1 ≥ t), so v masks with those 4
+    only; in unmask the other 8 holders are told that these 4 dropped (each holder still lists
+    ≥ t survivors), so their mask keys come back, and v's seed from the holders told v survived."""
+    params = SecAggParams(degree=8, threshold=5, bits=16, scale=1.0)
+    nodes = list(range(201, 210))
+    v, pairs = nodes[0], nodes[1:5]
+    server, clients, masked, words = _honest_until_unmask(params, nodes, 0, trim={v: 4})
+    others = [w for w in nodes if w != v]
+    dead_of = {w: set(pairs) - {w} for w in others}  # never v itself: v's sources are only the 4
+    recovered = _lie_and_unmask(params, server, clients, masked, v, pairs, dead_of)
+    assert recovered is None or not np.array_equal(recovered, words[v]), "the server learned one client's update"
+
+
+# ---- MEDIUM: the SecAgg+ keys are bound to nothing: a server that forges the neighbours learns x_v ----
+
+@pytest.mark.xfail(strict=True, reason="MEDIUM: no PKI/signatures on the SecAgg+ public keys (malicious server "
+                                       "out of the threat model, but the client claims to guard against a lying server)")
+def test_a_server_that_forges_every_neighbour_cannot_unmask_the_client():
+    """One honest client v; its 'neighbours' are Sybils the server simulates (or, equally, real nodes
+    whose public keys the server replaces). The client accepts, and the server decrypts its shares."""
+    bits, t, v = 16, 3, 500
+    fake = [501, 502, 503, 504]
+    keys = {u: (generate_key_pairs(), generate_key_pairs()) for u in fake}
+    client = SecAggClient(v)
+    session = bytes(16)
+    words = random_words([v], LENGTH_WORDS, bits, seed=1)[v]
+    recovered = None
+    try:
+        setup = client.handle({Key.STAGE: Stage.SETUP, SESSION: session, NEIGHBOURS: fake, Key.THRESHOLD: t,
+                               BITS: bits, LENGTH: LENGTH_WORDS})
+        members = sorted(fake + [v])
+        pk = {u: (public_key_to_bytes(keys[u][0][1]), public_key_to_bytes(keys[u][1][1])) for u in fake}
+        pk[v] = (setup[Key.PUBLIC_KEY_1], setup[Key.PUBLIC_KEY_2])
+        sent = client.handle({Key.STAGE: Stage.SHARE_KEYS, SESSION: session, Key.NODE_ID_LIST: members,
+                              Key.PUBLIC_KEY_1: [pk[u][0] for u in members],
+                              Key.PUBLIC_KEY_2: [pk[u][1] for u in members]})
+        ctxts = []
+        for u in fake:  # each Sybil "shares" junk secrets with v, encrypted under the pair's key
+            box = generate_shared_key(keys[u][1][0], bytes_to_public_key(pk[v][1]))
+            junk = create_shares(bytes(32), t, len(members))[0]
+            ctxts.append(encrypt(box, share_keys_plaintext_concat(u, v, junk, junk)))
+        reply = client.handle({Key.STAGE: Stage.COLLECT_MASKED_VECTORS, SESSION: session, Key.SOURCE_LIST: fake,
+                               Key.CIPHERTEXT_LIST: ctxts}, words)
+        seed_shares = []
+        for dst, ctxt in zip(sent[Key.DESTINATION_LIST], sent[Key.CIPHERTEXT_LIST]):
+            box = generate_shared_key(keys[dst][1][0], bytes_to_public_key(pk[v][1]))
+            _, _, seed_share, _ = share_keys_plaintext_separate(decrypt(box, ctxt))
+            seed_shares.append(seed_share)
+        pair = {u: _pairwise(keys[u][0][0], pk[v][0], bits) for u in fake}
+        recovered = _unmask_one(reply[Key.MASKED_PARAMETERS], v, combine_shares(seed_shares[:t]), pair, bits)
+    except SecAggError:  # the client detected the forgery
+        pass
+    assert recovered is None or not np.array_equal(recovered, words), "the server learned the client's update"
+
+
+# ---- LOW: one hostile share holder aborts a round whose secrets t honest shares recover ---------------
+
+@pytest.mark.xfail(strict=True, reason="LOW: _reconstruct tries only the first 64 t-subsets in lexicographic "
+                                       "order; a bad share from the smallest holder id spoils all of them")
+def test_one_corrupted_share_never_aborts_a_round_with_t_honest_shares():
+    """Defaults k = 8, t = 5: 9 holders per secret, C(8, 4) = 70 > 64 subsets contain the smallest
+    holder. Node 1 (the smallest id) corrupts every share of its neighbours' secrets that it returns;
+    8 ≥ t honest shares of each remain. Aborting here is worse than a DoS: the secrets are recoverable,
+    so a curious server holds the aborted attempt's un-noised sum, and the redo (same selection, same
+    model) gives it a second sum of the same round over a possibly different survivor set."""
+    params = SecAggParams(degree=8, threshold=5, bits=16, scale=1.0)
+    nodes = list(range(1, 13))
+    hostile = 1
+
+    def corrupt(stage, u, reply):
+        if stage == Stage.UNMASK and u == hostile:  # others' shares only: its own secrets stay good
+            return dict(reply) | {Key.SHARE_LIST: [s if owner == hostile else s[:4] + bytes(b ^ 0x01 for b in s[4:])
+                                                   for owner, s in zip(reply[Key.NODE_ID_LIST],
+                                                                       reply[Key.SHARE_LIST])]}
+        return reply
+
+    words = random_words(nodes, LENGTH_WORDS, params.bits, seed=2)
+    try:
+        server = run_round(params, words, tamper=corrupt, graph_seed=0)
+    except SecAggAbort:
+        server = None
+    assert server is not None and server.stage == DONE
+    assert np.array_equal(server.result, mod_sum(words.values(), LENGTH_WORDS, params.bits))
+
+
+# ---- MEDIUM: one hostile client sampled once ends the run (DoS beyond one round) --------------------
+
+@pytest.mark.xfail(strict=True, reason="MEDIUM: a client committing to a wrong seed aborts every attempt of its "
+                                       "round (same selection on redo) and the run ends after SECAGG_REDOS")
+def test_one_client_with_a_wrong_seed_commitment_does_not_end_the_run(tmp_path, monkeypatch, caplog):
+    """The hostile node sends a commitment that matches no seed it shares: its self mask can never be
+    removed, so each attempt aborts at unmask. The redo keeps the selection, so the same node
+    aborts all SECAGG_REDOS + 1 attempts and ``run_server`` raises: a single malicious client
+    stops the federation. Expected: the round goes on without it (e.g. the named owner is left
+    out of the redo as dropped, or its commitment is checked against its shares before collect)."""
+    import logging
+
+    from fedmf.run.private_run import REPEATABLE_NOISE_ENV
+    from fedmf.secagg.messages import COMMITMENT, SECAGG_RECORD
+    from server.app import run_server
+    from server.local_grid import LocalGrid
+    from tests.flower.test_secure_aggregation import SECURE, _config, _nodes, _stage
+
+    monkeypatch.setenv(REPEATABLE_NOISE_ENV, "1")
+    monkeypatch.setattr(logging.getLogger("fedmf.server"), "propagate", True)
+    hostile: list[int] = []
+
+    def wrap(node_id, answer):
+        def node(message):
+            reply = answer(message)
+            if _stage(message) == Stage.SHARE_KEYS and (not hostile or hostile == [node_id]) and reply is not None:
+                hostile[:] = [node_id]
+                reply.content.config_records[SECAGG_RECORD][COMMITMENT] = bytes(32)
+            return reply
+        return node
+
+    grid = LocalGrid({node_id: wrap(node_id, answer) for node_id, answer in _nodes().items()})
+    try:
+        strategy = run_server(grid, _config(tmp_path, "dos", rounds=1, **{**SECURE, "min-sep": 1}))
+    except SecAggAbort:
+        strategy = None
+    assert strategy is not None and len(strategy.history) == 1
+
+
+# ---- MEDIUM: an amplified-sampling draw below the threshold aborts every redo and ends the run --------
+
+@pytest.mark.xfail(strict=True, reason="MEDIUM: with sampling poisson/… a drawn cohort 0 < |S| < t raises SecAggAbort "
+                                       "at setup; the redo keeps the selection, so the run ends")
+def test_a_drawn_cohort_below_the_threshold_is_released_as_dropped_not_aborted():
+    """Amplified sampling keeps every round it draws, small or empty (``fedmf.run.cohort``), and
+    ``SecureRound.run`` already releases an empty draw as a zero sum. A draw of 1..t−1 users raises
+    ``SecAggAbort`` instead; ``DPMFStrategy._redo_aborted`` redoes the round with the same selection
+    (``PrivateRun.abort``), so all SECAGG_REDOS + 1 attempts abort and the run stops. Expected: like
+    the empty draw, the sampled users count as dropped (no update is summed, no one's update can be
+    isolated) and the round is released with its noise."""
+    from fedmf.secagg.quantize import Quantization
+    from server.secagg_round import SecureRound
+
+    params = SecAggParams(degree=4, threshold=3, bits=16, scale=1.0)
+    q = Quantization(clip_norm=1.0, scale=1.0, bits=16, dim=2)
+    rounds = SecureRound(params, q, {"w": (2,)})
+    try:
+        total = rounds.run(None, {"alice": 11, "bob": 22}, {"round": 0, "run-nonce": "n"}, None, 1.0)
+    except SecAggAbort:
+        total = None
+    assert total is not None and not total.contributors and not total.vector.any()
+
+
+# ---- MEDIUM: the default graph degree tolerates few colluding clients --------------------------------
+
+@pytest.mark.xfail(strict=True, reason="MEDIUM: default k = 8, t = 5: a client's update is exposed to an honest-but-"
+                                       "curious server colluding with 5 % of the clients w.p. ~2^-16 per client-round")
+def test_the_default_parameters_keep_collusion_negligible():
+    """An honest-but-curious server that colludes with c ≥ t of a client's k neighbours gets both
+    of that client's secrets (the colluders hand over every share they hold). Bell et al. (CCS 2020,
+    Sec. 4) choose k so that this has probability ≤ 2^-σ (σ = 40) for a stated corrupt fraction γ;
+    with γ = 5 % and the defaults it is ≈ 1.5·10⁻⁵ per client and round (≈ 2^-16), so a run of
+    1,000 users × 100 rounds expects about one exposed update."""
+    from math import comb
+
+    from server.config import FLOWER_DEFAULTS
+
+    k, t, gamma = FLOWER_DEFAULTS["secagg-degree"], FLOWER_DEFAULTS["secagg-threshold"], 0.05
+    exposed = sum(comb(k, c) * gamma**c * (1 - gamma) ** (k - c) for c in range(t, k + 1))
+    assert exposed <= 2.0**-40
