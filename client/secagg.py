@@ -2,7 +2,8 @@
 over plain dict payloads (``server/secagg.py`` describes the protocol; Bell et al., CCS 2020).
 
 A fresh ``SecAggClient`` serves one round attempt: new key pairs at setup, a new mask seed at
-share keys. It guards its user against a curious or lying server: stages only in order and
+share keys. It guards its user against a curious server (not yet against one that lies about who
+dropped: there is no consistency round, docs/reviews/REVIEW-i36-secagg.md HIGH-1): stages only in order and
 once each, one session; a threshold that keeps an honest majority of each neighbourhood
 (2t > shares); the public keys it is shown distinct and its own among them; shares only from
 its neighbours, decrypted and checked for sender and recipient; in unmask, at least t

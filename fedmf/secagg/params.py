@@ -34,10 +34,12 @@ class SecAggParams:
     ``threshold`` (t): Shamir shares needed to reconstruct a client's mask seed or mask key, out
     of the k + 1 shares of its neighbourhood (one kept by itself). t − 1 colluding shareholders
     learn nothing of a secret; each honest client reveals, for each neighbour, either the share of
-    its mask seed (it survived) or of its mask key (it dropped), never both. Hence 2t > k + 1: a
-    server that tells some neighbours "alive" and others "dropped" still cannot gather t shares of
-    both secrets of one client; with c colluding clients in a neighbourhood it needs
-    2t > k + 1 + c. On the other side, a client whose surviving shareholders are fewer than t makes
+    its mask seed (it survived) or of its mask key (it dropped), never both, and 2t > k + 1 is
+    enforced. That bounds an honest-but-curious server only: without Bell et al.'s consistency round
+    (clients signing the survivor set) a server that tells shareholders different stories about who
+    dropped gathers one client's mask seed and its neighbours' mask keys, and unmasks that client
+    (docs/reviews/REVIEW-i36-secagg.md, HIGH-1; SecAgg+ public keys are not yet bound to enrolled
+    identities either, MEDIUM-1). The preview is for an honest-but-curious server. On the other side, a client whose surviving shareholders are fewer than t makes
     the round abort (nothing released): t trades privacy against tolerance of dropouts.
 
     ``bits`` (b): the sum is computed modulo 2^b, the masks are uniform modulo 2^b, so one masked
