@@ -111,11 +111,18 @@ class _Backup:
         from sqlalchemy import text
 
         admin, schema = self._pg()
-        with admin.begin() as conn:
-            conn.execute(text("SET LOCAL session_replication_role = replica"))  # the owner's restore: no triggers
-            for t in self.tables:
-                conn.execute(text(f'DELETE FROM "{schema}"."{t}"'))
-                conn.execute(text(f'INSERT INTO "{schema}"."{t}" SELECT * FROM "{schema}_bk"."{t}"'))
+        with admin.connect() as conn:
+            # the owner's restore: no triggers, so no foreign-key cascade either. A session setting: the
+            # admin engine autocommits each statement, so SET LOCAL would end with its own statement and
+            # deleting a parent table would cascade into children restored before it (the order of
+            # information_schema's tables varies)
+            conn.execute(text("SET session_replication_role = replica"))
+            try:
+                for t in self.tables:
+                    conn.execute(text(f'DELETE FROM "{schema}"."{t}"'))
+                    conn.execute(text(f'INSERT INTO "{schema}"."{t}" SELECT * FROM "{schema}_bk"."{t}"'))
+            finally:
+                conn.execute(text("RESET session_replication_role"))
         with admin.connect() as conn:
             conn.execute(text(f'DROP SCHEMA "{schema}_bk" CASCADE'))
 
