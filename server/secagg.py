@@ -29,7 +29,10 @@ vectors of the wrong length, dtype or range) is rejected with a one-line reason 
 ``rejected`` and its sender counts as dropped at that stage; a reply from a node that was not
 asked is listed in ``ignored``. When the survivors can no longer satisfy the threshold, or no
 t shares reconstruct a secret that checks, ``receive`` raises ``SecAggAbort`` and the round
-must be redone with fresh noise (nothing was released). Calls out of order raise
+must be redone with fresh noise (nothing was released); ``culprits`` then names the owners whose
+committed secret no t shares reconstruct (a wrong commitment or bad shares of its own), which
+the redo leaves out as dropped. A share that does not fit the owner's other shares marks its
+holder in ``bad_holders``, whose shares every later reconstruction tries last. Calls out of order raise
 ``SecAggError`` and change nothing. The state machine itself never waits: the driver applies
 ``params.stage_timeout_s`` to each stage.
 """
@@ -60,8 +63,11 @@ DONE, ABORTED = "done", "aborted"
 MAX_KEY_BYTES = 1024
 MAX_CIPHERTEXT_BYTES = 4096
 MAX_SHARE_BYTES = 1024
-#: subsets of t shares tried per secret before the round aborts (a hostile share is skipped)
-MAX_SUBSETS = 64
+#: subsets of t shares tried per secret before its owner is named in an abort. Holders found bad
+#: are left out first, so a secret costs at most MAX_SUBSETS + (k + 1) Shamir combines; the search
+#: is exhaustive while C(k + 1, t) ≤ MAX_SUBSETS (defaults k = 8, t = 5: 126), i.e. any t honest
+#: shares then recover the secret whatever the other holders send
+MAX_SUBSETS = 1024
 
 
 class _Reject(Exception):
@@ -145,6 +151,10 @@ class SecAggServer:
         self.rejected: dict[int, str] = {}
         self.ignored: list[object] = []
         self.abort_reason: str | None = None
+        #: owners whose committed secret no t shares reconstructed (set when unmask aborts)
+        self.culprits: frozenset[int] = frozenset()
+        #: holders seen returning a share that does not fit the reconstructed secret
+        self.bad_holders: set[int] = set()
         self.u1: frozenset[int] = frozenset()
         self.u2: frozenset[int] = frozenset()
         self.u3: frozenset[int] = frozenset()
@@ -342,19 +352,35 @@ class SecAggServer:
     # -- unmasking ---------------------------------------------------------------------------
 
     def _reconstruct(self, owner: int, shares: dict[int, bytes], check: Callable[[bytes], bool], what: str) -> bytes:
+        """The secret of ``owner`` that ``check`` accepts, from t of ``shares`` (holder → share).
+        Subsets of holders not yet known bad are tried first, at most ``MAX_SUBSETS`` in all; once
+        one checks, every other share is tested against it (``_mark_bad``)."""
         t = self.params.threshold
         if len(shares) < t:
             raise SecAggAbort(f"secure aggregation aborted at unmask: {len(shares)} shares of node {owner}'s {what}, "
                               f"below the threshold {t}")
-        for subset in itertools.islice(itertools.combinations(sorted(shares), t), MAX_SUBSETS):
-            try:
-                secret = combine_shares([shares[h] for h in subset])
-            except Exception:  # inconsistent or hostile shares: try another subset
-                continue
-            if check(secret):
+        order = sorted(shares, key=lambda h: (h in self.bad_holders, h))
+        for subset in itertools.islice(itertools.combinations(order, t), MAX_SUBSETS):
+            secret = self._combine(shares, subset)
+            if secret is not None and check(secret):
+                self._mark_bad(shares, subset, secret)
                 return secret
         raise SecAggAbort(f"secure aggregation aborted at unmask: no {t} shares of node {owner}'s {what} "
                           f"reconstruct the committed secret")
+
+    @staticmethod
+    def _combine(shares: dict[int, bytes], subset: Sequence[int]) -> bytes | None:
+        try:
+            return combine_shares([shares[h] for h in subset])
+        except Exception:  # inconsistent or hostile shares
+            return None
+
+    def _mark_bad(self, shares: dict[int, bytes], good: Sequence[int], secret: bytes) -> None:
+        """Holders whose share, put in place of one of the ``good`` subset's, changes the secret
+        (t good shares fix the polynomial and each Lagrange weight at 0 is non-zero)."""
+        for h in sorted(set(shares) - set(good)):
+            if self._combine(shares, (h, *good[1:])) != secret:
+                self.bad_holders.add(h)
 
     def _seed_checks(self, owner: int) -> Callable[[bytes], bool]:
         return lambda secret: commit_seed(secret) == self._commitments[owner]
@@ -378,11 +404,23 @@ class SecAggServer:
                 shares[owner][holder] = share
         bits, total = self.params.bits, self._masked_sum
         assert total is not None
-        for owner in sorted(self.u3):
-            seed = self._reconstruct(owner, shares[owner], self._seed_checks(owner), "mask seed")
-            total = mod_sub(total, expand_mask(seed, self.length, bits, SELF_MASK), bits)
+        seeds, keys, failed = {}, {}, []
+        for owner in sorted(self.u3):  # every owner is tried, so that an abort names all culprits
+            try:
+                seeds[owner] = self._reconstruct(owner, shares[owner], self._seed_checks(owner), "mask seed")
+            except SecAggAbort as e:
+                failed.append((owner, e))
         for owner in sorted(dead):
-            raw = self._reconstruct(owner, shares[owner], self._key_checks(owner), "mask key")
+            try:
+                keys[owner] = self._reconstruct(owner, shares[owner], self._key_checks(owner), "mask key")
+            except SecAggAbort as e:
+                failed.append((owner, e))
+        if failed:
+            self.culprits = frozenset(owner for owner, _ in failed)
+            raise SecAggAbort("; ".join(str(e) for _, e in failed))
+        for seed in seeds.values():
+            total = mod_sub(total, expand_mask(seed, self.length, bits, SELF_MASK), bits)
+        for owner, raw in keys.items():
             key = bytes_to_private_key(raw)
             for u in sorted(self.neighbours[owner] & self.u3):
                 shared = base64.urlsafe_b64decode(generate_shared_key(key, bytes_to_public_key(self._pk1[u])))

@@ -10,7 +10,10 @@ from a node that was asked, that echoes the round, the run nonce and its user, a
 error; everything else about it is checked by the state machine. A node that is silent, errs or is
 refused at a stage has dropped out: SecAgg+ removes its masks from the survivors' sum from the
 shares of t neighbours. Below the threshold ``SecAggAbort`` propagates: the strategy aborts the
-round (nothing of it was noised or released) and redoes it with fresh noise.
+round (nothing of it was noised or released) and redoes it with fresh noise, leaving out the
+owners whose committed secret did not reconstruct (``SecAggServer.culprits``). A cohort below the
+threshold from the start (a small amplified draw) runs no protocol: its users count as dropped and
+the round releases the zero sum plus its noise, like an empty draw.
 
 The unmasked modular sum is decoded (``fedmf.secagg.quantize.decode_sum``) into a ``SecureSum``
 for ``PrivateRun.aggregate``: the float64 sum of the contributors' quantized, clipped updates (and
@@ -34,7 +37,7 @@ from flwr.serverapp import Grid
 
 from fedmf.errors import ConfigError
 from fedmf.secagg.encode import quantization_for
-from fedmf.secagg.errors import SecAggAbort, SecAggError
+from fedmf.secagg.errors import SecAggError
 from fedmf.secagg.messages import SECAGG_RECORD, from_wire, to_wire
 from fedmf.secagg.params import SecAggParams
 from fedmf.secagg.quantize import Quantization, check_no_wrap, decode_sum
@@ -90,18 +93,23 @@ class SecureRound:
         return entries
 
     def run(self, grid: Grid, expected: Mapping[Hashable, int], config: Mapping[str, Any], arrays: ArrayRecord,
-            collect_timeout: float) -> SecureSum:
+            collect_timeout: float, excluded: Mapping[Hashable, str] | None = None) -> SecureSum:
         """The decoded secure sum of the users ``expected`` (user → node) for the round of
         ``config`` (the TRAIN config, with ``round`` and ``run-nonce``, and ``encoding``'s entries).
-        Raises ``SecAggAbort`` when the survivors fall below the threshold."""
+        ``excluded``: expected users left out of the protocol (user → reason, e.g. named by an
+        aborted attempt), returned as rejected. Fewer than max(2, t) users left: the zero sum, all
+        of them dropped, nobody asked. Raises ``SecAggAbort`` when the survivors fall below the
+        threshold or a committed secret does not reconstruct (``self.server.culprits``)."""
         q = self.quantization
         self.server = None
-        if not expected:  # an empty cohort (a Poisson draw): its sum is zero, no one to protect
-            return SecureSum(np.zeros(q.dim), 0 if q.with_bit else None, frozenset(), q.inflation)
-        user_of = {int(node): user for user, node in expected.items()}
+        excluded = {user: reason for user, reason in (excluded or {}).items() if user in expected}
+        user_of = {int(node): user for user, node in expected.items() if user not in excluded}
         if len(user_of) < max(2, self.params.threshold):
-            raise SecAggAbort(f"secure aggregation aborted at setup: {len(user_of)} reachable sampled clients, "
-                              f"below the threshold {self.params.threshold}")
+            # an empty draw, or one below the threshold (amplified sampling, or users left out): no
+            # SecAgg+ can protect so few, so none of them is asked; all count as dropped and the
+            # round releases the zero sum plus its noise, as the central mode does for users it
+            # cannot hear from (deterministic: a redo would draw the same cohort)
+            return SecureSum(np.zeros(q.dim), 0 if q.with_bit else None, frozenset(), q.inflation, excluded)
         self.server = server = SecAggServer(self.params, q.length, sorted(user_of), rng=self.rng)
         refused: dict[Hashable, str] = {}
         for stage in STAGES:
@@ -118,7 +126,7 @@ class SecureRound:
         assert server.result is not None
         decoded = decode_sum(q, server.result)
         contributors = frozenset(user_of[node] for node in server.contributors)
-        rejected = {user: reason for user, reason in refused.items() if user not in contributors}
+        rejected = {user: reason for user, reason in {**refused, **excluded}.items() if user not in contributors}
         return SecureSum(decoded.vector, decoded.unclipped, contributors, q.inflation, rejected)
 
     def _message(self, stage: str, node: int, user: Hashable, payload: Mapping[str, Any],

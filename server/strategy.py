@@ -23,7 +23,8 @@ SecAgg+ stages (``server/secagg_round.py``): the clients clip to the ζₜ sent,
 quantize their own updates and mask them; the engine privatizes the decoded sum
 (``PrivateRun.aggregate`` with a ``SecureSum``: σ from ζ·inflation, ÷ the planned users). A round
 whose secure sum aborts (survivors below the threshold) is aborted — nothing of it was noised or
-released — and redone with fresh noise, up to ``SECAGG_REDOS`` times.
+released — and redone with fresh noise, up to ``SECAGG_REDOS`` times; a client whose committed
+secret did not reconstruct is left out of the redo (recorded as rejected, hence not in the sum).
 """
 
 from __future__ import annotations
@@ -98,6 +99,9 @@ class DPMFStrategy(Strategy):
                                       announce=lambda line: log.warning("fedmf: %s", line))
         #: None: the central mode; else the SecAgg+ rounds (server/secagg_round.py)
         self.secure = None if config.secagg is None else self._secure_round(run, config)
+        #: users left out of the open round's redo (user → reason) and that round
+        self._excluded: dict = {}
+        self._excluded_round: int | None = None
 
     @staticmethod
     def _secure_round(run: PrivateRun, config: ServerConfig) -> SecureRound:
@@ -154,6 +158,8 @@ class DPMFStrategy(Strategy):
         """The round's SecAgg+ stages with the selected users who are connected; their decoded sum.
         A ``SecAggAbort`` aborts the open round (nothing of it was noised) before it propagates."""
         t = selection.round
+        if self._excluded_round != t:
+            self._excluded_round, self._excluded = t, {}
         expected = {user: self._reachable[user] for user in selection.reachable}
         privatizer = self.run.privatizer
         config = {"round": t, "run-nonce": self.nonce, "task": self.config.task,
@@ -162,16 +168,29 @@ class DPMFStrategy(Strategy):
                   "batch-size": self.config.batch_size,
                   **self.secure.encoding(privatizer.clip_norm, privatizer.clipping.zero_threshold)}
         try:
-            total = self.secure.run(grid, expected, config, ArrayRecord(self.run.model.state_dict()), timeout)
+            total = self.secure.run(grid, expected, config, ArrayRecord(self.run.model.state_dict()), timeout,
+                                    self._excluded)
         except SecAggAbort as e:
             self.run.abort(f"secure aggregation aborted: {e}")
+            self._exclude_culprits(expected)
             raise
         finally:
-            protocol = self.secure.server
-            heard = set() if protocol is None else {u for u, node in expected.items() if node in protocol.u1}
-            self.nodes.answered(node for user, node in expected.items() if user in heard)
-            self.nodes.missed([node for user, node in expected.items() if user not in heard], timeout)
+            protocol = self.secure.server  # None: no protocol ran (a cohort below the threshold), nobody asked
+            asked = {} if protocol is None else {u: node for u, node in expected.items() if node in protocol.sampled}
+            heard = {u for u, node in asked.items() if protocol is not None and node in protocol.u1}
+            self.nodes.answered(node for user, node in asked.items() if user in heard)
+            self.nodes.missed([node for user, node in asked.items() if user not in heard], timeout)
         return total
+
+    def _exclude_culprits(self, expected: dict) -> None:
+        """Leave the owners whose committed secret did not reconstruct out of the round's redo: the
+        same selection (they stay sampled for the accountant) with them as rejected, i.e. dropped
+        from the sum, so that one hostile client cannot abort every attempt (REVIEW-i36 MEDIUM-3)."""
+        culprits = self.secure.server.culprits if self.secure.server is not None else frozenset()
+        for user, node in expected.items():
+            if node in culprits:
+                self._excluded[user] = "left out after an aborted attempt: its committed mask secret did not " \
+                                       "reconstruct from its shares"
 
     def _redo_aborted(self, t: int, step: Callable[[], T]) -> T:
         """``step()``, redone while its secure sum aborts, at most ``SECAGG_REDOS`` times."""

@@ -4,7 +4,7 @@
 naming what is wrong). ``SecAggAbort``: the round's secure sum cannot be completed — too few
 clients, shares or neighbours left for the reconstruction threshold, or shares that do not
 reconstruct a committed secret; nothing of the round may be released, and the round is redone
-with fresh noise.
+with fresh noise (without the owners whose secret did not reconstruct, ``SecAggServer.culprits``).
 """
 
 from __future__ import annotations
