@@ -70,6 +70,11 @@ MAX_SHARE_BYTES = 1024
 MAX_SUBSETS = 1024
 
 
+
+class _Shortfall(SecAggAbort):
+    """An abort because fewer than t shares of a secret arrived (its holders went silent), not
+    because shares failed to give the committed secret."""
+
 class _Reject(Exception):
     """A reply that is refused (the message is the one-line reason)."""
 
@@ -357,8 +362,8 @@ class SecAggServer:
         one checks, every other share is tested against it (``_mark_bad``)."""
         t = self.params.threshold
         if len(shares) < t:
-            raise SecAggAbort(f"secure aggregation aborted at unmask: {len(shares)} shares of node {owner}'s {what}, "
-                              f"below the threshold {t}")
+            raise _Shortfall(f"secure aggregation aborted at unmask: {len(shares)} shares of node {owner}'s {what}, "
+                             f"below the threshold {t}")
         order = sorted(shares, key=lambda h: (h in self.bad_holders, h))
         for subset in itertools.islice(itertools.combinations(order, t), MAX_SUBSETS):
             secret = self._combine(shares, subset)
@@ -416,7 +421,9 @@ class SecAggServer:
             except SecAggAbort as e:
                 failed.append((owner, e))
         if failed:
-            self.culprits = frozenset(owner for owner, _ in failed)
+            # a culprit is an owner whose t or more shares did not give its committed secret; too few
+            # shares means holders went silent (dropouts): a plain redo, nobody blamed
+            self.culprits = frozenset(owner for owner, e in failed if not isinstance(e, _Shortfall))
             raise SecAggAbort("; ".join(str(e) for _, e in failed))
         for seed in seeds.values():
             total = mod_sub(total, expand_mask(seed, self.length, bits, SELF_MASK), bits)

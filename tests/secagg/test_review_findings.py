@@ -315,9 +315,6 @@ def _play(server: SecAggServer, words, silent_at_unmask: set[int], tamper=None) 
         server.receive(replies)
 
 
-@pytest.mark.xfail(strict=True, reason="MEDIUM (re-review): _unmask names as culprit an honest owner whose share "
-                                       "holders merely went silent at unmask; the strategy then records it as "
-                                       "rejected for a secret that 'did not reconstruct' and leaves it out")
 def test_an_honest_client_whose_holders_drop_at_unmask_is_not_named_a_culprit():
     """Defaults k = 8, t = 5, 12 honest nodes. Collect passes ``_check_holders`` (every owner keeps ≥ t
     holders in U3), then 5 of node v's neighbours go silent at unmask: v keeps 4 < t shares. No
