@@ -70,10 +70,10 @@ MAX_SHARE_BYTES = 1024
 MAX_SUBSETS = 1024
 
 
-
 class _Shortfall(SecAggAbort):
     """An abort because fewer than t shares of a secret arrived (its holders went silent), not
     because shares failed to give the committed secret."""
+
 
 class _Reject(Exception):
     """A reply that is refused (the message is the one-line reason)."""

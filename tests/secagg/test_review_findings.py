@@ -363,3 +363,30 @@ def test_one_selectively_corrupted_share_never_frames_its_owner_for_a_larger_deg
         pass
     assert target not in server.culprits and server.stage == DONE
     assert np.array_equal(server.result, mod_sum(words.values(), LENGTH_WORDS, params.bits))
+
+
+@pytest.mark.xfail(strict=True, reason="MEDIUM (review of 33935ae): an owner whose seed shares carry a wrong x index "
+                                       "makes _read_unmask refuse its honest holders' whole replies, so every owner "
+                                       "falls short of t shares and no culprit is named: the same owner aborts every "
+                                       "redo (before 33935ae it was excluded, with honest owners as collateral)")
+def test_an_owner_whose_shares_are_malformed_is_named_the_culprit():
+    """k = 8, t = 5, 12 nodes: node 6 gives each neighbour a seed share with a wrong index (an honest
+    client keeps it: it does not check a share's format at collect). Expected: the round aborts naming
+    node 6, so the redo goes on without it; today it aborts naming nobody, in every attempt."""
+    params = SecAggParams(degree=8, threshold=5, bits=16, scale=1.0)
+    nodes, hostile = list(range(1, 13)), 6
+    words = random_words(nodes, LENGTH_WORDS, params.bits, seed=3)
+    server = SecAggServer(params, LENGTH_WORDS, nodes, rng=random.Random(0))
+    clients = {u: SecAggClient(u) for u in nodes}
+    with pytest.raises(SecAggAbort):
+        for stage in (Stage.SETUP, Stage.SHARE_KEYS, Stage.COLLECT_MASKED_VECTORS, Stage.UNMASK):
+            if stage == Stage.UNMASK:
+                for u, client in clients.items():
+                    if u != hostile and hostile in client._seed_shares:
+                        share = client._seed_shares[hostile]
+                        index = int.from_bytes(share[:4], "little") % 200 + 38
+                        client._seed_shares[hostile] = index.to_bytes(4, "little") + share[4:]
+            replies = {u: clients[u].handle(request, words[u] if stage == Stage.COLLECT_MASKED_VECTORS else None)
+                       for u, request in server.requests().items()}
+            server.receive(replies)
+    assert hostile in server.culprits
