@@ -34,7 +34,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Iterable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
@@ -125,16 +125,21 @@ class DPMFStrategy(Strategy):
         self._reachable = self._directory(grid).refresh(grid, t)
         return self._reachable
 
+    def _train_config(self, t: int) -> dict[str, Any]:
+        """What every TRAIN message of round t tells its client (its user id is added per message):
+        the round and run nonce it must echo, the task and the local-training hyperparameters."""
+        return {"round": t, "run-nonce": self.nonce, "task": self.config.task,
+                "task-options": json.dumps(self.config.task_options, sort_keys=True),
+                "client-lr": self.config.client_lr, "local-epochs": self.config.local_epochs,
+                "batch-size": self.config.batch_size}
+
     def _messages(self, selection: Selection, arrays: ArrayRecord) -> list[Message]:
         """One TRAIN message with ``arrays`` (the committed model) per selected user who is
         connected; the round's replies are expected from exactly those nodes."""
         t = selection.round
         self._replies = RoundReplies(t, self.nonce, {user: self._reachable[user] for user in selection.reachable},
                                      self.nodes)
-        content = {"round": t, "run-nonce": self.nonce, "task": self.config.task,
-                   "task-options": json.dumps(self.config.task_options, sort_keys=True),
-                   "client-lr": self.config.client_lr, "local-epochs": self.config.local_epochs,
-                   "batch-size": self.config.batch_size}
+        content = self._train_config(t)
         return [Message(RecordDict({"arrays": arrays, "config": ConfigRecord({**content, "user-id": user})}),
                         dst_node_id=node, message_type=MessageType.TRAIN)
                 for user, node in self._replies.expected.items()]
@@ -162,10 +167,7 @@ class DPMFStrategy(Strategy):
             self._excluded_round, self._excluded = t, {}
         expected = {user: self._reachable[user] for user in selection.reachable}
         privatizer = self.run.privatizer
-        config = {"round": t, "run-nonce": self.nonce, "task": self.config.task,
-                  "task-options": json.dumps(self.config.task_options, sort_keys=True),
-                  "client-lr": self.config.client_lr, "local-epochs": self.config.local_epochs,
-                  "batch-size": self.config.batch_size,
+        config = {**self._train_config(t),
                   **self.secure.encoding(privatizer.clip_norm, privatizer.clipping.zero_threshold)}
         try:
             total = self.secure.run(grid, expected, config, ArrayRecord(self.run.model.state_dict()), timeout,
