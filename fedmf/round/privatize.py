@@ -39,6 +39,7 @@ from collections.abc import Collection, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from .. import checks
@@ -268,8 +269,6 @@ class RoundPrivatizer:
         (adaptive) over ``contributors``, each update's decoded ℓ2 norm at most ζ·``inflation``
         (Kairouz, Liu, Steinke, ICML 2021, Thm. 1); ``unclipped``: the decoded count of unclipped
         bits (adaptive clipping only). ``finish`` then noises it with σ·inflation."""
-        import numpy as np
-
         report = self._require_open()
         if self._secure is not None or self._seen:
             raise RoundOrderError(f"round {report.round} already has updates or a secure sum")
