@@ -170,19 +170,34 @@ def test_a_bad_clip_entry_is_refused_without_side_effects(name, entry):
     assert torch.equal(target.privatize(0, _updates(0, 0.7))[0]["w"], twin.privatize(0, _updates(0, 0.7))[0]["w"])
 
 
-@pytest.mark.xfail(strict=True, reason="REVIEW-i35 LOW: AdaptiveClipping.read_state accepts any finite positive ζ, "
-                                       "also one the update rule can never reach (outside ζ₀·[1/R, R])")
-def test_a_clip_norm_outside_the_rules_range_is_refused():
+@pytest.mark.parametrize("where", ["above", "below"])
+def test_a_clip_norm_outside_the_rules_range_is_refused(where):
+    """REVIEW-i35-clipping LOW-1: a checkpoint's ζ must be one the rule can reach, in ζ₀·[1/R, R]."""
     plan = _plan(True)
     source = _privatizer(plan)
     source.privatize(0, _updates(0, source.clip_norm))
     state = copy.deepcopy(source.state_dict())
-    _, high = plan.adaptive_clipping.clip_norm_bounds(plan.clip_norm)
-    state["adaptive_clipping"] = {"clip_norm": high * 1e6}
+    low, high = plan.adaptive_clipping.clip_norm_bounds(plan.clip_norm)
+    state["adaptive_clipping"] = {"clip_norm": math.nextafter(high, math.inf) if where == "above"
+                                  else math.nextafter(low, 0.0)}
     target = _privatizer(plan)
-    with pytest.raises(CheckpointError):
+    with pytest.raises(CheckpointError, match="outside the rule's range"):
         target.load_state_dict(state)
     assert target.clip_norm == plan.clip_norm
+
+
+@pytest.mark.parametrize("end", [0, 1])
+def test_a_clip_norm_at_the_rules_bounds_is_restored(end):
+    """The clamp returns the bounds exactly, so a run that reached one resumes at it."""
+    plan = _plan(True)
+    bound = plan.adaptive_clipping.clip_norm_bounds(plan.clip_norm)[end]
+    source = _privatizer(plan)
+    source.privatize(0, _updates(0, source.clip_norm))
+    state = copy.deepcopy(source.state_dict())
+    state["adaptive_clipping"] = {"clip_norm": bound}
+    target = _privatizer(plan)
+    target.load_state_dict(state)
+    assert target.clip_norm == bound
 
 
 def _base_tree(tmp: Path) -> Path | None:
