@@ -70,6 +70,15 @@ def _check_params(params: Any) -> dict[str, torch.Tensor]:
     return out
 
 
+def _check_step_fits(params: Mapping[str, torch.Tensor], largest: float) -> None:
+    """The step's largest multiplier lr·max|lrₜ| must be a finite number in every param's dtype
+    (torch refuses an ``alpha`` its dtype cannot hold, after the round's noise was drawn)."""
+    for name, p in params.items():
+        if not largest <= torch.finfo(p.dtype).max:
+            raise ConfigError(f"server learning rate × the schedule's largest rate = {largest:g} does not fit the "
+                              f"model's {p.dtype} (param {name!r}; at most {torch.finfo(p.dtype).max:g})")
+
+
 class ServerOptimizer:
     """Applies round t's privatized mean update to ``params`` in place; see the module docstring."""
 
@@ -84,6 +93,7 @@ class ServerOptimizer:
         self._params = _check_params(params)
         self._workload, self._rounds, self._lr, self._kind = workload, rounds, float(lr), kind
         self._rates = [float(r) for r in workload.learning_rates(rounds)]
+        _check_step_fits(self._params, self._lr * max((abs(r) for r in self._rates), default=1.0))
         self._round = 0
         self._inner: torch.optim.Optimizer | None = None
         self._buffers: dict[str, torch.Tensor] = {}
