@@ -275,6 +275,13 @@ class Ledger:
             info = RunInfo.from_row(row)
         return RunLedger(self, info, secret)
 
+    def run_row_intact(self, run_id: int) -> bool:
+        """Whether run ``run_id``'s stored genesis hash is the one its row's fields give
+        (``fedmf.ledger.chain.genesis_sha256``): an edited row or genesis column does not match."""
+        with self._errors(), Session(self.engine) as session:
+            row = get_run(session, run_id, self.url)
+            return row.genesis_sha256 == genesis_sha256({c.key: getattr(row, c.key) for c in Run.__table__.columns})
+
     def observed_pattern(self, run_id: int) -> Observed:
         """Every client's contributed rounds (committed rounds only), keyed by key hex."""
         with self._errors(), Session(self.engine) as session:

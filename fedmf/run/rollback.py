@@ -38,13 +38,17 @@ def resume_ledger_run(book, run_id: int, directory: Path):
     from ..ledger.db import LedgerError
 
     try:
-        return book.run(run_id)
+        run = book.run(run_id)
     except LedgerError:
         if any(other.id == run_id for other in book.runs()):
             raise
         raise CheckpointError(f"the run directory {str(directory)!r} belongs to ledger run {run_id}, which the ledger "
                               "does not hold: the ledger was rolled back to before the run began (or is another "
                               "ledger); refusing to release rounds again") from None
+    if not book.run_row_intact(run_id):  # the witness file is named by the stored genesis: an edit would empty it
+        raise CheckpointError(f"ledger run {run_id}'s row does not match its stored genesis hash (the row or its "
+                              "genesis_sha256 column was edited); refusing to resume it (`fedmf audit` names the change)")
+    return run
 
 
 def refuse_ledger_rollback(directory: Path, store: CheckpointStore, run, committed: int) -> None:

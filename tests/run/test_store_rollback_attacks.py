@@ -161,11 +161,6 @@ def test_the_witness_holds_no_secret_and_only_public_fields(tmp_path):
         assert secret.hex().encode() not in data and secret not in data
 
 
-@pytest.mark.xfail(strict=True, reason="finding 5 (open, LOW): the witness file is named by the ledger's stored "
-                   "runs.genesis_sha256 column, which a resume does not check against the run row: whoever can "
-                   "restore both stores and edit that column (the database owner) gets a fresh, empty witness; "
-                   "checking the stored genesis against the row (fedmf.ledger.chain.genesis_sha256) on resume would "
-                   "catch this edit, though not a consistent rewrite of the run row")
 def test_both_stores_rolled_back_with_the_genesis_column_edited_are_refused(tmp_path):
     run_dir, ledger, backup, saved = tmp_path / "run", tmp_path / "ledger.db", tmp_path / "backup.db", tmp_path / "bk"
 
@@ -182,5 +177,5 @@ def test_both_stores_rolled_back_with_the_genesis_column_edited_are_refused(tmp_
     connection.execute("UPDATE runs SET genesis_sha256 = ?", ("ab" * 32,))
     connection.commit()
     connection.close()
-    with pytest.raises(CheckpointError):
+    with pytest.raises(CheckpointError, match="does not match its stored genesis hash"):
         _train(run_dir, ledger=ledger, rounds=3)
