@@ -7,7 +7,6 @@ store behind another was restored from a backup, and resuming from it would rele
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 from ..errors import CheckpointError
@@ -17,7 +16,6 @@ from .witness import Witness
 
 __all__ = ["refuse_rollback", "resume_ledger_run", "refuse_ledger_rollback", "check_witness"]
 
-log = logging.getLogger("fedmf")
 
 
 def refuse_rollback(store: CheckpointStore, committed: int) -> None:
@@ -97,7 +95,9 @@ def refuse_ledger_rollback(directory: Path, store: CheckpointStore, run, committ
 
 def check_witness(witness: Witness, run, committed: int) -> Witness:
     """Refuse (one line) a ledger behind the release witness, or whose chain head at the witness's
-    last round is another one; then bring a witness that is behind the ledger (a stop between a
+    last round is another one, or a witness two or more rounds behind the ledger (it is written
+    after every commit and before any release: a changed or lost witness directory, which would
+    accept a rollback of both stores); then bring a witness one round behind (a stop between a
     commit and its witness entry: that round was never released) up to the ledger's last round,
     before anything is released. Returns ``witness``."""
     last = witness.last()
@@ -114,10 +114,14 @@ def check_witness(witness: Witness, run, committed: int) -> Witness:
                                   f"{last.chain_sha256[:16]}… at round {last.round}, but the ledger's round "
                                   f"{last.round} of run {run.id} has {str(head)[:16]}…: the ledger was rewritten or "
                                   "rolled back and its rounds released again; refusing to go on")
-    if committed >= 0 and (last is None or last.round < committed):
-        if last is None or last.round < committed - 1:
-            log.info("fedmf: the release witness %s recorded %s; the ledger has committed up to round %d: recording "
-                     "that round now", witness.path, "no round" if last is None else f"up to round {last.round}",
-                     committed)
+    behind = committed - (-1 if last is None else last.round)
+    if behind >= 2:  # a witness line is written after each commit, before any release: at most 1 behind
+        raise CheckpointError(f"the release witness {str(witness.path)!r} recorded "
+                              f"{'no round' if last is None else f'up to round {last.round}'} but the ledger has "
+                              f"committed up to round {committed} of run {run.id}: the witness directory changed "
+                              "(another witness setting, HOME or XDG_STATE_HOME) or the witness was lost, and both "
+                              "stores may have been rolled back; copy the run's witness file into this directory "
+                              "(deploy/README.md, 'The release witness'); refusing to release rounds again")
+    if behind == 1:  # a stop between round committed's commit and its witness line: never released
         witness.append(committed, run.round(committed).chain_sha256)
     return witness

@@ -122,10 +122,6 @@ def test_a_ledger_restored_to_round_0_open_after_round_0_was_evaluated_is_refuse
         _train(run_dir, ledger=ledger, witness=witness, rounds=3)
 
 
-@pytest.mark.xfail(strict=True, reason="finding 4 (open, LOW, documented in deploy/README): a start whose witness "
-                   "directory changed (XDG_STATE_HOME or HOME differs, another --witness) finds an empty witness and "
-                   "records from the ledger's state, so a rollback of both stores is accepted; a witness empty (or "
-                   "two or more rounds behind) while the ledger has committed rounds could be refused instead")
 def test_both_stores_rolled_back_with_the_witness_directory_changed_are_refused(tmp_path, monkeypatch):
     run_dir, ledger, backup, saved = tmp_path / "run", tmp_path / "ledger.db", tmp_path / "backup.db", tmp_path / "bk"
 
