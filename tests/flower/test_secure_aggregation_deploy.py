@@ -14,13 +14,13 @@ most the tolerance of tests/flower/test_secure_aggregation.py's several-round co
 process started is gone afterwards, by PID.
 
 Marked heavy: each stage starts a ``flwr-clientapp`` process (Python + torch) per SuperNode, 30 in the
-secure run alone (README "How long each command takes": its measured time).
+secure run alone. Measured 2026-11-28 on 2 cores shared with other sessions (load about 5): 272 s in
+all, the central run 71 s, the secure run 181 s; the two released models differed by 1.6e-5 at most.
 """
 
 from __future__ import annotations
 
 import math
-import re
 import sqlite3
 import subprocess
 import time
