@@ -165,6 +165,7 @@ class SecAggServer:
             raise SecAggError("node ids must be distinct integers in [0, 2^64)")
         if len(ids) < 2:
             raise SecAggError(f"secure aggregation needs at least 2 clients, got {len(ids)}")
+        params = params.for_cohort(len(ids))  # k and t of this round (derived from the cohort by default)
         if len(ids) < params.threshold:
             raise SecAggAbort(f"secure aggregation aborted at setup: {len(ids)} sampled clients, below the "
                               f"threshold {params.threshold}")

@@ -288,9 +288,11 @@ class DPMFStrategy(Strategy):
                      plan.summary()["privacy_split"]["client-metrics"])
         if self.secure is not None:
             q, params = self.secure.quantization, self.secure.params
-            log.info("fedmf: secure aggregation (SecAgg+): degree %d, threshold %d, modulo 2^%d, scale %g; the "
-                     "server sees only the sum; quantization inflation %.6g (noise std x it)", params.degree,
-                     params.threshold, params.bits, params.scale, q.inflation)
+            planned = params.for_cohort(max(2, round(plan.expected_users)))
+            log.info("fedmf: secure aggregation (SecAgg+): degree %d, threshold %d%s, modulo 2^%d, scale %g; the "
+                     "server sees only the sum; quantization inflation %.6g (noise std x it)", planned.degree,
+                     planned.threshold, " (derived from each round's cohort; here the planned one)"
+                     if params.derived else "", params.bits, params.scale, q.inflation)
             return
         log.info("fedmf: a reply holds the records arrays, config and metrics only, its arrays at most %d bytes "
                  "(the model in float64 as .npy); anything else is rejected",

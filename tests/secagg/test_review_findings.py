@@ -298,21 +298,26 @@ def test_a_drawn_cohort_below_the_threshold_is_released_as_dropped_not_aborted()
 
 # ---- MEDIUM: the default graph degree tolerates few colluding clients --------------------------------
 
-@pytest.mark.xfail(strict=True, reason="MEDIUM: default k = 8, t = 5: a client's update is exposed to an honest-but-"
-                                       "curious server colluding with 5 % of the clients w.p. ~2^-16 per client-round")
 def test_the_default_parameters_keep_collusion_negligible():
     """An honest-but-curious server that colludes with c ≥ t of a client's k neighbours gets both
     of that client's secrets (the colluders hand over every share they hold). Bell et al. (CCS 2020,
     Sec. 4) choose k so that this has probability ≤ 2^-σ (σ = 40) for a stated corrupt fraction γ;
-    with γ = 5 % and the defaults it is ≈ 1.5·10⁻⁵ per client and round (≈ 2^-16), so a run of
-    1,000 users × 100 rounds expects about one exposed update."""
+    with γ = 5 % and the old defaults k = 8, t = 5 it is ≈ 1.5·10⁻⁵ per client and round (≈ 2^-16),
+    so a run of 1,000 users × 100 rounds expects about one exposed update. The defaults now derive
+    k and t from each round's cohort: checked here for every cohort of 2 to 300 clients and a few
+    larger ones (a client has min(k, n − 1) neighbours)."""
     from math import comb
 
     from server.config import FLOWER_DEFAULTS
 
-    k, t, gamma = FLOWER_DEFAULTS["secagg-degree"], FLOWER_DEFAULTS["secagg-threshold"], 0.05
-    exposed = sum(comb(k, c) * gamma**c * (1 - gamma) ** (k - c) for c in range(t, k + 1))
-    assert exposed <= 2.0**-40
+    defaults = SecAggParams(degree=FLOWER_DEFAULTS["secagg-degree"], threshold=FLOWER_DEFAULTS["secagg-threshold"],
+                            bits=32, scale=1.0)
+    gamma = 0.05
+    for n in [*range(2, 301), 1000, 10**6]:
+        params = defaults.for_cohort(n)
+        k, t = min(params.degree, n - 1), params.threshold
+        exposed = sum(comb(k, c) * gamma**c * (1 - gamma) ** (k - c) for c in range(t, k + 1))
+        assert exposed <= 2.0**-40
 
 
 # ---- Re-review of 0cb75c9: who `culprits` names ----------------------------------------------------
