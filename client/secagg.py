@@ -6,7 +6,8 @@ share keys. It guards its user against a curious server (not yet against one tha
 dropped: there is no consistency round, docs/reviews/REVIEW-i36-secagg.md HIGH-1): stages only in order and
 once each, one session; a threshold that keeps an honest majority of each neighbourhood
 (2t > shares); the public keys it is shown distinct and its own among them; shares only from
-its neighbours, decrypted and checked for sender and recipient; in unmask, at least t
+its neighbours, decrypted and checked for sender and recipient and against the owner's
+commitment to each share (so that the server can tell a bad share's owner from its holder); in unmask, at least t
 survivors, and never both the seed share and the key share of the same neighbour. Anything
 else raises ``SecAggError`` (one line), which the adapter turns into an error reply.
 
@@ -39,7 +40,22 @@ from flwr.supercore.primitives.asymmetric import (
 
 from fedmf.secagg.errors import SecAggError
 from fedmf.secagg.masks import PAIRWISE_MASK, SELF_MASK, expand_mask, mod_add, mod_sub
-from fedmf.secagg.messages import BITS, COMMITMENT, LENGTH, NEIGHBOURS, SEED_BYTES, SESSION, commit_seed
+from fedmf.secagg.messages import (
+    BITS,
+    COMMITMENT,
+    KEY_SHARE,
+    KEY_SHARE_COMMITMENTS,
+    LENGTH,
+    NEIGHBOURS,
+    SALT_BYTES,
+    SEED_BYTES,
+    SEED_SHARE,
+    SEED_SHARE_COMMITMENTS,
+    SESSION,
+    commit_seed,
+    commit_share,
+    split_share,
+)
 from fedmf.secagg.params import MAX_BITS, MIN_BITS
 
 __all__ = ["SecAggClient"]
@@ -186,8 +202,13 @@ class SecAggClient:
         self._members = members
         seed = os.urandom(SEED_BYTES)
         self._seed = seed
-        seed_shares = create_shares(seed, self._threshold, len(members))
-        key_shares = create_shares(private_key_to_bytes(self._sk1), self._threshold, len(members))
+        # each share travels with a fresh salt, under the owner's commitment (fedmf.secagg.messages)
+        seed_shares = [s + os.urandom(SALT_BYTES) for s in create_shares(seed, self._threshold, len(members))]
+        key_shares = [s + os.urandom(SALT_BYTES)
+                      for s in create_shares(private_key_to_bytes(self._sk1), self._threshold, len(members))]
+        session = self._session or b""
+        seed_digests = [commit_share(session, self.node_id, v, SEED_SHARE, seed_shares[i]) for i, v in enumerate(members)]
+        key_digests = [commit_share(session, self.node_id, v, KEY_SHARE, key_shares[i]) for i, v in enumerate(members)]
         dsts, ctxts = [], []
         for i, v in enumerate(members):
             if v == self.node_id:
@@ -202,13 +223,17 @@ class SecAggClient:
             self._box_keys[v] = box
             dsts.append(v)
             ctxts.append(encrypt(box, share_keys_plaintext_concat(self.node_id, v, seed_shares[i], key_shares[i])))
-        return {Key.DESTINATION_LIST: dsts, Key.CIPHERTEXT_LIST: ctxts, COMMITMENT: commit_seed(seed)}
+        return {Key.DESTINATION_LIST: dsts, Key.CIPHERTEXT_LIST: ctxts, COMMITMENT: commit_seed(seed),
+                SEED_SHARE_COMMITMENTS: seed_digests, KEY_SHARE_COMMITMENTS: key_digests}
 
     def _collect(self, request: Mapping[str, Any], vector: np.ndarray) -> dict[str, Any]:
         srcs = _ids(request, Key.SOURCE_LIST)
         ctxts = request.get(Key.CIPHERTEXT_LIST)
         if not isinstance(ctxts, list) or len(ctxts) != len(srcs) or not all(isinstance(c, bytes) for c in ctxts):
             raise SecAggError("one ciphertext per source is expected")
+        digests = [request.get(SEED_SHARE_COMMITMENTS), request.get(KEY_SHARE_COMMITMENTS)]
+        if not all(isinstance(d, list) and len(d) == len(srcs) for d in digests):
+            raise SecAggError("one seed-share and one key-share commitment per source are expected")
         if not set(srcs) <= set(self._box_keys):
             raise SecAggError("shares from a node that is not a member of the client's neighbourhood")
         if len(srcs) + 1 < self._threshold:
@@ -217,13 +242,19 @@ class SecAggClient:
             raise SecAggError(f"the vector must be {self._length} uint64 words")
         if np.any(vector >> np.uint64(self._bits)):
             raise SecAggError(f"the vector has words of more than {self._bits} bits")
-        for src, ctxt in zip(srcs, ctxts):
+        for src, ctxt, seed_digest, key_digest in zip(srcs, ctxts, *digests):
             try:
                 actual, dst, seed_share, key_share = share_keys_plaintext_separate(decrypt(self._box_keys[src], ctxt))
             except Exception:  # a ciphertext that does not decrypt under the pair's key
                 raise SecAggError(f"the shares from node {src} do not decrypt") from None
             if actual != src or dst != self.node_id:
                 raise SecAggError(f"the shares from node {src} name sender {actual} and recipient {dst}")
+            # a share that matches its owner's commitment here is this client's to return unchanged: a
+            # mismatch at unmask is then its holder's fault, a committed but unusable share its owner's
+            for kind, share, digest in ((SEED_SHARE, seed_share, seed_digest), (KEY_SHARE, key_share, key_digest)):
+                if split_share(share) is None or commit_share(self._session or b"", src, self.node_id, kind,
+                                                              share) != digest:
+                    raise SecAggError(f"the shares from node {src} do not match its commitments")
             self._seed_shares[src], self._key_shares[src] = seed_share, key_share
         self._sources = frozenset(srcs)
         bits, n = self._bits, self._length

@@ -15,9 +15,13 @@ ServerApp validates once, before round 1: the engine's ``RunConfig`` and these k
     secure-aggregation "off" | "secaggplus"       "secaggplus": the server learns only the sum of the clipped,
                                                   quantized updates (SecAgg+, server/secagg_round.py; README
                                                   "Secure aggregation (preview)")
-    secagg-degree     8                           k, neighbours of each client in SecAgg+'s random graph (even)
-    secagg-threshold  5                           t, shares that reconstruct a secret (2t > k + 1; a cohort
-                                                  below t aborts the round)
+    secagg-degree     0                           k, neighbours of each client in SecAgg+'s random graph (even);
+                                                  0 with secagg-threshold 0: k and t derived from each round's
+                                                  cohort for exposure ≤ 2^-40 at 5 % colluding clients
+                                                  (fedmf.secagg.params.graph_for: k = 28, t = 15 above 29
+                                                  clients, the complete graph below)
+    secagg-threshold  0                           t, shares that reconstruct a secret (2t > k + 1; a cohort
+                                                  below t aborts the round); set with secagg-degree or 0
     secagg-bits       32                          b, the sum is computed modulo 2^b (no wrap: checked)
     secagg-scale      65536.0                     s, fixed-point units per unit of the clipped update
     secagg-stage-timeout 120.0                    seconds to wait for one stage's replies (the collect stage,
@@ -44,7 +48,7 @@ __all__ = ["FLOWER_DEFAULTS", "APP_DEFAULTS", "ServerConfig"]
 #: the defaults of the keys only the Flower adapter reads (pyproject.toml's app config ends with them)
 FLOWER_DEFAULTS: dict[str, Any] = {
     "reply-timeout": 600.0, "identity": "enrolled", "user-enrollment": "", "identity-timeout": 30.0,
-    "secure-aggregation": "off", "secagg-degree": 8, "secagg-threshold": 5, "secagg-bits": 32,
+    "secure-aggregation": "off", "secagg-degree": 0, "secagg-threshold": 0, "secagg-bits": 32,
     "secagg-scale": 65536.0, "secagg-stage-timeout": 120.0,
 }
 #: the values of the secure-aggregation key
@@ -94,8 +98,8 @@ def _secagg(v: Mapping[str, Any], engine: RunConfig) -> SecAggParams | None:
     if mode not in SECURE_AGGREGATION:
         raise ConfigError(f"secure-aggregation must be off or secaggplus, got {mode!r}")
     try:
-        params = SecAggParams(degree=read_int("secagg-degree", v["secagg-degree"], 2),
-                              threshold=read_int("secagg-threshold", v["secagg-threshold"], 2),
+        params = SecAggParams(degree=read_int("secagg-degree", v["secagg-degree"], 0),
+                              threshold=read_int("secagg-threshold", v["secagg-threshold"], 0),
                               bits=read_int("secagg-bits", v["secagg-bits"], MIN_BITS),
                               scale=read_float("secagg-scale", v["secagg-scale"], strict=True),
                               stage_timeout_s=read_float("secagg-stage-timeout", v["secagg-stage-timeout"],

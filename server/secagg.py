@@ -9,12 +9,15 @@ received, absent = dropped):
    in a fresh random k-regular (Harary) graph → two public keys per client (mask key agreement,
    share encryption).
 2. share keys: each client's neighbourhood's public keys → its encrypted Shamir shares of its
-   mask seed and mask key (one per neighbour), and a commitment to its seed.
-3. collect masked vectors: the shares addressed to each client → its words + self mask ± the
+   mask seed and mask key (one per neighbour), a commitment to its seed, and a salted commitment to
+   each share it deals (``fedmf.secagg.messages.commit_share``).
+3. collect masked vectors: the shares addressed to each client, with their owners' commitments
+   (which the client checks) → its words + self mask ± the
    pairwise masks of its neighbours that reached this stage, modulo 2^b. The whole vector is
    masked, adaptive clipping's bit included; every client weighs the same (no example counts).
 4. unmask: which neighbours survived and which dropped → the seed shares of survivors and the
-   key shares of the dropped. The server reconstructs each secret from t shares, checks it
+   key shares of the dropped. The server checks each share against its commitment, reconstructs
+   each secret from t committed shares, checks it
    (the seed against its commitment, the key against its public key), removes the masks and
    holds the modular sum of the survivors' words (``result``).
 
@@ -24,15 +27,22 @@ module), key pairs from ``flwr.supercore.primitives.asymmetric``; masks expand w
 (``fedmf.secagg.masks``, which says why not Flower's 32-bit-seeded generator).
 
 What a client sends is never trusted: a reply that is not exactly what its stage expects
-(wrong stage, missing or extra keys, wrong node lists, bad keys, shares with the wrong index,
-vectors of the wrong length, dtype or range) is rejected with a one-line reason in
+(wrong stage, missing or extra keys, wrong node lists, bad keys or commitments, vectors of the
+wrong length, dtype or range) is rejected with a one-line reason in
 ``rejected`` and its sender counts as dropped at that stage; a reply from a node that was not
 asked is listed in ``ignored``. When the survivors can no longer satisfy the threshold, or no
 t shares reconstruct a secret that checks, ``receive`` raises ``SecAggAbort`` and the round
-must be redone with fresh noise (nothing was released); ``culprits`` then names the owners whose
-committed secret no t shares reconstruct (a wrong commitment or bad shares of its own), which
-the redo leaves out as dropped. A share that does not fit the owner's other shares marks its
-holder in ``bad_holders``, whose shares every later reconstruction tries last. Calls out of order raise
+must be redone with fresh noise (nothing was released); ``culprits`` then names whom the shares
+prove at fault, which the redo leaves out as dropped. Every share is checked on its own against
+the commitment its owner sent at share keys (and its holder checked at collect), so that no single
+share can frame another client and no subset search is needed (REVIEW-i36 LOW-2, MEDIUM-6): a share
+that fails its commitment is dropped and its holder recorded in ``bad_holders`` (and ``rejected``);
+an owner whose committed shares are unusable or whose t committed shares do not give its committed
+secret is the culprit; too few shares (silent holders) aborts with no culprit. The commitments are
+salted hashes, hiding and binding in the random-oracle model (Bellare & Rogaway, CCS 1993), which
+makes the owner's dealing non-repudiable as the dealer's commitments do in verifiable secret sharing
+(Feldman, FOCS 1987); consistency is checked by reconstructing the committed secret, not
+homomorphically. Calls out of order raise
 ``SecAggError`` and change nothing. The state machine itself never waits: the driver applies
 ``params.stage_timeout_s`` to each stage.
 """
@@ -40,7 +50,6 @@ holder in ``bad_holders``, whose shares every later reconstruction tries last. C
 from __future__ import annotations
 
 import base64
-import itertools
 import random
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -54,7 +63,22 @@ from flwr.supercore.primitives.asymmetric import bytes_to_private_key, bytes_to_
 
 from fedmf.secagg.errors import SecAggAbort, SecAggError
 from fedmf.secagg.masks import PAIRWISE_MASK, SELF_MASK, expand_mask, mod_add, mod_sub, mod_sum
-from fedmf.secagg.messages import BITS, COMMITMENT, LENGTH, NEIGHBOURS, SESSION, commit_seed, share_index
+from fedmf.secagg.messages import (
+    BITS,
+    COMMITMENT,
+    KEY_SHARE,
+    KEY_SHARE_COMMITMENTS,
+    LENGTH,
+    NEIGHBOURS,
+    SALT_BYTES,
+    SEED_SHARE,
+    SEED_SHARE_COMMITMENTS,
+    SESSION,
+    commit_seed,
+    commit_share,
+    share_index,
+    split_share,
+)
 from fedmf.secagg.params import SecAggParams
 
 __all__ = ["SecAggServer", "DONE", "ABORTED", "harary_graph"]
@@ -62,17 +86,16 @@ __all__ = ["SecAggServer", "DONE", "ABORTED", "harary_graph"]
 DONE, ABORTED = "done", "aborted"
 MAX_KEY_BYTES = 1024
 MAX_CIPHERTEXT_BYTES = 4096
-MAX_SHARE_BYTES = 1024
-#: subsets of t shares tried per secret before its owner is named in an abort. Holders found bad
-#: are left out first, so a secret costs at most MAX_SUBSETS + (k + 1) Shamir combines; the search
-#: is exhaustive while C(k + 1, t) ≤ MAX_SUBSETS (defaults k = 8, t = 5: 126), i.e. any t honest
-#: shares then recover the secret whatever the other holders send
-MAX_SUBSETS = 1024
+MAX_SHARE_BYTES = 1024 + SALT_BYTES
 
 
-class _Shortfall(SecAggAbort):
-    """An abort because fewer than t shares of a secret arrived (its holders went silent), not
-    because shares failed to give the committed secret."""
+class _Failed(SecAggAbort):
+    """A secret that does not reconstruct; ``owner_at_fault`` when its owner's own committed shares
+    prove it (else too few shares arrived, or holders returned shares that fail their commitments)."""
+
+    def __init__(self, message: str, owner_at_fault: bool) -> None:
+        super().__init__(message)
+        self.owner_at_fault = owner_at_fault
 
 
 class _Reject(Exception):
@@ -142,6 +165,7 @@ class SecAggServer:
             raise SecAggError("node ids must be distinct integers in [0, 2^64)")
         if len(ids) < 2:
             raise SecAggError(f"secure aggregation needs at least 2 clients, got {len(ids)}")
+        params = params.for_cohort(len(ids))  # k and t of this round (derived from the cohort by default)
         if len(ids) < params.threshold:
             raise SecAggAbort(f"secure aggregation aborted at setup: {len(ids)} sampled clients, below the "
                               f"threshold {params.threshold}")
@@ -156,9 +180,9 @@ class SecAggServer:
         self.rejected: dict[int, str] = {}
         self.ignored: list[object] = []
         self.abort_reason: str | None = None
-        #: owners whose committed secret no t shares reconstructed (set when unmask aborts)
+        #: set when unmask aborts: owners whose committed shares fail, and ``bad_holders``
         self.culprits: frozenset[int] = frozenset()
-        #: holders seen returning a share that does not fit the reconstructed secret
+        #: holders seen returning a share that does not match its owner's commitment
         self.bad_holders: set[int] = set()
         self.u1: frozenset[int] = frozenset()
         self.u2: frozenset[int] = frozenset()
@@ -166,6 +190,8 @@ class SecAggServer:
         self._pk1: dict[int, bytes] = {}
         self._pk2: dict[int, bytes] = {}
         self._commitments: dict[int, bytes] = {}
+        #: owner → holder → (commitment to the seed share, to the key share) it deals that holder
+        self._share_commitments: dict[int, dict[int, tuple[bytes, bytes]]] = {}
         self._forward: dict[int, dict[int, bytes]] = {}
         self._masked_sum: np.ndarray | None = None
         self.result: np.ndarray | None = None
@@ -248,7 +274,9 @@ class SecAggServer:
 
     def _collect_request(self, u: int) -> dict[str, Any]:
         srcs = sorted(self._forward[u])
-        return {Key.SOURCE_LIST: srcs, Key.CIPHERTEXT_LIST: [self._forward[u][v] for v in srcs]}
+        return {Key.SOURCE_LIST: srcs, Key.CIPHERTEXT_LIST: [self._forward[u][v] for v in srcs],
+                SEED_SHARE_COMMITMENTS: [self._share_commitments[v][u][0] for v in srcs],
+                KEY_SHARE_COMMITMENTS: [self._share_commitments[v][u][1] for v in srcs]}
 
     def _unmask_request(self, u: int) -> dict[str, Any]:
         return {Key.ACTIVE_NODE_ID_LIST: sorted((self.neighbours[u] & self.u3) | {u}),
@@ -267,8 +295,10 @@ class SecAggServer:
             raise _Reject("the two public keys are equal")
         return pk1, pk2
 
-    def _read_share_keys(self, u: int, payload: Mapping[str, Any]) -> tuple[dict[int, bytes], bytes]:
-        self._exact_keys(payload, {Key.DESTINATION_LIST, Key.CIPHERTEXT_LIST, COMMITMENT})
+    def _read_share_keys(self, u: int, payload: Mapping[str, Any]) -> tuple[dict[int, bytes], bytes,
+                                                                            dict[int, tuple[bytes, bytes]]]:
+        self._exact_keys(payload, {Key.DESTINATION_LIST, Key.CIPHERTEXT_LIST, COMMITMENT, SEED_SHARE_COMMITMENTS,
+                                   KEY_SHARE_COMMITMENTS})
         dsts = _int_list(payload, Key.DESTINATION_LIST)
         if set(dsts) != self._members(u) - {u}:
             raise _Reject("the shares are not addressed to exactly the client's neighbours")
@@ -276,7 +306,15 @@ class SecAggServer:
         commitment = payload[COMMITMENT]
         if not isinstance(commitment, bytes) or len(commitment) != 32:
             raise _Reject("the seed commitment must be 32 bytes")
-        return dict(zip(dsts, ctxts)), commitment
+        members = sorted(self._members(u))
+        digests = []
+        for key in (SEED_SHARE_COMMITMENTS, KEY_SHARE_COMMITMENTS):
+            value = payload[key]
+            if not isinstance(value, list) or len(value) != len(members) or not all(
+                    isinstance(d, bytes) and len(d) == 32 for d in value):
+                raise _Reject(f"{key} must hold one 32-byte commitment per member, in share order")
+            digests.append(value)
+        return dict(zip(dsts, ctxts)), commitment, dict(zip(members, zip(*digests)))
 
     def _read_collect(self, u: int, payload: Mapping[str, Any]) -> np.ndarray:
         self._exact_keys(payload, {Key.MASKED_PARAMETERS})
@@ -297,13 +335,9 @@ class SecAggServer:
         nids = _int_list(payload, Key.NODE_ID_LIST)
         if set(nids) != set(asked[Key.ACTIVE_NODE_ID_LIST]) | set(asked[Key.DEAD_NODE_ID_LIST]):
             raise _Reject("the shares are not for exactly the neighbours asked")
-        shares = _bytes_list(payload, Key.SHARE_LIST, len(nids), MAX_SHARE_BYTES)
-        for owner, share in zip(nids, shares):
-            if len(share) < 20 or (len(share) - 4) % 16:
-                raise _Reject("a share is not a Shamir share (4 + 16·j bytes)")
-            if int.from_bytes(share[:4], "little") != share_index(self._members(owner), u):
-                raise _Reject(f"the share of node {owner} carries another holder's index")
-        return dict(zip(nids, shares))
+        # each share is checked on its own against its commitment in _unmask: a bad one is dropped,
+        # not the holder's whole reply
+        return dict(zip(nids, _bytes_list(payload, Key.SHARE_LIST, len(nids), MAX_SHARE_BYTES)))
 
     def _advance(self, stage: str, accepted: dict[int, Any]) -> None:
         if stage == Stage.SETUP:
@@ -321,9 +355,10 @@ class SecAggServer:
             self.stage = Stage.SHARE_KEYS
         elif stage == Stage.SHARE_KEYS:
             self.u2 = frozenset(accepted)
-            self._commitments = {u: c for u, (_, c) in accepted.items()}
+            self._commitments = {u: c for u, (_, c, _) in accepted.items()}
+            self._share_commitments = {u: d for u, (_, _, d) in accepted.items()}
             self._forward = {u: {} for u in self.u2}
-            for src, (ctxts, _) in accepted.items():
+            for src, (ctxts, _, _) in accepted.items():
                 for dst, ctxt in ctxts.items():
                     if dst in self.u2:
                         self._forward[dst][src] = ctxt
@@ -356,36 +391,58 @@ class SecAggServer:
 
     # -- unmasking ---------------------------------------------------------------------------
 
-    def _reconstruct(self, owner: int, shares: dict[int, bytes], check: Callable[[bytes], bool], what: str) -> bytes:
-        """The secret of ``owner`` that ``check`` accepts, from t of ``shares`` (holder → share).
-        Subsets of holders not yet known bad are tried first, at most ``MAX_SUBSETS`` in all; once
-        one checks, every other share is tested against it (``_mark_bad``)."""
+    def _verified(self, owner: int, returned: dict[int, bytes], kind: bytes) -> tuple[dict[int, bytes], bool]:
+        """The Shamir shares of ``returned`` (holder → share ‖ salt) that match ``owner``'s commitments,
+        and whether one of them is unusable (malformed, or another holder's index): a committed share
+        is the owner's own word. A share that fails its commitment is dropped and its holder, which
+        checked it at collect, recorded in ``bad_holders`` (and ``rejected``)."""
+        slot = 0 if kind == SEED_SHARE else 1
+        verified, unusable = {}, False
+        for holder, salted in sorted(returned.items()):
+            if commit_share(self.session, owner, holder, kind, salted) != self._share_commitments[owner][holder][slot]:
+                self.bad_holders.add(holder)
+                self.rejected.setdefault(holder, f"{Stage.UNMASK}: its share of node {owner}'s secret does not "
+                                                 f"match the owner's commitment")
+                continue
+            share = split_share(salted)
+            if share is None or int.from_bytes(share[:4], "little") != share_index(self._members(owner), holder):
+                unusable = True
+            else:
+                verified[holder] = share
+        return verified, unusable
+
+    def _reconstruct(self, owner: int, returned: dict[int, bytes], kind: bytes, check: Callable[[bytes], bool],
+                     what: str) -> bytes:
+        """The secret of ``owner`` that ``check`` accepts, from t of its returned shares that match
+        its commitments, or ``_Failed``. Each share is checked on its own (no subset search, so no
+        limit on k): t committed shares of an honestly dealt polynomial always give the committed
+        secret, so when they do not, or a committed share is unusable, the owner is at fault."""
         t = self.params.threshold
-        if len(shares) < t:
-            raise _Shortfall(f"secure aggregation aborted at unmask: {len(shares)} shares of node {owner}'s {what}, "
-                             f"below the threshold {t}")
-        order = sorted(shares, key=lambda h: (h in self.bad_holders, h))
-        for subset in itertools.islice(itertools.combinations(order, t), MAX_SUBSETS):
-            secret = self._combine(shares, subset)
+        verified, unusable = self._verified(owner, returned, kind)
+        if unusable:
+            raise _Failed(f"secure aggregation aborted at unmask: node {owner} dealt a share of its {what} with "
+                          f"another holder's index or no Shamir share's format", True)
+        if len(verified) >= t:
+            holders = sorted(verified)[:t]
+            secret = self._combine(verified, holders)
             if secret is not None and check(secret):
-                self._mark_bad(shares, subset, secret)
                 return secret
-        raise SecAggAbort(f"secure aggregation aborted at unmask: no {t} shares of node {owner}'s {what} "
-                          f"reconstruct the committed secret")
+            raise _Failed(f"secure aggregation aborted at unmask: {t} committed shares of node {owner}'s {what} "
+                          f"do not reconstruct the committed secret", True)
+        if len(returned) >= t:  # holders answered, but with shares that fail their commitments
+            bad = sorted(set(returned) - set(verified))
+            raise _Failed(f"secure aggregation aborted at unmask: no {t} shares of node {owner}'s {what} "
+                          f"reconstruct the committed secret: {len(verified)} match the owner's commitments, "
+                          f"holders {bad} returned others", False)
+        raise _Failed(f"secure aggregation aborted at unmask: {len(returned)} shares of node {owner}'s {what}, "
+                      f"below the threshold {t}", False)
 
     @staticmethod
     def _combine(shares: dict[int, bytes], subset: Sequence[int]) -> bytes | None:
         try:
             return combine_shares([shares[h] for h in subset])
-        except Exception:  # inconsistent or hostile shares
+        except Exception:  # shares that do not combine
             return None
-
-    def _mark_bad(self, shares: dict[int, bytes], good: Sequence[int], secret: bytes) -> None:
-        """Holders whose share, put in place of one of the ``good`` subset's, changes the secret
-        (t good shares fix the polynomial and each Lagrange weight at 0 is non-zero)."""
-        for h in sorted(set(shares) - set(good)):
-            if self._combine(shares, (h, *good[1:])) != secret:
-                self.bad_holders.add(h)
 
     def _seed_checks(self, owner: int) -> Callable[[bytes], bool]:
         return lambda secret: commit_seed(secret) == self._commitments[owner]
@@ -412,18 +469,19 @@ class SecAggServer:
         seeds, keys, failed = {}, {}, []
         for owner in sorted(self.u3):  # every owner is tried, so that an abort names all culprits
             try:
-                seeds[owner] = self._reconstruct(owner, shares[owner], self._seed_checks(owner), "mask seed")
-            except SecAggAbort as e:
+                seeds[owner] = self._reconstruct(owner, shares[owner], SEED_SHARE, self._seed_checks(owner),
+                                                 "mask seed")
+            except _Failed as e:
                 failed.append((owner, e))
         for owner in sorted(dead):
             try:
-                keys[owner] = self._reconstruct(owner, shares[owner], self._key_checks(owner), "mask key")
-            except SecAggAbort as e:
+                keys[owner] = self._reconstruct(owner, shares[owner], KEY_SHARE, self._key_checks(owner), "mask key")
+            except _Failed as e:
                 failed.append((owner, e))
         if failed:
-            # a culprit is an owner whose t or more shares did not give its committed secret; too few
-            # shares means holders went silent (dropouts): a plain redo, nobody blamed
-            self.culprits = frozenset(owner for owner, e in failed if not isinstance(e, _Shortfall))
+            # culprits: owners whose own committed shares fail, and holders that returned shares other
+            # than the committed ones; too few shares means holders went silent (dropouts): no blame
+            self.culprits = frozenset({owner for owner, e in failed if e.owner_at_fault} | self.bad_holders)
             raise SecAggAbort("; ".join(str(e) for _, e in failed))
         for seed in seeds.values():
             total = mod_sub(total, expand_mask(seed, self.length, bits, SELF_MASK), bits)

@@ -11,7 +11,7 @@ error; everything else about it is checked by the state machine. A node that is 
 refused at a stage has dropped out: SecAgg+ removes its masks from the survivors' sum from the
 shares of t neighbours. Below the threshold ``SecAggAbort`` propagates: the strategy aborts the
 round (nothing of it was noised or released) and redoes it with fresh noise, leaving out the
-owners whose committed secret did not reconstruct (``SecAggServer.culprits``). A cohort below the
+clients whose shares proved them at fault (``SecAggServer.culprits``). A cohort below the
 threshold from the start (a small amplified draw) runs no protocol: its users count as dropped and
 the round releases the zero sum plus its noise, like an empty draw.
 

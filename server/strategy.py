@@ -24,7 +24,8 @@ quantize their own updates and mask them; the engine privatizes the decoded sum
 (``PrivateRun.aggregate`` with a ``SecureSum``: σ from ζ·inflation, ÷ the planned users). A round
 whose secure sum aborts (survivors below the threshold) is aborted — nothing of it was noised or
 released — and redone with fresh noise, up to ``SECAGG_REDOS`` times; a client whose committed
-secret did not reconstruct is left out of the redo (recorded as rejected, hence not in the sum).
+shares did not give its committed secret, or that returned a share other than the one committed to
+it, is left out of the redo (recorded as rejected, hence not in the sum).
 """
 
 from __future__ import annotations
@@ -185,14 +186,17 @@ class DPMFStrategy(Strategy):
         return total
 
     def _exclude_culprits(self, expected: dict) -> None:
-        """Leave the owners whose committed secret did not reconstruct out of the round's redo: the
+        """Leave the culprits (owners whose committed shares did not give their committed secret,
+        holders that returned shares other than the committed ones) out of the round's redo: the
         same selection (they stay sampled for the accountant) with them as rejected, i.e. dropped
         from the sum, so that one hostile client cannot abort every attempt (REVIEW-i36 MEDIUM-3)."""
-        culprits = self.secure.server.culprits if self.secure.server is not None else frozenset()
+        server = self.secure.server
+        culprits = server.culprits if server is not None else frozenset()
         for user, node in expected.items():
             if node in culprits:
-                self._excluded[user] = "left out after an aborted attempt: its committed mask secret did not " \
-                                       "reconstruct from its shares"
+                self._excluded[user] = "left out after an aborted attempt: " + (
+                    "it returned a share other than the one its owner committed to" if node in server.bad_holders
+                    else "its committed shares did not give its committed mask secret")
 
     def _redo_aborted(self, t: int, step: Callable[[], T]) -> T:
         """``step()``, redone while its secure sum aborts, at most ``SECAGG_REDOS`` times."""
@@ -288,9 +292,11 @@ class DPMFStrategy(Strategy):
                      plan.summary()["privacy_split"]["client-metrics"])
         if self.secure is not None:
             q, params = self.secure.quantization, self.secure.params
-            log.info("fedmf: secure aggregation (SecAgg+): degree %d, threshold %d, modulo 2^%d, scale %g; the "
-                     "server sees only the sum; quantization inflation %.6g (noise std x it)", params.degree,
-                     params.threshold, params.bits, params.scale, q.inflation)
+            planned = params.for_cohort(max(2, round(plan.expected_users)))
+            log.info("fedmf: secure aggregation (SecAgg+): degree %d, threshold %d%s, modulo 2^%d, scale %g; the "
+                     "server sees only the sum; quantization inflation %.6g (noise std x it)", planned.degree,
+                     planned.threshold, " (derived from each round's cohort; here the planned one)"
+                     if params.derived else "", params.bits, params.scale, q.inflation)
             return
         log.info("fedmf: a reply holds the records arrays, config and metrics only, its arrays at most %d bytes "
                  "(the model in float64 as .npy); anything else is rejected",

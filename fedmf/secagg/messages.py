@@ -12,6 +12,14 @@
 * The commitment to a mask seed is SHA-256 over a domain tag and the seed (a 256-bit uniform
   seed: the digest reveals nothing usable); a reconstructed seed is accepted only when it
   matches. A reconstructed mask key is checked against the public key the client sent instead.
+* Share commitments: with its shares the owner sends, for every member in share order, a salted
+  SHA-256 commitment to the seed share and one to the key share it deals that member
+  (``commit_share``: session, owner, holder and kind bound in; a fresh 32-byte salt, so that the
+  digest is hiding and binding in the random-oracle model, Bellare & Rogaway, CCS 1993). A share
+  travels as share ‖ salt (``split_share``): inside the encrypted payload to its holder, which
+  checks it against the commitment the server forwards at collect, and back to the server at
+  unmask, which checks it again. A committed share is the owner's own word, a share that fails its
+  commitment its holder's.
 """
 
 from __future__ import annotations
@@ -23,7 +31,8 @@ from typing import Any
 import numpy as np
 
 __all__ = ["SECAGG_RECORD", "SESSION", "BITS", "LENGTH", "NEIGHBOURS", "COMMITMENT", "SEED_BYTES", "share_order", "share_index",
-           "commit_seed", "to_wire", "from_wire"]
+           "commit_seed", "SEED_SHARE_COMMITMENTS", "KEY_SHARE_COMMITMENTS", "SEED_SHARE", "KEY_SHARE",
+           "SALT_BYTES", "commit_share", "split_share", "to_wire", "from_wire"]
 
 #: the Flower ConfigRecord holding a stage's payload, in the request and in the reply
 SECAGG_RECORD = "secagg"
@@ -32,11 +41,18 @@ BITS = "bits"
 LENGTH = "length"
 NEIGHBOURS = "neighbours"
 COMMITMENT = "seed-commitment"
+SEED_SHARE_COMMITMENTS = "seed-share-commitments"
+KEY_SHARE_COMMITMENTS = "key-share-commitments"
+#: what a share commits to: the mask seed (self mask) or the mask key (pairwise masks)
+SEED_SHARE, KEY_SHARE = b"s", b"k"
 
 #: a client's mask seed: 32 random bytes from the operating system
 SEED_BYTES = 32
+#: the salt appended to each share (fresh random bytes per share)
+SALT_BYTES = 32
 
 _COMMIT_TAG = b"fedmf secagg seed commitment v1\x00"
+_SHARE_TAG = b"fedmf secagg share commitment v1\x00"
 
 
 def share_order(members: Iterable[int]) -> list[int]:
@@ -52,6 +68,20 @@ def share_index(members: Iterable[int], holder: int) -> int:
 def commit_seed(seed: bytes) -> bytes:
     """The 32-byte commitment to a mask seed."""
     return hashlib.sha256(_COMMIT_TAG + seed).digest()
+
+
+def commit_share(session: bytes, owner: int, holder: int, kind: bytes, salted: bytes) -> bytes:
+    """The 32-byte commitment to the share ‖ salt ``salted`` that ``owner`` deals ``holder``."""
+    head = len(session).to_bytes(1, "little") + session + owner.to_bytes(8, "little") + holder.to_bytes(8, "little")
+    return hashlib.sha256(_SHARE_TAG + head + kind + salted).digest()
+
+
+def split_share(salted: bytes) -> bytes | None:
+    """The Shamir share in share ‖ salt (4 index bytes + 16·j bytes), None when malformed."""
+    share = salted[:-SALT_BYTES]
+    if len(salted) <= SALT_BYTES or len(share) < 20 or (len(share) - 4) % 16:
+        return None
+    return share
 
 
 def to_wire(payload: Mapping[str, Any]) -> dict[str, Any]:

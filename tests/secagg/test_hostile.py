@@ -107,7 +107,8 @@ def test_a_corrupted_share_is_outvoted_by_the_commitment():
             return dict(reply) | {Key.SHARE_LIST: shares}
         return reply
     server = _round(corrupt)
-    assert server.contributors == frozenset(NODES) and HOSTILE not in server.rejected  # well formed, wrong
+    assert server.contributors == frozenset(NODES) and server.bad_holders == {HOSTILE}  # well formed, wrong
+    assert "does not match the owner's commitment" in server.rejected[HOSTILE] and set(server.rejected) == {HOSTILE}
 
 
 def test_a_corrupted_share_with_no_spare_aborts_instead_of_a_wrong_sum():

@@ -28,7 +28,19 @@ from flwr.supercore.primitives.asymmetric import (
 from client.secagg import SecAggClient
 from fedmf.secagg.errors import SecAggAbort, SecAggError
 from fedmf.secagg.masks import PAIRWISE_MASK, SELF_MASK, expand_mask, mod_add, mod_sub, mod_sum
-from fedmf.secagg.messages import BITS, LENGTH, NEIGHBOURS, SESSION
+from fedmf.secagg.messages import (
+    BITS,
+    KEY_SHARE,
+    KEY_SHARE_COMMITMENTS,
+    LENGTH,
+    NEIGHBOURS,
+    SALT_BYTES,
+    SEED_SHARE,
+    SEED_SHARE_COMMITMENTS,
+    SESSION,
+    commit_share,
+    split_share,
+)
 from fedmf.secagg.params import SecAggParams
 from server.secagg import DONE, SecAggServer, harary_graph
 from tests.secagg._drive import random_words, run_round
@@ -70,8 +82,8 @@ def _honest_until_unmask(params: SecAggParams, nodes: list[int], graph_seed: int
         for u, request in server.requests().items():
             if stage == Stage.COLLECT_MASKED_VECTORS and u in (trim or {}):
                 keep = trim[u]
-                request = dict(request) | {Key.SOURCE_LIST: request[Key.SOURCE_LIST][:keep],
-                                           Key.CIPHERTEXT_LIST: request[Key.CIPHERTEXT_LIST][:keep]}
+                request = dict(request) | {key: request[key][:keep] for key in (
+                    Key.SOURCE_LIST, Key.CIPHERTEXT_LIST, SEED_SHARE_COMMITMENTS, KEY_SHARE_COMMITMENTS)}
             replies[u] = clients[u].handle(request, words[u] if stage == Stage.COLLECT_MASKED_VECTORS else None)
             if stage == Stage.COLLECT_MASKED_VECTORS:
                 masked[u] = replies[u][Key.MASKED_PARAMETERS]
@@ -95,7 +107,7 @@ def _lie_and_unmask(params, server, clients, masked, v: int, pairs: list[int],
         except SecAggError:  # a client that detects the lie reveals nothing
             continue
         for owner, share in zip(reply[Key.NODE_ID_LIST], reply[Key.SHARE_LIST]):
-            shares[owner]["key" if owner in dead_set else "seed"].append(share)
+            shares[owner]["key" if owner in dead_set else "seed"].append(split_share(share))
     t = params.threshold
     if len(shares[v]["seed"]) < t or any(len(shares[u]["key"]) < t for u in pairs):
         return None
@@ -170,18 +182,21 @@ def test_a_server_that_forges_every_neighbour_cannot_unmask_the_client():
         sent = client.handle({Key.STAGE: Stage.SHARE_KEYS, SESSION: session, Key.NODE_ID_LIST: members,
                               Key.PUBLIC_KEY_1: [pk[u][0] for u in members],
                               Key.PUBLIC_KEY_2: [pk[u][1] for u in members]})
-        ctxts = []
-        for u in fake:  # each Sybil "shares" junk secrets with v, encrypted under the pair's key
+        ctxts, seed_digests, key_digests = [], [], []
+        for u in fake:  # each Sybil "shares" junk secrets with v (salted, committed), under the pair's key
             box = generate_shared_key(keys[u][1][0], bytes_to_public_key(pk[v][1]))
-            junk = create_shares(bytes(32), t, len(members))[0]
+            junk = create_shares(bytes(32), t, len(members))[0] + bytes(SALT_BYTES)
             ctxts.append(encrypt(box, share_keys_plaintext_concat(u, v, junk, junk)))
+            seed_digests.append(commit_share(session, u, v, SEED_SHARE, junk))
+            key_digests.append(commit_share(session, u, v, KEY_SHARE, junk))
         reply = client.handle({Key.STAGE: Stage.COLLECT_MASKED_VECTORS, SESSION: session, Key.SOURCE_LIST: fake,
-                               Key.CIPHERTEXT_LIST: ctxts}, words)
+                               Key.CIPHERTEXT_LIST: ctxts, SEED_SHARE_COMMITMENTS: seed_digests,
+                               KEY_SHARE_COMMITMENTS: key_digests}, words)
         seed_shares = []
         for dst, ctxt in zip(sent[Key.DESTINATION_LIST], sent[Key.CIPHERTEXT_LIST]):
             box = generate_shared_key(keys[dst][1][0], bytes_to_public_key(pk[v][1]))
             _, _, seed_share, _ = share_keys_plaintext_separate(decrypt(box, ctxt))
-            seed_shares.append(seed_share)
+            seed_shares.append(split_share(seed_share))
         pair = {u: _pairwise(keys[u][0][0], pk[v][0], bits) for u in fake}
         recovered = _unmask_one(reply[Key.MASKED_PARAMETERS], v, combine_shares(seed_shares[:t]), pair, bits)
     except SecAggError:  # the client detected the forgery
@@ -283,21 +298,26 @@ def test_a_drawn_cohort_below_the_threshold_is_released_as_dropped_not_aborted()
 
 # ---- MEDIUM: the default graph degree tolerates few colluding clients --------------------------------
 
-@pytest.mark.xfail(strict=True, reason="MEDIUM: default k = 8, t = 5: a client's update is exposed to an honest-but-"
-                                       "curious server colluding with 5 % of the clients w.p. ~2^-16 per client-round")
 def test_the_default_parameters_keep_collusion_negligible():
     """An honest-but-curious server that colludes with c ≥ t of a client's k neighbours gets both
     of that client's secrets (the colluders hand over every share they hold). Bell et al. (CCS 2020,
     Sec. 4) choose k so that this has probability ≤ 2^-σ (σ = 40) for a stated corrupt fraction γ;
-    with γ = 5 % and the defaults it is ≈ 1.5·10⁻⁵ per client and round (≈ 2^-16), so a run of
-    1,000 users × 100 rounds expects about one exposed update."""
+    with γ = 5 % and the old defaults k = 8, t = 5 it is ≈ 1.5·10⁻⁵ per client and round (≈ 2^-16),
+    so a run of 1,000 users × 100 rounds expects about one exposed update. The defaults now derive
+    k and t from each round's cohort: checked here for every cohort of 2 to 300 clients and a few
+    larger ones (a client has min(k, n − 1) neighbours)."""
     from math import comb
 
     from server.config import FLOWER_DEFAULTS
 
-    k, t, gamma = FLOWER_DEFAULTS["secagg-degree"], FLOWER_DEFAULTS["secagg-threshold"], 0.05
-    exposed = sum(comb(k, c) * gamma**c * (1 - gamma) ** (k - c) for c in range(t, k + 1))
-    assert exposed <= 2.0**-40
+    defaults = SecAggParams(degree=FLOWER_DEFAULTS["secagg-degree"], threshold=FLOWER_DEFAULTS["secagg-threshold"],
+                            bits=32, scale=1.0)
+    gamma = 0.05
+    for n in [*range(2, 301), 1000, 10**6]:
+        params = defaults.for_cohort(n)
+        k, t = min(params.degree, n - 1), params.threshold
+        exposed = sum(comb(k, c) * gamma**c * (1 - gamma) ** (k - c) for c in range(t, k + 1))
+        assert exposed <= 2.0**-40
 
 
 # ---- Re-review of 0cb75c9: who `culprits` names ----------------------------------------------------
@@ -334,15 +354,13 @@ def test_an_honest_client_whose_holders_drop_at_unmask_is_not_named_a_culprit():
     assert v not in server.culprits and not server.culprits
 
 
-@pytest.mark.xfail(strict=True, reason="LOW (re-review): above C(k, t-1) > MAX_SUBSETS (e.g. k = 14, t = 8) the "
-                                       "smallest holder's one bad share still spoils every subset tried; the honest "
-                                       "owner is named culprit and the hostile holder is never marked bad")
 def test_one_selectively_corrupted_share_never_frames_its_owner_for_a_larger_degree():
     """k = 14, t = 8 (2t > k + 1): 15 holders per secret, C(14, 7) = 3432 > 1024 subsets contain the
     smallest holder. Node 1 (the smallest id) corrupts only its share of one neighbour's seed and
     returns every other share intact, so ``_mark_bad`` never marks it; 14 ≥ t honest shares of that
     seed remain, yet the seed is not found, the round aborts and its honest owner is the culprit
-    that the redo leaves out as rejected. The search also costs ~1024 Shamir combines for it."""
+    that the redo leaves out as rejected. The search also costs ~1024 Shamir combines for it.
+    With share commitments the bad share is dropped on its own and its holder named."""
     params = SecAggParams(degree=14, threshold=8, bits=16, scale=1.0)
     nodes = list(range(1, 21))
     hostile = 1
@@ -363,30 +381,38 @@ def test_one_selectively_corrupted_share_never_frames_its_owner_for_a_larger_deg
         pass
     assert target not in server.culprits and server.stage == DONE
     assert np.array_equal(server.result, mod_sum(words.values(), LENGTH_WORDS, params.bits))
+    assert server.bad_holders == {hostile}
 
 
-@pytest.mark.xfail(strict=True, reason="MEDIUM (review of 33935ae): an owner whose seed shares carry a wrong x index "
-                                       "makes _read_unmask refuse its honest holders' whole replies, so every owner "
-                                       "falls short of t shares and no culprit is named: the same owner aborts every "
-                                       "redo (before 33935ae it was excluded, with honest owners as collateral)")
-def test_an_owner_whose_shares_are_malformed_is_named_the_culprit():
-    """k = 8, t = 5, 12 nodes: node 6 gives each neighbour a seed share with a wrong index (an honest
-    client keeps it: it does not check a share's format at collect). Expected: the round aborts naming
-    node 6, so the redo goes on without it; today it aborts naming nobody, in every attempt."""
+def test_an_owner_whose_shares_are_malformed_is_named_the_culprit(monkeypatch):
+    """k = 8, t = 5, 12 nodes: node 6 deals each neighbour a seed share with a wrong index. Its holders
+    accept the shares at collect, because node 6 commits to exactly what it deals (a share that does
+    not match its commitment is refused there instead); the committed shares are then node 6's own
+    word. Expected: the round aborts naming node 6 (and only it), so the redo goes on without it;
+    before the share commitments, the holders' whole unmask replies were refused and nobody was named."""
+    import client.secagg as client_secagg
+
     params = SecAggParams(degree=8, threshold=5, bits=16, scale=1.0)
     nodes, hostile = list(range(1, 13)), 6
     words = random_words(nodes, LENGTH_WORDS, params.bits, seed=3)
     server = SecAggServer(params, LENGTH_WORDS, nodes, rng=random.Random(0))
     clients = {u: SecAggClient(u) for u in nodes}
+    honest_create = client_secagg.create_shares
+
+    def wrong_index(secret: bytes, threshold: int, num: int) -> list[bytes]:
+        shares = honest_create(secret, threshold, num)
+        if len(secret) == 32:  # the mask seed's shares (the mask key is longer)
+            shares = [(int.from_bytes(s[:4], "little") % 200 + 38).to_bytes(4, "little") + s[4:] for s in shares]
+        return shares
+
     with pytest.raises(SecAggAbort):
         for stage in (Stage.SETUP, Stage.SHARE_KEYS, Stage.COLLECT_MASKED_VECTORS, Stage.UNMASK):
-            if stage == Stage.UNMASK:
-                for u, client in clients.items():
-                    if u != hostile and hostile in client._seed_shares:
-                        share = client._seed_shares[hostile]
-                        index = int.from_bytes(share[:4], "little") % 200 + 38
-                        client._seed_shares[hostile] = index.to_bytes(4, "little") + share[4:]
-            replies = {u: clients[u].handle(request, words[u] if stage == Stage.COLLECT_MASKED_VECTORS else None)
-                       for u, request in server.requests().items()}
+            replies = {}
+            for u, request in server.requests().items():
+                with monkeypatch.context() as patch:
+                    if stage == Stage.SHARE_KEYS and u == hostile:
+                        patch.setattr(client_secagg, "create_shares", wrong_index)
+                    replies[u] = clients[u].handle(request, words[u] if stage == Stage.COLLECT_MASKED_VECTORS else None)
             server.receive(replies)
     assert hostile in server.culprits
+    assert server.culprits == {hostile} and not server.bad_holders
