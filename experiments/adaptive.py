@@ -50,9 +50,13 @@ ARMS: dict[str, dict[str, Any]] = {
 #: schedule): the difference from the fixed run of that seed is the rule's own, not another noise draw's
 ARMS["readme-paired"] = ARMS["readme"]
 ARMS["readme-z0.25-R4-eta2-sb12-paired"] = ARMS["readme-z0.25-R4-eta2-sb12"]
+#: the third pass's screen: the same rule constants with the bound ζ₀·R = 0.5, half the fixed job's untuned ζ = 1
+ARMS["readme-z0.25-R2-eta2-sb12-paired"] = {"adaptive-clipping": 0.5, "clip-norm": 0.25, "adaptive-clipping-range": 2.0,
+                                            "adaptive-clipping-count-noise": 12.0, "adaptive-clipping-lr": 2.0}
 #: the secrets label of an arm where it differs from its name (the runs were made under these names)
 LABELS = {"readme-before": "readme", "readme-eta0.2-sb2": "readme_R10", "readme-eta1-sb2": "readme_R10_eta1",
-          "readme": "readme_R10_eta1_sb6", "readme-paired": "fixed", "readme-z0.25-R4-eta2-sb12-paired": "fixed"}
+          "readme": "readme_R10_eta1_sb6", "readme-paired": "fixed", "readme-z0.25-R4-eta2-sb12-paired": "fixed",
+          "readme-z0.25-R2-eta2-sb12-paired": "fixed"}
 
 
 def _parse_set(items: list[str]) -> dict[str, Any]:
@@ -135,21 +139,23 @@ def run_one(preset: str, arm: str, seed: int, rounds: int | None, extra: dict[st
     with torch.no_grad():
         initial = {k: float(v) for k, v in task.evaluate(model).items()}
 
-    calls = {"n": 0}
+    keys: set[str] = set()
 
     def evaluate(m: torch.nn.Module) -> dict[str, float]:
-        t, calls["n"] = calls["n"], calls["n"] + 1
-        if (t + 1) % eval_every and t + 1 != config.rounds:
-            return {}
         metrics = {k: float(v) for k, v in task.evaluate(m).items()}
-        evals[t] = metrics
+        keys.update(metrics)
         return metrics
 
     started = time.perf_counter()
+    # train picks the rounds to evaluate (every eval_every-th and the last) and files each evaluation under its
+    # round; it also evaluates the initial model once (the learning check): a count of the calls would be off by one
     result = train(model, task.users(), plan, None, local_updates=task.as_local_updates(hyper, vectorized=False),
                    server_lr=config.server_lr, checkpoint_dir=run_dir, evaluate=evaluate, observed_guard=False,
-                   repeatable_noise=True)
+                   repeatable_noise=True, evaluate_every=eval_every)
     seconds = time.perf_counter() - started
+    for r in result.history:
+        if keys & set(r.metrics):
+            evals[r.round] = {k: float(r.metrics[k]) for k in keys & set(r.metrics)}
     for row in trace:
         row.update(evals.get(row["round"], {}))
     record = {"preset": preset, "arm": arm, "tag": tag, "seed": seed, "overrides": {k: v for k, v in overrides.items()

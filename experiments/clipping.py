@@ -257,16 +257,11 @@ def run_job(job: dict[str, Any], out: Path = OUT) -> dict[str, Any]:
     if job.get("adaptive"):
         plan = adaptive_plan(plan, job, config.clients_per_round)
     hyper = ClientHyper(config.client_lr, config.local_epochs, config.batch_size)
-    count = {"n": 0}
-
-    def evaluate(m: torch.nn.Module) -> dict[str, float]:
-        count["n"] += 1
-        return task.evaluate(m) if count["n"] % EVAL_EVERY == 0 or count["n"] == config.rounds else {}
-
     started = time.perf_counter()
     result = train(task.model(), task.users(), plan, None, local_updates=task.as_local_updates(hyper, vectorized=False),
-                   server_lr=config.server_lr, checkpoint_dir=run_dir, evaluate=evaluate, observed_guard=False,
-                   repeatable_noise=True, ledger_diagnostics=True)  # diagnostics: the clipped count per round
+                   server_lr=config.server_lr, checkpoint_dir=run_dir, evaluate=task.evaluate, observed_guard=False,
+                   repeatable_noise=True, ledger_diagnostics=True,  # diagnostics: the clipped count per round
+                   evaluate_every=EVAL_EVERY)  # rounds EVAL_EVERY, 2·EVAL_EVERY, … and the last
     seconds = time.perf_counter() - started
     trajectory = _ledger_trajectory(run_dir / "ledger.db")
     eps_curve = [float(e) for e in plan.epsilon_by_round()]

@@ -181,13 +181,8 @@ def run_job(job: dict[str, Any], out: Path, device: str) -> dict[str, Any]:
     plan = config.build_plan()
     model = task.model()
     hyper = ClientHyper(config.client_lr, config.local_epochs, config.batch_size)
-    evaluated = {"count": 0}
 
     def evaluate(m: torch.nn.Module) -> dict[str, float]:
-        evaluated["count"] += 1
-        t = evaluated["count"]
-        if t % EVAL_EVERY and t != config.rounds:
-            return {}
         return task.evaluate(m, device=device)
 
     started = time.perf_counter()
@@ -195,7 +190,8 @@ def run_job(job: dict[str, Any], out: Path, device: str) -> dict[str, Any]:
     clients = task.as_local_updates(hyper, vectorized=device != "cpu", device=device)
     # unsalted noise: a job rerun from its fixed secrets reproduces its numbers (never in a deployment)
     result = train(model, task.users(), plan, None, local_updates=clients, server_lr=config.server_lr,
-                   checkpoint_dir=run_dir, evaluate=evaluate, observed_guard=False, repeatable_noise=True)
+                   checkpoint_dir=run_dir, evaluate=evaluate, observed_guard=False, repeatable_noise=True,
+                   evaluate_every=EVAL_EVERY)  # rounds 10, 20, … and the last (train also evaluates the initial model)
     seconds = time.perf_counter() - started
     eps_curve = None if kind is None else [float(e) for e in plan.epsilon_by_round()]
     history = [{"round": r.round + 1, "accuracy": r.metrics.get("accuracy"),
