@@ -84,10 +84,10 @@ class ServerConfig(RunConfig):
                    reply_timeout=read_float("reply-timeout", v["reply-timeout"], strict=True),
                    identity=identity, user_enrollment=str(base / enrollment) if enrollment else None,
                    identity_timeout=read_float("identity-timeout", v["identity-timeout"], strict=True),
-                   secagg=_secagg(v, engine))
+                   secagg=_secagg(v))
 
 
-def _secagg(v: Mapping[str, Any], engine: RunConfig) -> SecAggParams | None:
+def _secagg(v: Mapping[str, Any]) -> SecAggParams | None:
     """The SecAgg+ parameters when ``secure-aggregation`` is "secaggplus" (checked: ``SecAggParams``),
     else None; the parameters are read (and checked) either way."""
     mode = read_text("secure-aggregation", v["secure-aggregation"])
@@ -102,9 +102,4 @@ def _secagg(v: Mapping[str, Any], engine: RunConfig) -> SecAggParams | None:
                                                          strict=True))
     except SecAggError as e:
         raise ConfigError(str(e)) from None
-    if mode == "off":
-        return None
-    if engine.client_metrics != "none":
-        raise ConfigError("client-metrics must be none with secure-aggregation: the clients' training loss would "
-                          "reach the server unmasked (not yet carried inside the masked vector)")
-    return params
+    return None if mode == "off" else params
