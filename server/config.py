@@ -13,8 +13,9 @@ ServerApp validates once, before round 1: the engine's ``RunConfig`` and these k
                                                   with identity "enrolled" needs it
     identity-timeout  30.0                        seconds to wait for identity replies (then backoff per node)
     secure-aggregation "off" | "secaggplus"       "secaggplus": the server learns only the sum of the clipped,
-                                                  quantized updates (SecAgg+, server/secagg_round.py; README
-                                                  "Secure aggregation (preview)")
+                                                  quantized updates (and of the clipped client metric; SecAgg+,
+                                                  server/secagg_round.py; README "Secure aggregation (preview)");
+                                                  the plan records it (fingerprint, inflation)
     secagg-degree     8                           k, neighbours of each client in SecAgg+'s random graph (even)
     secagg-threshold  5                           t, shares that reconstruct a secret (2t > k + 1; a cohort
                                                   below t aborts the round)
