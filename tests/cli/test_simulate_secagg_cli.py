@@ -133,3 +133,13 @@ def test_the_flower_backend_gets_the_apps_secure_aggregation_keys(tmp_path, caps
     assert (seen["secure-aggregation"], seen["secagg-degree"], seen["secagg-threshold"], seen["secagg-bits"],
             seen["secagg-scale"]) == ("secaggplus", 6, 4, 40, 4096.0)
     assert ServerConfig.from_mapping(seen).secagg == SecAggParams(6, 4, 40, 4096.0, stage_timeout_s=120.0)
+
+
+def test_the_flower_backend_refuses_a_sum_that_could_wrap_before_any_process(tmp_path, capsys, monkeypatch):
+    import launcher.flower_cli as launcher
+
+    monkeypatch.setattr(launcher, "run_simulation", lambda *a, **k: pytest.fail("launched"))
+    assert main(_simulate(tmp_path / "fl", "--rounds", "2", "--backend", "flower", "--secure-aggregation",
+                          "--secagg-bits", "12")) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "could wrap" in err

@@ -241,3 +241,20 @@ def test_the_client_metric_travels_masked_and_is_released_as_the_central_one(tmp
     gap = central.history[0].metrics["noisy-train-loss"] - secure.history[0].metrics["noisy-train-loss"]
     assert 0.0 <= gap < PER_ROUND / q.scale / m, gap
     assert secure.run.plan.to_dict()["secure_aggregation"]["degree"] == SECURE["secagg-degree"]
+
+
+def test_the_flower_backend_reads_a_secure_run_back_with_its_plan(tmp_path, logs):
+    from fedmf.config import RunConfig
+    from fedmf.errors import PlanMismatch
+    from fedmf.tasks import get_task
+    from launcher.flower_backend import flower_result
+
+    values = _config(tmp_path, "secure", rounds=2, **SECURE)
+    run_server(LocalGrid(_nodes()), values)
+    tiny = get_task("tiny", num_users=USERS)
+    result = flower_result(ServerConfig.from_mapping(values), model=tiny.model(), evaluate=tiny.evaluate, plot=False)
+    assert result.rounds_done == 2
+    engine = RunConfig.from_mapping({k: v for k, v in values.items() if not k.startswith(("secure", "secagg",
+                                                                                           "reply"))})
+    with pytest.raises(PlanMismatch, match="another plan"):  # the central plan is not the one that ran
+        flower_result(engine, model=tiny.model(), evaluate=tiny.evaluate, plot=False)
