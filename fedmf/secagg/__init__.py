@@ -10,7 +10,7 @@ the sum needs beyond Flower's cryptography:
 * ``quantize.py``: fixed-point encoding modulo 2^b with conditional randomized rounding
   (Kairouz, Liu, Steinke, ICML 2021, Thm. 1), so that every encoded update's norm is within a
   stated bound checked in exact integers; the inflation factor; the unclipped bit as one extra
-  coordinate; centred decoding of the modular sum to float64; ``check_no_wrap`` /
+  coordinate, the private client metric's word ⌊clip(v, 0, L)·s⌋ as one more; centred decoding of the modular sum to float64; ``check_no_wrap`` /
   ``max_safe_cohort`` refusing a cohort whose sum could wrap.
 * ``sensitivity.py``: ζ_eff = ζ · inflation, the clip norm the sensitivity takes in this mode.
 * ``masks.py``: masks expanded from 32-byte secrets (HKDF + ChaCha20 from ``cryptography``),

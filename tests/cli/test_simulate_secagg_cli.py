@@ -143,3 +143,26 @@ def test_the_flower_backend_refuses_a_sum_that_could_wrap_before_any_process(tmp
                           "--secagg-bits", "12")) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "could wrap" in err
+
+
+@pytest.mark.heavy  # a real Flower simulation (SuperLink, Ray, one SuperNode per user): about a minute or more
+def test_both_backends_with_secure_aggregation_agree_up_to_the_quantization(tmp_path, capsys, monkeypatch,
+                                                                           secagg_entry_point):
+    monkeypatch.setenv(REPEATABLE_NOISE_ENV, "1")  # tests only: the same noise in both backends' runs
+    argv = ["--rounds", "2", "--min-sep", "1", "--secure-aggregation", "--secagg-degree", "6",
+            "--secagg-threshold", "4"]
+    runs = {}
+    for backend in ("flower", "inprocess"):
+        fixed.write_secrets(tmp_path / backend)
+        assert main(_simulate(tmp_path / backend, *argv, "--backend", backend)) == 0, capsys.readouterr().err[-3000:]
+        runs[backend] = json.loads(capsys.readouterr().out)
+    flower, local = runs["flower"], runs["inprocess"]
+    assert flower["rounds_done"] == local["rounds_done"] == 2
+    assert [h["contributed"] for h in flower["history"]] == [h["contributed"] for h in local["history"]] == [8, 8]
+    a = torch.load(tmp_path / "flower" / "final-model.pt")
+    b = torch.load(tmp_path / "inprocess" / "final-model.pt")
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-3  # each side rounds its own updates
+    for backend in ("flower", "inprocess"):
+        assert main(["audit", "--ledger", str(tmp_path / backend / "ledger.db"), "--json"]) == 0
+        planned = json.loads(capsys.readouterr().out)["planned"]
+        assert (planned["secure_aggregation"]["degree"], planned["secure_aggregation"]["threshold"]) == (6, 4)
