@@ -97,6 +97,32 @@ def test_two_secure_rounds_run_are_audited_and_refuse_other_parameters(tmp_path,
         assert len(err.splitlines()) == 1 and "another plan" in err
 
 
+def test_the_audit_replays_sigma_from_zeta_eff_and_refuses_a_forged_inflation(tmp_path, capsys,
+                                                                             secagg_entry_point):
+    import shutil
+    import sqlite3
+
+    out = tmp_path / "secure"
+    assert main(_simulate(out, "--rounds", "2", "--secure-aggregation", "--secagg-scale", "64")) == 0
+    capsys.readouterr()
+    # round 0 recorded with σ at ζ, not ζ_eff: below the plan's noise, which the audit replays from ζ_eff
+    low = tmp_path / "low.db"
+    shutil.copy(out / "ledger.db", low)
+    with sqlite3.connect(low) as db:
+        [(inflation,)] = db.execute("SELECT json_extract(plan, '$.secure_aggregation.inflation') FROM runs")
+        assert inflation > 1.001  # a coarse scale: a visible inflation
+        db.execute("UPDATE rounds SET noise_std = noise_std / ? WHERE round_index = 0", (inflation,))
+    assert main(["audit", "--ledger", str(low), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["realized"]["rounds_below_planned_noise"] == [0]
+    forged = tmp_path / "forged.db"
+    shutil.copy(out / "ledger.db", forged)
+    with sqlite3.connect(forged) as db:
+        db.execute("UPDATE runs SET plan = json_set(plan, '$.secure_aggregation.inflation', 1.0)")
+    assert main(["audit", "--ledger", str(forged)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "recorded quantization inflation 1.0 is not" in err
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--secagg-degree", "4"], "--secagg-degree needs --secure-aggregation"),
     (["--secure-aggregation", "--secagg-degree", "3"], "even"),
