@@ -6,27 +6,30 @@ them): its payload (``fedmf.secagg.messages.from_wire``) goes to this node's ``S
 At the collect stage the message also carries the model: the client trains, checks its update
 against the layout the server sent (names, shapes, floating, finite: ``check_update``), zeroes it
 when ‖·‖∞ exceeds the round's threshold, clips it to the ζₜ the server sent, quantizes it (with the
-unclipped bit when ζ adapts: ``fedmf.secagg.encode``) and masks the whole vector. The reply is the
-stage's payload in a ``"secagg"`` ConfigRecord.
+unclipped bit when ζ adapts, and its training loss clipped to [0, L] as the last word when the run
+releases the client metric privately: ``fedmf.secagg.encode.encode_local_update``, the in-process
+secure aggregation's encoding too) and masks the whole vector. The reply is the stage's payload in a
+``"secagg"`` ConfigRecord: the loss never travels in the clear.
 
 Config keys of a stage message, beside the TRAIN ones: ``clip-norm`` (ζₜ), ``zero-threshold``
 (absent: no zeroing), ``secagg-scale``, ``secagg-beta``, ``secagg-bit`` (bool: adaptive clipping's
-bit) and ``secagg-layout`` (JSON ``[[name, shape], …]``, the model's parameters in order).
+bit), ``secagg-metric-clip`` (L of the private client-metric release; absent: no metric word) and
+``secagg-layout`` (JSON ``[[name, shape], …]``, the model's parameters in order).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import numpy as np
-import torch
 from flwr.app import ConfigRecord, Context, Message
 from flwr.common.secure_aggregation.secaggplus_constants import Key, Stage
 
 from fedmf.errors import ConfigError
-from fedmf.round.privatize import check_update
-from fedmf.secagg.encode import encode_update
+from fedmf.round.client_metrics import METRIC
+from fedmf.secagg.encode import encode_local_update
 from fedmf.secagg.errors import SecAggError
 from fedmf.secagg.messages import SECAGG_RECORD, from_wire, to_wire
 from fedmf.secagg.quantize import Quantization
@@ -59,24 +62,23 @@ def _number(config: ConfigRecord, key: str) -> float:
 
 
 def _words(msg: Message, config: ConfigRecord, client: SecAggClient, task: Task, request: Any) -> np.ndarray:
-    """Train, check, zero, clip, quantize: the words this client masks."""
+    """Train, check, zero, clip, quantize (and the metric's word): the words this client masks."""
     arrays = msg.content.array_records.get("arrays")
     if arrays is None:
         raise ConfigError("the collect stage's message has no arrays record")
     layout = _layout(config.get("secagg-layout"))
     result = task.local_update(arrays.to_torch_state_dict(), request.user, request.round, request.hyper)
-    reason = check_update(result.update, layout)
-    if reason is not None:
-        raise SecAggError(f"this client's update cannot be summed: {reason}")
-    flat = np.concatenate([result.update[name].detach().to(torch.float64).reshape(-1).numpy() for name in layout])
     zeta = _number(config, "clip-norm")
     bit = config.get("secagg-bit")
     if not isinstance(bit, bool):
         raise ConfigError("message config 'secagg-bit' is missing or not a bool")
+    metric_clip = _number(config, "secagg-metric-clip") if "secagg-metric-clip" in config else None
     q = Quantization(clip_norm=1.0 if bit else zeta, scale=_number(config, "secagg-scale"), bits=client.bits,
-                     dim=flat.size, beta=_number(config, "secagg-beta"), with_bit=bit)
+                     dim=sum(math.prod(shape) for shape in layout.values()), beta=_number(config, "secagg-beta"),
+                     with_bit=bit, metric_clip=metric_clip)
     threshold = _number(config, "zero-threshold") if "zero-threshold" in config else None
-    return encode_update(q, flat, clip_norm=zeta, zero_threshold=threshold, rng=np.random.default_rng())
+    return encode_local_update(q, result.update, layout, clip_norm=zeta, zero_threshold=threshold,
+                               rng=np.random.default_rng(), metric=result.metrics.get(METRIC))
 
 
 def secure_stage(msg: Message, context: Context, request: Any, task: Task) -> ConfigRecord:

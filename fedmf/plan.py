@@ -8,12 +8,18 @@ the absolute noise std σ = z·ζ·sens ("Multi-Epoch Matrix Factorization Mecha
 releasing x + σ·C⁻¹Z is (ε, δ)-DP with the Gaussian mechanism's ε at multiplier z), ε in
 total and after each round.
 
+With secure aggregation (``with_secure_aggregation``) the plan also records the SecAgg+
+parameters, the update's dimension and the quantization's norm inflation: σ is then computed from
+ζ_eff = ζ·inflation (``effective_noise_std``; ε is unchanged, the noise larger).
+
 The ledger's run row and every checkpoint carry ``to_dict()`` and ``fingerprint``; a
-checkpoint or ledger written for another plan is refused (``check_fingerprint``).
+checkpoint or ledger written for another plan is refused (``check_fingerprint``): a run resumed
+with other secure-aggregation parameters, or without them, is refused like any other change.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Mapping
@@ -30,6 +36,7 @@ from .participation import FixedEpoch, MinSep, schema_from_dict
 from .round.adaptive_clipping import AdaptiveClipping
 from .round.client_metrics import ClientMetricRelease
 from .sampling import Sampling, parse_sampling
+from .secagg.params import SecAggParams, SecureAggregation
 
 if TYPE_CHECKING:
     from .mechanisms.base import Mechanism
@@ -69,6 +76,8 @@ class RunPlan:
     #: None: nothing of the clients' reported metrics is released; else their private release
     #: (fedmf.round.client_metrics), composed into the accounting
     client_metrics: ClientMetricRelease | None = None
+    #: None: the central mode; else secure aggregation's record (``with_secure_aggregation``)
+    secure_aggregation: SecureAggregation | None = None
 
     # ---- construction ----------------------------------------------------------------
     @classmethod
@@ -124,7 +133,36 @@ class RunPlan:
             raise ConfigError("the mechanism has zero sensitivity under this schema")
         return plan
 
+    def with_secure_aggregation(self, params: SecAggParams, dim: int) -> RunPlan:
+        """This plan under SecAgg+ with ``params`` for updates of ``dim`` values: the same z and ε,
+        and the quantization's inflation recorded (``fedmf.secagg.quantize``: clip norm ζ, or 1 for
+        the normalized updates of adaptive clipping; scale, bits, β of ``params``)."""
+        from .secagg.quantize import Quantization
+
+        if not isinstance(params, SecAggParams):
+            raise ConfigError(f"params must be SecAggParams, got {type(params).__name__}")
+        adaptive = self.adaptive_clipping is not None
+        q = Quantization(clip_norm=1.0 if adaptive else self.clip_norm, scale=params.scale, bits=params.bits,
+                         dim=dim, beta=params.beta, with_bit=adaptive)
+        params = dataclasses.replace(params, stage_timeout_s=SecAggParams.stage_timeout_s)  # not part of the plan
+        return dataclasses.replace(self, secure_aggregation=SecureAggregation(params, q.dim, q.inflation))
+
     # ---- derived ---------------------------------------------------------------------
+    @property
+    def noise_inflation(self) -> float:
+        """The factor on σ: secure aggregation's quantization inflation, 1 in the central mode."""
+        return 1.0 if self.secure_aggregation is None else self.secure_aggregation.inflation
+
+    @property
+    def effective_clip_norm(self) -> float:
+        """ζ_eff = ζ·inflation (``fedmf.secagg.sensitivity``), ζ in the central mode."""
+        return self.clip_norm * self.noise_inflation
+
+    @property
+    def effective_noise_std(self) -> float:
+        """σ as the rounds draw it: z·ζ_eff·sens (= ``noise_std`` in the central mode; at ζ₀ when ζ adapts)."""
+        return self.noise_std * self.noise_inflation
+
     @property
     def rounds(self) -> int:
         return self.mechanism.rounds
@@ -274,6 +312,8 @@ class RunPlan:
             out["adaptive_clipping"] = self.adaptive_clipping.to_dict()
         if self.client_metrics is not None:
             out["client_metrics"] = self.client_metrics.to_dict()
+        if self.secure_aggregation is not None:
+            out["secure_aggregation"] = self.secure_aggregation.to_dict()
         return out
 
     @cached_property
@@ -294,11 +334,23 @@ class RunPlan:
             adaptive = None if adaptive is None else AdaptiveClipping.from_dict(adaptive)
             metrics = data.get("client_metrics")
             metrics = None if metrics is None else ClientMetricRelease.from_dict(metrics)
-            return cls.create(mechanism, schema, clip_norm=data["clip_norm"], delta=data["delta"],
+            plan = cls.create(mechanism, schema, clip_norm=data["clip_norm"], delta=data["delta"],
                               expected_users=data["expected_users"], noise_multiplier=data["noise_multiplier"],
                               target_epsilon=data["target_epsilon"], sampling=data["sampling"],
                               zero_threshold=data["zero_threshold"], accountant=data["accountant"],
                               adaptive_clipping=adaptive, client_metrics=metrics)
+            secure = data.get("secure_aggregation")
+            if secure is not None:
+                from .secagg.errors import SecAggError
+
+                try:
+                    params, dim = SecureAggregation.params_from_dict(secure)
+                except SecAggError as e:
+                    raise PlanMismatch(f"malformed run plan: {e}") from None
+                plan = plan.with_secure_aggregation(params, dim)
+                if plan.secure_aggregation.inflation != secure.get("inflation"):
+                    raise PlanMismatch("the plan's recorded quantization inflation is not what its parameters give")
+            return plan
         except (KeyError, TypeError) as e:
             raise PlanMismatch(f"malformed run plan (missing or bad field {e})") from None
 
@@ -314,6 +366,8 @@ class RunPlan:
         out = {**self.to_dict(), "sensitivity": self.sensitivity.value, "sensitivity_exact": self.sensitivity.exact,
                "noise_std": self.noise_std, "epsilon": self.epsilon(), "rho": self.rho(),
                "fingerprint": self.fingerprint}
+        if self.secure_aggregation is not None:  # σ drawn: z·ζ_eff·sens (fedmf.secagg.sensitivity)
+            out.update(clip_norm_effective=self.effective_clip_norm, noise_std_effective=self.effective_noise_std)
         if self.rho() is None:
             out["rho_note"] = self._accounting.details["rho_note"]
         if "privacy_split" in self._accounting.details:

@@ -27,7 +27,7 @@ from fedmf.run.cohort import resolve_min_cohort
 from fedmf.run.outcome import OUTCOME_FILE, clear_outcome, read_outcome
 from fedmf.run.simulate import SimulationResult, chain_head, learning_check, rho_spent, run_history, write_outputs
 from fedmf.tasks import Task
-from server.config import APP_DEFAULTS
+from server.config import APP_DEFAULTS, ServerConfig
 
 from . import flower_cli, processes, ray_cluster
 
@@ -68,7 +68,8 @@ def flower_result(config: RunConfig, *, model, evaluate, seconds: float = 0.0, p
     and write ``results.json`` (and ``progress.png``), as ``simulate`` does: the run and how it
     stopped from ``outcome.json``, the whole run's rounds from the ledger and the round log the
     ServerApp appended (``run_history``), epsilon from the plan, accuracy from ``evaluate`` of
-    ``final-model.pt`` loaded into ``model``."""
+    ``final-model.pt`` loaded into ``model``. ``config`` may be the app's ``ServerConfig``: with
+    secure aggregation the plan is the one the ServerApp ran (``RunPlan.with_secure_aggregation``)."""
     import torch
 
     directory = Path(config.run_dir)
@@ -82,6 +83,9 @@ def flower_result(config: RunConfig, *, model, evaluate, seconds: float = 0.0, p
                                 error=ConfigError)
     run_id = outcome.run_id
     plan = config.build_plan()
+    secagg = getattr(config, "secagg", None)  # a ServerConfig's SecAgg+ parameters
+    if secagg is not None:  # the plan the ServerApp ran (server/app.py): its fingerprint records SecAgg+
+        plan = plan.with_secure_aggregation(secagg, sum(p.numel() for p in model.parameters()))
     ledger = config.ledger_url or str(directory / "ledger.db")
     history = run_history(config, plan, run_id)
     done = len(history)
@@ -114,8 +118,16 @@ def simulate_flower(config: RunConfig, values: Mapping[str, Any], task: Task, *,
     (None: a fresh local Ray); ``client_cpus`` (whole CPUs) and ``client_gpus`` (a fraction of a GPU,
     None: none) are each virtual client's Ray resources (:mod:`launcher.ray_cluster`)."""
     num_supernodes = flower_population(config.task, list(task.users()))
+    run_config = flower_run_config(values, config)
+    server_config = ServerConfig.from_mapping(run_config)  # what the ServerApp will read (secure aggregation too)
     # a plan that cannot be built, or that no round can reach, fails here in one line before any Flower process
-    config.build_plan().check_population(num_supernodes)
+    plan = config.build_plan()
+    plan.check_population(num_supernodes)
+    if server_config.secagg is not None:  # as the ServerApp checks it: the threshold, no wrap
+        from server.secagg_round import run_quantization
+
+        run_quantization(server_config.secagg, plan, sum(p.numel() for p in task.model().parameters()),
+                         num_supernodes)
     if ray_address is not None:
         ray_cluster.check_reachable(ray_address)
     try:
@@ -130,7 +142,7 @@ def simulate_flower(config: RunConfig, values: Mapping[str, Any], task: Task, *,
     started = time.perf_counter()
     try:
         res = flower_cli.run_simulation(root, num_supernodes=num_supernodes,
-                                       run_config=flower_run_config(values, config), timeout=timeout, echo=echo,
+                                       run_config=run_config, timeout=timeout, echo=echo,
                                        ray_address=ray_address, client_num_cpus=client_cpus,
                                        client_num_gpus=client_gpus)
     except processes.LeftoverProcessesError as e:
@@ -155,4 +167,4 @@ def simulate_flower(config: RunConfig, values: Mapping[str, Any], task: Task, *,
                                 f"Flower run {res.run_id} ended {res.status} without writing "
                                 f"{final if not wrote else run_dir / OUTCOME_FILE}")
         raise FedmfError(why + (f"; the ServerApp said: {said}" if said else "") + f" (log: {log})")
-    return flower_result(config, model=task.model(), evaluate=task.evaluate, seconds=seconds, plot=plot)
+    return flower_result(server_config, model=task.model(), evaluate=task.evaluate, seconds=seconds, plot=plot)

@@ -114,7 +114,9 @@ def _serve(grid: Grid, run_config: dict, opened: list[PrivateRun]) -> DPMFStrate
     plan = config.build_plan()
     model = task.model()
     if config.secagg is not None:  # before the run opens: the whole population's sum must not wrap
-        run_quantization(config.secagg, plan, sum(p.numel() for p in model.parameters()), len(task.users()))
+        dim = sum(p.numel() for p in model.parameters())
+        run_quantization(config.secagg, plan, dim, len(task.users()))
+        plan = plan.with_secure_aggregation(config.secagg, dim)  # recorded, in the fingerprint; σ from ζ_eff
 
     def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
         # server-side held-out evaluation of the committed model (post-processing)

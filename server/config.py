@@ -13,8 +13,9 @@ ServerApp validates once, before round 1: the engine's ``RunConfig`` and these k
                                                   with identity "enrolled" needs it
     identity-timeout  30.0                        seconds to wait for identity replies (then backoff per node)
     secure-aggregation "off" | "secaggplus"       "secaggplus": the server learns only the sum of the clipped,
-                                                  quantized updates (SecAgg+, server/secagg_round.py; README
-                                                  "Secure aggregation (preview)")
+                                                  quantized updates (and of the clipped client metric; SecAgg+,
+                                                  server/secagg_round.py; README "Secure aggregation (preview)");
+                                                  the plan records it (fingerprint, inflation)
     secagg-degree     0                           k, neighbours of each client in SecAgg+'s random graph (even);
                                                   0 with secagg-threshold 0: k and t derived from each round's
                                                   cohort for exposure ≤ 2^-40 at 5 % colluding clients
@@ -88,10 +89,10 @@ class ServerConfig(RunConfig):
                    reply_timeout=read_float("reply-timeout", v["reply-timeout"], strict=True),
                    identity=identity, user_enrollment=str(base / enrollment) if enrollment else None,
                    identity_timeout=read_float("identity-timeout", v["identity-timeout"], strict=True),
-                   secagg=_secagg(v, engine))
+                   secagg=_secagg(v))
 
 
-def _secagg(v: Mapping[str, Any], engine: RunConfig) -> SecAggParams | None:
+def _secagg(v: Mapping[str, Any]) -> SecAggParams | None:
     """The SecAgg+ parameters when ``secure-aggregation`` is "secaggplus" (checked: ``SecAggParams``),
     else None; the parameters are read (and checked) either way."""
     mode = read_text("secure-aggregation", v["secure-aggregation"])
@@ -106,9 +107,4 @@ def _secagg(v: Mapping[str, Any], engine: RunConfig) -> SecAggParams | None:
                                                          strict=True))
     except SecAggError as e:
         raise ConfigError(str(e)) from None
-    if mode == "off":
-        return None
-    if engine.client_metrics != "none":
-        raise ConfigError("client-metrics must be none with secure-aggregation: the clients' training loss would "
-                          "reach the server unmasked (not yet carried inside the masked vector)")
-    return params
+    return None if mode == "off" else params

@@ -64,7 +64,7 @@ def run_quantization(params: SecAggParams, plan: RunPlan, dim: int, population: 
                           f"{params.threshold}: every round would abort")
     q = quantization_for(plan, dim, scale=params.scale, bits=params.bits, beta=params.beta)
     if population is not None:
-        check_no_wrap(population, q.clip_norm, q.scale, q.bits)
+        check_no_wrap(population, q.clip_norm, q.scale, q.bits, q.metric_clip)
     return q
 
 
@@ -90,6 +90,8 @@ class SecureRound:
                    "secagg-layout": self.layout_json}
         if zero_threshold is not None:
             entries["zero-threshold"] = float(zero_threshold)
+        if self.quantization.metric_clip is not None:  # the client metric travels masked, as the last word
+            entries["secagg-metric-clip"] = float(self.quantization.metric_clip)
         return entries
 
     def run(self, grid: Grid, expected: Mapping[Hashable, int], config: Mapping[str, Any], arrays: ArrayRecord,
@@ -109,7 +111,8 @@ class SecureRound:
             # SecAgg+ can protect so few, so none of them is asked; all count as dropped and the
             # round releases the zero sum plus its noise, as the central mode does for users it
             # cannot hear from (deterministic: a redo would draw the same cohort)
-            return SecureSum(np.zeros(q.dim), 0 if q.with_bit else None, frozenset(), q.inflation, excluded)
+            return SecureSum(np.zeros(q.dim), 0 if q.with_bit else None, frozenset(), q.inflation, excluded,
+                             0.0 if q.metric_clip is not None else None)
         self.server = server = SecAggServer(self.params, q.length, sorted(user_of), rng=self.rng)
         refused: dict[Hashable, str] = {}
         for stage in STAGES:
@@ -127,7 +130,7 @@ class SecureRound:
         decoded = decode_sum(q, server.result)
         contributors = frozenset(user_of[node] for node in server.contributors)
         rejected = {user: reason for user, reason in {**refused, **excluded}.items() if user not in contributors}
-        return SecureSum(decoded.vector, decoded.unclipped, contributors, q.inflation, rejected)
+        return SecureSum(decoded.vector, decoded.unclipped, contributors, q.inflation, rejected, decoded.metric)
 
     def _message(self, stage: str, node: int, user: Hashable, payload: Mapping[str, Any],
                  config: Mapping[str, Any], arrays: ArrayRecord) -> Message:

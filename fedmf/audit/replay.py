@@ -117,6 +117,27 @@ def _plan_releases(plan: dict):
     return ExtraReleases.of(count, metric)
 
 
+def _inflation(secure: Any, clip_norm: float, adaptive: bool, run_id: int) -> float:
+    """The quantization inflation of a secure-aggregation plan (``RunPlan.to_dict``), recomputed from
+    its recorded parameters, ζ (1 for adaptive clipping's normalized updates) and dimension
+    (``fedmf.secagg.quantize.Quantization.inflation``); refused when the recorded value differs."""
+    from ..secagg.errors import SecAggError
+    from ..secagg.params import SecureAggregation
+    from ..secagg.quantize import Quantization
+
+    try:
+        params, dim = SecureAggregation.params_from_dict(secure)
+        inflation = Quantization(clip_norm=1.0 if adaptive else clip_norm, scale=params.scale, bits=params.bits,
+                                 dim=dim, beta=params.beta, with_bit=adaptive).inflation
+        recorded = secure["inflation"]
+    except (SecAggError, KeyError, TypeError, ValueError) as e:
+        raise LedgerError(f"run {run_id}: malformed secure-aggregation plan ({e})") from None
+    if recorded != inflation:
+        raise LedgerError(f"run {run_id}: the recorded quantization inflation {recorded!r} is not the {inflation!r} "
+                          "its secure-aggregation parameters give")
+    return inflation
+
+
 def clip_norm_violations(adaptive: Any, clip_norm: float, expected_users: Any, committed: list) -> list[int]:
     """The committed rounds whose recorded ζₜ does not follow adaptive clipping's rule: ζ₀ = the plan's
     clip norm, ζₜ₊₁ = next_clip_norm(ζₜ, b̃ₜ, m) (within ζ₀'s range) from the recorded noisy counts (Andrew et al., Alg. 1);
@@ -220,7 +241,12 @@ def _report(ledger: str, version: str, run: Run, records: list, states: list, no
                   and [(c, lr) for _, c, lr in state] == list(zip(counts.tolist(), last_round.tolist())))
     eps_end = priv.posthoc.epsilon  # the worst user's
 
-    planned_std = z * info.clip_norm * s_plan  # absolute, like rounds.noise_std: sigma = z · clip_norm · sens
+    # secure aggregation: σ from ζ_eff = ζ·inflation (fedmf.secagg.sensitivity), as the rounds drew it
+    secure = (info.plan or {}).get("secure_aggregation")
+    inflation = 1.0 if secure is None else _inflation(secure, info.clip_norm,
+                                                      (info.plan or {}).get("adaptive_clipping") is not None, info.id)
+    # absolute, like rounds.noise_std: sigma = z · clip_norm_eff · sens
+    planned_std = z * info.clip_norm * inflation * s_plan
     adaptive = (info.plan or {}).get("adaptive_clipping")
     rows = []
     below = []
@@ -229,7 +255,7 @@ def _report(ledger: str, version: str, run: Run, records: list, states: list, no
         done = r["status"] == "committed"
         # adaptive clipping: round t's planned std is z·ζₜ·sens at its recorded ζₜ
         zeta_t = r.get("clip_norm") if adaptive is not None else None
-        std_t = planned_std if zeta_t is None else z * zeta_t * s_plan
+        std_t = planned_std if zeta_t is None else z * zeta_t * inflation * s_plan
         if done and r["noise_std"] is not None and r["noise_std"] < std_t * (1 - _REL_TOL):
             below.append(t)
         rows.append({
@@ -263,6 +289,8 @@ def _report(ledger: str, version: str, run: Run, records: list, states: list, no
     }
     if adaptive:
         planned["count_noise_std"] = adaptive.get("count_noise_std")
+    if secure is not None:
+        planned["secure_aggregation"] = {**secure, "clip_norm_effective": info.clip_norm * inflation}
     if releases is not None and not releases.count_only:
         # each release's share of the extra releases' part of μ² (= of ρ), and that part's share of the whole
         planned["extra_releases"] = releases.to_list()

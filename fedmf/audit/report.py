@@ -161,6 +161,14 @@ class AuditReport:
             f"ρ worst user {r['rho_worst_user_at_end']:.6g}",
             "participations      " + ", ".join(f"{c}: {n}" for c, n in sorted(self.histogram.items())),
         ]
+        secure = p.get("secure_aggregation")
+        if secure is not None:  # σ from ζ_eff = ζ·inflation: ε as planned, the noise larger
+            graph = ("degree and threshold derived from each round's cohort" if secure["degree"] == 0
+                     else f"degree {secure['degree']}, threshold {secure['threshold']}")
+            out.insert(3, f"secure aggregation  SecAgg+: {graph}, "
+                          f"modulo 2^{secure['bits']}, scale {secure['scale']:g}; quantization inflation "
+                          f"{secure['inflation']:.9g}: ζ_eff = {secure['clip_norm_effective']:.6g}, noise std "
+                          f"{p['noise_std']:.6g}")
         if "privacy_split" in p:  # the share of μ² (of ρ) each release spends, as planned
             out.insert(3, "privacy split       " + ", ".join(f"{name} {share:.4g}" for name, share in
                                                             p["privacy_split"].items()) + " of μ² (ρ)")

@@ -1,6 +1,9 @@
 """``fedmf simulate``: private federated training of a preset task, with its audit — in process
 (``--backend inprocess``) or as the Flower app on the Flower simulation engine (``--backend flower``:
-``launcher.flower_backend``, found through its entry point and loaded only then)."""
+``launcher.flower_backend``, found through its entry point and loaded only then). With
+``--secure-aggregation`` every round's sum is computed by SecAgg+: in process by the
+``fedmf.secure_aggregation`` entry point ``secaggplus`` (``server/secagg_inprocess.py``), on Flower by
+the app's ``secure-aggregation = "secaggplus"``."""
 
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ from .. import checks
 from ..errors import ConfigError
 from ..sampling import GRAMMAR
 
-__all__ = ["register", "cmd_simulate", "BACKENDS_GROUP"]
+__all__ = ["register", "cmd_simulate", "BACKENDS_GROUP", "SECURE_AGGREGATION_GROUP"]
 
 
 def _overrides(args: argparse.Namespace) -> dict:
@@ -77,20 +80,67 @@ def _overrides(args: argparse.Namespace) -> dict:
 BACKENDS_GROUP = "fedmf.simulate_backends"
 
 
-def _backend(name: str):
-    """The ``--backend name`` implementation registered under the ``fedmf.simulate_backends`` entry
-    points (``flower``: ``launcher.flower_backend.simulate_flower``); a one-line ConfigError when it is
-    not installed. Looked up, never imported by name: the engine imports no adapter."""
+#: the entry-point group of the in-process secure aggregation (``secaggplus``: server/secagg_inprocess.py)
+SECURE_AGGREGATION_GROUP = "fedmf.secure_aggregation"
+_SECAGG_OPTIONS = ("secagg_degree", "secagg_threshold", "secagg_bits", "secagg_scale")
+
+
+def _entry_point(group: str, name: str, flag: str):
+    """The implementation registered as ``name`` under the entry points of ``group``; a one-line
+    ConfigError naming ``flag`` when it is not installed. Looked up, never imported by name: the
+    engine imports no adapter."""
     from importlib.metadata import entry_points
 
-    found = entry_points(group=BACKENDS_GROUP, name=name)
+    found = entry_points(group=group, name=name)
     if not found:
-        raise ConfigError(f"--backend {name} is not installed (no {name!r} entry point in {BACKENDS_GROUP!r}: "
+        raise ConfigError(f"{flag} is not installed (no {name!r} entry point in {group!r}: "
                           f"install fedmf from its source tree, pip install -e <checkout>)")
     try:
         return next(iter(found)).load()
     except (ImportError, AttributeError) as e:
-        raise ConfigError(f"--backend {name} cannot be loaded ({e})") from None
+        raise ConfigError(f"{flag} cannot be loaded ({e})") from None
+
+
+def _graph(params) -> str:
+    """SecAgg+'s degree and threshold as the summary says them."""
+    if params.derived:
+        return "degree and threshold derived from each round's cohort"
+    return f"degree {params.degree}, threshold {params.threshold}"
+
+
+def _backend(name: str):
+    """The ``--backend name`` implementation registered under the ``fedmf.simulate_backends`` entry
+    points (``flower``: ``launcher.flower_backend.simulate_flower``)."""
+    return _entry_point(BACKENDS_GROUP, name, f"--backend {name}")
+
+
+def _secure_aggregation(args: argparse.Namespace):
+    """``--secure-aggregation`` and its ``--secagg-*`` options checked: the SecAgg+ parameters, or None
+    (one-line ConfigErrors)."""
+    from ..secagg import params as secagg
+
+    given = [f"--{o.replace('_', '-')}" for o in _SECAGG_OPTIONS if getattr(args, o) is not None]
+    if not args.secure_aggregation:
+        if given:
+            raise ConfigError(f"{given[0]} needs --secure-aggregation")
+        return None
+    for option in ("secagg_degree", "secagg_threshold", "secagg_bits"):
+        value = getattr(args, option)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{option.replace('_', '-')} must be a positive integer, got {value}")
+    if args.secagg_scale is not None and not (args.secagg_scale > 0 and math.isfinite(args.secagg_scale)):
+        raise ConfigError(f"--secagg-scale must be a positive number, got {args.secagg_scale:g}")
+    defaults = {"secagg_degree": secagg.DEFAULT_DEGREE, "secagg_threshold": secagg.DEFAULT_THRESHOLD,
+                "secagg_bits": secagg.DEFAULT_BITS, "secagg_scale": secagg.DEFAULT_SCALE}
+    chosen = {o: defaults[o] if getattr(args, o) is None else getattr(args, o) for o in _SECAGG_OPTIONS}
+    return secagg.SecAggParams(degree=chosen["secagg_degree"], threshold=chosen["secagg_threshold"],
+                               bits=chosen["secagg_bits"], scale=chosen["secagg_scale"])  # SecAggError: one line
+
+
+def _flower_secagg(params) -> dict:
+    """The Flower app's run-config keys of ``params`` (server/config.py)."""
+    return {"secure-aggregation": "secaggplus", "secagg-degree": params.degree,
+            "secagg-threshold": params.threshold, "secagg-bits": params.bits, "secagg-scale": float(params.scale)}
 
 
 def _check_device(device: str) -> None:
@@ -165,6 +215,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         if args.eval_every < 1:
             raise ConfigError(f"--eval-every must be an integer >= 1, got {args.eval_every}")
     ray_options = _ray_options(args)
+    secure = _secure_aggregation(args)
     if args.workers is not None:
         if args.vectorized or args.backend == "flower":
             raise ConfigError("--workers is for one-at-a-time clients in process (not --vectorized, not "
@@ -185,6 +236,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if repeatable:  # even with --quiet / --json: never silent
         print(f"fedmf: warning: {REPEATABLE_NOISE_WARNING}", file=sys.stderr)
     if args.backend == "flower":
+        if secure is not None:  # the app's keys, beside the engine's (RunConfig knows none of them)
+            values = {**values, **_flower_secagg(secure)}
         result = _backend("flower")(config, values, task, timeout=args.timeout,
                                     echo=None if (args.quiet or args.json) else sys.stderr, plot=not args.no_plot,
                                     **ray_options)
@@ -209,7 +262,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             result = simulate(config, model=task.model(), users=task.users(), **clients, evaluate=task.evaluate,
                               progress=bar if shown else False, plot=not args.no_plot, repeatable_noise=repeatable,
                               plan_progress=plan_bar if shown else None,
-                              evaluate_every=args.eval_every or PRESET_EVAL_EVERY.get(args.preset, 1))
+                              evaluate_every=args.eval_every or PRESET_EVAL_EVERY.get(args.preset, 1),
+                              secure_aggregation=None if secure is None else
+                              (secure, _entry_point(SECURE_AGGREGATION_GROUP, "secaggplus", "--secure-aggregation")))
         finally:
             bar.close()
     if args.json:
@@ -220,6 +275,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     lines = [
         f"preset          {args.preset} ({config.task}), {result.rounds_done} rounds ({how})"
         + (", on the Flower simulation engine" if args.backend == "flower" else "")
+        + (f", secure aggregation (SecAgg+, {_graph(secure)}, 2^{secure.bits}, scale {secure.scale:g})"
+           if secure is not None else "")
         + (f" (Ray cluster {ray_options['ray_address']})" if "ray_address" in ray_options else ""),
         f"accuracy        {accuracy} (held-out, after the last round)",
         f"privacy         epsilon {result.epsilon:.4g} at delta {result.delta:g} (planned, spent so far); "
@@ -329,6 +386,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", choices=("inprocess", "flower"), default="inprocess",
                    help="inprocess (default) or flower: the Flower app on the Flower simulation engine, from the "
                         "source tree fedmf was installed from")
+    p.add_argument("--secure-aggregation", action="store_true",
+                   help="sum each round's updates with SecAgg+: the server learns only the sum of the clipped, "
+                        "quantized updates (and of the clipped client metric); σ grows by the quantization's "
+                        "inflation, ε is unchanged. In process, or the Flower app's secure-aggregation = secaggplus")
+    p.add_argument("--secagg-degree", type=int, metavar="K",
+                   help="--secure-aggregation: neighbours of each client in SecAgg+'s random graph, even (default 8)")
+    p.add_argument("--secagg-threshold", type=int, metavar="T",
+                   help="--secure-aggregation: shares that reconstruct a secret, 2T > K + 1 (default 5)")
+    p.add_argument("--secagg-bits", type=int, metavar="B",
+                   help="--secure-aggregation: the sum is computed modulo 2^B, 4..62 (default 32)")
+    p.add_argument("--secagg-scale", type=float, metavar="S",
+                   help="--secure-aggregation: fixed-point units per unit of the clipped update (default 65536)")
     p.add_argument("--vectorized", action="store_true",
                    help="train each round's users together (the text tasks' LSTM: batched matrix products over "
                         "per-user weights; other tasks: torch.func.vmap; in process only; equal to the "

@@ -28,7 +28,10 @@ With secure aggregation the server never sees an update: ``add_sum`` takes the d
 SecAgg+ unmasked (the clients clipped, zeroed and checked their own updates; ``fedmf.secagg``) in
 place of ``add``, and ``finish`` adds the same correlated noise scaled by the quantization's stated
 inflation — σ from ζ_eff = ζ·inflation (``fedmf.secagg.sensitivity``) — and divides by the same
-planned m; adaptive clipping's count is the decoded count of unclipped bits.
+planned m; adaptive clipping's count is the decoded count of unclipped bits, and the private
+client-metric release reads the decoded sum of the clients' masked metric words (each in [0, L]) in
+place of Σ clip(vᵢ, 0, L), with the same noise. A plan that records secure aggregation
+(``plan.secure_aggregation``) takes only secure sums, of exactly its recorded inflation.
 """
 
 from __future__ import annotations
@@ -188,8 +191,9 @@ class RoundPrivatizer:
         self._open: RoundReport | None = None
         self._seen: set[str] = set()
         self._selected: set[str] | None = None
-        #: a secure sum's (inflation, decoded unclipped count) for the open round (None: central)
-        self._secure: tuple[float, int | None] | None = None
+        #: a secure sum's (inflation, decoded unclipped count, decoded metric sum) for the open round
+        #: (None: central)
+        self._secure: tuple[float, int | None, float | None] | None = None
 
     @property
     def clip_norm(self) -> float:
@@ -227,6 +231,8 @@ class RoundPrivatizer:
         report = self._require_open()
         if self._secure is not None:
             raise RoundOrderError(f"round {report.round} holds a secure sum: no update is added to it")
+        if self.plan.secure_aggregation is not None:
+            raise ConfigError("this plan uses secure aggregation: the server takes only secure sums, no update")
         key = _user_order(user)
         if key in self._seen:
             return self._reject(user, f"a second update from this user in round {report.round}", record=False)
@@ -263,16 +269,21 @@ class RoundPrivatizer:
         return result
 
     def add_sum(self, total: Any, contributors: Iterable[Hashable], *, inflation: float,
-                unclipped: int | None = None) -> None:
+                unclipped: int | None = None, metric: float | None = None) -> None:
         """The open round's sum as a secure aggregation decoded it, in place of ``add``: ``total``,
         float64 values in the layout's order, Σ clip(Δ, ζ) (fixed clipping) or Σ clip(Δ, ζₜ)/ζₜ
         (adaptive) over ``contributors``, each update's decoded ℓ2 norm at most ζ·``inflation``
         (Kairouz, Liu, Steinke, ICML 2021, Thm. 1); ``unclipped``: the decoded count of unclipped
-        bits (adaptive clipping only). ``finish`` then noises it with σ·inflation."""
+        bits (adaptive clipping only); ``metric``: the decoded sum of the contributors' client-metric
+        words, each in [0, L] (the private client-metric release only). ``finish`` then noises it
+        with σ·inflation."""
         report = self._require_open()
         if self._secure is not None or self._seen:
             raise RoundOrderError(f"round {report.round} already has updates or a secure sum")
         factor = checks.interval("quantization inflation", inflation, 1.0, float("inf"))
+        planned = self.plan.secure_aggregation
+        if planned is not None and factor != planned.inflation:
+            raise ConfigError(f"a secure sum's inflation {factor!r} differs from the plan's {planned.inflation!r}")
         vector = np.asarray(total)
         if vector.dtype != np.float64 or vector.shape != (self.size,) or not np.all(np.isfinite(vector)):
             raise ConfigError(f"a secure sum must be {self.size} finite float64 values")
@@ -286,10 +297,19 @@ class RoundPrivatizer:
             # a hostile client may send any word: keep the count within [0, contributors]
             # (1-Lipschitz, so one user's bit still moves it by at most 1)
             unclipped = min(max(int(unclipped), 0), len(users))
+        release = self.plan.client_metrics
+        if (release is not None) != (metric is not None):
+            raise ConfigError("a secure sum carries the client-metric sum exactly when the plan releases it")
+        if metric is not None:
+            if not math.isfinite(metric):
+                raise ConfigError("a secure sum's client-metric sum must be finite")
+            # each honest word decodes into [0, L]; a hostile client may send any word: clamp the sum
+            # to [0, L·contributors] (1-Lipschitz: one user still moves it by at most L)
+            metric = min(max(float(metric), 0.0), release.clip * len(users))
         self._sum.copy_(torch.from_numpy(vector).to(device=self.device, dtype=self._work))
         self._seen = {key for key, _ in users}
         report.users.extend(UserReport(user, "contributed") for _, user in users)
-        self._secure = (factor, unclipped)
+        self._secure = (factor, unclipped, metric)
 
     def finish(self, values: Mapping[Hashable, Any] | None = None) -> tuple[dict[str, torch.Tensor], RoundReport]:
         """Draw round t's noise (only now: the sum is complete), add it once, divide by the
@@ -304,7 +324,7 @@ class RoundPrivatizer:
         # σ·(C⁻¹Z)_t (Multi-Epoch MF Sec. 2), σ = the policy's generator std
         noise = self.noise.next(out=self._noise_buffer, salt=salt or None)
         flat_noise = noise if isinstance(noise, torch.Tensor) else self._noise_buffer
-        inflation, unclipped = self._secure if self._secure is not None else (1.0, None)
+        inflation, unclipped, _ = self._secure if self._secure is not None else (1.0, None, None)
         if inflation == 1.0:
             noisy = torch.add(self._sum, flat_noise)
         else:  # σ_eff = z·(ζ·inflation)·sens: the same draws, scaled (fedmf.secagg.sensitivity)
@@ -326,9 +346,12 @@ class RoundPrivatizer:
         release = self.plan.client_metrics
         if release is None:
             return
+        noise = metric_noise(self._key, report.round, salt, release.noise_std)
+        if self._secure is not None:  # the decoded, clamped sum of the masked words (add_sum)
+            report.noisy_client_metric = (self._secure[2] + noise) / self.plan.expected_users
+            return
         given = {_user_order(u): v for u, v in (values or {}).items()}
         contributed = [given.get(_user_order(u.user)) for u in report.contributed]
-        noise = metric_noise(self._key, report.round, salt, release.noise_std)
         report.noisy_client_metric = release.noisy_mean(contributed, noise, self.plan.expected_users)
 
     def abort(self) -> None:
@@ -353,12 +376,12 @@ class RoundPrivatizer:
 
     def privatize_sum(self, t: int, total: Any, contributors: Collection[Hashable], *, inflation: float,
                       unclipped: int | None = None, selected: Collection[Hashable] | None = None,
-                      ) -> tuple[dict[str, torch.Tensor], RoundReport]:
+                      metric: float | None = None) -> tuple[dict[str, torch.Tensor], RoundReport]:
         """Round t in one call from a secure sum (``add_sum``): the same noise and scaling as
         ``privatize``, σ from ζ·``inflation``, ÷ the planned m."""
         self.begin(t, selected)
         try:
-            self.add_sum(total, contributors, inflation=inflation, unclipped=unclipped)
+            self.add_sum(total, contributors, inflation=inflation, unclipped=unclipped, metric=metric)
         except BaseException:
             self.abort()
             raise

@@ -10,6 +10,11 @@ checkpoint → ledger commit (naming the checkpoint's hash) → only then releas
 progress, callbacks). A round whose lifetime-budget charge loses to a concurrent run
 (``ConcurrentChargeError``) is redone as the Flower strategy redoes it (``fedmf.run.ledger_retry``).
 
+With ``secure_sum`` (``fedmf simulate --secure-aggregation``: ``server/secagg_inprocess.py``, found
+through the ``fedmf.secure_aggregation`` entry point) the cohort step hands the round's local results
+to secure aggregation, whose decoded ``SecureSum`` ``PrivateRun.aggregate`` privatizes: the server
+side sees no update and no reported value.
+
 Started again with the same plan and directory, ``train`` resumes after the last committed
 round, whose noise it reproduces exactly; a round that was not committed is redone with the
 same selection and fresh noise (fedmf.run.private_run). With deterministic local updates and
@@ -34,13 +39,15 @@ from ..ledger.db import public_url
 from ..plan import RunPlan
 from ..round.client_metrics import METRIC as CLIENT_METRIC
 from ..schedule import Selection
+from ..secagg.errors import SecAggAbort
+from ..secagg.secure_sum import SecureSum
 from .learning_check import LearningCheck
 from .ledger_retry import ledger_retry
 from .loop import CohortStep, Contributions, LoopEnd, run_rounds
 from .private_run import EVENTS, PrivateRun, RoundRecord
 from .progress import ProgressBar, ProgressCallback, Step
 
-__all__ = ["train", "TrainResult", "RoundRecord", "LocalUpdate", "LocalUpdates", "EVENTS"]
+__all__ = ["train", "TrainResult", "RoundRecord", "LocalUpdate", "LocalUpdates", "SecureSumStep", "EVENTS"]
 
 #: a user's update: a mapping name → tensor (the model delta), or None when the user dropped out
 LocalUpdate = Callable[[Mapping[str, torch.Tensor], Hashable, int], Mapping[str, torch.Tensor] | None]
@@ -48,6 +55,8 @@ LocalUpdate = Callable[[Mapping[str, torch.Tensor], Hashable, int], Mapping[str,
 #: from the result dropped out
 LocalUpdates = Callable[[Mapping[str, torch.Tensor], Sequence[Hashable], int],
                         Mapping[Hashable, Mapping[str, torch.Tensor] | None]]
+#: secure aggregation of a round: (run, selection, {user: update}, {user: reported value}) → the decoded sum
+SecureSumStep = Callable[[PrivateRun, Selection, Mapping[Hashable, Any], Mapping[Hashable, Any]], SecureSum]
 
 
 @dataclass
@@ -93,11 +102,12 @@ def _split(result: Any) -> tuple[Any, Any]:
 
 
 def _local_cohort(run: PrivateRun, local_update: LocalUpdate | None,
-                  local_updates: LocalUpdates | None) -> CohortStep:
+                  local_updates: LocalUpdates | None, secure_sum: SecureSumStep | None = None) -> CohortStep:
     """The in-process cohort step: the selected users who are reachable train on a copy of the
     committed model (one at a time, or together through ``local_updates``). A result may be a task's
     ``LocalResult``: its reported train-loss then goes to the plan's private client-metric release
-    (``fedmf.round.client_metrics``) and nowhere else."""
+    (``fedmf.round.client_metrics``) and nowhere else. With ``secure_sum`` the updates and values go
+    to secure aggregation and the step returns its ``SecureSum`` (an abort aborts the round)."""
 
     def cohort(selection: Selection) -> Contributions:
         t = selection.round
@@ -123,6 +133,12 @@ def _local_cohort(run: PrivateRun, local_update: LocalUpdate | None,
         else:
             for user in selection.reachable:
                 keep(user, local_update(run.global_params(), user, t))
+        if secure_sum is not None:
+            try:
+                return secure_sum(run, selection, updates, values), None, None
+            except SecAggAbort as e:  # nothing of the round was noised or released
+                run.abort(f"secure aggregation aborted: {e}")
+                raise
         return updates, None, values if run.plan.client_metrics is not None else None
 
     return cohort
@@ -153,6 +169,7 @@ def train(
     min_clients_per_round: int | None = None,
     learning: LearningCheck | None = None,
     evaluate_every: int = 1,
+    secure_sum: SecureSumStep | None = None,
 ) -> TrainResult:
     """Train ``model`` privately under ``plan`` over ``users`` (ids with a stable ``str``).
 
@@ -178,9 +195,13 @@ def train(
     ``learning``: what says that the run is not learning (default ``LearningCheck()``: a
     non-finite model stops the run, a diverging held-out loss is recorded; ``fedmf.run.learning_check``).
     ``evaluate_every``: ``evaluate`` runs after every n-th round (rounds n-1, 2n-1, … 0-based) and after
-    the last one (``rounds``) only; the others are released without held-out scores."""
+    the last one (``rounds``) only; the others are released without held-out scores. ``secure_sum``:
+    each round's updates are summed by secure aggregation (the plan must record it:
+    ``RunPlan.with_secure_aggregation``)."""
     if isinstance(evaluate_every, bool) or not isinstance(evaluate_every, int) or evaluate_every < 1:
         raise ConfigError(f"evaluate_every must be an integer >= 1, got {evaluate_every!r}")
+    if (secure_sum is None) != (plan.secure_aggregation is None):
+        raise ConfigError("secure_sum is given exactly when the plan records secure aggregation")
     if (local_update is None) == (local_updates is None):
         raise ConfigError("give exactly one of local_update (one user at a time) and local_updates (a round's users)")
     users = list(users)
@@ -229,7 +250,7 @@ def train(
                     ended = LoopEnd("learning", NotLearning(why))
                 else:
                     ended = run_rounds(run, end, (lambda t: users) if available is None else available,
-                                       _local_cohort(run, local_update, local_updates), observed=observed_guard,
+                                       _local_cohort(run, local_update, local_updates, secure_sum), observed=observed_guard,
                                        history=history,
                                        evaluate=None if evaluate is None else
                                        lambda record: evaluate(model) if (record.round + 1) % evaluate_every == 0

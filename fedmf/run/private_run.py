@@ -426,7 +426,7 @@ class PrivateRun:
             if isinstance(updates, SecureSum):  # the clients' updates were summed by secure aggregation
                 mean, report = self.privatizer.privatize_sum(
                     t, updates.vector, updates.contributors, inflation=updates.inflation,
-                    unclipped=updates.unclipped, selected=selection.selected)
+                    unclipped=updates.unclipped, selected=selection.selected, metric=updates.metric)
                 rejected = {**updates.rejected, **(rejected or {})}
             else:
                 mean, report = self.privatizer.privatize(t, updates, selected=selection.selected, values=values)

@@ -190,7 +190,8 @@ class SimulationResult:
 
 def simulate(config: RunConfig, *, model, users, local_update=None, local_updates=None, evaluate,
              progress: bool | ProgressCallback = True, plot: bool = True, repeatable_noise: bool = False,
-             plan_progress: ProgressCallback | None = None, evaluate_every: int = 1) -> SimulationResult:
+             plan_progress: ProgressCallback | None = None, evaluate_every: int = 1,
+             secure_aggregation: tuple[Any, Any] | None = None) -> SimulationResult:
     """Train ``model`` privately under ``config`` in process over ``users`` with ``local_update``
     (``fedmf.run.federated.LocalUpdate``, one user at a time) or ``local_updates`` (a round's users
     together: vectorized clients) and server-side ``evaluate(model)``; resumes from
@@ -199,12 +200,21 @@ def simulate(config: RunConfig, *, model, users, local_update=None, local_update
     secret file (lifetime budgets) is ``config.budget_key``. ``progress``: the rounds' progress
     (``fedmf.run.federated.train``); ``plan_progress``: the mechanism optimizer's, when the plan needs one.
     The run directory's ``ELAPSED_FILE`` adds this invocation's time after every round.
-    ``evaluate_every``: held-out evaluation after every n-th round and the last (``train``)."""
+    ``evaluate_every``: held-out evaluation after every n-th round and the last (``train``).
+    ``secure_aggregation``: (``SecAggParams``, the ``fedmf.secure_aggregation`` entry point's factory
+    (params, plan, dim, population) → the round's secure sum): every round is summed by secure
+    aggregation, and the plan records it (``RunPlan.with_secure_aggregation``: its fingerprint, σ from ζ_eff)."""
     from .federated import train
 
     started = time.perf_counter()
     token = secrets.token_hex(8)  # this invocation's entry in ELAPSED_FILE
     plan = config.build_plan(config.build_mechanism(progress=plan_progress))
+    secure_sum = None
+    if secure_aggregation is not None:
+        params, factory = secure_aggregation
+        dim = sum(p.numel() for p in model.parameters())
+        secure_sum = factory(params, plan, dim, len(list(users)))  # refuses a cohort that could wrap
+        plan = plan.with_secure_aggregation(params, dim)
 
     def on_round(record) -> None:
         record_elapsed(config.run_dir, token, time.perf_counter() - started)
@@ -215,7 +225,7 @@ def simulate(config: RunConfig, *, model, users, local_update=None, local_update
                    ledger=config.ledger_url, evaluate=evaluate, progress=progress, repeatable_noise=repeatable_noise,
                    ledger_diagnostics=config.ledger_diagnostics, budget_key=config.budget_key,
                    witness=config.witness, min_clients_per_round=config.min_clients_per_round, learning=check,
-                   evaluate_every=evaluate_every)
+                   evaluate_every=evaluate_every, secure_sum=secure_sum)
     import torch
 
     # the final model, as the Flower ServerApp writes it (both backends leave the same files)

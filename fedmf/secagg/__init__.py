@@ -10,7 +10,7 @@ the sum needs beyond Flower's cryptography:
 * ``quantize.py``: fixed-point encoding modulo 2^b with conditional randomized rounding
   (Kairouz, Liu, Steinke, ICML 2021, Thm. 1), so that every encoded update's norm is within a
   stated bound checked in exact integers; the inflation factor; the unclipped bit as one extra
-  coordinate; centred decoding of the modular sum to float64; ``check_no_wrap`` /
+  coordinate, the private client metric's word ⌊clip(v, 0, L)·s⌋ as one more; centred decoding of the modular sum to float64; ``check_no_wrap`` /
   ``max_safe_cohort`` refusing a cohort whose sum could wrap.
 * ``sensitivity.py``: ζ_eff = ζ · inflation, the clip norm the sensitivity takes in this mode.
 * ``masks.py``: masks expanded from 32-byte secrets (HKDF + ChaCha20 from ``cryptography``),
@@ -36,11 +36,13 @@ for ``server/strategy.py`` (a ``SecAggAbort`` aborts the round, which is redone 
 Tests: ``tests/secagg/`` (the engine path against the central path: equal up to the bounded
 quantization error, bit-equal on the grid) and ``tests/flower/test_secure_aggregation.py``.
 
-Not built yet (issue 36): ``fedmf simulate --secure-aggregation`` (the in-process backend and the
-Flower backend's CLI); the plan's fingerprint and the audit recording that a run used secure
-aggregation and its inflation (the ledger's per-round noise std already includes it); the
-client-metric release inside the masked vector (refused with secure aggregation for now); a
-real-process run on loopback with TLS and node authentication; the cost benchmarks
-(BENCHMARKS.md) and deploy/README; Bell et al.'s consistency round against a server lying about
-dropouts (today limited only by 2t > k + 1).
+In simulation (``fedmf simulate --secure-aggregation``) the in-process rounds are
+``server/secagg_inprocess.py``, found through the ``fedmf.secure_aggregation`` entry point; the
+plan records the protocol, its parameters and the inflation (``RunPlan.with_secure_aggregation``:
+the fingerprint, σ from ζ_eff), ``fedmf audit`` prints them; the private client metric travels as
+the last masked word (``quantize.metric_word``).
+
+Not built yet (issue 36): a real-process run on loopback with TLS and node authentication; the
+cost benchmarks (BENCHMARKS.md) and deploy/README; Bell et al.'s consistency round against a server
+lying about dropouts (today limited only by 2t > k + 1).
 """

@@ -6,14 +6,19 @@ whose ℓ∞ norm exceeds the round's zeroing threshold is replaced by zero ("Mu
 StackOverflow recipe, as ``fedmf.round.privatize`` does); it is clipped to ℓ2 ≤ ζₜ and
 quantized (``fedmf.secagg.quantize``). With adaptive clipping the client encodes Δ/ζₜ clipped to
 1 (the mechanism runs on the normalized sum) and appends the bit 1[‖Δ‖ ≤ ζₜ] (0 when zeroed),
-inside the masked vector.
+inside the masked vector; with the private client-metric release, the reported value clipped to
+[0, L] as the last word (``fedmf.secagg.quantize.metric_word``). ``encode_local_update`` is the one
+client-side encoding both the Flower ClientApp (``client/secagg_app.py``) and the in-process
+secure aggregation (``server/secagg_inprocess.py``) run.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch
 
 from ..checks import positive
 from .errors import SecAggError
@@ -22,7 +27,7 @@ from .quantize import Quantization, quantize
 if TYPE_CHECKING:
     from ..plan import RunPlan
 
-__all__ = ["quantization_for", "encode_update"]
+__all__ = ["quantization_for", "encode_update", "encode_local_update"]
 
 
 def quantization_for(plan: RunPlan, dim: int, *, scale: float, bits: int, beta: float) -> Quantization:
@@ -30,14 +35,15 @@ def quantization_for(plan: RunPlan, dim: int, *, scale: float, bits: int, beta: 
     (adaptive clipping: the normalized update)."""
     adaptive = plan.adaptive_clipping is not None
     return Quantization(clip_norm=1.0 if adaptive else plan.clip_norm, scale=scale, bits=bits, dim=dim,
-                        beta=beta, with_bit=adaptive)
+                        beta=beta, with_bit=adaptive,
+                        metric_clip=None if plan.client_metrics is None else plan.client_metrics.clip)
 
 
 def encode_update(q: Quantization, update: np.ndarray, *, clip_norm: float, zero_threshold: float | None,
-                  rng: np.random.Generator) -> np.ndarray:
+                  rng: np.random.Generator, metric: object = None) -> np.ndarray:
     """The words a client masks for its flat ``update`` in round t: checked (finite, ``q.dim``
     values), zeroed when ‖·‖∞ > ``zero_threshold``, clipped to ``clip_norm`` = ζₜ (÷ ζₜ when ``q``
-    carries the bit), quantized."""
+    carries the bit), quantized; ``metric``: its reported value, when ``q`` carries one."""
     zeta = positive("clip_norm", clip_norm)
     if not q.with_bit and zeta != q.clip_norm:
         raise SecAggError(f"clip norm {zeta} differs from the run's quantization's {q.clip_norm}")
@@ -51,5 +57,21 @@ def encode_update(q: Quantization, update: np.ndarray, *, clip_norm: float, zero
         x = np.zeros_like(x)
     unclipped = (not zeroed) and float(np.linalg.norm(x)) <= zeta
     if q.with_bit:
-        return quantize(q, x / zeta, rng, unclipped)  # quantize clips the normalized update to 1
-    return quantize(q, x, rng)  # quantize clips to ζ
+        return quantize(q, x / zeta, rng, unclipped, metric)  # quantize clips the normalized update to 1
+    return quantize(q, x, rng, None, metric)  # quantize clips to ζ
+
+
+def encode_local_update(q: Quantization, update: Mapping[str, Any], layout: Mapping[str, tuple[int, ...]], *,
+                        clip_norm: float, zero_threshold: float | None, rng: np.random.Generator,
+                        metric: object = None) -> np.ndarray:
+    """A client's words for its local ``update`` (name → tensor): checked against the model
+    ``layout`` as the central server checks it (``fedmf.round.privatize.check_update``), flattened
+    in the layout's order as float64, then ``encode_update``. A ``SecAggError`` names what is wrong."""
+    from ..round.privatize import check_update
+
+    reason = check_update(update, layout)
+    if reason is not None:
+        raise SecAggError(f"this client's update cannot be summed: {reason}")
+    flat = np.concatenate([update[name].detach().to(torch.float64).reshape(-1).cpu().numpy() for name in layout])
+    return encode_update(q, flat, clip_norm=clip_norm, zero_threshold=zero_threshold, rng=rng,
+                         metric=metric if q.metric_clip is not None else None)

@@ -15,7 +15,12 @@ from ..checks import integer, open_unit, positive
 from ..errors import ConfigError
 from .errors import SecAggError
 
-__all__ = ["SecAggParams", "MIN_BITS", "MAX_BITS", "COLLUSION_FRACTION", "SECURITY_BITS", "exposure", "graph_for"]
+__all__ = ["SecAggParams", "SecureAggregation", "PROTOCOL", "MIN_BITS", "MAX_BITS", "COLLUSION_FRACTION", "SECURITY_BITS",
+           "DEFAULT_DEGREE", "DEFAULT_THRESHOLD", "DEFAULT_BITS", "DEFAULT_SCALE", "exposure", "graph_for"]
+
+#: the defaults of ``fedmf simulate --secagg-*`` (the Flower app's secagg-* keys: server/config.py); degree and
+#: threshold 0: derived from each round's cohort (``graph_for``)
+DEFAULT_DEGREE, DEFAULT_THRESHOLD, DEFAULT_BITS, DEFAULT_SCALE = 0, 0, 32, 65536.0
 
 #: the modulus 2^bits: at least 4 bits; at most 62, so that centred sums and exact squared norms
 #: stay inside int64
@@ -153,3 +158,35 @@ class SecAggParams:
     def shares(self, cohort: int) -> int:
         """Shares of each secret for a cohort of ``cohort`` clients (its neighbours and itself)."""
         return min(self.for_cohort(cohort).degree, cohort - 1) + 1
+
+
+#: the protocol's name in a plan and in the run config (``secure-aggregation = "secaggplus"``)
+PROTOCOL = "secaggplus"
+
+
+@dataclass(frozen=True)
+class SecureAggregation:
+    """What a ``RunPlan`` records of a run under secure aggregation (``RunPlan.with_secure_aggregation``):
+    the SecAgg+ ``params`` that bear on privacy and on the sum (the stage timeout does not: it is
+    left out), the update's dimension ``dim`` and the quantization's stated norm ``inflation``
+    (``fedmf.secagg.quantize.Quantization.inflation``) that follows from them, ζ and β: every
+    update's decoded norm is at most ζ·inflation = ζ_eff, from which σ is computed
+    (``fedmf.secagg.sensitivity``), so ε is the central plan's and the noise is larger."""
+
+    params: SecAggParams
+    dim: int
+    inflation: float
+
+    def to_dict(self) -> dict:
+        p = self.params
+        return {"protocol": PROTOCOL, "degree": p.degree, "threshold": p.threshold, "bits": p.bits,
+                "scale": p.scale, "beta": p.beta, "dim": self.dim, "inflation": self.inflation}
+
+    @staticmethod
+    def params_from_dict(data: dict) -> tuple[SecAggParams, int]:
+        """The ``params`` and ``dim`` of a ``to_dict`` (its inflation is recomputed by the plan)."""
+        if data.get("protocol") != PROTOCOL:
+            raise SecAggError(f"unknown secure-aggregation protocol {data.get('protocol')!r}")
+        params = SecAggParams(degree=data["degree"], threshold=data["threshold"], bits=data["bits"],
+                              scale=data["scale"], beta=data["beta"])
+        return params, integer("update dimension", data["dim"], minimum=1)

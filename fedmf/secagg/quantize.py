@@ -14,7 +14,9 @@ uses ζ·inflation (``fedmf.secagg.sensitivity``). Unlike KLS we apply no random
 cannot wrap for any cohort that ``check_no_wrap`` accepts, whatever the vectors.
 
 Adaptive clipping's "unclipped" bit travels as one extra coordinate (0 or 1, not scaled), inside
-the masked vector. Words are uint64 holding residues modulo 2^b; the modular sum is decoded to
+the masked vector; the private client-metric release's value v (``fedmf.round.client_metrics``) as
+one more, after it: ⌊clip(v, 0, L)·s⌋ capped at ``metric_cap`` (rounded down, so every decoded value
+w/s lies in [0, L] and the sensitivity L holds exactly; the sum reads low by < 1/s per client). Words are uint64 holding residues modulo 2^b; the modular sum is decoded to
 signed, centred integers and then to float64.
 """
 
@@ -30,7 +32,7 @@ from .errors import SecAggError
 from .params import MAX_BITS, MIN_BITS
 
 __all__ = ["Quantization", "DecodedSum", "quantize", "decode_sum", "max_safe_cohort", "check_no_wrap",
-           "kls_bound_sq"]
+           "kls_bound_sq", "metric_cap", "metric_word"]
 
 _INT64_SAFE = 1 << 62  # squared norms below this are exact in int64
 
@@ -42,6 +44,27 @@ def kls_bound_sq(c: float, dim: int, beta: float) -> int:
     return math.floor(min(conditional, trivial))
 
 
+def metric_cap(clip: float, scale: float) -> int:
+    """W, the largest fixed-point word of a metric clipped to [0, L = ``clip``]: ⌊L·s⌋, lowered
+    while W/s > L in float64, so that a decoded value never exceeds L."""
+    cap = math.floor(positive("client-metrics-clip", clip) * positive("secure-aggregation scale", scale))
+    while cap > 0 and cap / scale > clip:
+        cap -= 1
+    return cap
+
+
+def metric_word(value: object, clip: float, scale: float) -> int:
+    """A client's metric as one word: ⌊clip(v, 0, L)·s⌋ ≤ ``metric_cap`` (rounded down); missing,
+    not a number or not finite: 0 (as ``ClientMetricRelease.clipped``)."""
+    try:
+        v = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError, OverflowError):
+        return 0
+    if not math.isfinite(v):
+        return 0
+    return min(math.floor(min(max(v, 0.0), clip) * scale), metric_cap(clip, scale))
+
+
 @dataclass(frozen=True)
 class Quantization:
     """How one client's update of ``dim`` values (plus the unclipped bit if ``with_bit``) is
@@ -51,7 +74,8 @@ class Quantization:
     draws is at most 1/(1 − β) (KLS 2021, Sec. 4.1).
 
     With adaptive clipping the client encodes Δ/ζₜ with ``clip_norm`` 1 (the mechanism runs on
-    the normalized sum), so one ``Quantization`` serves the whole run.
+    the normalized sum), so one ``Quantization`` serves the whole run. ``metric_clip`` L (None: no
+    metric): the private client-metric release's value travels as the last word (``metric_word``).
     """
 
     clip_norm: float
@@ -61,6 +85,7 @@ class Quantization:
     beta: float = math.exp(-0.5)
     with_bit: bool = False
     max_tries: int = 1000
+    metric_clip: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "clip_norm", positive("clip_norm", self.clip_norm))
@@ -70,6 +95,10 @@ class Quantization:
         object.__setattr__(self, "dim", integer("update dimension", self.dim, minimum=1))
         object.__setattr__(self, "beta", open_unit("secure-aggregation beta", self.beta))
         object.__setattr__(self, "max_tries", integer("rounding tries", self.max_tries, minimum=1))
+        if self.metric_clip is not None:
+            object.__setattr__(self, "metric_clip", positive("client-metrics-clip", self.metric_clip))
+            if metric_cap(self.metric_clip, self.scale) >= _INT64_SAFE:
+                raise SecAggError("client-metrics-clip × scale is too large for exact integers; lower the scale")
         if not isinstance(self.with_bit, bool):
             raise SecAggError(f"with_bit must be a bool, got {self.with_bit!r}")
         if (self.coordinate_bound + math.sqrt(self.dim)) ** 2 >= _INT64_SAFE:
@@ -100,8 +129,13 @@ class Quantization:
 
     @property
     def length(self) -> int:
-        """Words per client: the update's values, and the bit if any."""
-        return self.dim + int(self.with_bit)
+        """Words per client: the update's values, the bit if any, the metric if any."""
+        return self.dim + int(self.with_bit) + int(self.metric_clip is not None)
+
+    @property
+    def word_bound(self) -> int:
+        """No word of one client exceeds this in absolute value: ⌈ζ·s⌉, or the metric's cap if larger."""
+        return max(self.coordinate_bound, 0 if self.metric_clip is None else metric_cap(self.metric_clip, self.scale))
 
     @property
     def mask(self) -> int:
@@ -111,11 +145,13 @@ class Quantization:
 
 @dataclass(frozen=True)
 class DecodedSum:
-    """The decoded modular sum: the float64 sum of the updates and, with the bit, the count of
-    unclipped updates (as the clients sent it: a hostile client may send any word)."""
+    """The decoded modular sum: the float64 sum of the updates, with the bit the count of
+    unclipped updates, with the metric the sum of the clipped metric values (as the clients sent
+    them: a hostile client may send any word)."""
 
     vector: np.ndarray
     unclipped: int | None
+    metric: float | None = None
 
 
 def _update(q: Quantization, update: object) -> np.ndarray:
@@ -129,14 +165,18 @@ def _update(q: Quantization, update: object) -> np.ndarray:
     return x
 
 
-def quantize(q: Quantization, update: np.ndarray, rng: np.random.Generator, unclipped: bool | None = None) -> np.ndarray:
+def quantize(q: Quantization, update: np.ndarray, rng: np.random.Generator, unclipped: bool | None = None,
+             metric: object = None) -> np.ndarray:
     """The words (uint64 residues modulo 2^bits) a client masks: its update clipped to ζ (again:
     a no-op for a clipped update, it only removes floating-point excess), scaled, rounded
-    conditionally so that ‖x̃‖₂² ≤ ``q.bound_sq``; then the bit, when ``q.with_bit``."""
+    conditionally so that ‖x̃‖₂² ≤ ``q.bound_sq``; then the bit, when ``q.with_bit``; then the
+    metric's word, when ``q.metric_clip`` (``metric``: the reported value, None when missing)."""
     if not isinstance(rng, np.random.Generator):
         raise SecAggError(f"rng must be a numpy Generator, got {type(rng).__name__}")
     if q.with_bit != (unclipped is not None):
         raise SecAggError("the unclipped bit is required exactly when the quantization carries it")
+    if q.metric_clip is None and metric is not None:
+        raise SecAggError("a metric was given but the quantization carries none")
     x = _update(q, update)
     norm = float(np.linalg.norm(x))
     if norm > q.clip_norm:
@@ -160,6 +200,8 @@ def quantize(q: Quantization, update: np.ndarray, rng: np.random.Generator, uncl
     words = rounded.view(np.uint64) & np.uint64(q.mask)
     if q.with_bit:
         words = np.append(words, np.uint64(1 if unclipped else 0))
+    if q.metric_clip is not None:
+        words = np.append(words, np.uint64(metric_word(metric, q.metric_clip, q.scale)))
     return words
 
 
@@ -178,23 +220,28 @@ def decode_sum(q: Quantization, words: np.ndarray) -> DecodedSum:
     half = 1 << (q.bits - 1)
     signed = np.where(w >= half, w - (1 << q.bits), w)
     vector = signed[: q.dim].astype(np.float64) / q.scale
-    return DecodedSum(vector=vector, unclipped=int(signed[q.dim]) if q.with_bit else None)
+    metric = float(signed[q.length - 1]) / q.scale if q.metric_clip is not None else None
+    return DecodedSum(vector=vector, unclipped=int(signed[q.dim]) if q.with_bit else None, metric=metric)
 
 
-def max_safe_cohort(clip_norm: float, scale: float, bits: int) -> int:
-    """The largest cohort whose modular sum cannot wrap: m·⌈ζ·s⌉ ≤ 2^(b−1) − 1, every coordinate
-    of every encoded update being within ±⌈ζ·s⌉ (the bit, 0 or 1, within it too)."""
+def max_safe_cohort(clip_norm: float, scale: float, bits: int, metric_clip: float | None = None) -> int:
+    """The largest cohort whose modular sum cannot wrap: m·w ≤ 2^(b−1) − 1, every word of every
+    encoded update being within ±w = ⌈ζ·s⌉ (the bit, 0 or 1, within it too) or, with a metric of
+    clip L, within [0, ``metric_cap(L, s)``] when that is larger."""
     q_bits = integer("secure-aggregation bits", bits, minimum=MIN_BITS, maximum=MAX_BITS)
     per_coordinate = math.ceil(positive("clip_norm", clip_norm) * positive("secure-aggregation scale", scale))
+    if metric_clip is not None:
+        per_coordinate = max(per_coordinate, metric_cap(metric_clip, scale))
     return ((1 << (q_bits - 1)) - 1) // per_coordinate
 
 
-def check_no_wrap(cohort: int, clip_norm: float, scale: float, bits: int) -> int:
-    """``cohort`` if the modular sum of that many clipped, quantized updates cannot wrap; else
-    a one-line ``SecAggError`` saying what would fit."""
+def check_no_wrap(cohort: int, clip_norm: float, scale: float, bits: int, metric_clip: float | None = None) -> int:
+    """``cohort`` if the modular sum of that many clipped, quantized updates (and metric words)
+    cannot wrap; else a one-line ``SecAggError`` saying what would fit."""
     m = integer("planned cohort", cohort, minimum=1)
-    largest = max_safe_cohort(clip_norm, scale, bits)
+    largest = max_safe_cohort(clip_norm, scale, bits, metric_clip)
     if m > largest:
         raise SecAggError(f"a secure sum of {m} updates could wrap modulo 2^{bits} with clip_norm {clip_norm} "
-                          f"and scale {scale}: at most {largest} fit; use more bits or a smaller scale")
+                          f"and scale {scale}" + ("" if metric_clip is None else f" (client-metrics-clip {metric_clip})")
+                          + f": at most {largest} fit; use more bits or a smaller scale")
     return m

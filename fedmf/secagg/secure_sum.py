@@ -27,10 +27,13 @@ class SecureSum:
     ``unclipped``: the decoded sum of the unclipped bits (adaptive clipping), else None.
     ``contributors``: the users whose vectors are in the sum. ``inflation``: the quantization's
     stated norm inflation (``Quantization.inflation``, ≥ 1). ``rejected``: users whose protocol
-    replies were refused, user → one-line reason (recorded in the ledger as rejections)."""
+    replies were refused, user → one-line reason (recorded in the ledger as rejections).
+    ``metric``: the decoded sum of the contributors' clipped client-metric words, Σ⌊clip(vᵢ, 0, L)·s⌋/s
+    (``fedmf.secagg.quantize.metric_word``), when the plan releases the client metric; else None."""
 
     vector: np.ndarray
     unclipped: int | None
     contributors: frozenset[Hashable]
     inflation: float
     rejected: Mapping[Hashable, str] = field(default_factory=dict)
+    metric: float | None = None

@@ -223,3 +223,38 @@ def test_a_planned_cohort_below_the_threshold_is_refused_before_the_run_opens(tm
     with pytest.raises(ConfigError, match="threshold"):
         run_server(LocalGrid(_nodes()), _config(tmp_path, "small", **{**SECURE, "clients-per-round": 2}))
     assert not (tmp_path / "small").exists()
+
+
+def test_the_client_metric_travels_masked_and_is_released_as_the_central_one(tmp_path, logs):
+    metrics = {"client-metrics": "private", "client-metrics-clip": 5.0, "client-metrics-noise": 0.5}
+    central = run_server(LocalGrid(_nodes()), _config(tmp_path, "central", rounds=2, **metrics))
+    task.share_secrets(tmp_path / "central", tmp_path / "secure")
+    grid = SpyGrid(_nodes())
+    secure = run_server(grid, _config(tmp_path, "secure", rounds=2, **{**SECURE, **metrics}))
+    assert secure.secure.quantization.metric_clip == 5.0
+    # no reply carries the loss in the clear: only the secagg record (masked words) and the echo
+    answered = [r for r in grid.replies if r.has_content() and SECAGG_RECORD in r.content.config_records]
+    assert answered and all(not r.content.metric_records for r in answered)
+    assert all(set(r.content.config_records) == {"config", SECAGG_RECORD} for r in answered)
+    # round 0: the same users, model and noise draw; each value rounded down by < 1/s on the client
+    q, m = secure.secure.quantization, secure.run.plan.expected_users
+    gap = central.history[0].metrics["noisy-train-loss"] - secure.history[0].metrics["noisy-train-loss"]
+    assert 0.0 <= gap < PER_ROUND / q.scale / m, gap
+    assert secure.run.plan.to_dict()["secure_aggregation"]["degree"] == SECURE["secagg-degree"]
+
+
+def test_the_flower_backend_reads_a_secure_run_back_with_its_plan(tmp_path, logs):
+    from fedmf.config import RunConfig
+    from fedmf.errors import PlanMismatch
+    from fedmf.tasks import get_task
+    from launcher.flower_backend import flower_result
+
+    values = _config(tmp_path, "secure", rounds=2, **SECURE)
+    run_server(LocalGrid(_nodes()), values)
+    tiny = get_task("tiny", num_users=USERS)
+    result = flower_result(ServerConfig.from_mapping(values), model=tiny.model(), evaluate=tiny.evaluate, plot=False)
+    assert result.rounds_done == 2
+    engine = RunConfig.from_mapping({k: v for k, v in values.items() if not k.startswith(("secure", "secagg",
+                                                                                           "reply"))})
+    with pytest.raises(PlanMismatch, match="another plan"):  # the central plan is not the one that ran
+        flower_result(engine, model=tiny.model(), evaluate=tiny.evaluate, plot=False)
