@@ -106,8 +106,9 @@ class UserReport:
     status: str
     reason: str | None = None
     norm: float | None = None  # ℓ2 norm as received, before zeroing or clipping
-    clipped: bool = False
-    zeroed: bool = False
+    #: None: not known to the server (a secure sum: the client clipped and zeroed its own update)
+    clipped: bool | None = False
+    zeroed: bool | None = False
 
 
 @dataclass
@@ -132,10 +133,13 @@ class RoundReport:
     def rejected(self) -> list[UserReport]:
         return [u for u in self.users if u.status == "rejected"]
 
-    def counts(self) -> dict[str, int]:
+    def counts(self) -> dict[str, int | None]:
+        """Users by status; clipped and zeroed None when the server cannot know them (a secure sum)."""
         good = self.contributed
+        known = all(u.clipped is not None and u.zeroed is not None for u in good)
         return {"contributed": len(good), "rejected": len(self.users) - len(good),
-                "clipped": sum(u.clipped for u in good), "zeroed": sum(u.zeroed for u in good)}
+                "clipped": sum(bool(u.clipped) for u in good) if known else None,
+                "zeroed": sum(bool(u.zeroed) for u in good) if known else None}
 
 
 def _linf(flat: torch.Tensor) -> float:
@@ -308,7 +312,7 @@ class RoundPrivatizer:
             metric = min(max(float(metric), 0.0), release.clip * len(users))
         self._sum.copy_(torch.from_numpy(vector).to(device=self.device, dtype=self._work))
         self._seen = {key for key, _ in users}
-        report.users.extend(UserReport(user, "contributed") for _, user in users)
+        report.users.extend(UserReport(user, "contributed", clipped=None, zeroed=None) for _, user in users)
         self._secure = (factor, unclipped, metric)
 
     def finish(self, values: Mapping[Hashable, Any] | None = None) -> tuple[dict[str, torch.Tensor], RoundReport]:

@@ -156,3 +156,17 @@ def test_a_secure_sum_is_checked_and_never_mixed_with_updates():
     p.abort()
     p.privatize_sum(0, np.zeros(DIM), USERS[:3], inflation=1.0, selected=USERS)
     assert p.next_round == 1
+
+
+def test_a_secure_sum_reports_clipping_and_zeroing_as_unknown():
+    """The clients clip and zero their own updates: the server records neither (None, not false or 0),
+    while the central path counts both."""
+    plan = task.plan(rounds=4)
+    secure = RoundPrivatizer(plan, LAYOUT, seed=SEED, repeatable_noise=True)
+    _, report = secure.privatize_sum(0, np.zeros(DIM), USERS[:3], inflation=1.0, selected=USERS)
+    assert [(u.clipped, u.zeroed) for u in report.users] == [(None, None)] * 3
+    assert report.counts() == {"contributed": 3, "rejected": 0, "clipped": None, "zeroed": None}
+    central = RoundPrivatizer(plan, LAYOUT, seed=SEED, repeatable_noise=True)
+    big = _tensors(np.full(DIM, 10.0 * plan.clip_norm))
+    _, report = central.privatize(0, {u: big for u in USERS[:3]}, selected=USERS)
+    assert report.counts() == {"contributed": 3, "rejected": 0, "clipped": 3, "zeroed": 0}
