@@ -4,6 +4,7 @@
     python experiments/adaptive.py run ARM [--seeds 0 1 2] [--rounds N] [--preset so-tiny] [--tag T]
                                            [--set key=value ...] [--eval-every K] [--trace]
     python experiments/adaptive.py report [--preset so-tiny]
+    python experiments/adaptive.py paired ARM [--against fixed] [--last 5] [--preset so-tiny]
 
 EXPERIMENTS.md ("Adaptive clipping that cannot run away") lists the exact commands run.
 
@@ -53,10 +54,19 @@ ARMS["readme-z0.25-R4-eta2-sb12-paired"] = ARMS["readme-z0.25-R4-eta2-sb12"]
 #: the third pass's screen: the same rule constants with the bound ζ₀·R = 0.5, half the fixed job's untuned ζ = 1
 ARMS["readme-z0.25-R2-eta2-sb12-paired"] = {"adaptive-clipping": 0.5, "clip-norm": 0.25, "adaptive-clipping-range": 2.0,
                                             "adaptive-clipping-count-noise": 12.0, "adaptive-clipping-lr": 2.0}
+#: the fourth pass: the README example's constants with the target quantile γ = 0.9 (every update clipped: the
+#: climb is e^{ηγ} = e^{1.8} a round, and b̃ₜ/m > γ, the only way ζ leaves its bound, needs the count's noise
+#: above γ/(σ_b/m) = 3 sd)
+ARMS["readme-q0.9-z0.25-R4-eta2-sb12-paired"] = {**ARMS["readme-z0.25-R4-eta2-sb12"], "adaptive-clipping": 0.9}
+#: its control: ζ pinned at 1 (ζ₀ 1, R 1), the count still released and accounted (z 0.6033): the fixed job but for
+#: the count's 0.5% more noise, so the candidate's paired difference splits into the ramp's and the count's
+ARMS["control-q0.9-z1-R1-eta2-sb12-paired"] = {**ARMS["readme-q0.9-z0.25-R4-eta2-sb12-paired"], "clip-norm": 1.0,
+                                               "adaptive-clipping-range": 1.0}
 #: the secrets label of an arm where it differs from its name (the runs were made under these names)
 LABELS = {"readme-before": "readme", "readme-eta0.2-sb2": "readme_R10", "readme-eta1-sb2": "readme_R10_eta1",
           "readme": "readme_R10_eta1_sb6", "readme-paired": "fixed", "readme-z0.25-R4-eta2-sb12-paired": "fixed",
-          "readme-z0.25-R2-eta2-sb12-paired": "fixed"}
+          "readme-z0.25-R2-eta2-sb12-paired": "fixed", "readme-q0.9-z0.25-R4-eta2-sb12-paired": "fixed",
+          "control-q0.9-z1-R1-eta2-sb12-paired": "fixed"}
 
 
 def _parse_set(items: list[str]) -> dict[str, Any]:
@@ -213,6 +223,35 @@ def report(out: Path, preset: str) -> None:
               f"{statistics.mean(accs):.4f}{sd(accs)} | {min(zetas):.3g}–{max(zetas):.3g} |")
 
 
+def paired(out: Path, preset: str, arm: str, against: str, last: int) -> None:
+    """Per seed and mean ± sd: ARM's held-out loss and accuracy minus AGAINST's at the final round and averaged
+    over the last ``last`` rounds (the seeds both have records for; meaningful for a ``-paired`` arm)."""
+    def load(a: str) -> dict[int, dict[str, Any]]:
+        return {r["seed"]: r for r in (json.loads(p.read_text()) for p in sorted((out / "runs").glob(
+            f"{preset}_{a}_seed*.json")))}
+
+    mine, base = load(arm), load(against)
+    seeds = sorted(set(mine) & set(base))
+    if not seeds:
+        raise SystemExit(f"no seed has records for both {arm} and {against}")
+
+    def at(rec: dict[str, Any], key: str, window: int) -> float:
+        rows = [r for r in rec["per_round"] if key in r][-window:]
+        return statistics.mean(r[key] for r in rows)
+
+    for label, window in (("final round", 1), (f"last {last} rounds", last)):
+        for key in ("loss", "accuracy"):
+            diffs = [at(mine[s], key, window) - at(base[s], key, window) for s in seeds]
+            own = [at(mine[s], key, window) for s in seeds]
+            sd = f" ± {statistics.stdev(diffs):.4f}" if len(diffs) > 1 else ""
+            print(f"{label}, {key}: {arm} {', '.join(f'{v:.4f}' for v in own)}; minus {against}: "
+                  f"{', '.join(f'{d:+.4f}' for d in diffs)} (seeds {seeds}); mean {statistics.mean(diffs):+.4f}{sd}")
+    for s in seeds:
+        below = sum(1 for r in mine[s]["per_round"] if r["zeta"] < mine[s]["per_round"][-1]["zeta"] * (1 - 1e-9))
+        print(f"seed {s}: ζ below its final value in {below} rounds; "
+              f"min ζ {min(r['zeta'] for r in mine[s]['per_round']):.3g}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -227,6 +266,11 @@ def main() -> None:
     r.add_argument("--eval-every", type=int, default=1)
     p = sub.add_parser("report")
     p.add_argument("--preset", default="so-tiny")
+    q = sub.add_parser("paired")
+    q.add_argument("arm")
+    q.add_argument("--against", default="fixed")
+    q.add_argument("--last", type=int, default=5)
+    q.add_argument("--preset", default="so-tiny")
     args = parser.parse_args()
     if args.cmd == "run":
         for seed in args.seeds:
@@ -235,6 +279,8 @@ def main() -> None:
             print(summary(record), flush=True)
             if args.trace:
                 print(trace_table(record), flush=True)
+    elif args.cmd == "paired":
+        paired(OUT, args.preset, args.arm, args.against, args.last)
     else:
         report(OUT, args.preset)
 
