@@ -38,7 +38,7 @@ from flwr.serverapp import Grid
 from fedmf.errors import ConfigError
 from fedmf.secagg.encode import quantization_for
 from fedmf.secagg.errors import SecAggError
-from fedmf.secagg.messages import SECAGG_RECORD, from_wire, to_wire
+from fedmf.secagg.messages import CONSISTENCY_CHECK, SECAGG_RECORD, from_wire, to_wire
 from fedmf.secagg.params import SecAggParams
 from fedmf.secagg.quantize import Quantization, check_no_wrap, decode_sum
 from fedmf.secagg.secure_sum import SecureSum
@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 __all__ = ["SecureRound", "STAGES", "run_quantization"]
 
 log = logging.getLogger("fedmf.server")
-STAGES = (Stage.SETUP, Stage.SHARE_KEYS, Stage.COLLECT_MASKED_VECTORS, Stage.UNMASK)
+STAGES = (Stage.SETUP, Stage.SHARE_KEYS, Stage.COLLECT_MASKED_VECTORS, CONSISTENCY_CHECK, Stage.UNMASK)
 _MAX_REASON = 200
 
 
@@ -110,7 +110,8 @@ class SecureRound:
             # round releases the zero sum plus its noise, as the central mode does for users it
             # cannot hear from (deterministic: a redo would draw the same cohort)
             return SecureSum(np.zeros(q.dim), 0 if q.with_bit else None, frozenset(), q.inflation, excluded)
-        self.server = server = SecAggServer(self.params, q.length, sorted(user_of), rng=self.rng)
+        self.server = server = SecAggServer(self.params, q.length, sorted(user_of), rng=self.rng,
+                                            run=str(config["run-nonce"]), round_=int(config["round"]))
         refused: dict[Hashable, str] = {}
         for stage in STAGES:
             requests = server.requests()

@@ -12,6 +12,7 @@ from scipy import stats
 from client.secagg import SecAggClient
 from fedmf.secagg.errors import SecAggAbort, SecAggError
 from fedmf.secagg.masks import mod_sum
+from fedmf.secagg.messages import CONSISTENCY_CHECK
 from fedmf.secagg.params import SecAggParams
 from fedmf.secagg.quantize import Quantization, decode_sum, quantize
 from server.secagg import ABORTED, DONE, SecAggServer, harary_graph
@@ -43,7 +44,7 @@ def test_dropouts_at_each_stage_up_to_the_threshold(stage, count):
     dropped = set(NODES[1:1 + count])
     server = run_round(COMPLETE, words, drop={stage: dropped})
     _expect(server, words, COMPLETE.bits)
-    if stage == Stage.UNMASK:  # their vectors are in: the others' shares unmask them
+    if stage in (CONSISTENCY_CHECK, Stage.UNMASK):  # their vectors are in: the others' shares unmask them
         assert server.contributors == frozenset(NODES)
     else:
         assert server.contributors == frozenset(NODES) - dropped
