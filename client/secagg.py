@@ -8,9 +8,9 @@ own among them, each signed (with the neighbour's node id, the run, round and se
 distinct signing key; shares only from its neighbours, decrypted and checked for sender and
 recipient; at the consistency check, a survivor set U3 that contains it, names alive only
 neighbours it masked with, and leaves it ≥ t survivors, which it signs once; in unmask, ≥ t − 1
-valid signatures of its neighbours on exactly that U3, and exactly the lists that U3 gives (the
-seed shares of its neighbours in U3, the key shares of those outside it): never both shares of
-one neighbour, and never a second story (Bonawitz et al., CCS 2017, ConsistencyCheck; Bell et
+valid signatures of its neighbours on exactly that U3, and exactly the lists these give (the
+seed shares of itself and of the neighbours whose signature it verified, the key shares of its
+sources outside U3): never both shares of one neighbour, and never a second story (Bonawitz et al., CCS 2017, ConsistencyCheck; Bell et
 al., Sec. 5). Anything else raises ``SecAggError`` (one line), which the adapter turns into an
 error reply; nothing is revealed then.
 
@@ -350,13 +350,20 @@ class SecAggClient:
         return {SIGNATURE: self._signing_key.sign(self._consistency_statement(self.node_id))}
 
     def _unmask(self, request: Mapping[str, Any]) -> dict[str, Any]:
-        """Shares only for exactly the lists the signed U3 gives, with t signatures on that U3."""
+        """Shares only for exactly the lists the signed U3 gives, with t signatures on that U3: the
+        seed shares of itself and of the neighbours whose signature on U3 it verified, the key
+        shares of its sources outside U3. A neighbour in U3 that did not sign gets neither share (the
+        round cannot complete then): revealing a survivor's seed share without its own signature on
+        the same U3 lets a server that tells two regions of a sparse graph two stories unmask a client
+        whose sources it trimmed (docs/secagg-consistency.md)."""
         signers = _ids(request, SIGNERS)
         signatures = request.get(SIGNATURES)
         if not isinstance(signatures, list) or len(signatures) != len(signers):
             raise SecAggError("one consistency signature per signer is expected")
         if not set(signers) <= set(self._signers):
             raise SecAggError("a consistency signature from a node outside the client's neighbourhood: refused")
+        if not set(signers) <= set(self._survivors):
+            raise SecAggError("a consistency signature from a node outside the signed survivor set: refused")
         for v, signature in zip(signers, signatures):
             key = verifier(self._signers[v])
             if key is None or not isinstance(signature, bytes) or not key.verify(
@@ -369,7 +376,7 @@ class SecAggClient:
         survivors = set(self._survivors)
         active = _ids(request, Key.ACTIVE_NODE_ID_LIST)
         dead = _ids(request, Key.DEAD_NODE_ID_LIST)
-        if set(active) != (self._sources & survivors) | {self.node_id} or set(dead) != self._sources - survivors:
+        if set(active) != set(signers) | {self.node_id} or set(dead) != self._sources - survivors:
             raise SecAggError("the survivors and dropped nodes asked are not those of the signed survivor set: "
                               "refused")
         shares = [self._seed_shares[v] for v in active] + [self._key_shares[v] for v in dead]

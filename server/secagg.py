@@ -18,12 +18,14 @@ and one ``receive(replies)`` (node id → payload received, absent = dropped):
    masked, adaptive clipping's bit included; every client weighs the same (no example counts).
 4. consistency check: the survivor set U3 (all of it: Bell et al. restrict it to each
    neighbourhood to save bandwidth) → the client's signature over (run, round, session, node,
-   U3). A missing or bad signature counts as a dropout at this stage (its vector stays in U3).
+   U3). A missing or bad signature is refused; since a survivor's seed share is revealed only
+   with its own signature on U3, any survivor that did not sign aborts the round (a redo).
 5. unmask: which neighbours survived and which dropped, and the signatures of the client's
-   neighbours on the same U3 → the seed shares of survivors and the key shares of the dropped.
-   A client answers only with ≥ t signatures (its own included) from its neighbourhood on
-   exactly the U3 it signed, and only for the lists that U3 gives: a server that tells holders
-   different stories about who dropped cannot gather both halves of one client's masks. The server reconstructs each secret from t shares, checks it
+   neighbours on the same U3 → the seed shares of the survivors (each with its signature) and
+   the key shares of the dropped. A client answers only with ≥ t signatures (its own included)
+   from its neighbourhood on exactly the U3 it signed, and only for the lists that U3 and those
+   signatures give: a server that tells holders different stories about who dropped cannot
+   gather both halves of one client's masks (docs/secagg-consistency.md). The server reconstructs each secret from t shares, checks it
    (the seed against its commitment, the key against its public key), removes the masks and
    holds the modular sum of the survivors' words (``result``).
 
@@ -401,10 +403,14 @@ class SecAggServer:
             self._check_holders(stage, self.u3, self.u2, self.u3)
             self.stage = CONSISTENCY_CHECK
         elif stage == CONSISTENCY_CHECK:
-            # every owner's secret, and each signer's t signatures, must come from the survivors that signed
+            # a survivor's seed share is revealed only with its own signature on U3: one that did not
+            # sign keeps its self mask, so the round cannot complete (a redo, nobody blamed)
             self.u4 = frozenset(accepted)
             self._consistency = dict(accepted)
-            self._check_holders(stage, self.u4, self.u2, self.u4)
+            if self.u3 - self.u4:
+                raise SecAggAbort(f"secure aggregation aborted at {stage}: {len(self.u3 - self.u4)} of "
+                                  f"{len(self.u3)} survivors did not sign the survivor set, so their self masks "
+                                  f"cannot be removed")
             self.stage = Stage.UNMASK
         else:
             self.result = self._unmask(accepted)

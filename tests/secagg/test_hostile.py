@@ -86,11 +86,6 @@ BAD_REPLIES = [
     (Stage.SETUP, _setitem(KEY_SIGNATURE, bytes(64))),
     (Stage.SETUP, _setitem(SIGNING_KEY, bytes(32))),  # not a valid Ed25519 key (small order)
     (Stage.SETUP, lambda r: {k: v for k, v in r.items() if k != KEY_SIGNATURE}),
-    (CONSISTENCY_CHECK, _setitem(Key.STAGE, Stage.UNMASK)),
-    (CONSISTENCY_CHECK, lambda r: {k: v for k, v in r.items() if k != SIGNATURE}),
-    (CONSISTENCY_CHECK, _setitem(SIGNATURE, bytes(64))),
-    (CONSISTENCY_CHECK, _setitem(SIGNATURE, "not bytes")),
-    (CONSISTENCY_CHECK, _setitem("extra", 1)),
     (Stage.UNMASK, _setitem(Key.STAGE, Stage.COLLECT_MASKED_VECTORS)),
     (Stage.UNMASK, lambda r: r | {Key.SHARE_LIST: r[Key.SHARE_LIST][:-1]}),
     (Stage.UNMASK, lambda r: r | {Key.SHARE_LIST: [s[:10] for s in r[Key.SHARE_LIST]]}),
@@ -103,7 +98,7 @@ BAD_REPLIES = [
 def test_a_bad_reply_is_rejected_and_the_round_goes_on(stage, change):
     server = _round(_at(stage, change))
     assert HOSTILE in server.rejected and server.rejected[HOSTILE].startswith(stage)
-    if stage in (CONSISTENCY_CHECK, Stage.UNMASK):  # its vector is in the sum; the others' shares unmask it
+    if stage == Stage.UNMASK:  # its vector is in the sum; the others' shares unmask it
         assert HOSTILE in server.contributors
     else:
         assert HOSTILE not in server.contributors and len(server.contributors) == len(NODES) - 1
@@ -272,11 +267,28 @@ def _played_to(stage: str, server: SecAggServer, clients: dict[int, SecAggClient
     return server.requests()
 
 
+BAD_SIGNATURES = [
+    _setitem(Key.STAGE, Stage.UNMASK),
+    lambda r: {k: v for k, v in r.items() if k != SIGNATURE},
+    _setitem(SIGNATURE, bytes(64)),
+    _setitem(SIGNATURE, "not bytes"),
+    _setitem("extra", 1),
+]
+
+
+@pytest.mark.parametrize("change", BAD_SIGNATURES)
+def test_a_bad_consistency_reply_is_refused_and_the_attempt_aborts_with_nothing_revealed(change):
+    """Refused with a one-line reason; its seed share cannot be revealed without its signature on
+    U3, so the attempt aborts before any share is asked for (the strategy redoes the round)."""
+    with pytest.raises(SecAggAbort, match="1 of 7 survivors did not sign"):
+        run_round(PARAMS, random_words(NODES, 6, PARAMS.bits), tamper=_at(CONSISTENCY_CHECK, change))
+
+
 @pytest.mark.parametrize("forgery", ["another set", "another round", "another session", "another node"])
-def test_a_consistency_signature_on_anything_else_is_a_dropout_at_that_stage(forgery):
+def test_a_consistency_signature_on_anything_else_is_refused(forgery):
     """The hostile client signs (with its own key) a statement other than (run, round, session,
-    itself, U3): refused at the consistency check, counted as dropped there (its vector stays in
-    the sum, unmasked by the others' shares), and the round completes."""
+    itself, U3): refused at the consistency check with a one-line reason, and the attempt aborts
+    before any share is revealed; the same round with the right signature completes."""
     words = random_words(NODES, 6, PARAMS.bits, seed=5)
     server = SecAggServer(PARAMS, 6, NODES, run="run", round_=3)
     clients = {u: make_client(u) for u in NODES}
@@ -287,20 +299,31 @@ def test_a_consistency_signature_on_anything_else_is_a_dropout_at_that_stage(for
                  "another round": ("run", 2, session, HOSTILE, u3),
                  "another session": ("run", 3, b"s" * 16, HOSTILE, u3),
                  "another node": ("run", 3, session, 11, u3)}[forgery]
+    honest = dict(replies)
     replies[HOSTILE] = {Key.STAGE: CONSISTENCY_CHECK,
                         SIGNATURE: clients[HOSTILE]._signing_key.sign(consistency_statement(*statement))}
-    server.receive(replies)
+    with pytest.raises(SecAggAbort, match="did not sign"):
+        server.receive(replies)
     assert server.rejected == {HOSTILE: "consistency_check: the signature over the survivor set does not verify"}
-    assert server.u4 == frozenset(NODES) - {HOSTILE}
+    assert server.u4 == frozenset(NODES) - {HOSTILE} and server.result is None
+    server = SecAggServer(PARAMS, 6, NODES, run="run", round_=3, session=server.session)
+    clients = {u: make_client(u) for u in NODES}
+    requests = _played_to(CONSISTENCY_CHECK, server, clients, words)
+    honest = {u: clients[u].handle(r) for u, r in requests.items()}
+    server.receive(honest)
     server.receive({u: clients[u].handle(r) for u, r in server.requests().items()})
     assert server.stage == DONE and server.contributors == frozenset(NODES)
     assert np.array_equal(server.result, mod_sum(words.values(), 6, PARAMS.bits))
 
 
-def test_dropouts_at_the_consistency_check_below_the_threshold_abort():
-    words = random_words(NODES, 6, PARAMS.bits, seed=6)
-    with pytest.raises(SecAggAbort, match="consistency_check.*threshold"):
-        run_round(PARAMS, words, drop={CONSISTENCY_CHECK: set(NODES[:4])})
+def test_a_signer_outside_the_survivor_set_is_refused():
+    """A colluding neighbour that signs a U3 leaving itself out must not make the client reveal its
+    seed share next to its key share."""
+    server, clients, requests = _unmask_requests()
+    clients[1]._survivors = [1, 3, 4]  # as if 1 had been told and had signed U3 without node 2
+    signed = [clients[v]._signing_key.sign(consistency_statement("run", 3, server.session, v, [1, 3, 4]))
+              for v in (2, 3, 4)]
+    _refused(clients[1], requests[1] | {SIGNATURES: signed}, match="outside the signed survivor set")
 
 
 def test_the_client_refuses_a_survivor_set_it_can_see_is_false():
@@ -352,6 +375,6 @@ def test_a_client_holding_the_enrollment_refuses_a_neighbour_signing_with_a_key_
 def test_an_enrolled_round_sums_exactly():
     keys = {u: Ed25519PrivateKey.generate() for u in NODES}
     words = random_words(NODES, 6, PARAMS.bits, seed=8)
-    server = run_round(PARAMS, words, user_keys=keys, drop={CONSISTENCY_CHECK: {11}, Stage.UNMASK: {22}})
-    assert server.stage == DONE and server.contributors == frozenset(NODES) and not server.rejected
-    assert np.array_equal(server.result, mod_sum(words.values(), 6, PARAMS.bits))
+    server = run_round(PARAMS, words, user_keys=keys, drop={Stage.COLLECT_MASKED_VECTORS: {11}, Stage.UNMASK: {22}})
+    assert server.stage == DONE and server.contributors == frozenset(NODES) - {11} and not server.rejected
+    assert np.array_equal(server.result, mod_sum((words[u] for u in NODES if u != 11), 6, PARAMS.bits))

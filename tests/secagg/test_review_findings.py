@@ -74,9 +74,10 @@ def _ring(nodes: list[int], seed: int) -> list[int]:
 
 
 def _honest_until_unmask(params: SecAggParams, nodes: list[int], graph_seed: int,
-                         trim: dict[int, int] | None = None, enrolled: bool = True):
+                         trim: dict[int, int | set[int]] | None = None, enrolled: bool = True):
     """Setup, share keys and collect played honestly, except that the server forwards to node v
-    only the first ``trim[v]`` sources' shares at collect (the client accepts any ≥ t − 1). The
+    only the first ``trim[v]`` sources' shares at collect, or those in it when it is a set (the
+    client accepts any ≥ t − 1). The
     clients are enrolled (each holds every user's public key) or not: keys are relayed honestly,
     the lie is about dropouts only."""
     words = random_words(nodes, LENGTH_WORDS, params.bits, seed=7)
@@ -88,9 +89,10 @@ def _honest_until_unmask(params: SecAggParams, nodes: list[int], graph_seed: int
         replies = {}
         for u, request in server.requests().items():
             if stage == Stage.COLLECT_MASKED_VECTORS and u in (trim or {}):
-                keep = trim[u]
-                request = dict(request) | {Key.SOURCE_LIST: request[Key.SOURCE_LIST][:keep],
-                                           Key.CIPHERTEXT_LIST: request[Key.CIPHERTEXT_LIST][:keep]}
+                srcs = request[Key.SOURCE_LIST]
+                keep = [i for i, src in enumerate(srcs) if (i < trim[u] if isinstance(trim[u], int) else src in trim[u])]
+                request = dict(request) | {Key.SOURCE_LIST: [srcs[i] for i in keep],
+                                           Key.CIPHERTEXT_LIST: [request[Key.CIPHERTEXT_LIST][i] for i in keep]}
             replies[u] = clients[u].handle(request, words[u] if stage == Stage.COLLECT_MASKED_VECTORS else None)
             if stage == Stage.COLLECT_MASKED_VECTORS:
                 masked[u] = replies[u][Key.MASKED_PARAMETERS]
@@ -102,9 +104,11 @@ def _lie_and_unmask(params, server, clients, masked, v: int, pairs: list[int],
                     dead_of: dict[int, set[int]]) -> np.ndarray | None:
     """The consistency check and the unmask stage with a different survivor story per holder w
     (``dead_of[w]`` dropped, everyone else alive): each holder is asked to sign its story, then is
-    sent its lists with every signature the server got on the same story from w's neighbours (the
-    most a lying server can forward); then v's update from its seed and the mask keys of ``pairs``
-    (the nodes v masked with), or None when too few shares came back."""
+    sent every signature the server got on the same story from w's neighbours (the most a lying
+    server can forward) with the lists its story gives — the server's own (``dead_of[w]`` within
+    w's neighbourhood), else those w can derive (the signers' and w's seeds, or all its sources in
+    the story, and the keys of its sources outside it); then v's update from its seed and the mask
+    keys of ``pairs`` (the nodes v masked with), or None when too few shares came back."""
     shares: dict[int, dict[str, list[bytes]]] = {u: {"seed": [], "key": []} for u in server.sampled}
     story = {w: sorted(server.u3 - dead_set) for w, dead_set in dead_of.items()}
     signed: dict[int, bytes] = {}
@@ -117,17 +121,21 @@ def _lie_and_unmask(params, server, clients, masked, v: int, pairs: list[int],
     for w, dead_set in dead_of.items():
         if w not in signed:
             continue
-        dead = sorted(dead_set)
-        active = sorted((server.neighbours[w] | {w}) - dead_set)
         signers = sorted(x for x in signed if x != w and x in server.neighbours[w] and story[x] == story[w])
-        request = {Key.STAGE: Stage.UNMASK, SESSION: server.session, Key.ACTIVE_NODE_ID_LIST: active,
-                   Key.DEAD_NODE_ID_LIST: dead, SIGNERS: signers, SIGNATURES: [signed[x] for x in signers]}
-        try:
-            reply = clients[w].handle(request)
-        except SecAggError:  # a client that detects the lie reveals nothing
-            continue
-        for owner, share in zip(reply[Key.NODE_ID_LIST], reply[Key.SHARE_LIST]):
-            shares[owner]["key" if owner in dead_set else "seed"].append(share)
+        sources = clients[w]._sources  # what the server forwarded to w at collect
+        lists = [(sorted((server.neighbours[w] | {w}) - dead_set), sorted(dead_set & server.neighbours[w])),
+                 (sorted({w, *signers}), sorted(sources - set(story[w]))),
+                 (sorted((sources & set(story[w])) | {w}), sorted(sources - set(story[w])))]
+        for active, dead in lists:
+            request = {Key.STAGE: Stage.UNMASK, SESSION: server.session, Key.ACTIVE_NODE_ID_LIST: active,
+                       Key.DEAD_NODE_ID_LIST: dead, SIGNERS: signers, SIGNATURES: [signed[x] for x in signers]}
+            try:
+                reply = clients[w].handle(request)
+            except SecAggError:  # a client that detects the lie reveals nothing
+                continue
+            for owner, share in zip(reply[Key.NODE_ID_LIST], reply[Key.SHARE_LIST]):
+                shares[owner]["key" if owner in dead else "seed"].append(share)
+            break
     t = params.threshold
     if len(shares[v]["seed"]) < t or any(len(shares[u]["key"]) < t for u in pairs):
         return None
@@ -175,6 +183,29 @@ def test_a_server_lying_about_dropouts_cannot_unmask_one_client_in_a_complete_gr
     others = [w for w in nodes if w != v]
     dead_of = {w: set(pairs) - {w} for w in others}  # never v itself: v's sources are only the 4
     recovered = _lie_and_unmask(params, server, clients, masked, v, pairs, dead_of)
+    assert recovered is None or not np.array_equal(recovered, words[v]), "the server learned one client's update"
+
+
+@pytest.mark.parametrize("enrolled", [False, True])
+def test_a_server_telling_two_regions_two_stories_cannot_unmask_a_client_it_trimmed(enrolled):
+    """The lie a MILP search finds against a global signed U3 with t neighbourhood signatures
+    (docs/secagg-consistency.md), k = 4, t = 3, ring positions around v = 0: at collect v gets only
+    the shares of ±2 (t − 1 sources), so it masks with those two. Story A (±1 dropped) is signed by
+    v, +2 and −2: v's own checks pass, and v reveals its seed share. Story B (±2 dropped) is signed
+    by everyone else, t of them around each: ±1 reveal v's seed share, and ±2's holders their mask
+    keys. Blocked because a seed share is revealed only with its owner's signature on the same story
+    (v signed A, not B)."""
+    params = SecAggParams(degree=4, threshold=3, bits=16, scale=1.0)
+    nodes = list(range(101, 111))
+    order = _ring(nodes, 3)
+    at = {p: order[p % 10] for p in range(-5, 6)}
+    v = at[0]
+    server, clients, masked, words = _honest_until_unmask(params, nodes, 3, trim={v: {at[-2], at[2]}},
+                                                          enrolled=enrolled)
+    assert clients[v]._sources == {at[-2], at[2]}
+    region_a = {at[0], at[2], at[-2]}
+    dead_of = {w: ({at[1], at[-1]} if w in region_a else {at[2], at[-2]}) for w in nodes}
+    recovered = _lie_and_unmask(params, server, clients, masked, v, sorted(clients[v]._sources), dead_of)
     assert recovered is None or not np.array_equal(recovered, words[v]), "the server learned one client's update"
 
 
