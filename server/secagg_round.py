@@ -2,14 +2,18 @@
 
     total = SecureRound(params, quantization, layout).run(grid, expected, config, arrays, collect_timeout)
 
-Each stage is one TRAIN message per node still in the protocol — ``{"config": the round's TRAIN
+The stages (``STAGES``) are Flower's four with ``CONSISTENCY_CHECK`` before unmask; the round's
+run nonce and round number go into every statement the clients sign. Each stage is one TRAIN
+message per node still in the protocol — ``{"config": the round's TRAIN
 config and the encoding's parameters, "secagg": the stage's payload}``, the collect stage's also
 ``{"arrays": the committed model}`` — sent with ``grid.send_and_receive`` under the stage timeout
 (the collect stage, where clients train, at least the round's reply timeout). A reply is read only
 from a node that was asked, that echoes the round, the run nonce and its user, and that is not an
 error; everything else about it is checked by the state machine. A node that is silent, errs or is
 refused at a stage has dropped out: SecAgg+ removes its masks from the survivors' sum from the
-shares of t neighbours. Below the threshold ``SecAggAbort`` propagates: the strategy aborts the
+shares of t neighbours — except at the consistency check, where a survivor that does not sign
+the survivor set aborts the attempt (its seed share is revealed only with its signature). Below
+the threshold ``SecAggAbort`` propagates: the strategy aborts the
 round (nothing of it was noised or released) and redoes it with fresh noise, leaving out the
 owners whose committed secret did not reconstruct (``SecAggServer.culprits``). A cohort below the
 threshold from the start (a small amplified draw) runs no protocol: its users count as dropped and

@@ -65,7 +65,7 @@ def _unmask_one(masked: np.ndarray, v: int, seed: bytes, pair_keys: dict[int, np
     return x
 
 
-# ---- HIGH: a server that lies about who dropped unmasks one client (no consistency round) ----------
+# ---- HIGH: a server that lies about who dropped unmasks one client (fixed: the consistency check) ------
 
 def _ring(nodes: list[int], seed: int) -> list[int]:
     order = sorted(nodes)
@@ -209,7 +209,7 @@ def test_a_server_telling_two_regions_two_stories_cannot_unmask_a_client_it_trim
     assert recovered is None or not np.array_equal(recovered, words[v]), "the server learned one client's update"
 
 
-# ---- MEDIUM: the SecAgg+ keys are bound to nothing: a server that forges the neighbours learns x_v ----
+# ---- MEDIUM: SecAgg+ keys bound to nothing let a forging server learn x_v (fixed: enrolled signatures) --
 
 def _forge_every_neighbour(client: SecAggClient, v: int, advertised: dict[int, bytes] | None) -> tuple[
         np.ndarray, np.ndarray | None, str | None]:
