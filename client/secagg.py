@@ -333,7 +333,8 @@ class SecAggClient:
 
     def _consistency_statement(self, node: int) -> bytes:
         assert self._session is not None
-        return consistency_statement(self.run, self.round, self._session, node, self._survivors)
+        pk1 = self._pk1 if node == self.node_id else self._pk1s[node]
+        return consistency_statement(self.run, self.round, self._session, node, pk1, self._survivors)
 
     def _consistency(self, request: Mapping[str, Any]) -> dict[str, Any]:
         """Sign the survivor set U3, once: it must contain the client, name alive only neighbours

@@ -18,7 +18,7 @@ and one ``receive(replies)`` (node id → payload received, absent = dropped):
    masked, adaptive clipping's bit included; every client weighs the same (no example counts).
 4. consistency check: the survivor set U3 (all of it: Bell et al. restrict it to each
    neighbourhood to save bandwidth) → the client's signature over (run, round, session, node,
-   U3). A missing or bad signature is refused; since a survivor's seed share is revealed only
+   its pk1, U3). A missing or bad signature is refused; since a survivor's seed share is revealed only
    with its own signature on U3, any survivor that did not sign aborts the round (a redo).
 5. unmask: which neighbours survived and which dropped, and the signatures of the client's
    neighbours on the same U3 → the seed shares of the survivors (each with its signature) and
@@ -329,7 +329,7 @@ class SecAggServer:
     def _read_consistency(self, u: int, payload: Mapping[str, Any]) -> bytes:
         self._exact_keys(payload, {SIGNATURE})
         signature = payload[SIGNATURE]
-        statement = consistency_statement(self.run, self.round, self.session, u, self.u3)
+        statement = consistency_statement(self.run, self.round, self.session, u, self._pk1[u], self.u3)
         if not isinstance(signature, bytes) or not self._signing[u][1].verify(signature, statement):
             raise _Reject("the signature over the survivor set does not verify")
         return signature

@@ -10,11 +10,13 @@ length before each field, as ``fedmf.enrollment``'s proof: one encoding for one 
 * the survivor set U3 it was told at the consistency check (Bonawitz et al., CCS 2017,
   ConsistencyCheck)::
 
-      "fedmf-secagg-consistency/v1" 0x00 ‖ run ‖ round ‖ session ‖ node id ‖ U3
+      "fedmf-secagg-consistency/v1" 0x00 ‖ run ‖ round ‖ session ‖ node id ‖ pk1 ‖ U3
 
 run: the run nonce, UTF-8; round and each node id: 8-byte big-endian unsigned; U3: its node ids
 sorted, 8 bytes each, in one field; keys and session raw bytes. A signature made for another run,
-round, attempt (session), node, key pair or survivor set does not verify.
+round, attempt (session), node, key pair or survivor set does not verify. The survivor statement
+names the signer's mask key pk1 of this attempt too: a neighbour whose signed keys a server replays
+from an earlier attempt (same session bytes) cannot sign the survivor set with them.
 
 The signing key is the user's enrolled Ed25519 key where each client holds the enrollment (its
 neighbours' signatures are then checked against the enrolled keys: a server cannot forge or
@@ -66,10 +68,11 @@ def keys_statement(run: str, round_: int, session: bytes, node_id: int, signing_
             + _field(bytes(pk2)))
 
 
-def consistency_statement(run: str, round_: int, session: bytes, node_id: int, survivors: Iterable[int]) -> bytes:
+def consistency_statement(run: str, round_: int, session: bytes, node_id: int, pk1: bytes,
+                          survivors: Iterable[int]) -> bytes:
     """The bytes a client signs over the survivor set it was told (any order: sorted here)."""
-    return _head(_CONSISTENCY_TAG, run, round_, session, node_id) + _field(b"".join(_u64(u) for u in
-                                                                                   sorted(survivors)))
+    return (_head(_CONSISTENCY_TAG, run, round_, session, node_id) + _field(bytes(pk1))
+            + _field(b"".join(_u64(u) for u in sorted(survivors))))
 
 
 def public_bytes(key: Ed25519PrivateKey) -> bytes:

@@ -284,7 +284,7 @@ def test_a_bad_consistency_reply_is_refused_and_the_attempt_aborts_with_nothing_
         run_round(PARAMS, random_words(NODES, 6, PARAMS.bits), tamper=_at(CONSISTENCY_CHECK, change))
 
 
-@pytest.mark.parametrize("forgery", ["another set", "another round", "another session", "another node"])
+@pytest.mark.parametrize("forgery", ["another set", "another round", "another session", "another node", "another key"])
 def test_a_consistency_signature_on_anything_else_is_refused(forgery):
     """The hostile client signs (with its own key) a statement other than (run, round, session,
     itself, U3): refused at the consistency check with a one-line reason, and the attempt aborts
@@ -294,11 +294,12 @@ def test_a_consistency_signature_on_anything_else_is_refused(forgery):
     clients = {u: make_client(u) for u in NODES}
     requests = _played_to(CONSISTENCY_CHECK, server, clients, words)
     replies = {u: clients[u].handle(r) for u, r in requests.items()}
-    u3, session = sorted(server.u3), server.session
-    statement = {"another set": ("run", 3, session, HOSTILE, u3[:-1]),
-                 "another round": ("run", 2, session, HOSTILE, u3),
-                 "another session": ("run", 3, b"s" * 16, HOSTILE, u3),
-                 "another node": ("run", 3, session, 11, u3)}[forgery]
+    u3, session, pk1 = sorted(server.u3), server.session, server._pk1[HOSTILE]
+    statement = {"another set": ("run", 3, session, HOSTILE, pk1, u3[:-1]),
+                 "another round": ("run", 2, session, HOSTILE, pk1, u3),
+                 "another session": ("run", 3, b"s" * 16, HOSTILE, pk1, u3),
+                 "another node": ("run", 3, session, 11, pk1, u3),
+                 "another key": ("run", 3, session, HOSTILE, server._pk1[11], u3)}[forgery]
     honest = dict(replies)
     replies[HOSTILE] = {Key.STAGE: CONSISTENCY_CHECK,
                         SIGNATURE: clients[HOSTILE]._signing_key.sign(consistency_statement(*statement))}
@@ -321,7 +322,7 @@ def test_a_signer_outside_the_survivor_set_is_refused():
     seed share next to its key share."""
     server, clients, requests = _unmask_requests()
     clients[1]._survivors = [1, 3, 4]  # as if 1 had been told and had signed U3 without node 2
-    signed = [clients[v]._signing_key.sign(consistency_statement("run", 3, server.session, v, [1, 3, 4]))
+    signed = [clients[v]._signing_key.sign(consistency_statement("run", 3, server.session, v, server._pk1[v], [1, 3, 4]))
               for v in (2, 3, 4)]
     _refused(clients[1], requests[1] | {SIGNATURES: signed}, match="outside the signed survivor set")
 
@@ -349,9 +350,10 @@ def test_the_client_reveals_nothing_without_t_signatures_on_the_set_it_signed():
     signers, signatures = request[SIGNERS], request[SIGNATURES]
     assert signers == [2, 3, 4]
     _refused(clients[1], request | {SIGNERS: signers[:1], SIGNATURES: signatures[:1]}, match="below the threshold")
-    other_set = clients[2]._signing_key.sign(consistency_statement("run", 3, server.session, 2, [1, 2, 3]))
+    sign, pk1 = clients[2]._signing_key.sign, server._pk1[2]
+    other_set = sign(consistency_statement("run", 3, server.session, 2, pk1, [1, 2, 3]))
     _refused(clients[1], request | {SIGNATURES: [other_set, *signatures[1:]]}, match="node 2's consistency signature")
-    replayed = clients[2]._signing_key.sign(consistency_statement("run", 2, server.session, 2, sorted(server.u3)))
+    replayed = sign(consistency_statement("run", 2, server.session, 2, pk1, sorted(server.u3)))  # another round
     _refused(clients[1], request | {SIGNATURES: [replayed, *signatures[1:]]}, match="node 2's consistency signature")
     _refused(clients[1], request | {SIGNATURES: [signatures[1], signatures[0], signatures[2]]}, match="consistency")
     _refused(clients[1], request | {SIGNERS: [9, 3, 4]}, match="outside the client's neighbourhood")
