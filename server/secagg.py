@@ -1,9 +1,10 @@
 """SecAgg+ on the server: one round's secure sum as a state machine over plain dict payloads.
 
 Bell, Bonawitz, Gascón, Lepoint, Raykova, "Secure Single-Server Aggregation with
-(Poly)Logarithmic Overhead", CCS 2020 (Alg. 1), with the consistency check of its malicious-server variant (Sec. 5; Bonawitz et al.,
-CCS 2017, ConsistencyCheck). Five stages, each one ``requests()`` (node id → payload to send)
-and one ``receive(replies)`` (node id → payload received, absent = dropped):
+(Poly)Logarithmic Overhead", CCS 2020 (Alg. 1), with the consistency check of its
+malicious-server variant (Sec. 5; Bonawitz et al., CCS 2017, ConsistencyCheck). Five stages,
+each one ``requests()`` (node id → payload to send) and one ``receive(replies)`` (node id →
+payload received, absent = dropped):
 
 1. setup: the session, threshold t, modulus bits, vector length and each client's neighbours
    in a fresh random k-regular (Harary) graph → two public keys per client (mask key agreement,
@@ -18,16 +19,18 @@ and one ``receive(replies)`` (node id → payload received, absent = dropped):
    masked, adaptive clipping's bit included; every client weighs the same (no example counts).
 4. consistency check: the survivor set U3 (all of it: Bell et al. restrict it to each
    neighbourhood to save bandwidth) → the client's signature over (run, round, session, node,
-   its pk1, U3). A missing or bad signature is refused; since a survivor's seed share is revealed only
-   with its own signature on U3, any survivor that did not sign aborts the round (a redo).
+   its pk1, U3). A missing or bad signature is refused; since a survivor's seed share is
+   revealed only with its own signature on U3, any survivor that did not sign aborts the round
+   (a redo).
 5. unmask: which neighbours survived and which dropped, and the signatures of the client's
    neighbours on the same U3 → the seed shares of the survivors (each with its signature) and
    the key shares of the dropped. A client answers only with ≥ t signatures (its own included)
    from its neighbourhood on exactly the U3 it signed, and only for the lists that U3 and those
    signatures give: a server that tells holders different stories about who dropped cannot
-   gather both halves of one client's masks (docs/secagg-consistency.md). The server reconstructs each secret from t shares, checks it
-   (the seed against its commitment, the key against its public key), removes the masks and
-   holds the modular sum of the survivors' words (``result``).
+   gather both halves of one client's masks (docs/secagg-consistency.md). The server
+   reconstructs each secret from t shares, checks it (the seed against its commitment, the key
+   against its public key), removes the masks and holds the modular sum of the survivors' words
+   (``result``).
 
 Crypto is Flower's: ECDH key agreement with HKDF and Fernet encryption
 (``flwr.common.secure_aggregation.crypto``), Shamir sharing (pycryptodome under the same
