@@ -10,15 +10,16 @@ recipient; at the consistency check, a survivor set U3 that contains it, names a
 neighbours it masked with, and leaves it ≥ t survivors, which it signs once; in unmask, ≥ t − 1
 valid signatures of its neighbours on exactly that U3, and exactly the lists these give (the
 seed shares of itself and of the neighbours whose signature it verified, the key shares of its
-sources outside U3): never both shares of one neighbour, and never a second story (Bonawitz et al., CCS 2017, ConsistencyCheck; Bell et
-al., Sec. 5). Anything else raises ``SecAggError`` (one line), which the adapter turns into an
+sources outside U3): never both shares of one neighbour, and never a second story (Bonawitz et
+al., CCS 2017, ConsistencyCheck; Bell et al., Sec. 5). Anything else raises ``SecAggError`` (one line), which the adapter turns into an
 error reply; nothing is revealed then.
 
 Against whom: with ``enrolled`` (the enrolled users' Ed25519 public keys, which the node holds
 itself) and its own enrolled ``signing_key``, a neighbour's keys are accepted only when signed by
 an enrolled key, so a server that substitutes or simulates neighbours is refused, and the
-consistency signatures come from real users: a deviating server learns no single update (short of
-t colluding neighbours). Without an enrollment (Flower's simulation, declared-insecure identity)
+consistency signatures come from real users: the lies of docs/secagg-consistency.md (about
+dropouts, forged or replaced neighbours) are refused; t colluding neighbours still unmask a
+client. Without an enrollment (Flower's simulation, declared-insecure identity)
 the client signs with a fresh key per attempt and accepts any neighbour's key: the server is
 trusted by construction (honest-but-curious), and a server that forges neighbours learns updates.
 Which mode applies is the node's own configuration, never the server's word.
