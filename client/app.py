@@ -17,7 +17,12 @@ Messages (all config keys are ConfigRecord entries under "config"):
 
 * TRAIN with a ``"secagg"`` ConfigRecord: one stage of a secure-aggregation round
   (``client/secagg_app.py``) → ``{"secagg": ConfigRecord(the stage's reply), "config": {"round",
-  "run-nonce", "user-id"}}``.
+  "run-nonce", "user-id"}}``. The node's own ``node_config`` decides how far it trusts the server:
+  with ``"enrollment-file"`` (the operator's enrollment, public) and ``"user-key"`` it signs with
+  the user's enrolled key and checks its neighbours' signatures against the enrollment (protection
+  against a lying server), else it trusts the server; with ``"require-secure-aggregation" = true``
+  it refuses a plain TRAIN (no ``"secagg"`` record), so that a deviating server cannot simply ask
+  for the clear update.
 
 A bad message, a task error, or a "user-id" other than this node's identity is answered with an
 error reply (``Error(ERROR_CODE, "fedmf: <one line>")``); any other exception is a bug and is left
@@ -191,6 +196,9 @@ def train(msg: Message, context: Context) -> Message:
         if SECAGG_RECORD in msg.content.config_records:  # one stage of a secure-aggregation round
             record = secure_stage(msg, context, request, task)
             return Message(RecordDict({SECAGG_RECORD: record, "config": _echo(request)}), reply_to=msg)
+        if context.node_config.get("require-secure-aggregation") is True:
+            raise ConfigError("this node sends its update only under secure aggregation "
+                              "(node config require-secure-aggregation): refused")
         params = _arrays(msg).to_torch_state_dict()
         result = task.local_update(params, request.user, request.round, request.hyper)
     except FedmfError as e:

@@ -1,15 +1,29 @@
-"""SecAgg+ on the client: one round's answers to the server's four stages, as a state machine
+"""SecAgg+ on the client: one round's answers to the server's five stages, as a state machine
 over plain dict payloads (``server/secagg.py`` describes the protocol; Bell et al., CCS 2020).
 
 A fresh ``SecAggClient`` serves one round attempt: new key pairs at setup, a new mask seed at
-share keys. It guards its user against a curious server (not yet against one that lies about who
-dropped: there is no consistency round, docs/reviews/REVIEW-i36-secagg.md HIGH-1): stages only in order and
-once each, one session; a threshold that keeps an honest majority of each neighbourhood
-(2t > shares); the public keys it is shown distinct and its own among them; shares only from
-its neighbours, decrypted and checked for sender and recipient and against the owner's
-commitment to each share (so that the server can tell a bad share's owner from its holder); in unmask, at least t
-survivors, and never both the seed share and the key share of the same neighbour. Anything
-else raises ``SecAggError`` (one line), which the adapter turns into an error reply.
+share keys. Its checks: stages only in order and once each, one session; a threshold that keeps
+an honest majority of each neighbourhood (2t > shares); the public keys it is shown distinct, its
+own among them, each signed (with the neighbour's node id, the run, round and session) by a
+distinct signing key; shares only from its neighbours, decrypted and checked for sender and
+recipient and against the owner's commitment to each share (so that the server can tell a bad
+share's owner from its holder); at the consistency check, a survivor set U3 that contains it, names alive only
+neighbours it masked with, and leaves it ≥ t survivors, which it signs once; in unmask, ≥ t − 1
+valid signatures of its neighbours on exactly that U3, and exactly the lists these give (the
+seed shares of itself and of the neighbours whose signature it verified, the key shares of its
+sources outside U3): never both shares of one neighbour, and never a second story (Bonawitz et
+al., CCS 2017, ConsistencyCheck; Bell et al., Sec. 5). Anything else raises ``SecAggError`` (one line), which the adapter turns into an
+error reply; nothing is revealed then.
+
+Against whom: with ``enrolled`` (the enrolled users' Ed25519 public keys, which the node holds
+itself) and its own enrolled ``signing_key``, a neighbour's keys are accepted only when signed by
+an enrolled key, so a server that substitutes or simulates neighbours is refused, and the
+consistency signatures come from real users: the lies of docs/secagg-consistency.md (about
+dropouts, forged or replaced neighbours) are refused; t colluding neighbours still unmask a
+client. Without an enrollment (Flower's simulation, declared-insecure identity)
+the client signs with a fresh key per attempt and accepts any neighbour's key: the server is
+trusted by construction (honest-but-curious), and a server that forges neighbours learns updates.
+Which mode applies is the node's own configuration, never the server's word.
 
 The words to mask come from ``fedmf.secagg.quantize.quantize`` (clipped, quantized, with the
 unclipped bit when adaptive clipping runs); the whole vector is masked.
@@ -23,6 +37,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from flwr.common.secure_aggregation.crypto.shamir import create_shares
 from flwr.common.secure_aggregation.crypto.symmetric_encryption import decrypt, encrypt, generate_shared_key
 from flwr.common.secure_aggregation.secaggplus_constants import Key, Stage
@@ -43,8 +58,11 @@ from fedmf.secagg.masks import PAIRWISE_MASK, SELF_MASK, expand_mask, mod_add, m
 from fedmf.secagg.messages import (
     BITS,
     COMMITMENT,
+    CONSISTENCY_CHECK,
     KEY_SHARE,
     KEY_SHARE_COMMITMENTS,
+    KEY_SIGNATURE,
+    KEY_SIGNATURES,
     LENGTH,
     NEIGHBOURS,
     SALT_BYTES,
@@ -52,17 +70,32 @@ from fedmf.secagg.messages import (
     SEED_SHARE,
     SEED_SHARE_COMMITMENTS,
     SESSION,
+    SIGNATURE,
+    SIGNATURES,
+    SIGNERS,
+    SIGNING_KEY,
+    SIGNING_KEYS,
+    SURVIVORS,
     commit_seed,
     commit_share,
     split_share,
 )
 from fedmf.secagg.params import MAX_BITS, MIN_BITS
+from fedmf.secagg.signing import (
+    consistency_statement,
+    keys_statement,
+    private_bytes,
+    public_bytes,
+    signing_key_from,
+    verifier,
+)
 
 __all__ = ["SecAggClient"]
 
 #: the tables kept in ``to_state``: state name → attribute (node id → bytes)
-_TABLES = {"pk1s": "_pk1s", "box-keys": "_box_keys", "seed-shares": "_seed_shares", "key-shares": "_key_shares"}
-_ORDER = (Stage.SETUP, Stage.SHARE_KEYS, Stage.COLLECT_MASKED_VECTORS, Stage.UNMASK)
+_TABLES = {"pk1s": "_pk1s", "box-keys": "_box_keys", "seed-shares": "_seed_shares", "key-shares": "_key_shares",
+           "signers": "_signers"}
+_ORDER = (Stage.SETUP, Stage.SHARE_KEYS, Stage.COLLECT_MASKED_VECTORS, CONSISTENCY_CHECK, Stage.UNMASK)
 
 
 def _ids(payload: Mapping[str, Any], key: str) -> list[int]:
@@ -82,10 +115,23 @@ def _int(payload: Mapping[str, Any], key: str, low: int, high: int) -> int:
 
 
 class SecAggClient:
-    """Node ``node_id``'s side of one SecAgg+ round."""
+    """Node ``node_id``'s side of one SecAgg+ round of run nonce ``run`` and round ``round_``.
+    ``enrolled``: the enrolled users' raw Ed25519 public keys (None: no enrollment, a trusted
+    server); ``signing_key``: the user's enrolled private key (required with ``enrolled``,
+    refused without: a fresh key is drawn at setup then)."""
 
-    def __init__(self, node_id: int) -> None:
+    def __init__(self, node_id: int, *, run: str = "", round_: int = 0,
+                 signing_key: Ed25519PrivateKey | None = None, enrolled: frozenset[bytes] | None = None) -> None:
+        if (signing_key is None) != (enrolled is None):
+            raise SecAggError("an enrolled signing key goes with the enrollment, and only with it")
+        if enrolled is not None and public_bytes(signing_key) not in enrolled:
+            raise SecAggError("this node's user key is not in its enrollment: refused")
         self.node_id = node_id
+        self.run, self.round = run, round_
+        self._enrolled = None if enrolled is None else frozenset(enrolled)
+        self._signing_key = signing_key
+        self._ephemeral = signing_key is None
+        self._survivors: list[int] = []
         self._next = 0
         self._session: bytes | None = None
         self._threshold = self._bits = self._length = 0
@@ -96,6 +142,7 @@ class SecAggClient:
         self._box_keys: dict[int, bytes] = {}
         self._seed_shares: dict[int, bytes] = {}
         self._key_shares: dict[int, bytes] = {}
+        self._signers: dict[int, bytes] = {}
 
     @property
     def bits(self) -> int:
@@ -110,7 +157,8 @@ class SecAggClient:
         state: dict[str, Any] = {"node-id": int(self.node_id), "next": self._next, "session": self._session or b"",
                                  "threshold": self._threshold, "bits": self._bits, "length": self._length,
                                  "neighbours": sorted(self._neighbours), "members": list(self._members),
-                                 "sources": sorted(self._sources)}
+                                 "sources": sorted(self._sources), "run": self.run, "round": self.round,
+                                 "enrolled": not self._ephemeral, "survivors": list(self._survivors)}
         for name, table in _TABLES.items():
             held = getattr(self, table)
             state[f"{name}-ids"] = sorted(held)
@@ -118,16 +166,24 @@ class SecAggClient:
         if self._next >= 1:
             state.update(sk1=private_key_to_bytes(self._sk1), sk2=private_key_to_bytes(self._sk2), pk1=self._pk1,
                          pk2=self._pk2)
+            if self._ephemeral:
+                state["signing-key"] = private_bytes(self._signing_key)
         if self._next >= 2:
             state["seed"] = self._seed
         return state
 
     @classmethod
-    def from_state(cls, state: Mapping[str, Any]) -> SecAggClient:
-        """The client ``to_state`` wrote (SecAggError when it is not one)."""
+    def from_state(cls, state: Mapping[str, Any], *, signing_key: Ed25519PrivateKey | None = None,
+                   enrolled: frozenset[bytes] | None = None) -> SecAggClient:
+        """The client ``to_state`` wrote, in the mode of the node's configuration (``__init__``);
+        SecAggError when it is not one, or when it was written in the other mode."""
         try:
-            client = cls(int(state["node-id"]))
+            if bool(state["enrolled"]) != (enrolled is not None):
+                raise SecAggError("this node's enrollment changed during a secure-aggregation round: refused")
+            client = cls(int(state["node-id"]), run=str(state["run"]), round_=int(state["round"]),
+                         signing_key=signing_key, enrolled=enrolled)
             client._next = int(state["next"])
+            client._survivors = [int(v) for v in state["survivors"]]
             client._session = bytes(state["session"]) or None
             client._threshold, client._bits, client._length = (int(state[k]) for k in ("threshold", "bits", "length"))
             client._neighbours = frozenset(int(v) for v in state["neighbours"])
@@ -138,6 +194,8 @@ class SecAggClient:
             if client._next >= 1:
                 client._sk1, client._sk2 = bytes_to_private_key(state["sk1"]), bytes_to_private_key(state["sk2"])
                 client._pk1, client._pk2 = state["pk1"], state["pk2"]
+                if client._ephemeral:
+                    client._signing_key = signing_key_from(state["signing-key"])
             if client._next >= 2:
                 client._seed = state["seed"]
         except (KeyError, TypeError, ValueError) as e:
@@ -162,7 +220,8 @@ class SecAggClient:
         if (vector is not None) != (stage == Stage.COLLECT_MASKED_VECTORS):
             raise SecAggError("a vector is masked at the collect stage, and only there")
         handler = {Stage.SETUP: self._setup, Stage.SHARE_KEYS: self._share_keys,
-                   Stage.COLLECT_MASKED_VECTORS: self._collect, Stage.UNMASK: self._unmask}[stage]
+                   Stage.COLLECT_MASKED_VECTORS: self._collect, CONSISTENCY_CHECK: self._consistency,
+                   Stage.UNMASK: self._unmask}[stage]
         reply = handler(request, vector) if vector is not None else handler(request)
         self._next += 1
         return {Key.STAGE: stage, **reply}
@@ -181,7 +240,36 @@ class SecAggClient:
         self._sk1, pk1 = generate_key_pairs()
         self._sk2, pk2 = generate_key_pairs()
         self._pk1, self._pk2 = public_key_to_bytes(pk1), public_key_to_bytes(pk2)
-        return {Key.PUBLIC_KEY_1: self._pk1, Key.PUBLIC_KEY_2: self._pk2}
+        if self._ephemeral:
+            self._signing_key = Ed25519PrivateKey.generate()
+        own = public_bytes(self._signing_key)
+        signature = self._signing_key.sign(self._keys_statement(self.node_id, own, self._pk1, self._pk2))
+        return {Key.PUBLIC_KEY_1: self._pk1, Key.PUBLIC_KEY_2: self._pk2, SIGNING_KEY: own, KEY_SIGNATURE: signature}
+
+    def _keys_statement(self, node: int, signing_key: bytes, pk1: bytes, pk2: bytes) -> bytes:
+        assert self._session is not None
+        return keys_statement(self.run, self.round, self._session, node, signing_key, pk1, pk2)
+
+    def _check_signed_keys(self, members: list[int], pk1s: list, pk2s: list, request: Mapping[str, Any]) -> None:
+        """Each member's keys signed by a distinct signing key (an enrolled one where the node holds
+        the enrollment); the client's own shown as it sent them."""
+        signing, signatures = request.get(SIGNING_KEYS), request.get(KEY_SIGNATURES)
+        if not isinstance(signing, list) or not isinstance(signatures, list) \
+                or not len(signing) == len(signatures) == len(members):
+            raise SecAggError("one signing key and one key signature per member are expected")
+        if not all(isinstance(k, bytes) for k in signing) or len(set(signing)) != len(signing):
+            raise SecAggError("the members' signing keys must be distinct byte strings")
+        for v, raw, signature, pk1, pk2 in zip(members, signing, signatures, pk1s, pk2s):
+            if v == self.node_id:
+                if raw != public_bytes(self._signing_key):
+                    raise SecAggError("the client's own signing key is shown wrong")
+                continue
+            if self._enrolled is not None and raw not in self._enrolled:
+                raise SecAggError(f"the signing key of node {v} is not an enrolled user's: refused")
+            key = verifier(raw)
+            if key is None or not isinstance(signature, bytes) or not key.verify(
+                    signature, self._keys_statement(v, raw, pk1, pk2)):
+                raise SecAggError(f"the public keys of node {v} are not signed by its signing key: refused")
 
     def _share_keys(self, request: Mapping[str, Any]) -> dict[str, Any]:
         members = _ids(request, Key.NODE_ID_LIST)
@@ -199,6 +287,8 @@ class SecAggClient:
         mine = members.index(self.node_id)
         if pk1s[mine] != self._pk1 or pk2s[mine] != self._pk2:
             raise SecAggError("the client's own public keys are shown wrong")
+        self._check_signed_keys(members, pk1s, pk2s, request)
+        self._signers = {v: raw for v, raw in zip(members, request[SIGNING_KEYS]) if v != self.node_id}
         self._members = members
         seed = os.urandom(SEED_BYTES)
         self._seed = seed
@@ -265,16 +355,54 @@ class SecAggClient:
             masked = mod_add(masked, mask, bits) if self.node_id > v else mod_sub(masked, mask, bits)
         return {Key.MASKED_PARAMETERS: masked}
 
+    def _consistency_statement(self, node: int) -> bytes:
+        assert self._session is not None
+        pk1 = self._pk1 if node == self.node_id else self._pk1s[node]
+        return consistency_statement(self.run, self.round, self._session, node, pk1, self._survivors)
+
+    def _consistency(self, request: Mapping[str, Any]) -> dict[str, Any]:
+        """Sign the survivor set U3, once: it must contain the client, name alive only neighbours
+        it masked with, and leave it ≥ t survivors (itself included)."""
+        survivors = set(_ids(request, SURVIVORS))
+        if self.node_id not in survivors:
+            raise SecAggError("the survivor set leaves out the client, which sent its masked vector: refused")
+        alive = survivors & self._neighbours
+        if not alive <= self._sources:
+            raise SecAggError("the survivor set names alive a neighbour whose shares the client never got: refused")
+        if len(alive) + 1 < self._threshold:
+            raise SecAggError(f"{len(alive) + 1} survivors in the neighbourhood, below the threshold {self._threshold}")
+        self._survivors = sorted(survivors)
+        return {SIGNATURE: self._signing_key.sign(self._consistency_statement(self.node_id))}
+
     def _unmask(self, request: Mapping[str, Any]) -> dict[str, Any]:
+        """Shares only for exactly the lists the signed U3 gives, with t signatures on that U3: the
+        seed shares of itself and of the neighbours whose signature on U3 it verified, the key
+        shares of its sources outside U3. A neighbour in U3 that did not sign gets neither share (the
+        round cannot complete then): revealing a survivor's seed share without its own signature on
+        the same U3 lets a server that tells two regions of a sparse graph two stories unmask a client
+        whose sources it trimmed (docs/secagg-consistency.md)."""
+        signers = _ids(request, SIGNERS)
+        signatures = request.get(SIGNATURES)
+        if not isinstance(signatures, list) or len(signatures) != len(signers):
+            raise SecAggError("one consistency signature per signer is expected")
+        if not set(signers) <= set(self._signers):
+            raise SecAggError("a consistency signature from a node outside the client's neighbourhood: refused")
+        if not set(signers) <= set(self._survivors):
+            raise SecAggError("a consistency signature from a node outside the signed survivor set: refused")
+        for v, signature in zip(signers, signatures):
+            key = verifier(self._signers[v])
+            if key is None or not isinstance(signature, bytes) or not key.verify(
+                    signature, self._consistency_statement(v)):
+                raise SecAggError(f"node {v}'s consistency signature is not on the survivor set this client "
+                                  f"signed: refused")
+        if len(signers) + 1 < self._threshold:
+            raise SecAggError(f"{len(signers) + 1} signatures on the survivor set, below the threshold "
+                              f"{self._threshold}: refused")
+        survivors = set(self._survivors)
         active = _ids(request, Key.ACTIVE_NODE_ID_LIST)
         dead = _ids(request, Key.DEAD_NODE_ID_LIST)
-        if set(active) & set(dead):
-            raise SecAggError("a node is listed both as survivor and as dropped: refused")
-        if self.node_id not in active or not set(active) <= self._sources | {self.node_id}:
-            raise SecAggError("the survivors must include the client and only nodes whose shares it holds")
-        if not set(dead) <= self._sources:
-            raise SecAggError("the dropped nodes must be nodes whose shares the client holds")
-        if len(active) < self._threshold:
-            raise SecAggError(f"{len(active)} survivors, below the threshold {self._threshold}")
+        if set(active) != set(signers) | {self.node_id} or set(dead) != self._sources - survivors:
+            raise SecAggError("the survivors and dropped nodes asked are not those of the signed survivor set: "
+                              "refused")
         shares = [self._seed_shares[v] for v in active] + [self._key_shares[v] for v in dead]
         return {Key.NODE_ID_LIST: active + dead, Key.SHARE_LIST: shares}

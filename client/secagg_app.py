@@ -11,6 +11,13 @@ releases the client metric privately: ``fedmf.secagg.encode.encode_local_update`
 secure aggregation's encoding too) and masks the whole vector. The reply is the stage's payload in a
 ``"secagg"`` ConfigRecord: the loss never travels in the clear.
 
+Which keys sign (``client/secagg.py``): with both ``node_config["enrollment-file"]`` (the operator's
+enrollment, public data, held by the node itself) and ``node_config["user-key"]``, the user's
+enrolled key signs and every neighbour must sign with an enrolled key — protection against a
+server that lies or forges neighbours. With no ``enrollment-file``, a fresh key per attempt and
+no check of the neighbours: the server is trusted. An ``enrollment-file`` without a
+``user-key`` is refused. The server's messages cannot change the mode.
+
 Config keys of a stage message, beside the TRAIN ones: ``clip-norm`` (ζₜ), ``zero-threshold``
 (absent: no zeroing), ``secagg-scale``, ``secagg-beta``, ``secagg-bit`` (bool: adaptive clipping's
 bit), ``secagg-metric-clip`` (L of the private client-metric release; absent: no metric word) and
@@ -19,14 +26,19 @@ bit), ``secagg-metric-clip`` (L of the private client-metric release; absent: no
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+import os
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from flwr.app import ConfigRecord, Context, Message
 from flwr.common.secure_aggregation.secaggplus_constants import Key, Stage
 
+from fedmf.enrollment import Enrollment, load_private_key
 from fedmf.errors import ConfigError
 from fedmf.round.client_metrics import METRIC
 from fedmf.secagg.encode import encode_local_update
@@ -81,15 +93,41 @@ def _words(msg: Message, config: ConfigRecord, client: SecAggClient, task: Task,
                                rng=np.random.default_rng(), metric=result.metrics.get(METRIC))
 
 
+@functools.lru_cache(maxsize=4)
+def _enrolled_keys(path: str, stamp: tuple[int, int, int]) -> frozenset[bytes]:
+    del stamp  # the cache key: the file read again when it changes
+    return frozenset(Enrollment.load(path).users.values())
+
+
+def signing_mode(node_config: Mapping[str, Any]) -> tuple[Ed25519PrivateKey | None, frozenset[bytes] | None]:
+    """(the user's enrolled key, the enrolled public keys) from this node's own configuration, or
+    (None, None) where it holds no enrollment (the server is trusted then)."""
+    path = node_config.get("enrollment-file")
+    if path is None:
+        return None, None
+    key_path = node_config.get("user-key")
+    if not isinstance(path, str) or not path or not isinstance(key_path, str) or not key_path:
+        raise ConfigError("node config enrollment-file needs user-key (the paths of the enrollment and of the "
+                          "user's private key file)")
+    try:
+        info = os.stat(path)
+    except OSError as e:
+        raise ConfigError(f"enrollment file {path!r}: {e.strerror}") from None
+    return load_private_key(key_path), _enrolled_keys(path, (info.st_ino, info.st_mtime_ns, info.st_size))
+
+
 def secure_stage(msg: Message, context: Context, request: Any, task: Task) -> ConfigRecord:
     """This node's answer to one SecAgg+ stage (``request``: the parsed TRAIN config)."""
     config = msg.content.config_records["config"]
     payload = from_wire(msg.content.config_records[SECAGG_RECORD], Key.MASKED_PARAMETERS)
     stage = payload.get(Key.STAGE)
+    signing_key, enrolled = signing_mode(context.node_config)
     if stage == Stage.SETUP:
-        client = SecAggClient(int(context.node_id))
+        client = SecAggClient(int(context.node_id), run=request.nonce, round_=request.round,
+                              signing_key=signing_key, enrolled=enrolled)
     elif STATE_RECORD in context.state.config_records:
-        client = SecAggClient.from_state(context.state.config_records[STATE_RECORD])
+        client = SecAggClient.from_state(context.state.config_records[STATE_RECORD], signing_key=signing_key,
+                                         enrolled=enrolled)
     else:
         raise SecAggError(f"secure-aggregation stage {stage!r} without a setup on this node")
     vector = _words(msg, config, client, task, request) if stage == Stage.COLLECT_MASKED_VECTORS else None

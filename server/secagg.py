@@ -1,25 +1,37 @@
 """SecAgg+ on the server: one round's secure sum as a state machine over plain dict payloads.
 
 Bell, Bonawitz, Gascón, Lepoint, Raykova, "Secure Single-Server Aggregation with
-(Poly)Logarithmic Overhead", CCS 2020 (Alg. 1, semi-honest server). Four stages, each one
-``requests()`` (node id → payload to send) and one ``receive(replies)`` (node id → payload
-received, absent = dropped):
+(Poly)Logarithmic Overhead", CCS 2020 (Alg. 1), with the consistency check of its
+malicious-server variant (Sec. 5; Bonawitz et al., CCS 2017, ConsistencyCheck). Five stages,
+each one ``requests()`` (node id → payload to send) and one ``receive(replies)`` (node id →
+payload received, absent = dropped):
 
 1. setup: the session, threshold t, modulus bits, vector length and each client's neighbours
    in a fresh random k-regular (Harary) graph → two public keys per client (mask key agreement,
-   share encryption).
-2. share keys: each client's neighbourhood's public keys → its encrypted Shamir shares of its
-   mask seed and mask key (one per neighbour), a commitment to its seed, and a salted commitment to
-   each share it deals (``fedmf.secagg.messages.commit_share``).
+   share encryption), its Ed25519 signing key and its signature over (run, round, session, node,
+   signing key, both public keys) (``fedmf.secagg.signing``); a bad signature is refused here.
+2. share keys: each client's neighbourhood's public keys, signing keys and key signatures → its
+   encrypted Shamir shares of its mask seed and mask key (one per neighbour), a commitment to its
+   seed, and a salted commitment to each share it deals (``fedmf.secagg.messages.commit_share``).
+   The client checks every signature (against the enrolled keys where it holds the enrollment).
 3. collect masked vectors: the shares addressed to each client, with their owners' commitments
-   (which the client checks) → its words + self mask ± the
-   pairwise masks of its neighbours that reached this stage, modulo 2^b. The whole vector is
-   masked, adaptive clipping's bit included; every client weighs the same (no example counts).
-4. unmask: which neighbours survived and which dropped → the seed shares of survivors and the
-   key shares of the dropped. The server checks each share against its commitment, reconstructs
-   each secret from t committed shares, checks it
-   (the seed against its commitment, the key against its public key), removes the masks and
-   holds the modular sum of the survivors' words (``result``).
+   (which the client checks) → its words + self mask ± the pairwise masks of its neighbours that
+   reached this stage, modulo 2^b. The whole vector is masked, adaptive clipping's bit included;
+   every client weighs the same (no example counts).
+4. consistency check: the survivor set U3 (all of it: Bell et al. restrict it to each
+   neighbourhood to save bandwidth) → the client's signature over (run, round, session, node,
+   its pk1, U3). A missing or bad signature is refused; since a survivor's seed share is
+   revealed only with its own signature on U3, any survivor that did not sign aborts the round
+   (a redo).
+5. unmask: which neighbours survived and which dropped, and the signatures of the client's
+   neighbours on the same U3 → the seed shares of the survivors (each with its signature) and
+   the key shares of the dropped. A client answers only with ≥ t signatures (its own included)
+   from its neighbourhood on exactly the U3 it signed, and only for the lists that U3 and those
+   signatures give: a server that tells holders different stories about who dropped cannot
+   gather both halves of one client's masks (docs/secagg-consistency.md). The server checks each
+   share against its commitment, reconstructs each secret from t committed shares, checks it (the
+   seed against its commitment, the key against its public key), removes the masks and holds the
+   modular sum of the survivors' words (``result``).
 
 Crypto is Flower's: ECDH key agreement with HKDF and Fernet encryption
 (``flwr.common.secure_aggregation.crypto``), Shamir sharing (pycryptodome under the same
@@ -61,25 +73,36 @@ from flwr.common.secure_aggregation.crypto.symmetric_encryption import generate_
 from flwr.common.secure_aggregation.secaggplus_constants import Key, Stage
 from flwr.supercore.primitives.asymmetric import bytes_to_private_key, bytes_to_public_key
 
+from fedmf.enrollment import EnrolledKey
 from fedmf.secagg.errors import SecAggAbort, SecAggError
 from fedmf.secagg.masks import PAIRWISE_MASK, SELF_MASK, expand_mask, mod_add, mod_sub, mod_sum
 from fedmf.secagg.messages import (
     BITS,
     COMMITMENT,
+    CONSISTENCY_CHECK,
     KEY_SHARE,
     KEY_SHARE_COMMITMENTS,
+    KEY_SIGNATURE,
+    KEY_SIGNATURES,
     LENGTH,
     NEIGHBOURS,
     SALT_BYTES,
     SEED_SHARE,
     SEED_SHARE_COMMITMENTS,
     SESSION,
+    SIGNATURE,
+    SIGNATURES,
+    SIGNERS,
+    SIGNING_KEY,
+    SIGNING_KEYS,
+    SURVIVORS,
     commit_seed,
     commit_share,
     share_index,
     split_share,
 )
 from fedmf.secagg.params import SecAggParams
+from fedmf.secagg.signing import consistency_statement, keys_statement, verifier
 
 __all__ = ["SecAggServer", "DONE", "ABORTED", "harary_graph"]
 
@@ -152,10 +175,12 @@ def harary_graph(nodes: Sequence[int], degree: int, rng: random.Random) -> dict[
 class SecAggServer:
     """One round's SecAgg+ aggregation of ``length`` words modulo 2^``params.bits`` over the
     sampled ``node_ids``. ``session`` names the round attempt (fresh random bytes by default);
-    ``rng`` draws the graph (the operating system's generator by default)."""
+    ``rng`` draws the graph (the operating system's generator by default); ``run`` (the run
+    nonce) and ``round_`` go into every signed statement, as the clients were told them."""
 
     def __init__(self, params: SecAggParams, length: int, node_ids: Sequence[int], *,
-                 session: bytes | None = None, rng: random.Random | None = None) -> None:
+                 session: bytes | None = None, rng: random.Random | None = None, run: str = "",
+                 round_: int = 0) -> None:
         if not isinstance(params, SecAggParams):
             raise SecAggError(f"params must be SecAggParams, got {type(params).__name__}")
         if isinstance(length, bool) or not isinstance(length, int) or length < 1:
@@ -169,8 +194,11 @@ class SecAggServer:
         if len(ids) < params.threshold:
             raise SecAggAbort(f"secure aggregation aborted at setup: {len(ids)} sampled clients, below the "
                               f"threshold {params.threshold}")
+        if not isinstance(run, str) or isinstance(round_, bool) or not isinstance(round_, int) or round_ < 0:
+            raise SecAggError("run must be a string and round a non-negative integer")
         self.params = params
         self.length = length
+        self.run, self.round = run, round_
         self.session = session if session is not None else random.SystemRandom().randbytes(16)
         if not isinstance(self.session, bytes) or not 16 <= len(self.session) <= 64:
             raise SecAggError("session must be 16 to 64 bytes")
@@ -187,6 +215,10 @@ class SecAggServer:
         self.u1: frozenset[int] = frozenset()
         self.u2: frozenset[int] = frozenset()
         self.u3: frozenset[int] = frozenset()
+        #: the survivors that signed U3 at the consistency check (asked at unmask)
+        self.u4: frozenset[int] = frozenset()
+        self._signing: dict[int, tuple[bytes, EnrolledKey, bytes]] = {}
+        self._consistency: dict[int, bytes] = {}
         self._pk1: dict[int, bytes] = {}
         self._pk2: dict[int, bytes] = {}
         self._commitments: dict[int, bytes] = {}
@@ -206,14 +238,17 @@ class SecAggServer:
     @property
     def dropped(self) -> frozenset[int]:
         """Sampled clients whose vectors are not in the sum."""
-        return self.sampled - self.u3 if self.stage == DONE else self.sampled - self._alive()
+        if self.stage in (DONE, CONSISTENCY_CHECK, Stage.UNMASK):
+            return self.sampled - self.u3
+        return self.sampled - self._alive()
 
     def requests(self) -> dict[int, dict[str, Any]]:
         """The payload of the current stage for each client still taking part."""
         self._check_open()
         make: Callable[[int], dict[str, Any]] = {
             Stage.SETUP: self._setup_request, Stage.SHARE_KEYS: self._share_keys_request,
-            Stage.COLLECT_MASKED_VECTORS: self._collect_request, Stage.UNMASK: self._unmask_request,
+            Stage.COLLECT_MASKED_VECTORS: self._collect_request, CONSISTENCY_CHECK: self._consistency_request,
+            Stage.UNMASK: self._signed_unmask_request,
         }[self.stage]
         return {u: {Key.STAGE: self.stage, SESSION: self.session, **make(u)} for u in sorted(self._alive())}
 
@@ -224,7 +259,8 @@ class SecAggServer:
             raise SecAggError("replies must be a mapping of node ids to payloads")
         stage, alive = self.stage, self._alive()
         read = {Stage.SETUP: self._read_setup, Stage.SHARE_KEYS: self._read_share_keys,
-                Stage.COLLECT_MASKED_VECTORS: self._read_collect, Stage.UNMASK: self._read_unmask}[stage]
+                Stage.COLLECT_MASKED_VECTORS: self._read_collect, CONSISTENCY_CHECK: self._read_consistency,
+                Stage.UNMASK: self._read_unmask}[stage]
         accepted: dict[int, Any] = {}
         for node, payload in replies.items():
             if not _is_node_id(node) or int(node) not in alive:
@@ -251,7 +287,7 @@ class SecAggServer:
 
     def _alive(self) -> frozenset[int]:
         return {Stage.SETUP: self.sampled, Stage.SHARE_KEYS: self.u1, Stage.COLLECT_MASKED_VECTORS: self.u2,
-                Stage.UNMASK: self.u3}.get(self.stage, frozenset())
+                CONSISTENCY_CHECK: self.u3, Stage.UNMASK: self.u4}.get(self.stage, frozenset())
 
     def _check_open(self) -> None:
         if self.stage == DONE:
@@ -270,7 +306,8 @@ class SecAggServer:
     def _share_keys_request(self, u: int) -> dict[str, Any]:
         members = sorted(self._members(u))
         return {Key.NODE_ID_LIST: members, Key.PUBLIC_KEY_1: [self._pk1[v] for v in members],
-                Key.PUBLIC_KEY_2: [self._pk2[v] for v in members]}
+                Key.PUBLIC_KEY_2: [self._pk2[v] for v in members], SIGNING_KEYS: [self._signing[v][0] for v in members],
+                KEY_SIGNATURES: [self._signing[v][2] for v in members]}
 
     def _collect_request(self, u: int) -> dict[str, Any]:
         srcs = sorted(self._forward[u])
@@ -278,22 +315,45 @@ class SecAggServer:
                 SEED_SHARE_COMMITMENTS: [self._share_commitments[v][u][0] for v in srcs],
                 KEY_SHARE_COMMITMENTS: [self._share_commitments[v][u][1] for v in srcs]}
 
+    def _consistency_request(self, u: int) -> dict[str, Any]:
+        return {SURVIVORS: sorted(self.u3)}
+
     def _unmask_request(self, u: int) -> dict[str, Any]:
         return {Key.ACTIVE_NODE_ID_LIST: sorted((self.neighbours[u] & self.u3) | {u}),
                 Key.DEAD_NODE_ID_LIST: sorted(self.neighbours[u] & (self.u2 - self.u3))}
+
+    def _signed_unmask_request(self, u: int) -> dict[str, Any]:
+        """The unmask lists, with the consistency signatures of ``u``'s neighbours that signed U3."""
+        signers = sorted((self._members(u) & self.u4) - {u})
+        return {**self._unmask_request(u), SIGNERS: signers, SIGNATURES: [self._consistency[v] for v in signers]}
 
     @staticmethod
     def _exact_keys(payload: Mapping[str, Any], keys: set[str]) -> None:
         if set(payload) != keys | {Key.STAGE}:
             raise _Reject(f"a reply must carry exactly {sorted(keys | {Key.STAGE})}")
 
-    def _read_setup(self, u: int, payload: Mapping[str, Any]) -> tuple[bytes, bytes]:
-        self._exact_keys(payload, {Key.PUBLIC_KEY_1, Key.PUBLIC_KEY_2})
+    def _read_setup(self, u: int, payload: Mapping[str, Any]) -> tuple[bytes, bytes, bytes, EnrolledKey, bytes]:
+        self._exact_keys(payload, {Key.PUBLIC_KEY_1, Key.PUBLIC_KEY_2, SIGNING_KEY, KEY_SIGNATURE})
         pk1, pk2 = payload[Key.PUBLIC_KEY_1], payload[Key.PUBLIC_KEY_2]
         _public_key(pk1), _public_key(pk2)
         if pk1 == pk2:
             raise _Reject("the two public keys are equal")
-        return pk1, pk2
+        raw, signature = payload[SIGNING_KEY], payload[KEY_SIGNATURE]
+        key = verifier(raw)
+        if key is None:
+            raise _Reject("the signing key is not a valid Ed25519 public key")
+        if not isinstance(signature, bytes) or not key.verify(
+                signature, keys_statement(self.run, self.round, self.session, u, raw, pk1, pk2)):
+            raise _Reject("the signature over the public keys does not verify")
+        return pk1, pk2, raw, key, signature
+
+    def _read_consistency(self, u: int, payload: Mapping[str, Any]) -> bytes:
+        self._exact_keys(payload, {SIGNATURE})
+        signature = payload[SIGNATURE]
+        statement = consistency_statement(self.run, self.round, self.session, u, self._pk1[u], self.u3)
+        if not isinstance(signature, bytes) or not self._signing[u][1].verify(signature, statement):
+            raise _Reject("the signature over the survivor set does not verify")
+        return signature
 
     def _read_share_keys(self, u: int, payload: Mapping[str, Any]) -> tuple[dict[int, bytes], bytes,
                                                                             dict[int, tuple[bytes, bytes]]]:
@@ -342,14 +402,14 @@ class SecAggServer:
     def _advance(self, stage: str, accepted: dict[int, Any]) -> None:
         if stage == Stage.SETUP:
             counts: dict[bytes, int] = {}
-            for pk1, pk2 in accepted.values():
-                counts[pk1] = counts.get(pk1, 0) + 1
-                counts[pk2] = counts.get(pk2, 0) + 1
-            for u, (pk1, pk2) in sorted(accepted.items()):
-                if counts[pk1] > 1 or counts[pk2] > 1:
+            for keys in accepted.values():
+                for raw in keys[:3]:
+                    counts[raw] = counts.get(raw, 0) + 1
+            for u, (pk1, pk2, raw, key, signature) in sorted(accepted.items()):
+                if counts[pk1] > 1 or counts[pk2] > 1 or counts[raw] > 1:
                     self.rejected[u] = f"{stage}: a public key is also another client's"
                 else:
-                    self._pk1[u], self._pk2[u] = pk1, pk2
+                    self._pk1[u], self._pk2[u], self._signing[u] = pk1, pk2, (raw, key, signature)
             self.u1 = frozenset(self._pk1)
             self._check_holders(stage, self.u1, self.u1, self.u1)
             self.stage = Stage.SHARE_KEYS
@@ -369,6 +429,16 @@ class SecAggServer:
             self._forward = {}
             self._masked_sum = mod_sum((accepted[u] for u in sorted(self.u3)), self.length, self.params.bits)
             self._check_holders(stage, self.u3, self.u2, self.u3)
+            self.stage = CONSISTENCY_CHECK
+        elif stage == CONSISTENCY_CHECK:
+            # a survivor's seed share is revealed only with its own signature on U3: one that did not
+            # sign keeps its self mask, so the round cannot complete (a redo, nobody blamed)
+            self.u4 = frozenset(accepted)
+            self._consistency = dict(accepted)
+            if self.u3 - self.u4:
+                raise SecAggAbort(f"secure aggregation aborted at {stage}: {len(self.u3 - self.u4)} of "
+                                  f"{len(self.u3)} survivors did not sign the survivor set, so their self masks "
+                                  f"cannot be removed")
             self.stage = Stage.UNMASK
         else:
             self.result = self._unmask(accepted)

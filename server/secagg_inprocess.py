@@ -78,8 +78,10 @@ class SecureCohort:
                                                   metric=values.get(user))
             except SecAggError as e:  # the ClientApp would answer the collect stage with an error
                 refused[user] = str(e)
-        self.server = server = SecAggServer(self.params, q.length, sorted(user_of))
-        clients = {node: SecAggClient(node) for node in user_of}
+        # every signature binds the run and the round (one process plays both ends: no enrollment)
+        bound = {"run": str(run.run_id), "round_": int(selection.round)}
+        self.server = server = SecAggServer(self.params, q.length, sorted(user_of), **bound)
+        clients = {node: SecAggClient(node, **bound) for node in user_of}
         silent: set[int] = set()
         while server.result is None:  # every stage the server asks for, until it holds the sum
             replies: dict[int, object] = {}

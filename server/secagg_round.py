@@ -2,14 +2,18 @@
 
     total = SecureRound(params, quantization, layout).run(grid, expected, config, arrays, collect_timeout)
 
-Each stage is one TRAIN message per node still in the protocol — ``{"config": the round's TRAIN
+The stages (``STAGES``) are Flower's four with ``CONSISTENCY_CHECK`` before unmask; the round's
+run nonce and round number go into every statement the clients sign. Each stage is one TRAIN
+message per node still in the protocol — ``{"config": the round's TRAIN
 config and the encoding's parameters, "secagg": the stage's payload}``, the collect stage's also
 ``{"arrays": the committed model}`` — sent with ``grid.send_and_receive`` under the stage timeout
 (the collect stage, where clients train, at least the round's reply timeout). A reply is read only
 from a node that was asked, that echoes the round, the run nonce and its user, and that is not an
 error; everything else about it is checked by the state machine. A node that is silent, errs or is
 refused at a stage has dropped out: SecAgg+ removes its masks from the survivors' sum from the
-shares of t neighbours. Below the threshold ``SecAggAbort`` propagates: the strategy aborts the
+shares of t neighbours — except at the consistency check, where a survivor that does not sign
+the survivor set aborts the attempt (its seed share is revealed only with its signature). Below
+the threshold ``SecAggAbort`` propagates: the strategy aborts the
 round (nothing of it was noised or released) and redoes it with fresh noise, leaving out the
 clients whose shares proved them at fault (``SecAggServer.culprits``). A cohort below the
 threshold from the start (a small amplified draw) runs no protocol: its users count as dropped and
@@ -38,7 +42,7 @@ from flwr.serverapp import Grid
 from fedmf.errors import ConfigError
 from fedmf.secagg.encode import quantization_for
 from fedmf.secagg.errors import SecAggError
-from fedmf.secagg.messages import SECAGG_RECORD, from_wire, to_wire
+from fedmf.secagg.messages import CONSISTENCY_CHECK, SECAGG_RECORD, from_wire, to_wire
 from fedmf.secagg.params import SecAggParams
 from fedmf.secagg.quantize import Quantization, check_no_wrap, decode_sum
 from fedmf.secagg.secure_sum import SecureSum
@@ -51,7 +55,7 @@ if TYPE_CHECKING:
 __all__ = ["SecureRound", "STAGES", "run_quantization"]
 
 log = logging.getLogger("fedmf.server")
-STAGES = (Stage.SETUP, Stage.SHARE_KEYS, Stage.COLLECT_MASKED_VECTORS, Stage.UNMASK)
+STAGES = (Stage.SETUP, Stage.SHARE_KEYS, Stage.COLLECT_MASKED_VECTORS, CONSISTENCY_CHECK, Stage.UNMASK)
 _MAX_REASON = 200
 
 
@@ -113,7 +117,8 @@ class SecureRound:
             # cannot hear from (deterministic: a redo would draw the same cohort)
             return SecureSum(np.zeros(q.dim), 0 if q.with_bit else None, frozenset(), q.inflation, excluded,
                              0.0 if q.metric_clip is not None else None)
-        self.server = server = SecAggServer(self.params, q.length, sorted(user_of), rng=self.rng)
+        self.server = server = SecAggServer(self.params, q.length, sorted(user_of), rng=self.rng,
+                                            run=str(config["run-nonce"]), round_=int(config["round"]))
         refused: dict[Hashable, str] = {}
         for stage in STAGES:
             requests = server.requests()

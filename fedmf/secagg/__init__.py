@@ -15,8 +15,11 @@ the sum needs beyond Flower's cryptography:
 * ``sensitivity.py``: ζ_eff = ζ · inflation, the clip norm the sensitivity takes in this mode.
 * ``masks.py``: masks expanded from 32-byte secrets (HKDF + ChaCha20 from ``cryptography``),
   arithmetic modulo 2^b.
-* ``messages.py``: what both ends agree on beyond Flower's record keys (extra keys, share
-  order, the commitment to a mask seed, the wire form of a payload in a ConfigRecord).
+* ``messages.py``: what both ends agree on beyond Flower's record keys (the consistency check's
+  stage, extra keys, share order, the commitment to a mask seed, the wire form of a payload in a
+  ConfigRecord).
+* ``signing.py``: the byte strings clients sign (their advertised keys, the survivor set U3;
+  domain-separated, length-prefixed Ed25519 statements) and the key helpers to check them.
 * ``encode.py``: what a client does before masking (checks, ℓ∞ zeroing, clip to ζₜ, ÷ ζₜ and the
   bit under adaptive clipping, quantize) and the run's one ``Quantization`` (``quantization_for``).
 * ``secure_sum.py``: ``SecureSum``, the decoded sum, the decoded count, the contributors, the
@@ -25,10 +28,11 @@ the sum needs beyond Flower's cryptography:
   scaling, σ from ζ_eff, ÷ the planned m; the count release reads the decoded count).
 * ``errors.py``: ``SecAggError`` and ``SecAggAbort`` (``FedmfError`` family).
 
-The protocol itself lives in the adapters: ``server/secagg.py`` (the server's four stages as a
+The protocol itself lives in the adapters: ``server/secagg.py`` (the server's five stages as a
 pure state machine over plain dict payloads, dropouts recovered from ≥ t shares, abort below
 the threshold, hostile replies rejected) and ``client/secagg.py`` (the client's answers and its
-checks against a lying server), both on Flower's primitives (key agreement, Fernet, Shamir).
+checks against a lying server, which hold against a deviating server where the node holds the
+enrollment: docs/secagg-consistency.md), both on Flower's primitives (key agreement, Fernet, Shamir).
 Wired into a round of the Flower app (run-config ``secure-aggregation = "secaggplus"``):
 ``server/secagg_round.py`` runs the stages over the Grid, one TRAIN message per stage per node,
 for ``server/strategy.py`` (a ``SecAggAbort`` aborts the round, which is redone with fresh noise);
@@ -42,7 +46,7 @@ plan records the protocol, its parameters and the inflation (``RunPlan.with_secu
 the fingerprint, σ from ζ_eff), ``fedmf audit`` prints them; the private client metric travels as
 the last masked word (``quantize.metric_word``).
 
-Not built yet (issue 36): a real-process run on loopback with TLS and node authentication; the
-cost benchmarks (BENCHMARKS.md) and deploy/README; Bell et al.'s consistency round against a server
-lying about dropouts (today limited only by 2t > k + 1).
+Bell et al.'s consistency round (a survivor set U3 signed by the clients before any share is
+revealed; ``signing.py``) guards against a server lying about dropouts; with enrolled users the
+SecAgg+ keys are signed with their enrolled keys (docs/secagg-consistency.md).
 """

@@ -1,8 +1,14 @@
 """What both ends of SecAgg+ must agree on beyond Flower's record keys
 (``flwr.common.secure_aggregation.secaggplus_constants.Key``, used by the adapters).
 
+* A fifth stage, ``CONSISTENCY_CHECK`` (Flower's ``Stage`` has none; named in its style), between
+  collect and unmask: the survivor set U3 to each survivor, its signature back, and the
+  neighbours' signatures forwarded with the unmask request (``fedmf.secagg.signing``).
 * Extra payload keys: the round's session, the modulus bits, the vector length, the neighbour
-  list sent at setup, and the commitment to the mask seed sent with the shares.
+  list sent at setup, and the commitment to the mask seed sent with the shares; the signing key
+  and the signature over the advertised keys (setup reply; forwarded per member at share keys);
+  the survivors, a client's signature over them, and the signers and signatures forwarded at
+  unmask.
 * Share order: a client's secret is split into one share per member of its neighbourhood
   (itself included), share i + 1 to the i-th smallest node id; the server checks each share's
   index against its holder.
@@ -32,7 +38,8 @@ import numpy as np
 
 __all__ = ["SECAGG_RECORD", "SESSION", "BITS", "LENGTH", "NEIGHBOURS", "COMMITMENT", "SEED_BYTES", "share_order", "share_index",
            "commit_seed", "SEED_SHARE_COMMITMENTS", "KEY_SHARE_COMMITMENTS", "SEED_SHARE", "KEY_SHARE",
-           "SALT_BYTES", "commit_share", "split_share", "to_wire", "from_wire"]
+           "SALT_BYTES", "commit_share", "split_share", "to_wire", "from_wire", "CONSISTENCY_CHECK", "SIGNING_KEY",
+           "KEY_SIGNATURE", "SIGNING_KEYS", "KEY_SIGNATURES", "SURVIVORS", "SIGNATURE", "SIGNERS", "SIGNATURES"]
 
 #: the Flower ConfigRecord holding a stage's payload, in the request and in the reply
 SECAGG_RECORD = "secagg"
@@ -45,6 +52,16 @@ SEED_SHARE_COMMITMENTS = "seed-share-commitments"
 KEY_SHARE_COMMITMENTS = "key-share-commitments"
 #: what a share commits to: the mask seed (self mask) or the mask key (pairwise masks)
 SEED_SHARE, KEY_SHARE = b"s", b"k"
+#: the consistency check's stage name, between Stage.COLLECT_MASKED_VECTORS and Stage.UNMASK
+CONSISTENCY_CHECK = "consistency_check"
+SIGNING_KEY = "signing-key"
+KEY_SIGNATURE = "key-signature"
+SIGNING_KEYS = "signing-keys"
+KEY_SIGNATURES = "key-signatures"
+SURVIVORS = "survivors"
+SIGNATURE = "signature"
+SIGNERS = "signers"
+SIGNATURES = "signatures"
 
 #: a client's mask seed: 32 random bytes from the operating system
 SEED_BYTES = 32

@@ -81,12 +81,17 @@ class SecAggParams:
     of the k + 1 shares of its neighbourhood (one kept by itself). t − 1 colluding shareholders
     learn nothing of a secret; each honest client reveals, for each neighbour, either the share of
     its mask seed (it survived) or of its mask key (it dropped), never both, and 2t > k + 1 is
-    enforced. That bounds an honest-but-curious server only: without Bell et al.'s consistency round
-    (clients signing the survivor set) a server that tells shareholders different stories about who
-    dropped gathers one client's mask seed and its neighbours' mask keys, and unmasks that client
-    (docs/reviews/REVIEW-i36-secagg.md, HIGH-1; SecAgg+ public keys are not yet bound to enrolled
-    identities either, MEDIUM-1). The preview is for an honest-but-curious server. On the other side, a client whose surviving shareholders are fewer than t makes
-    the round abort (nothing released): t trades privacy against tolerance of dropouts.
+    enforced. Against a server that lies about who dropped, the consistency check (Bonawitz et al.,
+    CCS 2017; Bell et al., Sec. 5) makes every client sign the survivor set U3 before any share is
+    revealed, and reveal only with t signatures of its neighbourhood on the U3 it signed, a seed
+    share only with its owner's signature (docs/secagg-consistency.md). That holds against a
+    deviating server **only in enrolled mode**: each node holds the enrollment (node config
+    ``enrollment-file`` and ``user-key``), so that the SecAgg+ keys and signatures are bound to
+    enrolled users and a server cannot substitute or simulate neighbours. Without an enrollment
+    (Flower's simulation, declared-insecure identity) the server is trusted: honest-but-curious.
+    Either way t or more colluding neighbours of a client unmask it. On the other side, a client
+    whose surviving shareholders are fewer than t makes the round abort (nothing released), and
+    so does a survivor that does not sign U3: t trades privacy against tolerance of dropouts.
 
     ``bits`` (b): the sum is computed modulo 2^b, the masks are uniform modulo 2^b, so one masked
     vector is uniform to the server. The planned cohort's clipped, quantized sum must not wrap

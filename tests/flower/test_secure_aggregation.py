@@ -8,13 +8,14 @@ from __future__ import annotations
 import logging
 
 import pytest
+from flwr.app import MessageType
 from flwr.common.secure_aggregation.secaggplus_constants import Key, Stage
 
 from client.app import app as client_app
 from fedmf.errors import ConfigError
 from fedmf.run.private_run import REPEATABLE_NOISE_ENV
 from fedmf.secagg.errors import SecAggError
-from fedmf.secagg.messages import SECAGG_RECORD
+from fedmf.secagg.messages import CONSISTENCY_CHECK, SECAGG_RECORD
 from server.app import run_server
 from server.config import ServerConfig
 from server.local_grid import LocalGrid, client_node
@@ -258,3 +259,52 @@ def test_the_flower_backend_reads_a_secure_run_back_with_its_plan(tmp_path, logs
                                                                                            "reply"))})
     with pytest.raises(PlanMismatch, match="another plan"):  # the central plan is not the one that ran
         flower_result(engine, model=tiny.model(), evaluate=tiny.evaluate, plot=False)
+
+
+def _enrolled_nodes(tmp_path):
+    """The real ClientApp on each node, each holding the enrollment of all users and its own key."""
+    from fedmf.enrollment import Enrollment, generate_key_pair
+
+    keys = {i: tmp_path / f"user-{i}.pem" for i in range(USERS)}
+    Enrollment({str(i): generate_key_pair(path) for i, path in keys.items()}).save(tmp_path / "enrollment.json")
+    return {9000 + 7 * i: client_node(client_app, {"partition-id": i, "num-partitions": USERS, "user-key": str(keys[i]),
+                                                   "enrollment-file": str(tmp_path / "enrollment.json")}, 9000 + 7 * i)
+            for i in range(USERS)}
+
+
+def test_enrolled_nodes_sign_their_keys_and_the_survivor_set(tmp_path, logs):
+    """Every node holds the enrollment: each checks its neighbours' signed keys against it and signs
+    U3 with its user key; the rounds commit as in the unverified mode."""
+    grid = SpyGrid(_enrolled_nodes(tmp_path))
+    strategy = run_server(grid, _config(tmp_path, "enrolled", rounds=1, **{**SECURE, "min-sep": 1}))
+    [record] = strategy.history
+    assert (record.selected, record.contributed, record.rejected, record.dropped) == (PER_ROUND, PER_ROUND, 0, 0)
+    answered = [r for r in grid.replies if r.has_content() and SECAGG_RECORD in r.content.config_records]
+    stages = [r.content.config_records[SECAGG_RECORD][Key.STAGE] for r in answered]
+    assert stages.count(CONSISTENCY_CHECK) == PER_ROUND and stages.count(Stage.UNMASK) == PER_ROUND
+
+
+def test_an_enrollment_without_a_user_key_is_refused(tmp_path):
+    from client.secagg_app import signing_mode
+
+    assert signing_mode({"partition-id": 1, "user-key": "ignored without an enrollment"}) == (None, None)
+    with pytest.raises(ConfigError, match="enrollment-file needs user-key") as caught:
+        signing_mode({"enrollment-file": str(tmp_path / "enrollment.json")})
+    assert "\n" not in str(caught.value)
+
+
+def test_a_node_that_requires_secure_aggregation_refuses_a_plain_train(tmp_path, logs):
+    """A deviating server could skip SecAgg+ and ask for the clear update: a node configured with
+    require-secure-aggregation answers a plain TRAIN with an error reply, and none of its updates
+    reaches the server."""
+    nodes = {i: client_node(client_app, {"partition-id": i, "num-partitions": USERS,
+                                         "require-secure-aggregation": True}, 9000 + 7 * i) for i in range(USERS)}
+    grid = SpyGrid({9000 + 7 * i: node for i, node in nodes.items()})
+    strategy = run_server(grid, _config(tmp_path, "central", rounds=1, **{"min-sep": 1}))
+    assert [r.contributed for r in strategy.history] == [0]
+    trains = [r for r in grid.replies if r.metadata.message_type == MessageType.TRAIN]
+    assert len(trains) >= PER_ROUND and all(r.has_error() and "only under secure aggregation" in r.error.reason
+                                            for r in trains)
+    secure = run_server(SpyGrid({9000 + 7 * i: node for i, node in nodes.items()}),
+                        _config(tmp_path, "secure", rounds=1, **{**SECURE, "min-sep": 1}))
+    assert [r.contributed for r in secure.history] == [PER_ROUND]

@@ -7,25 +7,31 @@ import random
 from collections.abc import Callable, Mapping
 
 import numpy as np
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from flwr.common.secure_aggregation.secaggplus_constants import Stage
 
 from client.secagg import SecAggClient
+from fedmf.secagg.messages import CONSISTENCY_CHECK
 from fedmf.secagg.params import SecAggParams
+from fedmf.secagg.signing import public_bytes
 from server.secagg import SecAggServer
 
-STAGES = (Stage.SETUP, Stage.SHARE_KEYS, Stage.COLLECT_MASKED_VECTORS, Stage.UNMASK)
+STAGES = (Stage.SETUP, Stage.SHARE_KEYS, Stage.COLLECT_MASKED_VECTORS, CONSISTENCY_CHECK, Stage.UNMASK)
 
 Tamper = Callable[[str, int, dict], object]
 
 
 def run_round(params: SecAggParams, words: Mapping[int, np.ndarray], *, drop: Mapping[str, set[int]] | None = None,
-              tamper: Tamper | None = None, graph_seed: int = 0) -> SecAggServer:
-    """Play the four stages; ``drop[stage]`` stay silent from that stage on; ``tamper`` may
-    replace a reply. Raises what the server raises (``SecAggAbort`` below the threshold)."""
+              tamper: Tamper | None = None, graph_seed: int = 0,
+              user_keys: Mapping[int, Ed25519PrivateKey] | None = None) -> SecAggServer:
+    """Play the five stages; ``drop[stage]`` stay silent from that stage on; ``tamper`` may
+    replace a reply; ``user_keys``: each node's enrolled key (every client then holds the
+    enrollment of all of them), else ephemeral keys. Raises what the server raises
+    (``SecAggAbort`` below the threshold)."""
     drop = drop or {}
     length = len(next(iter(words.values())))
-    server = SecAggServer(params, length, list(words), rng=random.Random(graph_seed))
-    clients = {u: SecAggClient(u) for u in words}
+    server = SecAggServer(params, length, list(words), rng=random.Random(graph_seed), run="run", round_=3)
+    clients = {u: make_client(u, user_keys) for u in words}
     silent: set[int] = set()
     for stage in STAGES:
         silent |= set(drop.get(stage, ()))
@@ -37,6 +43,15 @@ def run_round(params: SecAggParams, words: Mapping[int, np.ndarray], *, drop: Ma
             replies[u] = tamper(stage, u, reply) if tamper else reply
         server.receive(replies)
     return server
+
+
+def make_client(u: int, user_keys: Mapping[int, Ed25519PrivateKey] | None = None, **context) -> SecAggClient:
+    """Node ``u``'s client for the drive's run and round (enrolled when ``user_keys`` are given)."""
+    context = {"run": "run", "round_": 3, **context}
+    if user_keys is None:
+        return SecAggClient(u, **context)
+    enrolled = frozenset(public_bytes(k) for k in user_keys.values())
+    return SecAggClient(u, signing_key=user_keys[u], enrolled=enrolled, **context)
 
 
 def random_words(nodes: list[int], length: int, bits: int, seed: int = 0) -> dict[int, np.ndarray]:

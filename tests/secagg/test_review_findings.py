@@ -11,6 +11,7 @@ import random
 
 import numpy as np
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from flwr.common.secure_aggregation.crypto.shamir import combine_shares, create_shares
 from flwr.common.secure_aggregation.crypto.symmetric_encryption import decrypt, encrypt, generate_shared_key
 from flwr.common.secure_aggregation.secaggplus_constants import Key, Stage
@@ -30,20 +31,30 @@ from fedmf.secagg.errors import SecAggAbort, SecAggError
 from fedmf.secagg.masks import PAIRWISE_MASK, SELF_MASK, expand_mask, mod_add, mod_sub, mod_sum
 from fedmf.secagg.messages import (
     BITS,
+    CONSISTENCY_CHECK,
     KEY_SHARE,
     KEY_SHARE_COMMITMENTS,
+    KEY_SIGNATURE,
+    KEY_SIGNATURES,
     LENGTH,
     NEIGHBOURS,
     SALT_BYTES,
     SEED_SHARE,
     SEED_SHARE_COMMITMENTS,
     SESSION,
+    SIGNATURE,
+    SIGNATURES,
+    SIGNERS,
+    SIGNING_KEY,
+    SIGNING_KEYS,
+    SURVIVORS,
     commit_share,
     split_share,
 )
 from fedmf.secagg.params import SecAggParams
+from fedmf.secagg.signing import keys_statement, public_bytes
 from server.secagg import DONE, SecAggServer, harary_graph
-from tests.secagg._drive import random_words, run_round
+from tests.secagg._drive import STAGES, make_client, random_words, run_round
 
 LENGTH_WORDS = 5
 
@@ -61,7 +72,7 @@ def _unmask_one(masked: np.ndarray, v: int, seed: bytes, pair_keys: dict[int, np
     return x
 
 
-# ---- HIGH: a server that lies about who dropped unmasks one client (no consistency round) ----------
+# ---- HIGH: a server that lies about who dropped unmasks one client (fixed: the consistency check) ------
 
 def _ring(nodes: list[int], seed: int) -> list[int]:
     order = sorted(nodes)
@@ -70,19 +81,24 @@ def _ring(nodes: list[int], seed: int) -> list[int]:
 
 
 def _honest_until_unmask(params: SecAggParams, nodes: list[int], graph_seed: int,
-                         trim: dict[int, int] | None = None):
+                         trim: dict[int, int | set[int]] | None = None, enrolled: bool = True):
     """Setup, share keys and collect played honestly, except that the server forwards to node v
-    only the first ``trim[v]`` sources' shares at collect (the client accepts any ≥ t − 1)."""
+    only the first ``trim[v]`` sources' shares at collect, or those in it when it is a set (the
+    client accepts any ≥ t − 1). The
+    clients are enrolled (each holds every user's public key) or not: keys are relayed honestly,
+    the lie is about dropouts only."""
     words = random_words(nodes, LENGTH_WORDS, params.bits, seed=7)
-    server = SecAggServer(params, LENGTH_WORDS, nodes, rng=random.Random(graph_seed))
-    clients = {u: SecAggClient(u) for u in nodes}
+    server = SecAggServer(params, LENGTH_WORDS, nodes, rng=random.Random(graph_seed), run="run", round_=3)
+    user_keys = {u: Ed25519PrivateKey.generate() for u in nodes}
+    clients = {u: make_client(u, user_keys if enrolled else None) for u in nodes}
     masked: dict[int, np.ndarray] = {}
     for stage in (Stage.SETUP, Stage.SHARE_KEYS, Stage.COLLECT_MASKED_VECTORS):
         replies = {}
         for u, request in server.requests().items():
             if stage == Stage.COLLECT_MASKED_VECTORS and u in (trim or {}):
-                keep = trim[u]
-                request = dict(request) | {key: request[key][:keep] for key in (
+                srcs = request[Key.SOURCE_LIST]
+                keep = [i for i, src in enumerate(srcs) if (i < trim[u] if isinstance(trim[u], int) else src in trim[u])]
+                request = dict(request) | {key: [request[key][i] for i in keep] for key in (
                     Key.SOURCE_LIST, Key.CIPHERTEXT_LIST, SEED_SHARE_COMMITMENTS, KEY_SHARE_COMMITMENTS)}
             replies[u] = clients[u].handle(request, words[u] if stage == Stage.COLLECT_MASKED_VECTORS else None)
             if stage == Stage.COLLECT_MASKED_VECTORS:
@@ -93,21 +109,40 @@ def _honest_until_unmask(params: SecAggParams, nodes: list[int], graph_seed: int
 
 def _lie_and_unmask(params, server, clients, masked, v: int, pairs: list[int],
                     dead_of: dict[int, set[int]]) -> np.ndarray | None:
-    """The unmask stage with a different survivor story per holder w (``dead_of[w]`` dropped, the
-    rest of its neighbourhood alive); then v's update from its seed and the mask keys of ``pairs``
-    (the nodes v masked with), or None when too few shares came back."""
+    """The consistency check and the unmask stage with a different survivor story per holder w
+    (``dead_of[w]`` dropped, everyone else alive): each holder is asked to sign its story, then is
+    sent every signature the server got on the same story from w's neighbours (the most a lying
+    server can forward) with the lists its story gives — the server's own (``dead_of[w]`` within
+    w's neighbourhood), else those w can derive (the signers' and w's seeds, or all its sources in
+    the story, and the keys of its sources outside it); then v's update from its seed and the mask
+    keys of ``pairs`` (the nodes v masked with), or None when too few shares came back."""
     shares: dict[int, dict[str, list[bytes]]] = {u: {"seed": [], "key": []} for u in server.sampled}
-    for w, dead_set in dead_of.items():
-        dead = sorted(dead_set)
-        active = sorted((server.neighbours[w] | {w}) - dead_set)
-        request = {Key.STAGE: Stage.UNMASK, SESSION: server.session, Key.ACTIVE_NODE_ID_LIST: active,
-                   Key.DEAD_NODE_ID_LIST: dead}
+    story = {w: sorted(server.u3 - dead_set) for w, dead_set in dead_of.items()}
+    signed: dict[int, bytes] = {}
+    for w in dead_of:
+        request = {Key.STAGE: CONSISTENCY_CHECK, SESSION: server.session, SURVIVORS: story[w]}
         try:
-            reply = clients[w].handle(request)
-        except SecAggError:  # a client that detects the lie reveals nothing
+            signed[w] = clients[w].handle(request)[SIGNATURE]
+        except SecAggError:  # a client told a story it can see is false signs nothing
             continue
-        for owner, share in zip(reply[Key.NODE_ID_LIST], reply[Key.SHARE_LIST]):
-            shares[owner]["key" if owner in dead_set else "seed"].append(split_share(share))
+    for w, dead_set in dead_of.items():
+        if w not in signed:
+            continue
+        signers = sorted(x for x in signed if x != w and x in server.neighbours[w] and story[x] == story[w])
+        sources = clients[w]._sources  # what the server forwarded to w at collect
+        lists = [(sorted((server.neighbours[w] | {w}) - dead_set), sorted(dead_set & server.neighbours[w])),
+                 (sorted({w, *signers}), sorted(sources - set(story[w]))),
+                 (sorted((sources & set(story[w])) | {w}), sorted(sources - set(story[w])))]
+        for active, dead in lists:
+            request = {Key.STAGE: Stage.UNMASK, SESSION: server.session, Key.ACTIVE_NODE_ID_LIST: active,
+                       Key.DEAD_NODE_ID_LIST: dead, SIGNERS: signers, SIGNATURES: [signed[x] for x in signers]}
+            try:
+                reply = clients[w].handle(request)
+            except SecAggError:  # a client that detects the lie reveals nothing
+                continue
+            for owner, share in zip(reply[Key.NODE_ID_LIST], reply[Key.SHARE_LIST]):
+                shares[owner]["key" if owner in dead else "seed"].append(split_share(share))
+            break
     t = params.threshold
     if len(shares[v]["seed"]) < t or any(len(shares[u]["key"]) < t for u in pairs):
         return None
@@ -117,9 +152,8 @@ def _lie_and_unmask(params, server, clients, masked, v: int, pairs: list[int],
     return _unmask_one(masked[v], v, seed, pair, params.bits)
 
 
-@pytest.mark.xfail(strict=True, reason="HIGH: no consistency round (agreed, signed U3): a server lying about "
-                                     "dropouts unmasks one client")
-def test_a_server_lying_about_dropouts_cannot_unmask_one_client():
+@pytest.mark.parametrize("enrolled", [False, True])
+def test_a_server_lying_about_dropouts_cannot_unmask_one_client(enrolled):
     """k = 4, t = 3 (2t > k + 1 holds), a sparse Harary graph. The server runs setup, share keys and
     collect honestly, then tells each holder a different story: every neighbour u of the target v
     "dropped" (to t of u's holders) and v "survived". No holder is asked for both secrets of one
@@ -129,8 +163,8 @@ def test_a_server_lying_about_dropouts_cannot_unmask_one_client():
     survivor set U3 before any share is revealed."""
     params = SecAggParams(degree=4, threshold=3, bits=16, scale=1.0)
     nodes = list(range(101, 111))
-    server, clients, masked, words = _honest_until_unmask(params, nodes, 3)
-    assert server.stage == Stage.UNMASK and server.u3 == frozenset(nodes)  # nobody dropped
+    server, clients, masked, words = _honest_until_unmask(params, nodes, 3, enrolled=enrolled)
+    assert server.stage == CONSISTENCY_CHECK and server.u3 == frozenset(nodes)  # nobody dropped
     order = _ring(nodes, 3)
     assert all(server.neighbours[u] == frozenset({order[(i + o) % 10] for o in (-2, -1, 1, 2)})
                for i, u in enumerate(order))
@@ -143,8 +177,8 @@ def test_a_server_lying_about_dropouts_cannot_unmask_one_client():
     assert recovered is None or not np.array_equal(recovered, words[at[0]]), "the server learned one client's update"
 
 
-@pytest.mark.xfail(strict=True, reason="HIGH: same, on the complete graph, after forwarding only t − 1 sources")
-def test_a_server_lying_about_dropouts_cannot_unmask_one_client_in_a_complete_graph():
+@pytest.mark.parametrize("enrolled", [False, True])
+def test_a_server_lying_about_dropouts_cannot_unmask_one_client_in_a_complete_graph(enrolled):
     """Nine clients, k = 8 (the complete graph, the original SecAgg), t = 5. At collect the server
     forwards to v only t − 1 = 4 neighbours' shares (v accepts: 4 + 1 ≥ t), so v masks with those 4
     only; in unmask the other 8 holders are told that these 4 dropped (each holder still lists
@@ -152,36 +186,64 @@ def test_a_server_lying_about_dropouts_cannot_unmask_one_client_in_a_complete_gr
     params = SecAggParams(degree=8, threshold=5, bits=16, scale=1.0)
     nodes = list(range(201, 210))
     v, pairs = nodes[0], nodes[1:5]
-    server, clients, masked, words = _honest_until_unmask(params, nodes, 0, trim={v: 4})
+    server, clients, masked, words = _honest_until_unmask(params, nodes, 0, trim={v: 4}, enrolled=enrolled)
     others = [w for w in nodes if w != v]
     dead_of = {w: set(pairs) - {w} for w in others}  # never v itself: v's sources are only the 4
     recovered = _lie_and_unmask(params, server, clients, masked, v, pairs, dead_of)
     assert recovered is None or not np.array_equal(recovered, words[v]), "the server learned one client's update"
 
 
-# ---- MEDIUM: the SecAgg+ keys are bound to nothing: a server that forges the neighbours learns x_v ----
+@pytest.mark.parametrize("enrolled", [False, True])
+def test_a_server_telling_two_regions_two_stories_cannot_unmask_a_client_it_trimmed(enrolled):
+    """The lie a MILP search finds against a global signed U3 with t neighbourhood signatures
+    (docs/secagg-consistency.md), k = 4, t = 3, ring positions around v = 0: at collect v gets only
+    the shares of ±2 (t − 1 sources), so it masks with those two. Story A (±1 dropped) is signed by
+    v, +2 and −2: v's own checks pass, and v reveals its seed share. Story B (±2 dropped) is signed
+    by everyone else, t of them around each: ±1 reveal v's seed share, and ±2's holders their mask
+    keys. Blocked because a seed share is revealed only with its owner's signature on the same story
+    (v signed A, not B)."""
+    params = SecAggParams(degree=4, threshold=3, bits=16, scale=1.0)
+    nodes = list(range(101, 111))
+    order = _ring(nodes, 3)
+    at = {p: order[p % 10] for p in range(-5, 6)}
+    v = at[0]
+    server, clients, masked, words = _honest_until_unmask(params, nodes, 3, trim={v: {at[-2], at[2]}},
+                                                          enrolled=enrolled)
+    assert clients[v]._sources == {at[-2], at[2]}
+    region_a = {at[0], at[2], at[-2]}
+    dead_of = {w: ({at[1], at[-1]} if w in region_a else {at[2], at[-2]}) for w in nodes}
+    recovered = _lie_and_unmask(params, server, clients, masked, v, sorted(clients[v]._sources), dead_of)
+    assert recovered is None or not np.array_equal(recovered, words[v]), "the server learned one client's update"
 
-@pytest.mark.xfail(strict=True, reason="MEDIUM: no PKI/signatures on the SecAgg+ public keys (malicious server "
-                                       "out of the threat model, but the client claims to guard against a lying server)")
-def test_a_server_that_forges_every_neighbour_cannot_unmask_the_client():
-    """One honest client v; its 'neighbours' are Sybils the server simulates (or, equally, real nodes
-    whose public keys the server replaces). The client accepts, and the server decrypts its shares."""
-    bits, t, v = 16, 3, 500
+
+# ---- MEDIUM: SecAgg+ keys bound to nothing let a forging server learn x_v (fixed: enrolled signatures) --
+
+def _forge_every_neighbour(client: SecAggClient, v: int, advertised: dict[int, bytes] | None) -> tuple[
+        np.ndarray, np.ndarray | None, str | None]:
+    """One honest client v; its 'neighbours' are Sybils the server simulates with signing keys of
+    its own, advertising ``advertised`` (node → a real user's enrolled public key the server cannot
+    sign for) or its own keys (None). Returns v's words, what the server recovered (None when the
+    client refused) and the client's reason for refusing."""
+    bits, t = 16, 3
     fake = [501, 502, 503, 504]
     keys = {u: (generate_key_pairs(), generate_key_pairs()) for u in fake}
-    client = SecAggClient(v)
+    signing = {u: Ed25519PrivateKey.generate() for u in fake}
     session = bytes(16)
     words = random_words([v], LENGTH_WORDS, bits, seed=1)[v]
-    recovered = None
+    recovered = refusal = None
     try:
         setup = client.handle({Key.STAGE: Stage.SETUP, SESSION: session, NEIGHBOURS: fake, Key.THRESHOLD: t,
                                BITS: bits, LENGTH: LENGTH_WORDS})
         members = sorted(fake + [v])
         pk = {u: (public_key_to_bytes(keys[u][0][1]), public_key_to_bytes(keys[u][1][1])) for u in fake}
         pk[v] = (setup[Key.PUBLIC_KEY_1], setup[Key.PUBLIC_KEY_2])
+        shown = {u: (advertised or {}).get(u, public_bytes(signing[u])) for u in fake} | {v: setup[SIGNING_KEY]}
+        signed = {u: signing[u].sign(keys_statement(client.run, client.round, session, u, shown[u], *pk[u]))
+                  for u in fake} | {v: setup[KEY_SIGNATURE]}
         sent = client.handle({Key.STAGE: Stage.SHARE_KEYS, SESSION: session, Key.NODE_ID_LIST: members,
                               Key.PUBLIC_KEY_1: [pk[u][0] for u in members],
-                              Key.PUBLIC_KEY_2: [pk[u][1] for u in members]})
+                              Key.PUBLIC_KEY_2: [pk[u][1] for u in members],
+                              SIGNING_KEYS: [shown[u] for u in members], KEY_SIGNATURES: [signed[u] for u in members]})
         ctxts, seed_digests, key_digests = [], [], []
         for u in fake:  # each Sybil "shares" junk secrets with v (salted, committed), under the pair's key
             box = generate_shared_key(keys[u][1][0], bytes_to_public_key(pk[v][1]))
@@ -199,9 +261,33 @@ def test_a_server_that_forges_every_neighbour_cannot_unmask_the_client():
             seed_shares.append(split_share(seed_share))
         pair = {u: _pairwise(keys[u][0][0], pk[v][0], bits) for u in fake}
         recovered = _unmask_one(reply[Key.MASKED_PARAMETERS], v, combine_shares(seed_shares[:t]), pair, bits)
-    except SecAggError:  # the client detected the forgery
-        pass
+    except SecAggError as e:  # the client detected the forgery
+        refusal = str(e)
+    return words, recovered, refusal
+
+
+@pytest.mark.parametrize("substitute", [False, True])
+def test_a_server_that_forges_every_neighbour_cannot_unmask_the_client(substitute):
+    """Enrolled mode: v holds the enrollment (v and four real users). The server either simulates
+    Sybils with keys of its own, or shows the real users' enrolled keys with signatures it cannot
+    make (replacing real neighbours' SecAgg+ keys); either way v refuses at share keys and reveals
+    nothing."""
+    v, real = 500, [Ed25519PrivateKey.generate() for _ in range(4)]
+    own = Ed25519PrivateKey.generate()
+    client = SecAggClient(v, run="run", round_=3, signing_key=own,
+                          enrolled=frozenset(public_bytes(k) for k in [own, *real]))
+    advertised = {u: public_bytes(k) for u, k in zip([501, 502, 503, 504], real)} if substitute else None
+    words, recovered, refusal = _forge_every_neighbour(client, v, advertised)
     assert recovered is None or not np.array_equal(recovered, words), "the server learned the client's update"
+    expected = "not signed by its signing key" if substitute else "not an enrolled user's"
+    assert refusal is not None and expected in refusal and "\n" not in refusal
+
+
+def test_without_an_enrollment_a_forging_server_is_trusted_by_construction():
+    """The documented limit: a client with no enrollment (Flower's simulation, declared-insecure
+    identity) cannot tell Sybils from neighbours, so a forging server learns its update."""
+    words, recovered, refusal = _forge_every_neighbour(SecAggClient(500, run="run", round_=3), 500, None)
+    assert refusal is None and recovered is not None and np.array_equal(recovered, words)
 
 
 # ---- LOW: one hostile share holder aborts a round whose secrets t honest shares recover ---------------
@@ -323,9 +409,9 @@ def test_the_default_parameters_keep_collusion_negligible():
 # ---- Re-review of 0cb75c9: who `culprits` names ----------------------------------------------------
 
 def _play(server: SecAggServer, words, silent_at_unmask: set[int], tamper=None) -> None:
-    """The four stages with honest clients; ``silent_at_unmask`` stay silent at unmask only."""
+    """The five stages with honest clients; ``silent_at_unmask`` stay silent at unmask only."""
     clients = {u: SecAggClient(u) for u in words}
-    for stage in (Stage.SETUP, Stage.SHARE_KEYS, Stage.COLLECT_MASKED_VECTORS, Stage.UNMASK):
+    for stage in STAGES:
         replies = {}
         for u, request in server.requests().items():
             if stage == Stage.UNMASK and u in silent_at_unmask:
@@ -406,7 +492,7 @@ def test_an_owner_whose_shares_are_malformed_is_named_the_culprit(monkeypatch):
         return shares
 
     with pytest.raises(SecAggAbort):
-        for stage in (Stage.SETUP, Stage.SHARE_KEYS, Stage.COLLECT_MASKED_VECTORS, Stage.UNMASK):
+        for stage in STAGES:
             replies = {}
             for u, request in server.requests().items():
                 with monkeypatch.context() as patch:

@@ -26,7 +26,7 @@ from fedmf.secagg.messages import (
 )
 from fedmf.secagg.params import SecAggParams
 from server.secagg import DONE, SecAggServer
-from tests.secagg._drive import random_words, run_round
+from tests.secagg._drive import STAGES, random_words, run_round
 
 LENGTH = 4
 
@@ -36,7 +36,7 @@ def _until_unmask(params: SecAggParams, nodes: list[int], graph_seed: int = 0):
     words = random_words(nodes, LENGTH, params.bits, seed=graph_seed)
     server = SecAggServer(params, LENGTH, nodes, rng=random.Random(graph_seed))
     clients = {u: SecAggClient(u) for u in nodes}
-    for stage in (Stage.SETUP, Stage.SHARE_KEYS, Stage.COLLECT_MASKED_VECTORS):
+    for stage in STAGES[:-1]:  # every stage before unmask, the consistency check included
         server.receive({u: clients[u].handle(r, words[u] if stage == Stage.COLLECT_MASKED_VECTORS else None)
                         for u, r in server.requests().items()})
     replies = {u: clients[u].handle(r) for u, r in server.requests().items()}
