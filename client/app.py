@@ -57,6 +57,16 @@ IDENTITY_RECORD = "identity"
 app = ClientApp()
 
 
+def _requires_secure_aggregation(node_config: Mapping[str, Any]) -> bool:
+    """``node_config["require-secure-aggregation"]``: true or false (absent: false). Anything else,
+    e.g. the string 'true', is refused, failing closed: a node that meant to refuse clear updates
+    must not send them because of a quoting slip."""
+    value = node_config.get("require-secure-aggregation", False)
+    if not isinstance(value, bool):
+        raise ConfigError(f"node config require-secure-aggregation must be true or false (unquoted), got {value!r}")
+    return value
+
+
 def user_id(node_config: Mapping[str, Any], run_config: Mapping[str, Any] | None = None) -> str:
     """This node's user: ``node_config["user-id"]`` (deployment; an int is taken as its decimal
     string), else the simulation's ``partition-id`` (``simulation_user``); ConfigError otherwise."""
@@ -196,7 +206,7 @@ def train(msg: Message, context: Context) -> Message:
         if SECAGG_RECORD in msg.content.config_records:  # one stage of a secure-aggregation round
             record = secure_stage(msg, context, request, task)
             return Message(RecordDict({SECAGG_RECORD: record, "config": _echo(request)}), reply_to=msg)
-        if context.node_config.get("require-secure-aggregation") is True:
+        if _requires_secure_aggregation(context.node_config):
             raise ConfigError("this node sends its update only under secure aggregation "
                               "(node config require-secure-aggregation): refused")
         params = _arrays(msg).to_torch_state_dict()

@@ -308,3 +308,21 @@ def test_a_node_that_requires_secure_aggregation_refuses_a_plain_train(tmp_path,
     secure = run_server(SpyGrid({9000 + 7 * i: node for i, node in nodes.items()}),
                         _config(tmp_path, "secure", rounds=1, **{**SECURE, "min-sep": 1}))
     assert [r.contributed for r in secure.history] == [PER_ROUND]
+
+
+@pytest.mark.parametrize("value, required", [(True, True), (False, False), (None, False)])
+def test_require_secure_aggregation_is_a_boolean(value, required):
+    from client.app import _requires_secure_aggregation
+
+    assert _requires_secure_aggregation({} if value is None else {"require-secure-aggregation": value}) is required
+
+
+@pytest.mark.parametrize("value", ["true", "yes", 1])
+def test_a_quoted_require_secure_aggregation_fails_closed(value):
+    """--node-config "require-secure-aggregation='true'" parses to a string: refused (the node then
+    answers every plain TRAIN with an error), never read as false."""
+    from client.app import _requires_secure_aggregation
+
+    with pytest.raises(ConfigError, match="must be true or false") as caught:
+        _requires_secure_aggregation({"require-secure-aggregation": value})
+    assert "\n" not in str(caught.value)

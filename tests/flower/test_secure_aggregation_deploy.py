@@ -6,8 +6,8 @@ test-only repeatable noise (``REPEATABLE_NOISE_ENV``) and the same secrets, so t
 the same noise.
 
 Checked: both runs commit both rounds; the secure run's ledger records the three enrolled users as
-its contributors in every round, none dropped or rejected; each SuperNode answered the four SecAgg+
-stages of every secure round; the server never held an update (its ledger diagnostics record a norm
+its contributors in every round, none dropped or rejected; each SuperNode answered the five SecAgg+
+stages of every secure round (the consistency check included, every key signed by an enrolled user's key); the server never held an update (its ledger diagnostics record a norm
 for every central contribution and none for a secure one); the released model is finite, moved away
 from the initial one, and differs from the central run's by more than nothing (quantization) and at
 most the tolerance of tests/flower/test_secure_aggregation.py's several-round comparison; every
@@ -30,11 +30,12 @@ import pytest
 
 from fedmf.cli import main as fedmf_main
 from fedmf.run.private_run import REPEATABLE_NOISE_ENV
+from server.secagg_round import STAGES as SECAGG_STAGES
 from tests import _federated_task as task
 
 REPO = Path(__file__).resolve().parents[2]
 USERS = ("0", "1", "2")
-ROUNDS, STAGES = 2, 4  # SecAgg+: setup, share keys, collect masked vectors, unmask
+ROUNDS, STAGES = 2, len(SECAGG_STAGES)  # SecAgg+: setup, share keys, collect, consistency check, unmask
 # 3 clients: degree k = 2 is the complete graph (k ≥ n − 1); threshold t = 2 (2t > k + 1)
 SECURE = {"secure-aggregation": "secaggplus", "secagg-degree": 2, "secagg-threshold": 2,
           "secagg-stage-timeout": 180.0}
@@ -43,9 +44,11 @@ TOLERANCE = 1e-3
 
 
 def node_config(tmp_path: Path, user: str) -> str:
-    """The ``--node-config`` of user ``user``'s SuperNode: its id and the private key proving it (a key
-    every SuperNode needs is added here, once)."""
-    return f"user-id='{user}' user-key='{tmp_path / f'user-{user}.key'}'"
+    """The ``--node-config`` of user ``user``'s SuperNode: its id, the private key proving it and the
+    operator's enrollment (public), with which it checks that its SecAgg+ neighbours' keys are signed by
+    enrolled users (enrolled mode: client/secagg_app.py)."""
+    return (f"user-id='{user}' user-key='{tmp_path / f'user-{user}.key'}' "
+            f"enrollment-file='{tmp_path / 'enrollment.json'}'")
 
 
 def _ledger(run_dir: Path) -> tuple[list[tuple], dict[int, dict[bytes, str]], list[tuple], str]:
