@@ -13,9 +13,10 @@ from the initial one, and differs from the central run's by more than nothing (q
 most the tolerance of tests/flower/test_secure_aggregation.py's several-round comparison; every
 process started is gone afterwards, by PID.
 
-Marked heavy: each stage starts a ``flwr-clientapp`` process (Python + torch) per SuperNode, 30 in the
-secure run alone. Measured 2026-11-28 on 2 cores shared with other sessions (load about 5): 272 s in
-all, the central run 71 s, the secure run 181 s; the two released models differed by 1.6e-5 at most.
+Marked heavy: each stage starts a ``flwr-clientapp`` process (Python + torch) per SuperNode, 36 in the
+secure run alone. Measured 2026-11-28 on 2 cores shared with other sessions: 272 s in all at a load
+of about 5 with four stages (the central run 71 s, the secure run 181 s; the released models differed
+by 1.6e-5 at most), 136 s at a load of about 2 with five stages and the enrollment on every node.
 """
 
 from __future__ import annotations
