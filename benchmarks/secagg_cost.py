@@ -72,7 +72,7 @@ os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict  # noqa: E402
-from flwr.common.secure_aggregation.secaggplus_constants import Key, Stage  # noqa: E402
+from flwr.common.secure_aggregation.secaggplus_constants import Stage  # noqa: E402
 from flwr.common.serde import recorddict_to_proto  # noqa: E402
 
 from client.secagg import SecAggClient  # noqa: E402
@@ -243,12 +243,18 @@ def mask_cost(length: int, repeats: int = 3) -> float:
     return statistics.median(times)
 
 
-def simulated_round(layout: Layout, full: dict[str, Any], per_mask_s: float, users: int, dropout: float,
-                    short: int, seed: int) -> dict[str, Any]:
-    """A ``users`` round estimated from (a) a real round on ``short``-word vectors, (b) ``full`` (a
-    real (k + 1)-user round at the full dimension) and (c) the per-vector and per-mask costs."""
-    dim = flat_size(layout)
-    a = secure_round(short, make_pool(short, 8, seed), users, dropout, seed=seed)
+def short_round(users: int, dropout: float, short: int, seed: int) -> dict[str, Any]:
+    """Step (a) of a simulated cell: the whole protocol for real on ``short``-word vectors (it does
+    not depend on the model, so one serves every model of a run)."""
+    return secure_round(short, make_pool(short, 8, seed), users, dropout, seed=seed)
+
+
+def simulated_round(layout: Layout, full: dict[str, Any], per_mask_s: float, a: dict[str, Any],
+                    seed: int) -> dict[str, Any]:
+    """A round estimated from (a) ``a``, a real round of the same users on short vectors, (b)
+    ``full``, a real (k + 1)-user round at the full dimension, and (c) the per-vector and per-mask
+    costs at the full dimension."""
+    dim, users = flat_size(layout), a["survivors"] + a["dropped"]
     k1 = DEGREE + 1
     per_vector_s = full["server_s"][Stage.COLLECT_MASKED_VECTORS] / k1
     server_s = dict(a["server_s"])
@@ -274,6 +280,7 @@ def flower_round(layout: Layout, pool: list[np.ndarray], users: int) -> dict[str
     """One round of Flower's legacy SecAgg+ with client-side fixed clipping, in process."""
     import logging
 
+    from flwr.app import Context
     from flwr.client import ClientApp, NumPyClient
     from flwr.client.mod import fixedclipping_mod, secaggplus_mod
     from flwr.common import ndarrays_to_parameters
@@ -284,7 +291,6 @@ def flower_round(layout: Layout, pool: list[np.ndarray], users: int) -> dict[str
     from flwr.server.strategy import DifferentialPrivacyClientSideFixedClipping, FedAvg
     from flwr.server.workflow import DefaultWorkflow, SecAggPlusWorkflow
 
-    from flwr.app import Context
     from server.local_grid import LocalGrid, client_node
 
     logging.getLogger("flwr").setLevel(logging.WARNING)
@@ -331,9 +337,9 @@ def flower_round(layout: Layout, pool: list[np.ndarray], users: int) -> dict[str
                    initial_parameters=ndarrays_to_parameters(current))
     strategy = DifferentialPrivacyClientSideFixedClipping(inner, noise_multiplier=1.0, clipping_norm=CLIP_NORM,
                                                           num_sampled_clients=users)
-    from flwr.app import RecordDict as Records
 
-    context = LegacyContext(Context(run_id=1, node_id=0, node_config={}, state=Records(), run_config={}),
+
+    context = LegacyContext(Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}),
                             config=ServerConfig(num_rounds=1), strategy=strategy)
     workflow = DefaultWorkflow(fit_workflow=SecAggPlusWorkflow(num_shares=DEGREE + 1,
                                                                reconstruction_threshold=THRESHOLD))
@@ -353,6 +359,7 @@ def flower_round(layout: Layout, pool: list[np.ndarray], users: int) -> dict[str
 def run(models: list[str], users: list[int], dropouts: list[float], repeats: int, flower_users: list[int],
         real_limit_gb: float, short: int, pool_size: int, log=print) -> dict[str, Any]:
     results: dict[str, Any] = {"cells": [], "flower": [], "full": {}}
+    shorts: dict[tuple[int, float, int], dict[str, Any]] = {}
     for model in models:
         layout = model_layout(model)
         dim = flat_size(layout)
@@ -379,7 +386,9 @@ def run(models: list[str], users: list[int], dropouts: list[float], repeats: int
                     if real:
                         rows.append(secure_round(dim, pool, n, dropout, seed=r, privatize_layout=layout))
                     else:
-                        rows.append(simulated_round(layout, full, per_mask_s, n, dropout, short, seed=r))
+                        if (n, dropout, r) not in shorts:
+                            shorts[(n, dropout, r)] = short_round(n, dropout, short, seed=r)
+                        rows.append(simulated_round(layout, full, per_mask_s, shorts[(n, dropout, r)], seed=r))
                     assert rows[-1]["sum_equal"], "the secure sum differs from the plain sum of quantized words"
                 cell = {"model": model, "dim": dim, "users": n, "dropout": dropout, "how": "real" if real else "simulated",
                         "central": _median_dicts(central),
