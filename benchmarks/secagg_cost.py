@@ -72,7 +72,7 @@ os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict  # noqa: E402
-from flwr.common.secure_aggregation.secaggplus_constants import Stage  # noqa: E402
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage  # noqa: E402
 from flwr.common.serde import recorddict_to_proto  # noqa: E402
 
 from client.secagg import SecAggClient  # noqa: E402
@@ -317,7 +317,7 @@ def flower_round(layout: Layout, pool: list[np.ndarray], users: int) -> dict[str
             started = time.perf_counter()
             data = message_to_proto(message).SerializeToString()
             copy = message_from_proto(ProtoMessage.FromString(data))
-            stage = str(copy.content.config_records.get("secaggplus", {}).get("stage", "model"))
+            stage = str(copy.content.config_records.get(RECORD_KEY_CONFIGS, {}).get(Key.STAGE, "other"))
             stats["serde_s"] += time.perf_counter() - started
             started = time.perf_counter()
             reply = inner(copy)
@@ -357,7 +357,7 @@ def flower_round(layout: Layout, pool: list[np.ndarray], users: int) -> dict[str
 
 # ---- the run ------------------------------------------------------------------------------------
 def run(models: list[str], users: list[int], dropouts: list[float], repeats: int, flower_users: list[int],
-        real_limit_gb: float, short: int, pool_size: int, log=print) -> dict[str, Any]:
+        real_limit_gb: float, short: int, pool_size: int, flower_limit: float = 1e8, log=print) -> dict[str, Any]:
     results: dict[str, Any] = {"cells": [], "flower": [], "full": {}}
     shorts: dict[tuple[int, float, int], dict[str, Any]] = {}
     for model in models:
@@ -399,12 +399,24 @@ def run(models: list[str], users: list[int], dropouts: list[float], repeats: int
                         "dropped": rows[0]["dropped"], "dropped_pairs": rows[0]["dropped_pairs"],
                         "server_totals": [sum(r["server_s"].values()) for r in rows]}
                 cell["server_total_s"] = statistics.median(cell["server_totals"])
+                if real and n > DEGREE + 1:  # the simulation's estimate of the same cell, to check it
+                    estimates = []
+                    for r in range(repeats):
+                        if (n, dropout, r) not in shorts:
+                            shorts[(n, dropout, r)] = short_round(n, dropout, short, seed=r)
+                        est = simulated_round(layout, full, per_mask_s, shorts[(n, dropout, r)], seed=r)
+                        estimates.append(sum(est["server_s"].values()))
+                    cell["simulated_estimate_s"] = statistics.median(estimates)
                 results["cells"].append(cell)
                 log(f"#   n={n} dropout={dropout:g} ({cell['how']}): central {cell['central']['server_s']:.3f} s, "
                     f"secure {cell['server_total_s']:.3f} s (per repeat "
                     f"{', '.join(f'{x:.2f}' for x in cell['server_totals'])}); cell took {time.perf_counter() - started:.0f} s")
         for n in flower_users:
             started = time.perf_counter()
+            if n * dim > flower_limit:
+                results["flower"].append({"model": model, "users": n, "error": f"not run: n × d = {n * dim:,} is "
+                                          f"above --flower-limit {flower_limit:,.0f} (time)"})
+                continue
             try:
                 rows = [flower_round(layout, pool, n) for _ in range(repeats)]
                 cell = {"model": model, "users": n, "total_s": statistics.median(r["total_s"] for r in rows),
@@ -435,14 +447,15 @@ def _name(stage: str) -> str:
 def tables(results: dict[str, Any]) -> str:
     out = ["| model | n | dropped | how | central server s | secure server s | secure ÷ central | "
            "secure client s (excl. training) | central bytes up / down per client | secure bytes up / down per client "
-           "(model down incl.) | bytes secure ÷ central |", "|" + "---|" * 11]
+           "(model down incl.) | bytes secure ÷ central | simulation's estimate of a real cell, s |", "|" + "---|" * 12]
     for c in results["cells"]:
         cen = c["central"]
         up, down = sum(c["rep_bytes"].values()), sum(c["req_bytes"].values()) + cen["down_bytes"]
+        estimate = f"{c['simulated_estimate_s']:.3f}" if "simulated_estimate_s" in c else ""
         out.append(f"| {c['model']} | {c['users']} | {c['dropped']} | {c['how']} | {cen['server_s']:.3f} | "
                    f"{c['server_total_s']:.3f} | {c['server_total_s'] / cen['server_s']:.1f}x | "
                    f"{sum(c['client_s'].values()):.3f} | {_mb(cen['up_bytes'])} / {_mb(cen['down_bytes'])} | "
-                   f"{_mb(up)} / {_mb(down)} | {(up + down) / (cen['up_bytes'] + cen['down_bytes']):.2f}x |")
+                   f"{_mb(up)} / {_mb(down)} | {(up + down) / (cen['up_bytes'] + cen['down_bytes']):.2f}x | {estimate} |")
     out += ["", "Per stage (server s | client s median | bytes request / reply per client, payload only):", "",
             "| model | n | dropped | " + " | ".join(
                 ["setup", "share keys", "collect (quantize+mask)", "unmask", "decode+privatize"]) + " |",
@@ -463,7 +476,7 @@ def tables(results: dict[str, Any]) -> str:
                 out.append(f"| {f['model']} | {f['users']} | could not run: {f['error']} | | | |")
                 continue
             out.append(f"| {f['model']} | {f['users']} | {f['total_s']:.3f} | {f['server_s']:.3f} | "
-                       f"{f['client_s_per_client']:.3f} | {_mb(sum(f['down'].values()))} / {_mb(sum(f['up'].values()))} |")
+                       f"{f['client_s_per_client']:.3f} | {_kb(sum(f['down'].values()))} / {_kb(sum(f['up'].values()))} |")
     return "\n".join(out)
 
 
@@ -482,20 +495,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dropouts", type=float, nargs="+", default=[0.0, 0.1],
                         help="fractions of users silent from the collect stage on (default 0 and 0.1)")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--flower-users", type=int, nargs="*", default=[10])
+    parser.add_argument("--flower-users", type=int, nargs="*", default=[10, 100])
+    parser.add_argument("--flower-limit", type=float, default=1e8,
+                        help="run Flower's round only where users × parameters is at most this (time)")
     parser.add_argument("--real-limit-gb", type=float, default=3.0,
                         help="a cell is run for real when the masked vectors it holds (x2) fit in this")
     parser.add_argument("--short", type=int, default=256, help="words per vector of a simulated cell's round (a)")
     parser.add_argument("--pool", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", default=None)
-    parser.add_argument("--quick", action="store_true", help="tiny model, 6 and 12 users, 12 simulated: seconds")
+    parser.add_argument("--quick", action="store_true", help="tiny model, 6, 12 and 16 users (16 simulated): seconds")
     args = parser.parse_args(argv)
     os.environ.setdefault("FLWR_HOME", tempfile.mkdtemp(prefix="fedmf-bench-flwr-"))
     torch.set_num_threads(args.threads)
     if args.quick:
-        args.models, args.users, args.repeats, args.flower_users = ["quick"], [6, 12], 1, [6]
-        args.real_limit_gb = 12 * 3400 * 16 / 2**30 * 0.9  # 6 users real, 12 simulated
+        args.models, args.users, args.repeats, args.flower_users = ["quick"], [6, 12, 16], 1, [6]
+        args.real_limit_gb = 14 * 3432 * 16 / 2**30  # 6 and 12 users real, 16 simulated
     import flwr
 
     load = os.getloadavg()
@@ -505,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
     started = time.perf_counter()
     results = run(args.models, args.users, args.dropouts, args.repeats, args.flower_users, args.real_limit_gb,
-                  args.short, args.pool, log=lambda s: print(s, flush=True))
+                  args.short, args.pool, args.flower_limit, log=lambda s: print(s, flush=True))
     load = os.getloadavg()
     print(f"# took {time.perf_counter() - started:.0f} s; load average at end {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     print(tables(results))
