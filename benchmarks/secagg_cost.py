@@ -228,7 +228,8 @@ def secure_round(layout_dim: int, pool: list[np.ndarray], users: int, dropout: f
     return {"server_s": server_s, "client_s": {s: statistics.median(v) for s, v in client_s.items() if v},
             "quantize_s": statistics.median(quantize_s), "req_bytes": {s: statistics.median(v) for s, v in req_bytes.items()},
             "rep_bytes": {s: statistics.median(v) for s, v in rep_bytes.items()},
-            "sum_equal": bool(np.array_equal(decoded.vector, plain)), "survivors": len(contributors),
+            "sum_equal": bool(np.array_equal(decoded.vector, plain)), "sum": decoded.vector,
+            "contributors": sorted(contributors), "survivors": len(contributors),
             "dropped": len(dropped), "dropped_pairs": pairs, "stages": list(server_s)}
 
 
@@ -369,7 +370,7 @@ def run(models: list[str], users: list[int], dropouts: list[float], repeats: int
         for r in range(repeats):
             full_runs.append(secure_round(dim, pool, DEGREE + 1, 0.0, seed=100 + r, privatize_layout=layout))
             assert full_runs[-1]["sum_equal"]
-        full = {**full_runs[0], "server_s": _median_dicts([f["server_s"] for f in full_runs]),
+        full = {**{k: v for k, v in full_runs[0].items() if k != "sum"}, "server_s": _median_dicts([f["server_s"] for f in full_runs]),
                 "client_s": _median_dicts([f["client_s"] for f in full_runs]),
                 "quantize_s": statistics.median(f["quantize_s"] for f in full_runs)}
         per_mask_s = mask_cost(quantization(dim).length)
