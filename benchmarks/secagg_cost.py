@@ -81,11 +81,12 @@ from fedmf.mechanisms import build  # noqa: E402
 from fedmf.plan import RunPlan  # noqa: E402
 from fedmf.round.privatize import RoundPrivatizer, flat_size  # noqa: E402
 from fedmf.secagg.encode import encode_update  # noqa: E402
+from fedmf.secagg.errors import SecAggAbort  # noqa: E402
 from fedmf.secagg.masks import SELF_MASK, expand_mask, mod_sub, mod_sum  # noqa: E402
 from fedmf.secagg.messages import SECAGG_RECORD, to_wire  # noqa: E402
 from fedmf.secagg.params import SecAggParams  # noqa: E402
 from fedmf.secagg.quantize import Quantization, decode_sum  # noqa: E402
-from server.secagg import ABORTED, DONE, SecAggServer  # noqa: E402
+from server.secagg import ABORTED, DONE, SecAggServer, harary_graph  # noqa: E402
 
 CLIP_NORM = 1.0
 #: server/config.py's defaults: secagg-degree, secagg-threshold, secagg-bits, secagg-scale
@@ -168,11 +169,32 @@ def central_round(layout: Layout, pool: list[np.ndarray], users: int) -> dict[st
 
 # ---- secure -------------------------------------------------------------------------------------
 def secure_round(layout_dim: int, pool: list[np.ndarray], users: int, dropout: float, *, seed: int = 0,
-                 sample: int = 3, privatize_layout: Layout | None = None) -> dict[str, Any]:
+                 sample: int = 3, privatize_layout: Layout | None = None, attempts: int = 20) -> dict[str, Any]:
     """One real SecAgg+ round of ``users`` clients over ``layout_dim``-value updates; ``dropout`` of
     them silent from the collect stage on. Returns per-stage server seconds, per-stage client
     seconds (median over clients), per-stage bytes per client (median over ``sample`` clients),
-    the check of the sum and the counts the simulation scales by."""
+    the check of the sum and the counts the simulation scales by. An attempt that aborts (a
+    neighbourhood left with fewer than t holders) is redone, as the strategy does, with a fresh
+    graph and fresh dropouts; ``aborts`` and ``aborted_server_s`` count them."""
+    aborts, wasted = 0, 0.0
+    for attempt in range(attempts):
+        try:
+            result = _secure_attempt(layout_dim, pool, users, dropout, seed + 7919 * attempt, sample, privatize_layout)
+        except _Aborted as e:
+            aborts, wasted = aborts + 1, wasted + e.server_s
+            continue
+        return {**result, "aborts": aborts, "aborted_server_s": wasted}
+    raise SecAggAbort(f"{attempts} attempts of a {users}-user round with {dropout:g} dropouts all aborted")
+
+
+class _Aborted(Exception):
+    def __init__(self, server_s: float) -> None:
+        super().__init__()
+        self.server_s = server_s
+
+
+def _secure_attempt(layout_dim: int, pool: list[np.ndarray], users: int, dropout: float, seed: int, sample: int,
+                    privatize_layout: Layout | None) -> dict[str, Any]:
     params, q = secagg_params(), quantization(layout_dim)
     nodes = list(range(1, users + 1))
     server = SecAggServer(params, q.length, nodes, rng=random.Random(seed))
@@ -211,7 +233,10 @@ def secure_round(layout_dim: int, pool: list[np.ndarray], users: int, dropout: f
                 req_bytes.setdefault(stage, []).append(payload_bytes(request))
                 rep_bytes.setdefault(stage, []).append(payload_bytes(replies[u]))
         started = time.perf_counter()
-        server.receive(replies)
+        try:
+            server.receive(replies)
+        except SecAggAbort:
+            raise _Aborted(sum(server_s.values()) + time.perf_counter() - started) from None
         server_s[stage] += time.perf_counter() - started
     assert server.stage == DONE and server.result is not None
     contributors = server.contributors
@@ -231,6 +256,22 @@ def secure_round(layout_dim: int, pool: list[np.ndarray], users: int, dropout: f
             "sum_equal": bool(np.array_equal(decoded.vector, plain)), "sum": decoded.vector,
             "contributors": sorted(contributors), "survivors": len(contributors),
             "dropped": len(dropped), "dropped_pairs": pairs, "stages": list(server_s)}
+
+
+def abort_probability(users: int, dropout: float, trials: int, seed: int = 0) -> float:
+    """Monte Carlo: the chance that a round of ``users`` with ``dropout`` of them (uniformly drawn)
+    silent from the collect stage on aborts, by ``SecAggServer``'s rule: some owner of a secret
+    needed at unmask (every user that shared keys) keeps fewer than t holders among itself and its
+    neighbours that sent their vectors."""
+    rng = random.Random(seed)
+    nodes = list(range(users))
+    aborted = 0
+    for _ in range(trials):
+        graph = harary_graph(nodes, DEGREE, rng)
+        alive = set(nodes) - set(rng.sample(nodes, round(dropout * users)))
+        if len(alive) < THRESHOLD or any(len((graph[u] | {u}) & alive) < THRESHOLD for u in nodes):
+            aborted += 1
+    return aborted / trials
 
 
 def mask_cost(length: int, repeats: int = 3) -> float:
@@ -358,7 +399,8 @@ def flower_round(layout: Layout, pool: list[np.ndarray], users: int) -> dict[str
 
 # ---- the run ------------------------------------------------------------------------------------
 def run(models: list[str], users: list[int], dropouts: list[float], repeats: int, flower_users: list[int],
-        real_limit_gb: float, short: int, pool_size: int, flower_limit: float = 1e8, log=print) -> dict[str, Any]:
+        real_limit_gb: float, short: int, pool_size: int, flower_limit: float = 1e8, abort_trials: int = 2000,
+        log=print) -> dict[str, Any]:
     results: dict[str, Any] = {"cells": [], "flower": [], "full": {}}
     shorts: dict[tuple[int, float, int], dict[str, Any]] = {}
     for model in models:
@@ -398,6 +440,8 @@ def run(models: list[str], users: list[int], dropouts: list[float], repeats: int
                         "quantize_s": statistics.median(r["quantize_s"] for r in rows),
                         "req_bytes": rows[0]["req_bytes"], "rep_bytes": rows[0]["rep_bytes"],
                         "dropped": rows[0]["dropped"], "dropped_pairs": rows[0]["dropped_pairs"],
+                        "aborts": sum(r["aborts"] for r in rows),
+                        "abort_probability": abort_probability(n, dropout, abort_trials) if dropout else 0.0,
                         "server_totals": [sum(r["server_s"].values()) for r in rows]}
                 cell["server_total_s"] = statistics.median(cell["server_totals"])
                 if real and n > DEGREE + 1:  # the simulation's estimate of the same cell, to check it
@@ -411,7 +455,8 @@ def run(models: list[str], users: list[int], dropouts: list[float], repeats: int
                 results["cells"].append(cell)
                 log(f"#   n={n} dropout={dropout:g} ({cell['how']}): central {cell['central']['server_s']:.3f} s, "
                     f"secure {cell['server_total_s']:.3f} s (per repeat "
-                    f"{', '.join(f'{x:.2f}' for x in cell['server_totals'])}); cell took {time.perf_counter() - started:.0f} s")
+                    f"{', '.join(f'{x:.2f}' for x in cell['server_totals'])}; {cell['aborts']} aborted attempts redone, "
+                    f"P(abort) {cell['abort_probability']:.3f}); cell took {time.perf_counter() - started:.0f} s")
         for n in flower_users:
             started = time.perf_counter()
             if n * dim > flower_limit:
@@ -448,7 +493,8 @@ def _name(stage: str) -> str:
 def tables(results: dict[str, Any]) -> str:
     out = ["| model | n | dropped | how | central server s | secure server s | secure ÷ central | "
            "secure client s (excl. training) | central bytes up / down per client | secure bytes up / down per client "
-           "(model down incl.) | bytes secure ÷ central | simulation's estimate of a real cell, s |", "|" + "---|" * 12]
+           "(model down incl.) | bytes secure ÷ central | simulation's estimate of a real cell, s | "
+           "aborted attempts redone (all repeats) | P(abort) |", "|" + "---|" * 14]
     for c in results["cells"]:
         cen = c["central"]
         up, down = sum(c["rep_bytes"].values()), sum(c["req_bytes"].values()) + cen["down_bytes"]
@@ -456,7 +502,8 @@ def tables(results: dict[str, Any]) -> str:
         out.append(f"| {c['model']} | {c['users']} | {c['dropped']} | {c['how']} | {cen['server_s']:.3f} | "
                    f"{c['server_total_s']:.3f} | {c['server_total_s'] / cen['server_s']:.1f}x | "
                    f"{sum(c['client_s'].values()):.3f} | {_mb(cen['up_bytes'])} / {_mb(cen['down_bytes'])} | "
-                   f"{_mb(up)} / {_mb(down)} | {(up + down) / (cen['up_bytes'] + cen['down_bytes']):.2f}x | {estimate} |")
+                   f"{_mb(up)} / {_mb(down)} | {(up + down) / (cen['up_bytes'] + cen['down_bytes']):.2f}x | {estimate} | "
+                   f"{c['aborts']} | {c['abort_probability']:.3f} |")
     out += ["", "Per stage (server s | client s median | bytes request / reply per client, payload only):", "",
             "| model | n | dropped | " + " | ".join(
                 ["setup", "share keys", "collect (quantize+mask)", "unmask", "decode+privatize"]) + " |",
@@ -503,6 +550,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="a cell is run for real when the masked vectors it holds (x2) fit in this")
     parser.add_argument("--short", type=int, default=256, help="words per vector of a simulated cell's round (a)")
     parser.add_argument("--pool", type=int, default=8)
+    parser.add_argument("--abort-trials", type=int, default=2000,
+                        help="Monte Carlo trials of the chance that a round with dropouts aborts")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", default=None)
     parser.add_argument("--quick", action="store_true", help="tiny model, 6, 12 and 16 users (16 simulated): seconds")
@@ -521,7 +570,7 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
     started = time.perf_counter()
     results = run(args.models, args.users, args.dropouts, args.repeats, args.flower_users, args.real_limit_gb,
-                  args.short, args.pool, args.flower_limit, log=lambda s: print(s, flush=True))
+                  args.short, args.pool, args.flower_limit, args.abort_trials, log=lambda s: print(s, flush=True))
     load = os.getloadavg()
     print(f"# took {time.perf_counter() - started:.0f} s; load average at end {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     print(tables(results))
