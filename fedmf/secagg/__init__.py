@@ -40,7 +40,8 @@ Not built yet (issue 36): ``fedmf simulate --secure-aggregation`` (the in-proces
 Flower backend's CLI); the plan's fingerprint and the audit recording that a run used secure
 aggregation and its inflation (the ledger's per-round noise std already includes it); the
 client-metric release inside the masked vector (refused with secure aggregation for now); a
-real-process run on loopback with TLS and node authentication; the cost benchmarks
-(BENCHMARKS.md) and deploy/README; Bell et al.'s consistency round against a server lying about
-dropouts (today limited only by 2t > k + 1).
+real-process run on loopback with TLS and node authentication; deploy/README; Bell et al.'s
+consistency round against a server lying about dropouts (today limited only by 2t > k + 1). The
+cost per round is measured by ``benchmarks/secagg_cost.py`` (BENCHMARKS.md, "Secure aggregation:
+cost per round").
 """
