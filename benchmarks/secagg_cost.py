@@ -538,7 +538,7 @@ def _kb(x: float) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--users", type=int, nargs="+", default=[10, 100, 1000])
+    parser.add_argument("--users", type=int, nargs="*", default=[10, 100, 1000])
     parser.add_argument("--models", nargs="+", default=["so-small", "paper"], choices=["so-small", "paper", "quick"])
     parser.add_argument("--dropouts", type=float, nargs="+", default=[0.0, 0.1],
                         help="fractions of users silent from the collect stage on (default 0 and 0.1)")
