@@ -37,7 +37,10 @@ Per cell (model, users n, dropout fraction), medians over ``--repeats``:
   vector validated and summed (per-vector time from (b)), each mask removed at unmask (one self
   mask per survivor, one pairwise mask per (dropped, surviving neighbour) pair; per-mask time
   measured at the full dimension), and decode+privatize run for real at the full dimension.
-* Flower legacy (``--flower-users``): ``DefaultWorkflow(fit_workflow=SecAggPlusWorkflow(k + 1
+* aborts: an attempt in which some user keeps fewer than t share holders aborts (at the collect
+  stage); it is redone with a fresh graph and fresh dropouts, as the strategy does, and counted;
+  ``abort_probability`` estimates the chance by Monte Carlo over the server's rule.
+* Flower legacy (``--flower-users``, where users × parameters ≤ ``--flower-limit``): ``DefaultWorkflow(fit_workflow=SecAggPlusWorkflow(k + 1
   shares, threshold t))`` with ``DifferentialPrivacyClientSideFixedClipping(FedAvg)`` on the server,
   ``ClientApp(mods=[secaggplus_mod, fixedclipping_mod])`` NumPyClients on an in-process grid
   (``server.local_grid``); each message and reply goes through Flower's protobuf serialization
