@@ -49,4 +49,7 @@ the last masked word (``quantize.metric_word``).
 Bell et al.'s consistency round (a survivor set U3 signed by the clients before any share is
 revealed; ``signing.py``) guards against a server lying about dropouts; with enrolled users the
 SecAgg+ keys are signed with their enrolled keys (docs/secagg-consistency.md).
+
+The cost per round is measured by ``benchmarks/secagg_cost.py`` (BENCHMARKS.md, "Secure
+aggregation: cost per round").
 """

@@ -1,0 +1,586 @@
+"""What secure aggregation costs per round: fedmf's SecAgg+ against its central mode, and Flower's
+legacy SecAggPlusWorkflow + DifferentialPrivacyClientSideFixedClipping, in one run.
+
+    PYTHONPATH=$PWD nice python benchmarks/secagg_cost.py --users 10 100 1000 --models so-small paper --repeats 3
+    PYTHONPATH=$PWD python benchmarks/secagg_cost.py --quick          # a smoke test in seconds
+
+Models: the layouts of ``so-small`` (``model_size = "small"``, vocab 10,000: 677,348 float32
+parameters) and ``so-paper`` (the paper's LSTM, 4,053,428), from ``fedmf.tasks.models``. Updates:
+a pool of random float32 updates (ℓ2 norms spread over 0.3..3 ζ, about half clipped) cycled
+through by the users; local training is not timed (the same in every mode).
+
+Per cell (model, users n, dropout fraction), medians over ``--repeats``:
+
+* central: the server's ``RoundPrivatizer`` path (begin, ``add`` per user: validate, zero, clip,
+  sum; ``finish``: the round's correlated noise, ÷ m); bytes per client: its update as a Flower
+  ``ArrayRecord`` and the model it receives (the same size), measured as the serialized
+  ``RecordDict`` proto (``flwr.common.serde.recorddict_to_proto``).
+* secure: ``SecAggServer`` and one ``SecAggClient`` per user, every stage that
+  ``SecAggServer.requests()`` yields until the protocol is done (looped over generically). Server
+  time per stage = ``requests()`` + ``receive()``; after the last stage "decode+privatize":
+  ``decode_sum`` and ``RoundPrivatizer.privatize_sum`` (noise from ζ·inflation). Client time per
+  stage = ``SecAggClient.handle``, and at the collect stage also the encoding (float64 flat
+  update, ``encode_update``: zero, clip, conditional randomized rounding). Bytes per client per
+  stage: the stage's payload as the ``"secagg"`` ConfigRecord of a RecordDict, serialized as
+  above (``fedmf.secagg.messages.to_wire``), request and reply, on a sample of clients; the real
+  messages also carry the TRAIN config (a few hundred bytes) and, at collect, the model (as the
+  central mode's TRAIN message does). ``--dropout f``: that fraction of users is silent from the
+  collect stage on (dropped after share keys): the server then reconstructs their mask keys and
+  removes their pairwise masks from the survivors' sum. Check: the unmasked, decoded sum equals
+  the plain sum of the survivors' quantized words (``decode_sum(mod_sum(words))``), bit for bit.
+* simulated (cells whose masked vectors would not fit ``--real-limit-gb``: the server holds every
+  survivor's vector at once): (a) the whole protocol for real with all n users on a short vector
+  (``--short`` words): every key agreement, Shamir share and reconstruction at the real n and k,
+  checked as above; (b) one real round at the full dimension with k + 1 users (the complete graph:
+  each has k neighbours, as in a Harary graph of degree k) for the clients' collect stage and the
+  server's per-vector cost; (c) the server's full-dimension work scaled by counts: each survivor's
+  vector validated and summed (per-vector time from (b)), each mask removed at unmask (one self
+  mask per survivor, one pairwise mask per (dropped, surviving neighbour) pair; per-mask time
+  measured at the full dimension), and decode+privatize run for real at the full dimension.
+* aborts: an attempt in which some user keeps fewer than t share holders aborts (at the collect
+  stage); it is redone with a fresh graph and fresh dropouts, as the strategy does, and counted;
+  ``abort_probability`` estimates the chance by Monte Carlo over the server's rule.
+* Flower legacy (``--flower-users``, where users × parameters ≤ ``--flower-limit``): ``DefaultWorkflow(fit_workflow=SecAggPlusWorkflow(k + 1
+  shares, threshold t))`` with ``DifferentialPrivacyClientSideFixedClipping(FedAvg)`` on the server,
+  ``ClientApp(mods=[secaggplus_mod, fixedclipping_mod])`` NumPyClients on an in-process grid
+  (``server.local_grid``); each message and reply goes through Flower's protobuf serialization
+  (``message_to_proto``), whose sizes are the bytes; client time is the time inside the ClientApp,
+  server time the round's wall time less client and serialization time.
+
+Machine: say in BENCHMARKS.md how loaded it was; every side is measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+import types
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+from flwr.app import ArrayRecord, ConfigRecord, RecordDict  # noqa: E402
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage  # noqa: E402
+from flwr.common.serde import recorddict_to_proto  # noqa: E402
+
+from client.secagg import SecAggClient  # noqa: E402
+from fedmf import MinSep, Workload  # noqa: E402
+from fedmf.mechanisms import build  # noqa: E402
+from fedmf.plan import RunPlan  # noqa: E402
+from fedmf.round.privatize import RoundPrivatizer, flat_size  # noqa: E402
+from fedmf.secagg.encode import encode_update  # noqa: E402
+from fedmf.secagg.errors import SecAggAbort  # noqa: E402
+from fedmf.secagg.masks import SELF_MASK, expand_mask, mod_sub, mod_sum  # noqa: E402
+from fedmf.secagg.messages import SECAGG_RECORD, to_wire  # noqa: E402
+from fedmf.secagg.params import SecAggParams  # noqa: E402
+from fedmf.secagg.quantize import Quantization, decode_sum  # noqa: E402
+from server.secagg import ABORTED, DONE, SecAggServer, harary_graph  # noqa: E402
+
+CLIP_NORM = 1.0
+#: server/config.py's defaults: secagg-degree, secagg-threshold, secagg-bits, secagg-scale
+DEGREE, THRESHOLD, BITS, SCALE = 8, 5, 32, 65536.0
+VOCAB = 10_000
+QUICK_LAYOUT = {"embedding.weight": (104, 16), "output.weight": (104, 16), "output.bias": (104,)}
+Layout = dict[str, tuple[int, ...]]
+
+
+# ---- inputs -------------------------------------------------------------------------------------
+def model_layout(model: str) -> Layout:
+    """The parameter layout of the ``so-small`` or ``paper`` model (``quick``: a tiny one)."""
+    if model == "quick":
+        return dict(QUICK_LAYOUT)
+    from fedmf.tasks.models import empty_word_model
+
+    size = {"so-small": "small", "paper": "paper"}[model]
+    return {name: tuple(p.shape) for name, p in empty_word_model(size, VOCAB).named_parameters()}
+
+
+def make_pool(dim: int, count: int, seed: int) -> list[np.ndarray]:
+    """``count`` float32 flat updates, ℓ2 norms spread geometrically over 0.3..3 ζ."""
+    rng = np.random.default_rng(seed)
+    pool = []
+    for i in range(count):
+        v = rng.standard_normal(dim, dtype=np.float32)
+        v *= np.float32(CLIP_NORM * 0.3 * 10.0 ** (i / max(count - 1, 1)) / np.linalg.norm(v))
+        pool.append(v)
+    return pool
+
+
+def make_plan(users: int) -> RunPlan:
+    """A small banded plan (the noise step is the same code in both modes)."""
+    schema = MinSep(4, 8)
+    mechanism = build("bsr", 32, schema, Workload(), num_bands=4)
+    return RunPlan.create(mechanism, schema, clip_norm=CLIP_NORM, delta=1e-6, expected_users=users,
+                          noise_multiplier=1.0)
+
+
+def secagg_params() -> SecAggParams:
+    return SecAggParams(degree=DEGREE, threshold=THRESHOLD, bits=BITS, scale=SCALE)
+
+
+def quantization(dim: int) -> Quantization:
+    return Quantization(clip_norm=CLIP_NORM, scale=SCALE, bits=BITS, dim=dim)
+
+
+def wire_bytes(records: dict[str, Any]) -> int:
+    """Bytes of a RecordDict of these records in Flower's protobuf serialization."""
+    return recorddict_to_proto(RecordDict(records)).ByteSize()
+
+
+def payload_bytes(payload: dict[str, Any]) -> int:
+    return wire_bytes({SECAGG_RECORD: ConfigRecord(to_wire(payload))})
+
+
+def tensors(flat: np.ndarray, layout: Layout) -> dict[str, torch.Tensor]:
+    out, offset = {}, 0
+    for name, shape in layout.items():
+        size = math.prod(shape)
+        out[name] = torch.from_numpy(flat[offset:offset + size]).view(shape)
+        offset += size
+    return out
+
+
+# ---- central ------------------------------------------------------------------------------------
+def central_round(layout: Layout, pool: list[np.ndarray], users: int) -> dict[str, float]:
+    """The server's privatizer path for ``users`` updates: seconds and bytes per client."""
+    privatizer = RoundPrivatizer(make_plan(users), layout, dtype=torch.float32, seed=b"b" * 32)
+    updates = [tensors(pool[i % len(pool)], layout) for i in range(users)]
+    started = time.perf_counter()
+    privatizer.begin(0, range(users))
+    for i, update in enumerate(updates):
+        privatizer.add(i, update)
+    privatizer.finish()
+    server_s = time.perf_counter() - started
+    up = wire_bytes({"arrays": ArrayRecord(updates[0])})
+    return {"server_s": server_s, "up_bytes": up, "down_bytes": up}
+
+
+# ---- secure -------------------------------------------------------------------------------------
+def secure_round(layout_dim: int, pool: list[np.ndarray], users: int, dropout: float, *, seed: int = 0,
+                 sample: int = 3, privatize_layout: Layout | None = None, attempts: int = 20) -> dict[str, Any]:
+    """One real SecAgg+ round of ``users`` clients over ``layout_dim``-value updates; ``dropout`` of
+    them silent from the collect stage on. Returns per-stage server seconds, per-stage client
+    seconds (median over clients), per-stage bytes per client (median over ``sample`` clients),
+    the check of the sum and the counts the simulation scales by. An attempt that aborts (a
+    neighbourhood left with fewer than t holders) is redone, as the strategy does, with a fresh
+    graph and fresh dropouts; ``aborts`` and ``aborted_server_s`` count them."""
+    aborts, wasted = 0, 0.0
+    for attempt in range(attempts):
+        try:
+            result = _secure_attempt(layout_dim, pool, users, dropout, seed + 7919 * attempt, sample, privatize_layout)
+        except _Aborted as e:
+            aborts, wasted = aborts + 1, wasted + e.server_s
+            continue
+        return {**result, "aborts": aborts, "aborted_server_s": wasted}
+    raise SecAggAbort(f"{attempts} attempts of a {users}-user round with {dropout:g} dropouts all aborted")
+
+
+class _Aborted(Exception):
+    def __init__(self, server_s: float) -> None:
+        super().__init__()
+        self.server_s = server_s
+
+
+def _secure_attempt(layout_dim: int, pool: list[np.ndarray], users: int, dropout: float, seed: int, sample: int,
+                    privatize_layout: Layout | None) -> dict[str, Any]:
+    params, q = secagg_params(), quantization(layout_dim)
+    nodes = list(range(1, users + 1))
+    server = SecAggServer(params, q.length, nodes, rng=random.Random(seed))
+    clients = {u: SecAggClient(u) for u in nodes}
+    dropped = set(random.Random(seed + 1).sample(nodes, round(dropout * users)))
+    rng = np.random.default_rng(seed)
+    words: dict[int, np.ndarray] = {}
+    server_s: dict[str, float] = {}
+    client_s: dict[str, list[float]] = {}
+    quantize_s: list[float] = []
+    req_bytes: dict[str, list[int]] = {}
+    rep_bytes: dict[str, list[int]] = {}
+    silent: set[int] = set()
+    while server.stage not in (DONE, ABORTED):
+        stage = server.stage
+        if stage == Stage.COLLECT_MASKED_VECTORS:
+            silent |= dropped
+        started = time.perf_counter()
+        requests = server.requests()
+        server_s[stage] = time.perf_counter() - started
+        replies: dict[int, Any] = {}
+        times = client_s.setdefault(stage, [])
+        for u, request in requests.items():
+            if u in silent:
+                continue
+            vector = None
+            started = time.perf_counter()
+            if stage == Stage.COLLECT_MASKED_VECTORS:
+                update = pool[u % len(pool)].astype(np.float64)
+                vector = encode_update(q, update, clip_norm=CLIP_NORM, zero_threshold=None, rng=rng)
+                quantize_s.append(time.perf_counter() - started)
+                words[u] = vector
+            replies[u] = clients[u].handle(request, vector)
+            times.append(time.perf_counter() - started)
+            if len(req_bytes.get(stage, ())) < sample:
+                req_bytes.setdefault(stage, []).append(payload_bytes(request))
+                rep_bytes.setdefault(stage, []).append(payload_bytes(replies[u]))
+        started = time.perf_counter()
+        try:
+            server.receive(replies)
+        except SecAggAbort:
+            raise _Aborted(sum(server_s.values()) + time.perf_counter() - started) from None
+        server_s[stage] += time.perf_counter() - started
+    assert server.stage == DONE and server.result is not None
+    contributors = server.contributors
+    assert contributors == frozenset(nodes) - dropped, "the survivors are not the users that sent vectors"
+    started = time.perf_counter()
+    decoded = decode_sum(q, server.result)
+    privatizer = None
+    if privatize_layout is not None:
+        privatizer = RoundPrivatizer(make_plan(users), privatize_layout, dtype=torch.float32, seed=b"b" * 32)
+        privatizer.privatize_sum(0, decoded.vector, contributors, inflation=q.inflation)
+    server_s["decode+privatize"] = time.perf_counter() - started
+    plain = decode_sum(q, mod_sum((words[u] for u in sorted(contributors)), q.length, q.bits)).vector
+    pairs = sum(len(server.neighbours[d] & contributors) for d in dropped)
+    return {"server_s": server_s, "client_s": {s: statistics.median(v) for s, v in client_s.items() if v},
+            "quantize_s": statistics.median(quantize_s), "req_bytes": {s: statistics.median(v) for s, v in req_bytes.items()},
+            "rep_bytes": {s: statistics.median(v) for s, v in rep_bytes.items()},
+            "sum_equal": bool(np.array_equal(decoded.vector, plain)), "sum": decoded.vector,
+            "contributors": sorted(contributors), "survivors": len(contributors),
+            "dropped": len(dropped), "dropped_pairs": pairs, "stages": list(server_s)}
+
+
+def abort_probability(users: int, dropout: float, trials: int, seed: int = 0) -> float:
+    """Monte Carlo: the chance that a round of ``users`` with ``dropout`` of them (uniformly drawn)
+    silent from the collect stage on aborts, by ``SecAggServer``'s rule: some owner of a secret
+    needed at unmask (every user that shared keys) keeps fewer than t holders among itself and its
+    neighbours that sent their vectors."""
+    rng = random.Random(seed)
+    nodes = list(range(users))
+    aborted = 0
+    for _ in range(trials):
+        graph = harary_graph(nodes, DEGREE, rng)
+        alive = set(nodes) - set(rng.sample(nodes, round(dropout * users)))
+        if len(alive) < THRESHOLD or any(len((graph[u] | {u}) & alive) < THRESHOLD for u in nodes):
+            aborted += 1
+    return aborted / trials
+
+
+def mask_cost(length: int, repeats: int = 3) -> float:
+    """Seconds to expand one mask of ``length`` words and take it off a sum (unmask's unit of work)."""
+    total = np.zeros(length, dtype=np.uint64)
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        total = mod_sub(total, expand_mask(os.urandom(32), length, BITS, SELF_MASK), BITS)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def short_round(users: int, dropout: float, short: int, seed: int) -> dict[str, Any]:
+    """Step (a) of a simulated cell: the whole protocol for real on ``short``-word vectors (it does
+    not depend on the model, so one serves every model of a run)."""
+    return secure_round(short, make_pool(short, 8, seed), users, dropout, seed=seed)
+
+
+def simulated_round(layout: Layout, full: dict[str, Any], per_mask_s: float, a: dict[str, Any],
+                    seed: int) -> dict[str, Any]:
+    """A round estimated from (a) ``a``, a real round of the same users on short vectors, (b)
+    ``full``, a real (k + 1)-user round at the full dimension, and (c) the per-vector and per-mask
+    costs at the full dimension."""
+    dim, users = flat_size(layout), a["survivors"] + a["dropped"]
+    k1 = DEGREE + 1
+    per_vector_s = full["server_s"][Stage.COLLECT_MASKED_VECTORS] / k1
+    server_s = dict(a["server_s"])
+    server_s[Stage.COLLECT_MASKED_VECTORS] += a["survivors"] * per_vector_s
+    server_s[Stage.UNMASK] += (a["survivors"] + a["dropped_pairs"]) * per_mask_s
+    # decode + privatize at the full dimension, for real (any modular sum costs the same)
+    q = quantization(dim)
+    started = time.perf_counter()
+    decoded = decode_sum(q, np.random.default_rng(seed).integers(0, 2**BITS, q.length, dtype=np.uint64))
+    RoundPrivatizer(make_plan(users), layout, dtype=torch.float32, seed=b"b" * 32).privatize_sum(
+        0, decoded.vector, range(a["survivors"]), inflation=q.inflation)
+    server_s["decode+privatize"] = time.perf_counter() - started
+    client_s = dict(a["client_s"])
+    client_s[Stage.COLLECT_MASKED_VECTORS] = full["client_s"][Stage.COLLECT_MASKED_VECTORS]
+    rep_bytes = dict(a["rep_bytes"])
+    rep_bytes[Stage.COLLECT_MASKED_VECTORS] = full["rep_bytes"][Stage.COLLECT_MASKED_VECTORS]
+    return {**a, "server_s": server_s, "client_s": client_s, "quantize_s": full["quantize_s"],
+            "rep_bytes": rep_bytes, "per_vector_s": per_vector_s, "per_mask_s": per_mask_s}
+
+
+# ---- Flower legacy ------------------------------------------------------------------------------
+def flower_round(layout: Layout, pool: list[np.ndarray], users: int) -> dict[str, Any]:
+    """One round of Flower's legacy SecAgg+ with client-side fixed clipping, in process."""
+    import logging
+
+    from flwr.app import Context
+    from flwr.client import ClientApp, NumPyClient
+    from flwr.client.mod import fixedclipping_mod, secaggplus_mod
+    from flwr.common import ndarrays_to_parameters
+    from flwr.common.serde import message_from_proto, message_to_proto
+    from flwr.proto.message_pb2 import Message as ProtoMessage
+    from flwr.server import ServerConfig
+    from flwr.server.compat.legacy_context import LegacyContext
+    from flwr.server.strategy import DifferentialPrivacyClientSideFixedClipping, FedAvg
+    from flwr.server.workflow import DefaultWorkflow, SecAggPlusWorkflow
+
+    from server.local_grid import LocalGrid, client_node
+
+    logging.getLogger("flwr").setLevel(logging.WARNING)
+    shapes = list(layout.values())
+    current = [np.zeros(s, np.float32) for s in shapes]
+    splits = np.cumsum([math.prod(s) for s in shapes])[:-1]
+
+    class Client(NumPyClient):
+        def __init__(self, i: int) -> None:
+            self.i = i
+
+        def fit(self, parameters, config):
+            parts = np.split(pool[self.i % len(pool)], splits)
+            return [p + d.reshape(p.shape) for p, d in zip(parameters, parts)], 10, {}
+
+    app = ClientApp(client_fn=lambda context: Client(int(context.node_config["partition-id"])).to_client(),
+                    mods=[secaggplus_mod, fixedclipping_mod])
+    stats = {"client_s": {}, "serde_s": 0.0, "down": {}, "up": {}}
+
+    def wire(i: int):
+        inner = client_node(app, {"partition-id": i}, 1000 + i)
+
+        def node(message):
+            started = time.perf_counter()
+            data = message_to_proto(message).SerializeToString()
+            copy = message_from_proto(ProtoMessage.FromString(data))
+            stage = str(copy.content.config_records.get(RECORD_KEY_CONFIGS, {}).get(Key.STAGE, "other"))
+            stats["serde_s"] += time.perf_counter() - started
+            started = time.perf_counter()
+            reply = inner(copy)
+            stats["client_s"].setdefault(stage, []).append(time.perf_counter() - started)
+            started = time.perf_counter()
+            out = message_to_proto(reply).SerializeToString()
+            stats["down"].setdefault(stage, []).append(len(data))
+            stats["up"].setdefault(stage, []).append(len(out))
+            back = message_from_proto(ProtoMessage.FromString(out))
+            stats["serde_s"] += time.perf_counter() - started
+            return back
+        return node
+
+    grid = LocalGrid({1000 + i: wire(i) for i in range(users)})
+    grid.set_run(types.SimpleNamespace(run_id=1))
+    inner = FedAvg(fraction_fit=1.0, fraction_evaluate=0.0, min_fit_clients=users, min_available_clients=users,
+                   initial_parameters=ndarrays_to_parameters(current))
+    strategy = DifferentialPrivacyClientSideFixedClipping(inner, noise_multiplier=1.0, clipping_norm=CLIP_NORM,
+                                                          num_sampled_clients=users)
+
+
+    context = LegacyContext(Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}),
+                            config=ServerConfig(num_rounds=1), strategy=strategy)
+    workflow = DefaultWorkflow(fit_workflow=SecAggPlusWorkflow(num_shares=DEGREE + 1,
+                                                               reconstruction_threshold=THRESHOLD))
+    started = time.perf_counter()
+    workflow(grid, context)
+    total = time.perf_counter() - started
+    client_total = sum(sum(v) for v in stats["client_s"].values())
+    return {"total_s": total, "client_s_per_client": client_total / users,
+            "server_s": total - client_total - stats["serde_s"], "serde_s": stats["serde_s"],
+            "client_s": {s: statistics.median(v) for s, v in stats["client_s"].items()},
+            "down": {s: statistics.median(v) for s, v in stats["down"].items()},
+            "up": {s: statistics.median(v) for s, v in stats["up"].items()},
+            "ok": Stage.COLLECT_MASKED_VECTORS in stats["client_s"]}
+
+
+# ---- the run ------------------------------------------------------------------------------------
+def run(models: list[str], users: list[int], dropouts: list[float], repeats: int, flower_users: list[int],
+        real_limit_gb: float, short: int, pool_size: int, flower_limit: float = 1e8, abort_trials: int = 2000,
+        log=print) -> dict[str, Any]:
+    results: dict[str, Any] = {"cells": [], "flower": [], "full": {}}
+    shorts: dict[tuple[int, float, int], dict[str, Any]] = {}
+    for model in models:
+        layout = model_layout(model)
+        dim = flat_size(layout)
+        pool = make_pool(dim, pool_size, seed=7)
+        log(f"# {model}: {dim:,} parameters")
+        full_runs = []
+        for r in range(repeats):
+            full_runs.append(secure_round(dim, pool, DEGREE + 1, 0.0, seed=100 + r, privatize_layout=layout))
+            assert full_runs[-1]["sum_equal"]
+        full = {**{k: v for k, v in full_runs[0].items() if k != "sum"}, "server_s": _median_dicts([f["server_s"] for f in full_runs]),
+                "client_s": _median_dicts([f["client_s"] for f in full_runs]),
+                "quantize_s": statistics.median(f["quantize_s"] for f in full_runs)}
+        per_mask_s = mask_cost(quantization(dim).length)
+        results["full"][model] = {"k+1 round": full, "per_mask_s": per_mask_s}
+        log(f"#   (k+1)-user round at full dimension: client collect {full['client_s'][Stage.COLLECT_MASKED_VECTORS]:.3f} s, "
+            f"per mask {per_mask_s:.4f} s")
+        for n in users:
+            central = [central_round(layout, pool, n) for _ in range(repeats)]
+            for dropout in dropouts:
+                real = n * quantization(dim).length * 8 * 2 <= real_limit_gb * 2**30
+                started = time.perf_counter()
+                rows = []
+                for r in range(repeats):
+                    if real:
+                        rows.append(secure_round(dim, pool, n, dropout, seed=r, privatize_layout=layout))
+                    else:
+                        if (n, dropout, r) not in shorts:
+                            shorts[(n, dropout, r)] = short_round(n, dropout, short, seed=r)
+                        rows.append(simulated_round(layout, full, per_mask_s, shorts[(n, dropout, r)], seed=r))
+                    assert rows[-1]["sum_equal"], "the secure sum differs from the plain sum of quantized words"
+                cell = {"model": model, "dim": dim, "users": n, "dropout": dropout, "how": "real" if real else "simulated",
+                        "central": _median_dicts(central),
+                        "server_s": _median_dicts([r["server_s"] for r in rows]),
+                        "client_s": _median_dicts([r["client_s"] for r in rows]),
+                        "quantize_s": statistics.median(r["quantize_s"] for r in rows),
+                        "req_bytes": rows[0]["req_bytes"], "rep_bytes": rows[0]["rep_bytes"],
+                        "dropped": rows[0]["dropped"], "dropped_pairs": rows[0]["dropped_pairs"],
+                        "aborts": sum(r["aborts"] for r in rows),
+                        "abort_probability": abort_probability(n, dropout, abort_trials) if dropout else 0.0,
+                        "server_totals": [sum(r["server_s"].values()) for r in rows]}
+                cell["server_total_s"] = statistics.median(cell["server_totals"])
+                if real and n > DEGREE + 1:  # the simulation's estimate of the same cell, to check it
+                    estimates = []
+                    for r in range(repeats):
+                        if (n, dropout, r) not in shorts:
+                            shorts[(n, dropout, r)] = short_round(n, dropout, short, seed=r)
+                        est = simulated_round(layout, full, per_mask_s, shorts[(n, dropout, r)], seed=r)
+                        estimates.append(sum(est["server_s"].values()))
+                    cell["simulated_estimate_s"] = statistics.median(estimates)
+                results["cells"].append(cell)
+                log(f"#   n={n} dropout={dropout:g} ({cell['how']}): central {cell['central']['server_s']:.3f} s, "
+                    f"secure {cell['server_total_s']:.3f} s (per repeat "
+                    f"{', '.join(f'{x:.2f}' for x in cell['server_totals'])}; {cell['aborts']} aborted attempts redone, "
+                    f"P(abort) {cell['abort_probability']:.3f}); cell took {time.perf_counter() - started:.0f} s")
+        for n in flower_users:
+            started = time.perf_counter()
+            if n * dim > flower_limit:
+                results["flower"].append({"model": model, "users": n, "error": f"not run: n × d = {n * dim:,} is "
+                                          f"above --flower-limit {flower_limit:,.0f} (time)"})
+                continue
+            try:
+                rows = [flower_round(layout, pool, n) for _ in range(repeats)]
+                cell = {"model": model, "users": n, "total_s": statistics.median(r["total_s"] for r in rows),
+                        "server_s": statistics.median(r["server_s"] for r in rows),
+                        "client_s_per_client": statistics.median(r["client_s_per_client"] for r in rows),
+                        "client_s": _median_dicts([r["client_s"] for r in rows]),
+                        "down": rows[0]["down"], "up": rows[0]["up"], "ok": all(r["ok"] for r in rows)}
+            except Exception as e:  # report why Flower's legacy path could not run here
+                cell = {"model": model, "users": n, "error": f"{type(e).__name__}: {e}"[:300]}
+            results["flower"].append(cell)
+            log(f"#   Flower legacy n={n}: {cell.get('total_s', cell.get('error'))} (took {time.perf_counter() - started:.0f} s)")
+    return results
+
+
+def _median_dicts(rows: list[dict[str, float]]) -> dict[str, float]:
+    return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+
+
+# ---- report -------------------------------------------------------------------------------------
+SHORT = {Stage.SETUP: "setup", Stage.SHARE_KEYS: "share keys", Stage.COLLECT_MASKED_VECTORS: "collect",
+         Stage.UNMASK: "unmask"}
+
+
+def _name(stage: str) -> str:
+    return SHORT.get(stage, stage)
+
+
+def tables(results: dict[str, Any]) -> str:
+    out = ["| model | n | dropped | how | central server s | secure server s | secure ÷ central | "
+           "secure client s (excl. training) | central bytes up / down per client | secure bytes up / down per client "
+           "(model down incl.) | bytes secure ÷ central | simulation's estimate of a real cell, s | "
+           "aborted attempts redone (all repeats) | P(abort) |", "|" + "---|" * 14]
+    for c in results["cells"]:
+        cen = c["central"]
+        up, down = sum(c["rep_bytes"].values()), sum(c["req_bytes"].values()) + cen["down_bytes"]
+        estimate = f"{c['simulated_estimate_s']:.3f}" if "simulated_estimate_s" in c else ""
+        out.append(f"| {c['model']} | {c['users']} | {c['dropped']} | {c['how']} | {cen['server_s']:.3f} | "
+                   f"{c['server_total_s']:.3f} | {c['server_total_s'] / cen['server_s']:.1f}x | "
+                   f"{sum(c['client_s'].values()):.3f} | {_mb(cen['up_bytes'])} / {_mb(cen['down_bytes'])} | "
+                   f"{_mb(up)} / {_mb(down)} | {(up + down) / (cen['up_bytes'] + cen['down_bytes']):.2f}x | {estimate} | "
+                   f"{c['aborts']} | {c['abort_probability']:.3f} |")
+    out += ["", "Per stage (server s | client s median | bytes request / reply per client, payload only):", "",
+            "| model | n | dropped | " + " | ".join(
+                ["setup", "share keys", "collect (quantize+mask)", "unmask", "decode+privatize"]) + " |",
+            "|" + "---|" * 8]
+    for c in results["cells"]:
+        cells = []
+        for stage in c["client_s"]:
+            extra = f" (q {c['quantize_s']:.3f})" if stage == Stage.COLLECT_MASKED_VECTORS else ""
+            cells.append(f"{c['server_s'][stage]:.3f} \\| {c['client_s'][stage]:.4f}{extra} \\| "
+                         f"{_kb(c['req_bytes'][stage])} / {_kb(c['rep_bytes'][stage])}")
+        cells.append(f"{c['server_s']['decode+privatize']:.3f}")
+        out.append(f"| {c['model']} | {c['users']} | {c['dropped']} | " + " | ".join(cells) + " |")
+    if results["flower"]:
+        out += ["", "| model | n | Flower round s | server s | client s per client | bytes down / up per client |",
+                "|" + "---|" * 6]
+        for f in results["flower"]:
+            if "error" in f:
+                out.append(f"| {f['model']} | {f['users']} | could not run: {f['error']} | | | |")
+                continue
+            out.append(f"| {f['model']} | {f['users']} | {f['total_s']:.3f} | {f['server_s']:.3f} | "
+                       f"{f['client_s_per_client']:.3f} | {_kb(sum(f['down'].values()))} / {_kb(sum(f['up'].values()))} |")
+    return "\n".join(out)
+
+
+def _mb(x: float) -> str:
+    return f"{x / 1e6:.2f} MB"
+
+
+def _kb(x: float) -> str:
+    return f"{x / 1e3:.1f} kB" if x < 1e6 else f"{x / 1e6:.2f} MB"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--users", type=int, nargs="*", default=[10, 100, 1000])
+    parser.add_argument("--models", nargs="+", default=["so-small", "paper"], choices=["so-small", "paper", "quick"])
+    parser.add_argument("--dropouts", type=float, nargs="+", default=[0.0, 0.1],
+                        help="fractions of users silent from the collect stage on (default 0 and 0.1)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--flower-users", type=int, nargs="*", default=[10, 100])
+    parser.add_argument("--flower-limit", type=float, default=1e8,
+                        help="run Flower's round only where users × parameters is at most this (time)")
+    parser.add_argument("--real-limit-gb", type=float, default=3.0,
+                        help="a cell is run for real when the masked vectors it holds (x2) fit in this")
+    parser.add_argument("--short", type=int, default=256, help="words per vector of a simulated cell's round (a)")
+    parser.add_argument("--pool", type=int, default=8)
+    parser.add_argument("--abort-trials", type=int, default=2000,
+                        help="Monte Carlo trials of the chance that a round with dropouts aborts")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--quick", action="store_true", help="tiny model, 6, 12 and 16 users (16 simulated): seconds")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("FLWR_HOME", tempfile.mkdtemp(prefix="fedmf-bench-flwr-"))
+    torch.set_num_threads(args.threads)
+    if args.quick:
+        args.models, args.users, args.repeats, args.flower_users = ["quick"], [6, 12, 16], 1, [6]
+        args.real_limit_gb = 14 * 3432 * 16 / 2**30  # 6 and 12 users real, 16 simulated
+    import flwr
+
+    load = os.getloadavg()
+    print(f"# {platform.node()} {os.cpu_count()} CPUs, torch {torch.__version__} ({torch.get_num_threads()} threads), "
+          f"numpy {np.__version__}, flwr {flwr.__version__}, python {platform.python_version()}; load average "
+          f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; SecAgg+ k={DEGREE} t={THRESHOLD} bits={BITS} scale={SCALE:g}",
+          flush=True)
+    started = time.perf_counter()
+    results = run(args.models, args.users, args.dropouts, args.repeats, args.flower_users, args.real_limit_gb,
+                  args.short, args.pool, args.flower_limit, args.abort_trials, log=lambda s: print(s, flush=True))
+    load = os.getloadavg()
+    print(f"# took {time.perf_counter() - started:.0f} s; load average at end {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    print(tables(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
