@@ -186,3 +186,54 @@ def test_a_huge_finite_update_is_clipped_by_the_client_as_by_the_central_server(
                                 rng=np.random.default_rng(0))  # the client refuses it today
     expected = np.full(DIM, 1.0 / math.sqrt(DIM))  # the clipped direction, normalized
     assert float(np.abs(decode_sum(q, words).vector - expected).max()) <= 2.0 / SCALE
+
+
+# ---- accounting, the plan's record, noise per attempt (hold) -----------------------------------------
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_secure_aggregation_leaves_the_accounting_and_scales_only_sigma(adaptive):
+    rule = AdaptiveClipping.create(0.5, expected_users=10) if adaptive else None
+    plan = task.plan(rounds=6, adaptive_clipping=rule)
+    params = SecAggParams(degree=4, threshold=3, bits=BITS, scale=3.0)  # coarse: a visible inflation
+    secure = plan.with_secure_aggregation(params, DIM)
+    q = quantization_for(plan, DIM, scale=params.scale, bits=BITS, beta=params.beta)
+    assert secure.secure_aggregation.inflation == q.inflation > 1.01
+    assert secure.epsilon() == plan.epsilon() and secure.rho() == plan.rho()
+    assert [secure.epsilon_after(t) for t in range(6)] == [plan.epsilon_after(t) for t in range(6)]
+    assert secure.noise_multiplier == plan.noise_multiplier and secure.noise_std == plan.noise_std
+    assert secure.effective_noise_std == plan.noise_std * q.inflation
+    assert secure.fingerprint != plan.fingerprint
+    other = plan.with_secure_aggregation(SecAggParams(degree=4, threshold=3, bits=BITS, scale=4.0), DIM)
+    assert other.fingerprint != secure.fingerprint
+    with pytest.raises(Exception, match="fingerprint|another|plan"):
+        other.check_fingerprint(secure.fingerprint, "checkpoint")
+    data = secure.to_dict()
+    assert type(secure).from_dict(data, secure.mechanism).fingerprint == secure.fingerprint
+    data["secure_aggregation"]["inflation"] = 1.0  # an edited inflation: refused on load
+    with pytest.raises(Exception, match="inflation"):
+        type(secure).from_dict(data, secure.mechanism)
+
+
+def test_a_secure_sum_draws_its_noise_at_finish_only_and_afresh_on_each_attempt():
+    plan = task.plan(rounds=4)
+    params = SecAggParams(degree=4, threshold=3, bits=BITS, scale=SCALE)
+    secure_plan = plan.with_secure_aggregation(params, DIM)
+    inflation = secure_plan.secure_aggregation.inflation
+    total = np.random.default_rng(2).normal(size=DIM)
+    p = RoundPrivatizer(secure_plan, LAYOUT, seed=SEED)
+    before = p.state_dict()
+    before = {**before, "noise": {k: (v.clone() if isinstance(v, torch.Tensor) else v)
+                                  for k, v in before["noise"].items()}}
+    p.begin(0, NODES)
+    p.add_sum(total, NODES, inflation=inflation)
+    p.abort()  # an aborted attempt: no draw, the generator still serves round 0
+    assert p.next_round == 0
+    first, _ = p.privatize_sum(0, total, NODES, inflation=inflation, selected=NODES)
+    redo = RoundPrivatizer(secure_plan, LAYOUT, seed=SEED)
+    redo.load_state_dict(before)
+    second, _ = redo.privatize_sum(0, total, NODES, inflation=inflation, selected=NODES)
+    assert not torch.equal(first["w"], second["w"])  # salted: fresh noise on the redo
+    with pytest.raises(Exception, match="inflation"):  # only the plan's inflation
+        p.privatize_sum(1, total, NODES, inflation=1.0, selected=NODES)
+    with pytest.raises(Exception, match="secure"):  # no plain update into a secure plan
+        p.privatize(1, {1: _tensors(total)}, selected=NODES)
