@@ -41,3 +41,27 @@ def test_both_stores_rolled_back_to_round_0_with_a_recomputed_genesis_are_refuse
     with pytest.raises(CheckpointError):
         again, _ = _train(run_dir, ledger=ledger, witness=witness, rounds=3)
         assert again == [], f"rounds {again} released a second time"
+
+
+def test_a_stop_between_round_0s_commit_and_its_witness_line_resumes(tmp_path):
+    """Round 0 committed, the witness file not yet created: one round behind, accepted, recorded first."""
+    from tests.run.test_release_witness import _train as train_or_stop
+    from tests.run.test_release_witness import _witness_entries
+
+    run_dir, witness, released = tmp_path / "run", tmp_path / "witness", []
+    assert train_or_stop(run_dir, witness=witness, stop=("committed", 0), released=released) is None
+    assert released == [] and (not witness.exists() or not any(witness.iterdir()))
+    assert train_or_stop(run_dir, witness=witness, released=released) is not None
+    assert released[0] == 0 and [e["round"] for e in _witness_entries(witness)] == sorted(set(released))
+
+
+def test_a_run_with_the_witness_off_then_on_is_refused_after_round_0(tmp_path):
+    """witness = "off" (tests only) for rounds 0-1, then on: two rounds behind an empty witness, refused
+    in one line (documented in deploy/README.md; the message's advice to copy a witness file cannot
+    apply, as none was written)."""
+    from tests.run.test_release_witness import _train as train_or_stop
+
+    run_dir, witness = tmp_path / "run", tmp_path / "witness"
+    assert train_or_stop(run_dir, witness="off", rounds=2) is not None
+    with pytest.raises(CheckpointError, match="recorded no round but the ledger has committed up to round 1"):
+        train_or_stop(run_dir, witness=witness)
