@@ -167,24 +167,27 @@ def test_one_hostile_client_cannot_make_an_honest_metric_move_its_release_by_mor
     q = quantization_for(plan, DIM, scale=SCALE, bits=BITS, beta=math.exp(-0.5))
     values = {u: 0.5 for u in NODES}
     (_, with_me), (_, without_me) = _worlds(plan, q, plan.clip_norm, np.full(DIM, 0.01), q.length - 1,
-                                            metric=values)
+                                            metric=values, through_protocol=True)
     moved = abs(with_me.noisy_client_metric - without_me.noisy_client_metric) * plan.expected_users
     assert moved <= release.clip + 1e-9, moved
 
 
-@pytest.mark.xfail(strict=True, reason="REVIEW-i36-privacy-path LOW-2: a finite float64 update whose norm overflows "
-                                       "is refused (adaptive: Δ/ζₜ overflows) or zeroed by the client; the central path clips it")
-def test_a_huge_finite_update_is_clipped_by_the_client_as_by_the_central_server():
-    rule = AdaptiveClipping.create(0.5, expected_users=10)
-    plan = task.plan(rounds=4, adaptive_clipping=rule)
+@pytest.mark.xfail(strict=True, reason="REVIEW-i36-privacy-path LOW-2: with ℓ∞ zeroing off, a finite float64 update "
+                                       "whose squared norm overflows is zeroed by the client (adaptive, |Δ|/ζₜ "
+                                       "overflowing: refused); the central path clips it")
+@pytest.mark.parametrize("adaptive, value, zeta", [(False, 1e200, 1.0), (True, 1e200, 0.5), (True, 1e307, 0.05)])
+def test_a_huge_finite_update_is_clipped_by_the_client_as_by_the_central_server(adaptive, value, zeta):
+    rule = AdaptiveClipping.create(0.5, expected_users=10) if adaptive else None
+    plan = task.plan(rounds=4, adaptive_clipping=rule, zero_threshold=None)  # ζ₀ = 1
     q = quantization_for(plan, DIM, scale=SCALE, bits=BITS, beta=math.exp(-0.5))
-    huge = np.full(DIM, 1e308)
+    huge = np.zeros(DIM)
+    huge[:4] = value
     central = RoundPrivatizer(plan, LAYOUT, seed=SEED, repeatable_noise=True, dtype=torch.float64)
     _, report = central.privatize(0, {1: _tensors(huge)}, selected=[1])
     assert report.users[0].status == "contributed" and report.users[0].clipped  # the central server clips it
-    words = encode_local_update(q, _tensors(huge), LAYOUT, clip_norm=0.5, zero_threshold=None,
-                                rng=np.random.default_rng(0))  # the client refuses it today
-    expected = np.full(DIM, 1.0 / math.sqrt(DIM))  # the clipped direction, normalized
+    words = encode_local_update(q, _tensors(huge), LAYOUT, clip_norm=zeta, zero_threshold=None,
+                                rng=np.random.default_rng(0))  # zeroes it (or, ÷ ζₜ overflowing, refuses it) today
+    expected = q.clip_norm * (huge / value) / np.linalg.norm(huge / value)  # the clipped direction
     assert float(np.abs(decode_sum(q, words).vector - expected).max()) <= 2.0 / SCALE
 
 
