@@ -31,7 +31,6 @@ from fedmf.secagg.signing import consistency_statement
 from tests.secagg._drive import make_client
 from tests.secagg.test_review_findings import LENGTH_WORDS, _honest_until_unmask, _pairwise, _ring, _unmask_one
 
-
 # ---- HIGH-1: a lying server and ONE colluding neighbour unmask a client at the derived defaults ------
 
 def _two_stories_with_a_colluder(params: SecAggParams, n: int) -> tuple[np.ndarray | None, np.ndarray, int]:
