@@ -239,6 +239,47 @@ def test_one_client_silent_at_the_consistency_check_does_not_end_the_run(tmp_pat
     assert record.contributed >= 1 and record.contributed + record.rejected + record.dropped == record.selected
 
 
+@pytest.mark.xfail(strict=True, reason="REVIEW-i36-secagg-2 MEDIUM-3: an owner whose shares do not decrypt is "
+                                       "never named")
+def test_one_owner_with_undecryptable_shares_is_named_or_survived_at_the_derived_degree():
+    """40 clients, derived k = 28, t = 15. One owner sends its 28 neighbours ciphertexts that do not
+    decrypt: each honest holder refuses at collect (one-line error naming the owner), so 28 honest
+    clients drop, 12 are left, and the attempt aborts with no culprit: the redo meets the same owner,
+    so the run ends. Expected: the attempt completes without the owner, or the owner is named."""
+    import os
+    import random
+
+    from fedmf.secagg.errors import SecAggAbort
+    from server.secagg import SecAggServer
+    from tests.secagg._drive import STAGES, random_words
+
+    params = SecAggParams(degree=0, threshold=0, bits=16, scale=1.0)
+    nodes = list(range(1, 41))
+    words = random_words(nodes, LENGTH_WORDS, params.bits)
+    server = SecAggServer(params, LENGTH_WORDS, nodes, rng=random.Random(0), run="run", round_=3)
+    clients = {u: make_client(u) for u in nodes}
+    hostile, refused = 7, set()
+    try:
+        for stage in STAGES:
+            replies = {}
+            for u, request in server.requests().items():
+                if u in refused:
+                    continue
+                try:
+                    reply = clients[u].handle(request, words[u] if stage == Stage.COLLECT_MASKED_VECTORS else None)
+                except SecAggError:  # the ClientApp's error reply: nothing from this node from now on
+                    refused.add(u)
+                    continue
+                if stage == Stage.SHARE_KEYS and u == hostile:
+                    reply = dict(reply) | {Key.CIPHERTEXT_LIST: [os.urandom(len(c)) for c in reply[Key.CIPHERTEXT_LIST]]}
+                replies[u] = reply
+            server.receive(replies)
+    except SecAggAbort:
+        assert server.culprits == {hostile}, f"{len(refused)} honest holders refused, the attempt aborted, nobody named"
+        return
+    assert hostile not in server.contributors and len(server.contributors) >= len(nodes) - 1
+
+
 # ---- LOW-1: an enrolled node without require-secure-aggregation hands its clear update out -----------
 
 @pytest.mark.xfail(strict=True, reason="REVIEW-i36-secagg-2 LOW-1: enrolled mode does not imply "
