@@ -205,6 +205,20 @@ def _clipped_update(config, arrays, user) -> np.ndarray:
     return flat * min(1.0, config["clip-norm"] / np.linalg.norm(flat))
 
 
+# ---- MEDIUM-2: the documentation states the enrolled mode beyond what holds -------------------------
+
+@pytest.mark.xfail(strict=True, reason="REVIEW-i36-secagg-2 MEDIUM-2: the docs state the HbC bound as the enrolled "
+                                       "mode's")
+def test_the_docs_state_the_deviating_server_bound_and_the_per_execution_limit():
+    """The consistency document and SecAggParams give a deviating server's collusion threshold
+    (2t − 1 − k colluding neighbours, HIGH-1) and say that the guarantee is per execution (HIGH-2)."""
+    from pathlib import Path
+
+    doc = Path(__file__).resolve().parents[2].joinpath("docs", "secagg-consistency.md").read_text()
+    for text in (doc, SecAggParams.__doc__ or ""):
+        assert "2t − 1 − k" in text and "execution" in text
+
+
 # ---- MEDIUM-3: one client that does not sign U3 aborts every redo and ends the run --------------------
 
 @pytest.mark.xfail(strict=True, reason="REVIEW-i36-secagg-2 MEDIUM-3: a non-signer is never left out of the redo")
