@@ -10,7 +10,9 @@ for the ledger tests (SECRET, mechanism_file, dump_database) live in ledger_help
 from __future__ import annotations
 
 import os
+import shutil
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -77,12 +79,13 @@ def ledger_url(request, tmp_path):
 
 
 @pytest.fixture(autouse=True, scope="session")
-def _witness_state_home(tmp_path_factory):
+def _witness_state_home(tmp_path_factory) -> Path:
     """Every run's release witness (fedmf.run.witness) goes under a temporary XDG_STATE_HOME, never the real
     home: in this process and in every process a test starts (they inherit the environment)."""
     saved = os.environ.get("XDG_STATE_HOME")
-    os.environ["XDG_STATE_HOME"] = str(tmp_path_factory.mktemp("xdg-state"))
-    yield
+    home = tmp_path_factory.mktemp("xdg-state")
+    os.environ["XDG_STATE_HOME"] = str(home)
+    yield home
     if saved is None:
         os.environ.pop("XDG_STATE_HOME", None)
     else:
@@ -92,5 +95,12 @@ def _witness_state_home(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def _witness_per_test(_witness_state_home, tmp_path_factory, monkeypatch):
     """Each test its own XDG_STATE_HOME: a test that restores copies of a run a fixture made resumes
-    each copy against its own witness (within one test, the witness sees every copy, as it would)."""
-    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path_factory.mktemp("xdg-state")))
+    each copy against its own witness (within one test, the witness sees every copy, as it would),
+    a copy of the witness the fixture's run wrote (under the session's XDG_STATE_HOME) as an operator
+    moves one (deploy/README.md, "The release witness")."""
+    home = tmp_path_factory.mktemp("xdg-state")
+    made = _witness_state_home / "fedmf" / "witness"
+    if made.is_dir():
+        (home / "fedmf").mkdir(mode=0o700)
+        shutil.copytree(made, home / "fedmf" / "witness")  # modes kept: 0700 directory, 0600 files
+    monkeypatch.setenv("XDG_STATE_HOME", str(home))

@@ -212,13 +212,15 @@ class PrivateRun:
                                        population=population)
             # before the run is recorded: a ledger with lifetime budgets refuses a run without their secret
             budget = RunBudget.open(book, None if budget_key is None else load_budget_secret(budget_key), plan)
-            run = cls._attach(book, directory, store, secrets, plan, model, privatizer, opt, scheduler, name,
-                              NOISE_SALTS[repeatable_noise], ledger_diagnostics)
+            run, started_with_witness = cls._attach(book, directory, store, secrets, plan, model, privatizer, opt,
+                                                    scheduler, name, NOISE_SALTS[repeatable_noise],
+                                                    ledger_diagnostics, witness_dir)
             if budget is not None:
                 budget.run_id = run.id
             committed = run.next_round
             record = None if witness_off else check_witness(
-                Witness.open(witness_dir, run_id=run.id, genesis_sha256=run.info.genesis_sha256), run, committed - 1)
+                Witness.open(witness_dir, run_id=run.id, genesis_sha256=run.info.genesis_sha256), run, committed - 1,
+                started_with_witness)
         except BaseException:
             book.close()
             remove_created(directory, existed, made)
@@ -232,7 +234,10 @@ class PrivateRun:
 
     @staticmethod
     def _attach(book, directory: Path, store: CheckpointStore, secrets: RunSecrets, plan: RunPlan, model, privatizer,
-                optimizer, scheduler, name, noise_salts: str, diagnostics: bool):
+                optimizer, scheduler, name, noise_salts: str, diagnostics: bool, witness_dir: Path | None):
+        """The ledger run of ``directory``, resumed or created (a new run's witness genesis line written
+        before its run.json: ``witness_dir`` None, the witness off), and whether run.json says it was
+        started with a witness (None: not recorded, a run of an older fedmf)."""
         run_file = directory / RUN_FILE
         seed_file = str(directory / "secrets" / "noise_seed")
         if run_file.exists():
@@ -264,7 +269,8 @@ class PrivateRun:
                 # once unsalted, always marked: the run's released rounds may repeat noise
                 atomic_write(run_file, lambda f: json.dump({**recorded, "noise_salts": noise_salts}, f), text=True,
                              mode=0o600)
-            return run
+            started_with_witness = recorded.get("witness")
+            return run, started_with_witness if isinstance(started_with_witness, bool) else None
         # one noise seed, one run: a second run with this seed would repeat released noise
         if secrets.noise_seed_binding is not None:
             raise CheckpointError(f"the noise seed in {seed_file!r} is bound to another run (copied from its run "
@@ -293,10 +299,12 @@ class PrivateRun:
                               sampling=str(plan.sampling), name=name, plan=plan.to_dict(),
                               plan_fingerprint=plan.fingerprint, config={"noise_key_check": noise_check},
                               diagnostics=diagnostics)
+        if witness_dir is not None:  # before run.json: a run that can be resumed has its genesis line
+            Witness.open(witness_dir, run_id=run.id, genesis_sha256=run.info.genesis_sha256).begin()
         record = {"run_id": run.id, "noise_salts": noise_salts, "plan_fingerprint": plan.fingerprint,
-                  "initial_sha256": initial_sha256, "noise_seed_binding": binding}
+                  "initial_sha256": initial_sha256, "noise_seed_binding": binding, "witness": witness_dir is not None}
         atomic_write(directory / RUN_FILE, lambda f: json.dump(record, f), text=True, mode=0o600)
-        return run
+        return run, witness_dir is not None
 
     def close(self) -> None:
         """Abort an open round, close the ledger and release the run directory's lock."""

@@ -12,7 +12,7 @@ from pathlib import Path
 from ..errors import CheckpointError
 from .checkpoint import CheckpointStore, noise_file_rounds
 from .round_log import logged_rounds
-from .witness import Witness
+from .witness import GENESIS_ROUND, Witness
 
 __all__ = ["refuse_rollback", "resume_ledger_run", "refuse_ledger_rollback", "check_witness"]
 
@@ -93,35 +93,48 @@ def refuse_ledger_rollback(directory: Path, store: CheckpointStore, run, committ
                               "back; refusing to release rounds again")
 
 
-def check_witness(witness: Witness, run, committed: int) -> Witness:
-    """Refuse (one line) a ledger behind the release witness, or whose chain head at the witness's
-    last round is another one, or a witness two or more rounds behind the ledger (it is written
-    after every commit and before any release: a changed or lost witness directory, which would
-    accept a rollback of both stores); then bring a witness one round behind (a stop between a
+def check_witness(witness: Witness, run, committed: int, started_with_witness: bool | None = True) -> Witness:
+    """Refuse (one line) a missing or empty witness (every run's file holds its genesis line from its
+    creation on; ``started_with_witness``, what run.json says: False, a run started with the witness
+    off; None, not recorded), a ledger behind the release witness, or whose chain head at the
+    witness's last round is another one, or a witness two or more rounds behind the ledger (it is
+    written after every commit and before any release: a changed or lost witness directory, which
+    would accept a rollback of both stores); then bring a witness one round behind (a stop between a
     commit and its witness entry: that round was never released) up to the ledger's last round,
     before anything is released. Returns ``witness``."""
     last = witness.last()
-    if last is not None:
-        if last.round > committed:
-            ledger_side = (f"the ledger's last committed round is {committed}" if committed >= 0
-                           else "the ledger has no committed round")
-            raise CheckpointError(f"the release witness {str(witness.path)!r} shows round {last.round} committed but "
-                                  f"{ledger_side} of run {run.id} (and the run directory agrees with the ledger): "
-                                  "both were rolled back (restored from a backup?); refusing to release rounds again")
-        head = run.round(last.round).chain_sha256
-        if head != last.chain_sha256:
-            raise CheckpointError(f"the release witness {str(witness.path)!r} records chain head "
-                                  f"{last.chain_sha256[:16]}… at round {last.round}, but the ledger's round "
-                                  f"{last.round} of run {run.id} has {str(head)[:16]}…: the ledger was rewritten or "
-                                  "rolled back and its rounds released again; refusing to go on")
-    behind = committed - (-1 if last is None else last.round)
+    if last is None:  # not even the genesis line: another file than the one written at the run's creation
+        if started_with_witness is False:
+            raise CheckpointError(f"run {run.id} was started with witness = \"off\" (tests only), so it has no release "
+                                  "witness and cannot be resumed with one: resume it with the witness off, or start "
+                                  "a new run in a new directory")
+        off = "" if started_with_witness else " (or the run was started with witness = \"off\")"
+        raise CheckpointError(f"the release witness {str(witness.path)!r} of run {run.id} is missing or empty, but it "
+                              "is written when a run is created: the witness directory changed (another witness "
+                              "setting, HOME or XDG_STATE_HOME), the witness was lost, or the run's ledger row was "
+                              f"edited (its genesis names the file){off}, and both stores may have been rolled back; "
+                              "to move a witness, copy the run's witness file into this directory (deploy/README.md, "
+                              "'The release witness'); refusing to release rounds again")
+    ledger_side = (f"the ledger's last committed round is {committed}" if committed >= 0
+                   else "the ledger has no committed round")
+    if last.round > committed:
+        raise CheckpointError(f"the release witness {str(witness.path)!r} shows round {last.round} committed but "
+                              f"{ledger_side} of run {run.id} (and the run directory agrees with the ledger): "
+                              "both were rolled back (restored from a backup?); refusing to release rounds again")
+    head = run.info.genesis_sha256 if last.round == GENESIS_ROUND else run.round(last.round).chain_sha256
+    if head != last.chain_sha256:
+        raise CheckpointError(f"the release witness {str(witness.path)!r} records chain head "
+                              f"{last.chain_sha256[:16]}… at round {last.round}, but the ledger's round "
+                              f"{last.round} of run {run.id} has {str(head)[:16]}…: the ledger was rewritten or "
+                              "rolled back and its rounds released again; refusing to go on")
+    behind = committed - last.round
     if behind >= 2:  # a witness line is written after each commit, before any release: at most 1 behind
-        raise CheckpointError(f"the release witness {str(witness.path)!r} recorded "
-                              f"{'no round' if last is None else f'up to round {last.round}'} but the ledger has "
-                              f"committed up to round {committed} of run {run.id}: the witness directory changed "
-                              "(another witness setting, HOME or XDG_STATE_HOME) or the witness was lost, and both "
-                              "stores may have been rolled back; copy the run's witness file into this directory "
-                              "(deploy/README.md, 'The release witness'); refusing to release rounds again")
+        recorded = "only the run's creation" if last.round == GENESIS_ROUND else f"up to round {last.round}"
+        raise CheckpointError(f"the release witness {str(witness.path)!r} recorded {recorded} but the ledger has "
+                              f"committed up to round {committed} of run {run.id}: the run went on in another witness "
+                              "directory (copy that witness file here) or with the witness off, or this witness is "
+                              "an older copy, and both stores may have been rolled back; refusing to release rounds "
+                              "again")
     if behind == 1:  # a stop between round committed's commit and its witness line: never released
         witness.append(committed, run.round(committed).chain_sha256)
     return witness

@@ -1,16 +1,21 @@
 """The release witness: an append-only record, outside the run directory and the ledger, of the
 rounds a run committed, so that a rollback of both stores together is refused.
 
-After round t's ledger commit and before anything of round t is released, the server appends one
-line ``{"v": 1, "run_id", "genesis_sha256", "round": t, "chain_sha256": the ledger's chain head at
-round t}`` to the run's witness file and fsyncs it (and its directory when the file is new). A
-resume whose ledger has committed fewer rounds than the witness recorded, or whose chain head at the
-witness's last round is another one, is refused (``fedmf.run.private_run``): the stores were restored from a
-backup or rewritten, and resuming would release rounds again.
+When a run is created, after its ledger row and before its run.json (so before anything of it can be
+released), the server writes the file's first line, the genesis line ``{"v": 1, "run_id",
+"genesis_sha256", "round": -1, "chain_sha256": genesis_sha256}`` (``Witness.begin``). After round t's
+ledger commit and before anything of round t is released, it appends one line ``{"v": 1, "run_id",
+"genesis_sha256", "round": t, "chain_sha256": the ledger's chain head at round t}``. Each line is
+fsynced (and the directory when the file is new). A resume whose ledger has committed fewer rounds
+than the witness recorded, or whose chain head at the witness's last round is another one, or whose
+witness file is missing or empty, is refused (``fedmf.run.rollback.check_witness``): the stores were
+restored from a backup or rewritten (or the run row edited, which renames the file), and resuming
+would release rounds again. A file written before the genesis line existed (rounds ≥ 0 only) is read
+as it is.
 
-A crash between the ledger commit and the append leaves the witness one round behind: that round
-was never released, so a resume may go on; it records the ledger's last round in the witness first
-(``Witness.append``), before releasing anything.
+A crash between the ledger commit and the append leaves the witness one round behind (at round −1
+after round 0's commit): that round was never released, so a resume may go on; it records the
+ledger's last round in the witness first (``Witness.append``), before releasing anything.
 
 The file is ``<directory>/<key>``: ``directory`` is the ``witness`` setting (a path on other storage
 in a deployment), by default ``$XDG_STATE_HOME/fedmf/witness`` or ``~/.local/state/fedmf/witness``;
@@ -33,17 +38,20 @@ from ..errors import CheckpointError
 from ..files import check_private, check_private_path, fsync_dir
 from .round_log import append_line
 
-__all__ = ["Witness", "WitnessEntry", "witness_key", "default_witness_directory", "WITNESS_OFF"]
+__all__ = ["Witness", "WitnessEntry", "witness_key", "default_witness_directory", "WITNESS_OFF",
+           "GENESIS_ROUND"]
 
+#: the round of the genesis line, written when the run is created (its head: the ledger's genesis hash)
+GENESIS_ROUND = -1
 #: the ``witness`` setting that turns the witness off (tests of the layers below it only: unsafe)
 WITNESS_OFF = "off"
-_FORMAT = 1
+_FORMAT = 1  # in every line and in the file's name (witness_key): a genesis line keeps it, as old files are read
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
 @dataclass(frozen=True)
 class WitnessEntry:
-    """One recorded round: its number and the ledger's chain head at it."""
+    """One recorded round: its number and the ledger's chain head at it (``GENESIS_ROUND``: the genesis hash)."""
 
     round: int
     chain_sha256: str
@@ -131,7 +139,7 @@ class Witness:
             try:
                 entry = json.loads(raw)
                 t, head = entry["round"], entry["chain_sha256"]
-                ok = entry["v"] == _FORMAT and isinstance(t, int) and t >= 0 and _HEX64.match(head)
+                ok = entry["v"] == _FORMAT and isinstance(t, int) and t >= GENESIS_ROUND and _HEX64.match(head)
             except (ValueError, TypeError, KeyError):
                 ok = False
             if not ok:
@@ -140,11 +148,19 @@ class Witness:
             if entry.get("run_id") != run_id or entry.get("genesis_sha256") != genesis:
                 raise CheckpointError(f"the release witness {str(path)!r} holds entries of another run: consider "
                                       "it tampered with")
+            if t == GENESIS_ROUND and head != genesis:
+                raise CheckpointError(f"the release witness {str(path)!r} holds a genesis line whose hash is not the "
+                                      "run's ledger genesis: consider it tampered with")
             entries.append(WitnessEntry(t, head))
         return entries
 
+    def begin(self) -> None:
+        """Write the genesis line of a run being created (before anything of it can be released):
+        refused when the file already records a round (a bug, or another run's file)."""
+        self.append(GENESIS_ROUND, self.genesis)
+
     def last(self) -> WitnessEntry | None:
-        """The entry of the highest round recorded (None: none)."""
+        """The entry of the highest round recorded (``GENESIS_ROUND``: the genesis line only; None: none)."""
         return self._last
 
     def at(self, t: int) -> WitnessEntry | None:

@@ -66,9 +66,12 @@ def _ledger_rounds(ledger: str, run_dir: Path) -> list[tuple[int, str]]:
 
 
 def _witness_entries(directory: Path) -> list[dict]:
+    """The round lines of the one witness file in ``directory``, after its genesis line (checked)."""
     files = list(directory.iterdir())
     assert len(files) == 1
-    return [json.loads(line) for line in files[0].read_text().splitlines()]
+    genesis, *rounds = [json.loads(line) for line in files[0].read_text().splitlines()]
+    assert genesis["round"] == -1 and genesis["chain_sha256"] == genesis["genesis_sha256"]
+    return rounds
 
 
 class _Backup:
@@ -479,3 +482,75 @@ def test_the_witness_directory_and_the_parents_it_creates_are_0700_even_with_a_p
     for made in (where, where.parent, where.parent.parent):
         assert stat.S_IMODE(made.stat().st_mode) == 0o700, made
     assert Witness.directory(where) == where  # and again: nothing to create, still accepted
+
+
+def _ledger_genesis(run_dir: Path) -> str:
+    secret = (run_dir / "secrets" / "ledger_secret").read_bytes()
+    with Ledger.open(str(run_dir / "ledger.db"), secret=secret) as book:
+        return book.run(1).info.genesis_sha256
+
+
+def test_a_new_run_writes_its_genesis_line_before_round_0_and_a_lost_witness_is_refused_from_then_on(tmp_path):
+    """REVIEW-i36-privacy-path LOW-3: the witness file's first line, the run's ledger genesis at round
+    -1, is written when the run is created; at round 0's first event and at its commit it is the only
+    line. A stop before round 0 commits resumes; the same stop with the witness file lost (or in another
+    directory) is refused, though no round was committed."""
+    run_dir, witness, seen = tmp_path / "run", tmp_path / "witness", []
+
+    def events(name, t):
+        if (name, t) in (("guarded", 0), ("committed", 0)):
+            (path,) = witness.iterdir()
+            seen.append((name, [json.loads(line) for line in path.read_text().splitlines()]))
+
+    assert _train(run_dir, witness=witness, stop=("stepped", 0), events=events) is None
+    assert _train(run_dir, witness=witness, rounds=1, events=events) is not None
+    genesis = _ledger_genesis(run_dir)
+    line = {"v": 1, "run_id": 1, "genesis_sha256": genesis, "round": -1, "chain_sha256": genesis}
+    assert seen == [("guarded", [line]), ("guarded", [line]), ("committed", [line])]
+    (path,) = witness.iterdir()
+    assert path.read_text().splitlines()[0] == json.dumps(line, sort_keys=True)
+    assert [e["round"] for e in _witness_entries(witness)] == [0]
+
+    other_run = tmp_path / "other"
+    assert _train(other_run, witness=witness, stop=("stepped", 0)) is None
+    (_, other_path) = sorted(witness.iterdir(), key=lambda p: p != path)
+    other_path.unlink()
+    with pytest.raises(CheckpointError, match=r"of run 1 is missing or empty, but it is written when a run is created"):
+        _train(other_run, witness=witness)
+    assert not other_path.exists()
+
+
+def test_a_witness_file_of_an_earlier_fedmf_without_a_genesis_line_resumes(tmp_path):
+    """A witness written before the genesis line existed (rounds >= 0 only, run.json without its
+    "witness" key), the server stopped between round 2's commit and its witness line: the resume
+    accepts it, records round 2 first, goes on, and adds no genesis line to it."""
+    run_dir, witness, released = tmp_path / "run", tmp_path / "witness", []
+    assert _train(run_dir, witness=witness, stop=("committed", 2), released=released) is None
+    (path,) = witness.iterdir()
+    path.write_text("".join(path.read_text().splitlines(keepends=True)[1:]))  # the legacy format
+    recorded = json.loads((run_dir / "run.json").read_text())
+    del recorded["witness"]
+    (run_dir / "run.json").write_text(json.dumps(recorded))
+    assert _train(run_dir, witness=witness, released=released) is not None
+    assert released == list(range(ROUNDS))
+    heads = _ledger_rounds(str(run_dir / "ledger.db"), run_dir)
+    assert [(e["round"], e["chain_sha256"]) for e in map(json.loads, path.read_text().splitlines())] == heads
+
+
+def test_a_genesis_line_that_is_not_the_ledgers_is_refused(tmp_path):
+    """The genesis line's head must be the ledger's genesis (the file is named by it); another head,
+    or a genesis line of another run's genesis, is refused in one line."""
+    run_dir, witness = tmp_path / "run", tmp_path / "witness"
+    assert _train(run_dir, witness=witness, rounds=1) is not None
+    (path,) = witness.iterdir()
+    original = path.read_text()
+    first, rest = original.split("\n", 1)
+    line = json.loads(first)
+    path.write_text(json.dumps({**line, "chain_sha256": "0" * 64}) + "\n" + rest)
+    with pytest.raises(CheckpointError, match="holds a genesis line whose hash is not the run's ledger genesis"):
+        _train(run_dir, witness=witness, rounds=2)
+    path.write_text(json.dumps({**line, "genesis_sha256": "0" * 64, "chain_sha256": "0" * 64}) + "\n" + rest)
+    with pytest.raises(CheckpointError, match="holds entries of another run"):
+        _train(run_dir, witness=witness, rounds=2)
+    path.write_text(original)
+    assert _train(run_dir, witness=witness, rounds=2) is not None
