@@ -18,6 +18,14 @@ server that lies or forges neighbours. With no ``enrollment-file``, a fresh key 
 no check of the neighbours: the server is trusted. An ``enrollment-file`` without a
 ``user-key`` is refused. The server's messages cannot change the mode.
 
+One update per round (REVIEW-i36-secagg-2 HIGH-2): once this node has signed a survivor set U3 for
+(run nonce, round), it records the pair in its ``Context.state`` (``SIGNED_RECORD``, kept across the
+messages of a run) before the signature leaves, and from then on refuses any setup or signature for
+another run nonce, for that round or for a lower one. So a server cannot complete two attempts of one
+round with this node's update and difference their sums. Without this node's signature nobody reveals
+its seed share, so an attempt that aborted before it signed may be redone with it; a node that signed
+in an aborted attempt sits the redo out (one fewer survivor: the redo tolerates one dropout fewer).
+
 Config keys of a stage message, beside the TRAIN ones: ``clip-norm`` (ζₜ), ``zero-threshold``
 (absent: no zeroing), ``secagg-scale``, ``secagg-beta``, ``secagg-bit`` (bool: adaptive clipping's
 bit), ``secagg-metric-clip`` (L of the private client-metric release; absent: no metric word) and
@@ -43,16 +51,31 @@ from fedmf.errors import ConfigError
 from fedmf.round.client_metrics import METRIC
 from fedmf.secagg.encode import encode_local_update
 from fedmf.secagg.errors import SecAggError
-from fedmf.secagg.messages import SECAGG_RECORD, from_wire, to_wire
+from fedmf.secagg.messages import CONSISTENCY_CHECK, SECAGG_RECORD, from_wire, to_wire
 from fedmf.secagg.quantize import Quantization
 from fedmf.tasks import Task
 
 from .secagg import SecAggClient
 
-__all__ = ["SECAGG_RECORD", "STATE_RECORD", "secure_stage"]
+__all__ = ["SECAGG_RECORD", "SIGNED_RECORD", "STATE_RECORD", "secure_stage"]
 
 #: the node's Context.state record holding its SecAggClient between stages
 STATE_RECORD = "fedmf-secagg"
+#: the node's Context.state record of the last (run nonce, round) it signed a survivor set for
+SIGNED_RECORD = "fedmf-secagg-signed"
+
+
+def _check_unsigned(context: Context, run: str, round_: int) -> None:
+    """Refuse a round of another run nonce than the one this node signed for, or one not above the
+    last round it signed (HIGH-2: never a second update for a round whose sum may have been released)."""
+    record = context.state.config_records.get(SIGNED_RECORD)
+    if record is None:
+        return
+    if record["run"] != run:
+        raise SecAggError("this node signed a survivor set under another run nonce: refused")
+    if round_ <= int(record["round"]):
+        raise SecAggError(f"this node signed a survivor set for round {int(record['round'])}; round {round_} "
+                          f"refused (one update per round)")
 
 
 def _layout(text: object) -> dict[str, tuple[int, ...]]:
@@ -132,10 +155,14 @@ def secure_stage(msg: Message, context: Context, request: Any, task: Task) -> Co
         raise SecAggError(f"secure-aggregation stage {stage!r} without a setup on this node")
     vector = _words(msg, config, client, task, request) if stage == Stage.COLLECT_MASKED_VECTORS else None
     try:
+        if stage in (Stage.SETUP, CONSISTENCY_CHECK):
+            _check_unsigned(context, client.run, client.round)
         reply = client.handle(payload, vector)
     except SecAggError:
         context.state.config_records.pop(STATE_RECORD, None)  # a refused round is over for this node
         raise
+    if stage == CONSISTENCY_CHECK:  # recorded before the signature leaves this node
+        context.state.config_records[SIGNED_RECORD] = ConfigRecord({"run": client.run, "round": client.round})
     if stage == Stage.UNMASK:
         context.state.config_records.pop(STATE_RECORD, None)
     else:

@@ -142,7 +142,6 @@ def _enrolled_spy_nodes(tmp_path):
             for i in range(USERS)}
 
 
-@pytest.mark.xfail(strict=True, reason="REVIEW-i36-secagg-2 MEDIUM-2: no per-round contribution limit on the client")
 def test_a_round_that_completed_cannot_be_run_again_without_one_client(tmp_path, monkeypatch):
     """Enrolled, require-secure-aggregation nodes. After an honest secure round, the server replays the
     same round (same run nonce, round and model: its own word) twice through the real SecureRound,
@@ -177,8 +176,8 @@ def test_a_round_that_completed_cannot_be_run_again_without_one_client(tmp_path,
     expected = {m.content.config_records["config"]["user-id"]: node for node, m in seen.items()}
     target = sorted(expected)[0]
     secure = strategy.secure
-    everyone = secure.run(grid, expected, config, arrays, 5.0)
     try:
+        everyone = secure.run(grid, expected, config, arrays, 5.0)
         without = secure.run(grid, expected, config, arrays, 5.0, {target: "the server's choice"})
     except SecAggAbort:
         return  # the clients refused to contribute to the round again: what should hold
@@ -296,8 +295,6 @@ def test_one_owner_with_undecryptable_shares_is_named_or_survived_at_the_derived
 
 # ---- LOW-1: an enrolled node without require-secure-aggregation hands its clear update out -----------
 
-@pytest.mark.xfail(strict=True, reason="REVIEW-i36-secagg-2 LOW-1: enrolled mode does not imply "
-                                       "require-secure-aggregation")
 def test_an_enrolled_node_refuses_a_plain_train(tmp_path, monkeypatch):
     """A node configured with enrollment-file and user-key (the mode documented as protecting against a
     lying server) still answers a plain TRAIN with its clear update unless the operator also sets
