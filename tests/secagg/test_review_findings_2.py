@@ -214,8 +214,6 @@ def _clipped_update(config, arrays, user) -> np.ndarray:
 
 # ---- MEDIUM-2: the documentation states the enrolled mode beyond what holds -------------------------
 
-@pytest.mark.xfail(strict=True, reason="REVIEW-i36-secagg-2 MEDIUM-2: the docs state the HbC bound as the enrolled "
-                                       "mode's")
 def test_the_docs_state_the_deviating_server_bound_and_the_per_execution_limit():
     """The consistency document and SecAggParams give a deviating server's collusion threshold
     (2t − 1 − k colluding neighbours, HIGH-1) and say that the guarantee is per execution (HIGH-2)."""
@@ -323,7 +321,6 @@ def test_an_enrolled_node_refuses_a_plain_train(tmp_path, monkeypatch):
 
 # ---- LOW-2: the deployment guide configures the mode that trusts the server ---------------------------
 
-@pytest.mark.xfail(strict=True, reason="REVIEW-i36-secagg-2 LOW-2: deploy/README's secure-aggregation section is stale")
 def test_the_deployment_guide_sets_up_enrolled_secure_nodes_and_the_current_defaults():
     """deploy/README "Secure aggregation" tells a SuperNode to need "nothing beyond step 5" (no
     enrollment-file, no require-secure-aggregation: the server is then trusted, and may ask for the
