@@ -21,8 +21,9 @@ Messages (all config keys are ConfigRecord entries under "config"):
   with ``"enrollment-file"`` (the operator's enrollment, public) and ``"user-key"`` it signs with
   the user's enrolled key and checks its neighbours' signatures against the enrollment (protection
   against a lying server), else it trusts the server; with ``"require-secure-aggregation" = true``
-  it refuses a plain TRAIN (no ``"secagg"`` record), so that a deviating server cannot simply ask
-  for the clear update.
+  (the default on a node with ``"enrollment-file"``; ``false`` must then be set explicitly) it refuses
+  a plain TRAIN (no ``"secagg"`` record), so that a deviating server cannot simply ask for the clear
+  update.
 
 A bad message, a task error, or a "user-id" other than this node's identity is answered with an
 error reply (``Error(ERROR_CODE, "fedmf: <one line>")``); any other exception is a bug and is left
@@ -58,10 +59,11 @@ app = ClientApp()
 
 
 def _requires_secure_aggregation(node_config: Mapping[str, Any]) -> bool:
-    """``node_config["require-secure-aggregation"]``: true or false (absent: false). Anything else,
-    e.g. the string 'true', is refused, failing closed: a node that meant to refuse clear updates
-    must not send them because of a quoting slip."""
-    value = node_config.get("require-secure-aggregation", False)
+    """``node_config["require-secure-aggregation"]``: true or false (absent: true on a node with an
+    ``enrollment-file``, which holds the enrollment to protect against a lying server: REVIEW-i36-secagg-2
+    LOW-1; false otherwise). Anything else, e.g. the string 'true', is refused, failing closed: a node
+    that meant to refuse clear updates must not send them because of a quoting slip."""
+    value = node_config.get("require-secure-aggregation", "enrollment-file" in node_config)
     if not isinstance(value, bool):
         raise ConfigError(f"node config require-secure-aggregation must be true or false (unquoted), got {value!r}")
     return value

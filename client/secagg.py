@@ -80,7 +80,7 @@ from fedmf.secagg.messages import (
     commit_share,
     split_share,
 )
-from fedmf.secagg.params import MAX_BITS, MIN_BITS
+from fedmf.secagg.params import MAX_BITS, MIN_BITS, SECURITY_BITS, min_threshold
 from fedmf.secagg.signing import (
     consistency_statement,
     keys_statement,
@@ -90,7 +90,11 @@ from fedmf.secagg.signing import (
     verifier,
 )
 
-__all__ = ["SecAggClient"]
+__all__ = ["MIN_NEIGHBOURS", "SecAggClient"]
+
+#: an enrolled client's smallest neighbourhood unless its node config says otherwise
+#: (``secagg-min-neighbours``): a server that places colluders around it needs at least this many
+MIN_NEIGHBOURS = 3
 
 #: the tables kept in ``to_state``: state name → attribute (node id → bytes)
 _TABLES = {"pk1s": "_pk1s", "box-keys": "_box_keys", "seed-shares": "_seed_shares", "key-shares": "_key_shares",
@@ -118,16 +122,22 @@ class SecAggClient:
     """Node ``node_id``'s side of one SecAgg+ round of run nonce ``run`` and round ``round_``.
     ``enrolled``: the enrolled users' raw Ed25519 public keys (None: no enrollment, a trusted
     server); ``signing_key``: the user's enrolled private key (required with ``enrolled``,
-    refused without: a fresh key is drawn at setup then)."""
+    refused without: a fresh key is drawn at setup then). In enrolled mode, with ``graph_rule``, setup
+    refuses fewer than ``min_neighbours`` neighbours and a threshold below ``min_threshold`` of the
+    neighbourhood shown (REVIEW-i36-secagg-2 MEDIUM-1); ``graph_rule=False`` only for tests of the
+    protocol's own checks at small k and t."""
 
     def __init__(self, node_id: int, *, run: str = "", round_: int = 0,
-                 signing_key: Ed25519PrivateKey | None = None, enrolled: frozenset[bytes] | None = None) -> None:
+                 signing_key: Ed25519PrivateKey | None = None, enrolled: frozenset[bytes] | None = None,
+                 min_neighbours: int = MIN_NEIGHBOURS, graph_rule: bool = True) -> None:
         if (signing_key is None) != (enrolled is None):
             raise SecAggError("an enrolled signing key goes with the enrollment, and only with it")
         if enrolled is not None and public_bytes(signing_key) not in enrolled:
             raise SecAggError("this node's user key is not in its enrollment: refused")
         self.node_id = node_id
         self.run, self.round = run, round_
+        self._min_neighbours = min_neighbours
+        self._graph_rule = graph_rule
         self._enrolled = None if enrolled is None else frozenset(enrolled)
         self._signing_key = signing_key
         self._ephemeral = signing_key is None
@@ -234,6 +244,14 @@ class SecAggClient:
         t = _int(request, Key.THRESHOLD, 2, shares)
         if 2 * t <= shares:
             raise SecAggError(f"threshold {t} does not exceed half of the {shares} shares: refused")
+        # enrolled mode: the server's graph is not trusted (REVIEW-i36-secagg-2 MEDIUM-1), so the client
+        # checks what it can see: its neighbourhood's size and t against graph_for's rule for that size
+        rule = self._enrolled is not None and self._graph_rule
+        if rule and len(neighbours) < self._min_neighbours:
+            raise SecAggError(f"{len(neighbours)} neighbours, below this node's minimum {self._min_neighbours}: refused")
+        if rule and t < min_threshold(len(neighbours)):
+            raise SecAggError(f"threshold {t} below {min_threshold(len(neighbours))} for {len(neighbours)} neighbours "
+                              f"(both collusion bounds at 2^-{SECURITY_BITS}): refused")
         self._threshold, self._neighbours = t, frozenset(neighbours)
         self._bits = _int(request, BITS, MIN_BITS, MAX_BITS)
         self._length = _int(request, LENGTH, 1, 2**40)

@@ -16,7 +16,20 @@ enrollment, public data, held by the node itself) and ``node_config["user-key"]`
 enrolled key signs and every neighbour must sign with an enrolled key — protection against a
 server that lies or forges neighbours. With no ``enrollment-file``, a fresh key per attempt and
 no check of the neighbours: the server is trusted. An ``enrollment-file`` without a
-``user-key`` is refused. The server's messages cannot change the mode.
+``user-key`` is refused. The server's messages cannot change the mode. An enrolled node refuses a
+neighbourhood below ``node_config["secagg-min-neighbours"]`` (default 3) and a threshold below
+``fedmf.secagg.params.min_threshold`` of the neighbourhood it is shown (``SecAggClient``).
+
+One update per round in enrolled mode (REVIEW-i36-secagg-2 HIGH-2; without an enrollment the server
+is trusted, and a redo after an abort at unmask keeps every node): once this node has signed a survivor set U3 for
+(run nonce, round), it records the pair in its ``Context.state`` (``SIGNED_RECORD``, kept across the
+messages of a run) before the signature leaves, and from then on refuses any setup or signature for
+another run nonce, for that round or for a lower one. So a server cannot complete two attempts of one
+round with this node's update and difference their sums. Without this node's signature nobody reveals
+its seed share, so an attempt that aborted before it signed may be redone with it; a node that signed
+in an aborted attempt sits the redo out (a dropout of the redo: an abort at unmask, e.g. a hostile
+client's bad share, then leaves the redo without its signers, and the run ends after the redos). The
+record lives in the ``Context`` of one Flower run: a new run starts it afresh.
 
 Config keys of a stage message, beside the TRAIN ones: ``clip-norm`` (ζₜ), ``zero-threshold``
 (absent: no zeroing), ``secagg-scale``, ``secagg-beta``, ``secagg-bit`` (bool: adaptive clipping's
@@ -43,16 +56,31 @@ from fedmf.errors import ConfigError
 from fedmf.round.client_metrics import METRIC
 from fedmf.secagg.encode import encode_local_update
 from fedmf.secagg.errors import SecAggError
-from fedmf.secagg.messages import SECAGG_RECORD, from_wire, to_wire
+from fedmf.secagg.messages import CONSISTENCY_CHECK, SECAGG_RECORD, from_wire, to_wire
 from fedmf.secagg.quantize import Quantization
 from fedmf.tasks import Task
 
-from .secagg import SecAggClient
+from .secagg import MIN_NEIGHBOURS, SecAggClient
 
-__all__ = ["SECAGG_RECORD", "STATE_RECORD", "secure_stage"]
+__all__ = ["SECAGG_RECORD", "SIGNED_RECORD", "STATE_RECORD", "secure_stage"]
 
 #: the node's Context.state record holding its SecAggClient between stages
 STATE_RECORD = "fedmf-secagg"
+#: the node's Context.state record of the last (run nonce, round) it signed a survivor set for
+SIGNED_RECORD = "fedmf-secagg-signed"
+
+
+def _check_unsigned(context: Context, run: str, round_: int) -> None:
+    """Refuse a round of another run nonce than the one this node signed for, or one not above the
+    last round it signed (HIGH-2: never a second update for a round whose sum may have been released)."""
+    record = context.state.config_records.get(SIGNED_RECORD)
+    if record is None:
+        return
+    if record["run"] != run:
+        raise SecAggError("this node signed a survivor set under another run nonce: refused")
+    if round_ <= int(record["round"]):
+        raise SecAggError(f"this node signed a survivor set for round {int(record['round'])}; round {round_} "
+                          f"refused (one update per round)")
 
 
 def _layout(text: object) -> dict[str, tuple[int, ...]]:
@@ -116,6 +144,15 @@ def signing_mode(node_config: Mapping[str, Any]) -> tuple[Ed25519PrivateKey | No
     return load_private_key(key_path), _enrolled_keys(path, (info.st_ino, info.st_mtime_ns, info.st_size))
 
 
+def _min_neighbours(node_config: Mapping[str, Any]) -> int:
+    """``node_config["secagg-min-neighbours"]`` (absent: ``MIN_NEIGHBOURS``): the smallest neighbourhood
+    an enrolled node accepts; an integer ≥ 1."""
+    value = node_config.get("secagg-min-neighbours", MIN_NEIGHBOURS)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"node config secagg-min-neighbours must be an integer ≥ 1, got {value!r}")
+    return value
+
+
 def secure_stage(msg: Message, context: Context, request: Any, task: Task) -> ConfigRecord:
     """This node's answer to one SecAgg+ stage (``request``: the parsed TRAIN config)."""
     config = msg.content.config_records["config"]
@@ -124,7 +161,8 @@ def secure_stage(msg: Message, context: Context, request: Any, task: Task) -> Co
     signing_key, enrolled = signing_mode(context.node_config)
     if stage == Stage.SETUP:
         client = SecAggClient(int(context.node_id), run=request.nonce, round_=request.round,
-                              signing_key=signing_key, enrolled=enrolled)
+                              signing_key=signing_key, enrolled=enrolled,
+                              min_neighbours=_min_neighbours(context.node_config))
     elif STATE_RECORD in context.state.config_records:
         client = SecAggClient.from_state(context.state.config_records[STATE_RECORD], signing_key=signing_key,
                                          enrolled=enrolled)
@@ -132,10 +170,14 @@ def secure_stage(msg: Message, context: Context, request: Any, task: Task) -> Co
         raise SecAggError(f"secure-aggregation stage {stage!r} without a setup on this node")
     vector = _words(msg, config, client, task, request) if stage == Stage.COLLECT_MASKED_VECTORS else None
     try:
+        if enrolled is not None and stage in (Stage.SETUP, CONSISTENCY_CHECK):
+            _check_unsigned(context, client.run, client.round)
         reply = client.handle(payload, vector)
     except SecAggError:
         context.state.config_records.pop(STATE_RECORD, None)  # a refused round is over for this node
         raise
+    if enrolled is not None and stage == CONSISTENCY_CHECK:  # recorded before the signature leaves this node
+        context.state.config_records[SIGNED_RECORD] = ConfigRecord({"run": client.run, "round": client.round})
     if stage == Stage.UNMASK:
         context.state.config_records.pop(STATE_RECORD, None)
     else:

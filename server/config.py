@@ -18,8 +18,9 @@ ServerApp validates once, before round 1: the engine's ``RunConfig`` and these k
                                                   the plan records it (fingerprint, inflation)
     secagg-degree     0                           k, neighbours of each client in SecAgg+'s random graph (even);
                                                   0 with secagg-threshold 0: k and t derived from each round's
-                                                  cohort for exposure ≤ 2^-40 at 5 % colluding clients
-                                                  (fedmf.secagg.params.graph_for: k = 28, t = 15 above 29
+                                                  cohort for exposure ≤ 2^-40 at 5 % colluding clients,
+                                                  honest-but-curious and deviating server alike
+                                                  (fedmf.secagg.params.graph_for: k = 28, t = 22 above 29
                                                   clients, the complete graph below)
     secagg-threshold  0                           t, shares that reconstruct a secret (2t > k + 1; a cohort
                                                   below t aborts the round); set with secagg-degree or 0

@@ -8,6 +8,7 @@ vectors and nothing else about any one of them, when the parameters below hold.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from dataclasses import dataclass
 
@@ -16,7 +17,8 @@ from ..errors import ConfigError
 from .errors import SecAggError
 
 __all__ = ["SecAggParams", "SecureAggregation", "PROTOCOL", "MIN_BITS", "MAX_BITS", "COLLUSION_FRACTION", "SECURITY_BITS",
-           "DEFAULT_DEGREE", "DEFAULT_THRESHOLD", "DEFAULT_BITS", "DEFAULT_SCALE", "exposure", "graph_for"]
+           "DEFAULT_DEGREE", "DEFAULT_THRESHOLD", "DEFAULT_BITS", "DEFAULT_SCALE", "exposure", "graph_for",
+           "malicious_exposure", "min_threshold"]
 
 #: the defaults of ``fedmf simulate --secagg-*`` (the Flower app's secagg-* keys: server/config.py); degree and
 #: threshold 0: derived from each round's cohort (``graph_for``)
@@ -29,33 +31,57 @@ MIN_BITS, MAX_BITS = 4, 62
 #: collude with the server, and a client's update is exposed with probability ≤ 2^-σ per round
 COLLUSION_FRACTION, SECURITY_BITS = 0.05, 40
 
+_log = logging.getLogger(__name__)
+
+
+def _log2(p: float) -> float:
+    return math.log2(p) if p > 0 else -math.inf
+
 
 def exposure(neighbours: int, threshold: int, gamma: float = COLLUSION_FRACTION) -> float:
-    """The probability that an honest-but-curious server colluding with a random fraction ``gamma``
-    of the clients gets both secrets of one client, i.e. that ≥ t of its ``neighbours`` collude (its
-    own share is honest): P[Bin(k, γ) ≥ t] (Bell et al. 2020, Sec. 4)."""
+    """The probability that ≥ ``threshold`` of a client's ``neighbours`` are among a random fraction
+    ``gamma`` of colluding clients: P[Bin(k, γ) ≥ t] (Bell et al. 2020, Sec. 4). With t the Shamir
+    threshold it is an honest-but-curious server's chance of both secrets of one client (its own share
+    is honest); ``malicious_exposure`` is a deviating server's."""
     return math.fsum(math.comb(neighbours, c) * gamma**c * (1 - gamma) ** (neighbours - c)
-                     for c in range(threshold, neighbours + 1))
+                     for c in range(max(threshold, 0), neighbours + 1))
+
+
+def malicious_exposure(neighbours: int, threshold: int, gamma: float = COLLUSION_FRACTION) -> float:
+    """A deviating server's chance of unmasking one client in enrolled mode: colluding neighbours sign
+    both stories of a lie about U3 and hand over both shares, so c ≥ 2t − 1 − k of them suffice
+    (REVIEW-i36-secagg-2 HIGH-1; Bonawitz et al. CCS 2017 need 2t > n + n_C): P[Bin(k, γ) ≥ 2t − 1 − k]."""
+    return exposure(neighbours, 2 * threshold - 1 - neighbours, gamma)
+
+
+def min_threshold(neighbours: int, gamma: float = COLLUSION_FRACTION, sigma: int = SECURITY_BITS) -> int:
+    """The smallest t with 2t > k + 1 whose exposure and malicious exposure are both ≤ 2^-σ for k
+    ``neighbours`` (t = k + 1 always qualifies: both are 0)."""
+    bound = 2.0 ** -sigma
+    return next(t for t in range((neighbours + 1) // 2 + 1, neighbours + 2)
+                if exposure(neighbours, t, gamma) <= bound and malicious_exposure(neighbours, t, gamma) <= bound)
 
 
 def graph_for(cohort: int, gamma: float = COLLUSION_FRACTION, sigma: int = SECURITY_BITS) -> tuple[int, int]:
-    """The derived degree k and threshold t for ``cohort`` sampled clients, exposure ≤ 2^-σ at γ.
+    """The derived degree k and threshold t for ``cohort`` sampled clients: t = ``min_threshold(k)``,
+    so that both the honest-but-curious exposure P[Bin(k, γ) ≥ t] and a deviating server's
+    P[Bin(k, γ) ≥ 2t − 1 − k] are ≤ 2^-σ (Bell et al. CCS 2020, Sec. 4; REVIEW-i36-secagg-2 HIGH-1).
 
-    Sparse: the smallest even k with t = k/2 + 1 (the most dropouts that 2t > k + 1 allows: k/2 of
-    the k + 1 holders) meeting the bound; at γ = 5 %, σ = 40 that is k = 28, t = 15 (≈ 2^-40.6).
-    Cohorts of at most k + 1 clients: the complete graph (k = cohort − 1, rounded up to even) with
-    the smallest t ≥ ⌊cohort/2⌋ + 1 meeting the bound; up to 10 clients at γ = 5 % that is
-    t = cohort, i.e. no dropout tolerated (a dropout aborts the attempt, which is redone)."""
+    Sparse: the smallest even k whose neighbourhood tolerates a quarter of its k neighbours dropping
+    out (k + 1 − t ≥ k/4); at γ = 5 %, σ = 40 that is k = 28, t = 22 (7 dropouts; 2^-40.6 against a
+    deviating server). A smaller k tolerates fewer (k = 24, t = 20: 5); a larger one costs linearly
+    more (k = 40, t = 30: 11 dropouts; BENCHMARKS.md). Cohorts of at most k + 1 clients: the complete
+    graph (k = cohort − 1, rounded up to even) with t = ``min_threshold(cohort − 1)``; up to 12 clients
+    at γ = 5 % that is t = cohort, i.e. no dropout tolerated (a dropout aborts the attempt, which is
+    redone)."""
     cohort = integer("secure-aggregation cohort", cohort, minimum=2)
-    bound = 2.0 ** -sigma
     k = 2
-    while exposure(k, k // 2 + 1, gamma) > bound:
+    while 4 * (k + 1 - min_threshold(k, gamma, sigma)) < k:
         k += 2
     if cohort - 1 > k:
-        return k, k // 2 + 1
+        return k, min_threshold(k, gamma, sigma)
     others = cohort - 1
-    t = next(t for t in range(cohort // 2 + 1, cohort + 1) if exposure(others, t, gamma) <= bound)
-    return others + others % 2, t
+    return others + others % 2, min_threshold(others, gamma, sigma)
 
 
 @dataclass(frozen=True)
@@ -63,12 +89,25 @@ class SecAggParams:
     """SecAgg+ for one run; each field with its security (or privacy) meaning.
 
     ``degree`` (k) and ``threshold`` (t) both 0 (the default): derived for each round from its
-    cohort by ``graph_for`` (``for_cohort``), so that an honest-but-curious server colluding with a
-    fraction γ = 5 % of the clients gets a given client's update with probability ≤ 2^-40 per round
-    (Bell et al. 2020, Sec. 4; ``exposure``): k = 28, t = 15 for cohorts above 29 clients, the
-    complete graph below, with t = cohort up to 10 clients (every dropout then aborts the attempt).
-    Set both to choose them (validated as below); the exposure of a choice is ``exposure(k, t)``
-    (k = 8, t = 5: ≈ 2^-16 at γ = 5 %).
+    cohort by ``graph_for`` (``for_cohort``): k = 28, t = 22 for cohorts above 29 clients (7 dropouts
+    per neighbourhood tolerated), the complete graph below, with t = cohort up to 12 clients (every
+    dropout then aborts the attempt). Set both to choose them (validated as below; a choice below
+    ``min_threshold(k)`` is accepted with a warning that gives both exposures: k = 8, t = 5 is ≈ 2^-16
+    honest-but-curious and ≈ 0.34 against a deviating server at γ = 5 %).
+
+    Threat model, with numbers (Bell et al. CCS 2020, Sec. 4; REVIEW-i36-secagg-2):
+    - honest-but-curious server colluding with a random fraction γ = 5 % of the clients: a client's
+      update is exposed in a round with probability P[Bin(k, γ) ≥ t] (``exposure``; ≈ 2^-77 at the
+      derived k = 28, t = 22);
+    - deviating server (enrolled mode only; without an enrollment the server is trusted): lies about
+      dropouts, forged or replaced neighbours and replayed signatures are refused, but c ≥ 2t − 1 − k
+      colluding neighbours of a client sign both stories of a lie and unmask it: probability
+      P[Bin(k, γ) ≥ 2t − 1 − k] (``malicious_exposure``; ≈ 2^-40.6 at k = 28, t = 22, with the graph
+      random). Only within one execution: each node signs a survivor set for at most one attempt per
+      (run nonce, round) and never for an earlier round (``client/secagg_app.py``), but a new Flower
+      run (new ``Context``) starts that record afresh. And the server draws the graph: a node checks its
+      threshold against ``min_threshold`` of the neighbourhood it is shown and a minimum size, but a
+      server that places colluders around a target is not bounded by γ (docs/secagg-consistency.md).
 
     ``degree`` (k): each client shares pairwise masks and Shamir shares with k neighbours of a
     random k-regular (Harary) graph drawn by the server for each round (Bell et al., Sec. 3). The
@@ -84,14 +123,11 @@ class SecAggParams:
     enforced. Against a server that lies about who dropped, the consistency check (Bonawitz et al.,
     CCS 2017; Bell et al., Sec. 5) makes every client sign the survivor set U3 before any share is
     revealed, and reveal only with t signatures of its neighbourhood on the U3 it signed, a seed
-    share only with its owner's signature (docs/secagg-consistency.md). That holds against a
-    deviating server **only in enrolled mode**: each node holds the enrollment (node config
-    ``enrollment-file`` and ``user-key``), so that the SecAgg+ keys and signatures are bound to
-    enrolled users and a server cannot substitute or simulate neighbours. Without an enrollment
-    (Flower's simulation, declared-insecure identity) the server is trusted: honest-but-curious.
-    Either way t or more colluding neighbours of a client unmask it. On the other side, a client
-    whose surviving shareholders are fewer than t makes the round abort (nothing released), and
-    so does a survivor that does not sign U3: t trades privacy against tolerance of dropouts.
+    share only with its owner's signature (docs/secagg-consistency.md); its signatures come from
+    enrolled users only in enrolled mode (node config ``enrollment-file`` and ``user-key``). On the
+    other side, a client whose surviving shareholders are fewer than t makes the round abort (nothing
+    released), and so does a survivor that does not sign U3: t trades privacy against tolerance of
+    dropouts.
 
     ``bits`` (b): the sum is computed modulo 2^b, the masks are uniform modulo 2^b, so one masked
     vector is uniform to the server. The planned cohort's clipped, quantized sum must not wrap
@@ -139,6 +175,11 @@ class SecAggParams:
         if 2 * threshold <= degree + 1:
             raise SecAggError(f"secure-aggregation threshold must exceed half of degree + 1 = {degree + 1} "
                               f"shares (Bell et al. 2020), got {threshold}")
+        if threshold < min_threshold(degree):
+            _log.warning("secure-aggregation k = %d, t = %d: exposure 2^%.1f (honest-but-curious), 2^%.1f "
+                         "(deviating server) at γ = %g; the rule's t is %d", degree, threshold,
+                         _log2(exposure(degree, threshold)), _log2(malicious_exposure(degree, threshold)),
+                         COLLUSION_FRACTION, min_threshold(degree))
         object.__setattr__(self, "degree", degree)
         object.__setattr__(self, "threshold", threshold)
 

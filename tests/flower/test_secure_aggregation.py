@@ -276,7 +276,8 @@ def test_enrolled_nodes_sign_their_keys_and_the_survivor_set(tmp_path, logs):
     """Every node holds the enrollment: each checks its neighbours' signed keys against it and signs
     U3 with its user key; the rounds commit as in the unverified mode."""
     grid = SpyGrid(_enrolled_nodes(tmp_path))
-    strategy = run_server(grid, _config(tmp_path, "enrolled", rounds=1, **{**SECURE, "min-sep": 1}))
+    derived = {**SECURE, "secagg-degree": 0, "secagg-threshold": 0, "min-sep": 1}  # k = 4, t = 3: below the rule
+    strategy = run_server(grid, _config(tmp_path, "enrolled", rounds=1, **derived))
     [record] = strategy.history
     assert (record.selected, record.contributed, record.rejected, record.dropped) == (PER_ROUND, PER_ROUND, 0, 0)
     answered = [r for r in grid.replies if r.has_content() and SECAGG_RECORD in r.content.config_records]
@@ -326,3 +327,20 @@ def test_a_quoted_require_secure_aggregation_fails_closed(value):
     with pytest.raises(ConfigError, match="must be true or false") as caught:
         _requires_secure_aggregation({"require-secure-aggregation": value})
     assert "\n" not in str(caught.value)
+
+
+def test_an_enrolled_node_signs_for_one_attempt_of_a_round_and_never_an_earlier_round():
+    """REVIEW-i36-secagg-2 HIGH-2: the record of the last signed (run nonce, round) in Context.state."""
+    from flwr.app import ConfigRecord, Context, RecordDict
+
+    from client.secagg_app import SIGNED_RECORD, _check_unsigned
+    from fedmf.secagg.errors import SecAggError
+
+    context = Context(run_id=1, node_id=9000, node_config={}, state=RecordDict(), run_config={})
+    _check_unsigned(context, "nonce", 3)  # nothing signed yet: any round, e.g. a redo before signing
+    context.state.config_records[SIGNED_RECORD] = ConfigRecord({"run": "nonce", "round": 3})
+    for run, round_, words in (("nonce", 3, "round 3 refused"), ("nonce", 2, "round 2 refused"),
+                               ("other", 4, "another run nonce")):
+        with pytest.raises(SecAggError, match=words):
+            _check_unsigned(context, run, round_)
+    _check_unsigned(context, "nonce", 4)

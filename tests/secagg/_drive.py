@@ -23,15 +23,16 @@ Tamper = Callable[[str, int, dict], object]
 
 def run_round(params: SecAggParams, words: Mapping[int, np.ndarray], *, drop: Mapping[str, set[int]] | None = None,
               tamper: Tamper | None = None, graph_seed: int = 0,
-              user_keys: Mapping[int, Ed25519PrivateKey] | None = None) -> SecAggServer:
+              user_keys: Mapping[int, Ed25519PrivateKey] | None = None, graph_rule: bool = True) -> SecAggServer:
     """Play the five stages; ``drop[stage]`` stay silent from that stage on; ``tamper`` may
     replace a reply; ``user_keys``: each node's enrolled key (every client then holds the
-    enrollment of all of them), else ephemeral keys. Raises what the server raises
+    enrollment of all of them), else ephemeral keys; ``graph_rule``: the enrolled clients' check of k and t
+    (``SecAggClient``). Raises what the server raises
     (``SecAggAbort`` below the threshold)."""
     drop = drop or {}
     length = len(next(iter(words.values())))
     server = SecAggServer(params, length, list(words), rng=random.Random(graph_seed), run="run", round_=3)
-    clients = {u: make_client(u, user_keys) for u in words}
+    clients = {u: make_client(u, user_keys, graph_rule=graph_rule) for u in words}
     silent: set[int] = set()
     for stage in STAGES:
         silent |= set(drop.get(stage, ()))
@@ -49,6 +50,7 @@ def make_client(u: int, user_keys: Mapping[int, Ed25519PrivateKey] | None = None
     """Node ``u``'s client for the drive's run and round (enrolled when ``user_keys`` are given)."""
     context = {"run": "run", "round_": 3, **context}
     if user_keys is None:
+        context.pop("graph_rule", None)
         return SecAggClient(u, **context)
     enrolled = frozenset(public_bytes(k) for k in user_keys.values())
     return SecAggClient(u, signing_key=user_keys[u], enrolled=enrolled, **context)

@@ -366,7 +366,7 @@ def test_a_client_holding_the_enrollment_refuses_a_neighbour_signing_with_a_key_
     keys = {u: Ed25519PrivateKey.generate() for u in (1, 2, 3, 4)}
     params = SecAggParams(degree=4, threshold=3, bits=16, scale=1.0)
     server = SecAggServer(params, 3, [1, 2, 3, 4], run="run", round_=3)
-    clients = {u: make_client(u, keys) for u in (1, 2, 3, 4)}
+    clients = {u: make_client(u, keys, graph_rule=False) for u in (1, 2, 3, 4)}
     clients[4] = SecAggClient(4, run="run", round_=3)  # an ephemeral key: no enrolled user's
     server.receive({u: clients[u].handle(r) for u, r in server.requests().items()})
     _refused(clients[1], server.requests()[1], match="node 4 is not an enrolled user's")
@@ -378,6 +378,7 @@ def test_a_client_holding_the_enrollment_refuses_a_neighbour_signing_with_a_key_
 def test_an_enrolled_round_sums_exactly():
     keys = {u: Ed25519PrivateKey.generate() for u in NODES}
     words = random_words(NODES, 6, PARAMS.bits, seed=8)
-    server = run_round(PARAMS, words, user_keys=keys, drop={Stage.COLLECT_MASKED_VECTORS: {11}, Stage.UNMASK: {22}})
+    server = run_round(PARAMS, words, user_keys=keys, drop={Stage.COLLECT_MASKED_VECTORS: {11}, Stage.UNMASK: {22}},
+                       graph_rule=False)  # dropouts at small k and t, below graph_for's rule
     assert server.stage == DONE and server.contributors == frozenset(NODES) - {11} and not server.rejected
     assert np.array_equal(server.result, mod_sum((words[u] for u in NODES if u != 11), 6, PARAMS.bits))

@@ -9,7 +9,13 @@ import pytest
 
 from fedmf.errors import ConfigError, ConfigTypeError, FedmfError
 from fedmf.secagg.errors import SecAggAbort, SecAggError
-from fedmf.secagg.params import COLLUSION_FRACTION, SECURITY_BITS, SecAggParams, exposure, graph_for
+from fedmf.secagg.params import (
+    COLLUSION_FRACTION,
+    SecAggParams,
+    exposure,
+    graph_for,
+    malicious_exposure,
+)
 
 GOOD = {"degree": 6, "threshold": 4, "bits": 32, "scale": 1024.0}
 
@@ -46,27 +52,44 @@ def test_bad_parameters_are_refused_in_one_line(change, error, words):
 
 def test_default_degree_and_threshold_are_derived_from_the_cohort_by_the_stated_rule():
     """``graph_for`` brute-forced: for each cohort n, k even (the complete graph while n ≤ k + 1),
-    2t > k + 1 and t ≤ the shares, exposure ≤ 2^-40 at γ = 5 %, and nothing smaller meets the bound
-    (a smaller even k at t = k/2 + 1 when sparse, a smaller t ≥ ⌊n/2⌋ + 1 when complete)."""
-    assert graph_for(1000) == (28, 15) and graph_for(30) == (28, 15) and graph_for(29) == (28, 15)
-    assert [graph_for(n) for n in (2, 3, 5, 10, 11, 20)] == [(2, 2), (2, 3), (4, 5), (10, 10), (10, 10), (20, 13)]
-    assert 2.0**-41 < exposure(28, 15) <= 2.0**-40 < exposure(26, 14)
-    assert exposure(8, 5) == pytest.approx(1.5404882812500003e-05, rel=1e-12)
+    2t > k + 1 and t ≤ the shares, both the honest-but-curious exposure P[Bin(k, γ) ≥ t] and the
+    deviating server's P[Bin(k, γ) ≥ 2t − 1 − k] ≤ 2^-40 at γ = 5 % (REVIEW-i36-secagg-2 HIGH-1), no
+    smaller t meets both, and the sparse k is the smallest even one tolerating k/4 dropouts."""
+    assert graph_for(1000) == (28, 22) and graph_for(30) == (28, 22) and graph_for(29) == (28, 22)
+    assert [graph_for(n) for n in (2, 3, 5, 10, 11, 12, 13, 20)] == [(2, 2), (2, 3), (4, 5), (10, 10), (10, 11),
+                                                                     (12, 12), (12, 12), (20, 17)]
+    assert 2.0**-41 < malicious_exposure(28, 22) == exposure(28, 15) <= 2.0**-40 < malicious_exposure(28, 21)
+    assert exposure(28, 22) < 2.0**-76 and exposure(8, 5) == pytest.approx(1.5404882812500003e-05, rel=1e-12)
+    assert malicious_exposure(8, 5) == pytest.approx(exposure(8, 1)) and malicious_exposure(8, 9) == 0.0
+
+    def both(k: int, t: int) -> bool:  # the two bounds, brute force over the binomial's tail
+        tail = lambda c: sum(math.comb(k, i) * 0.05**i * 0.95 ** (k - i) for i in range(max(c, 0), k + 1))  # noqa: E731
+        return tail(t) <= 2.0**-40 and tail(2 * t - 1 - k) <= 2.0**-40
+
+    for j in range(2, 28, 2):  # no smaller even k tolerates a quarter of its neighbours dropping
+        assert 4 * (j + 1 - next(s for s in range(j // 2 + 1, j + 2) if both(j, s))) < j
     for n in range(2, 120):
         k, t = graph_for(n)
-        shares = min(k, n - 1) + 1
-        assert k % 2 == 0 and 2 * t > k + 1 and 2 * t > shares and 2 <= t <= shares
-        assert exposure(min(k, n - 1), t) <= 2.0**-SECURITY_BITS
-        if n - 1 > k:
-            assert all(exposure(j, j // 2 + 1) > 2.0**-40 for j in range(2, k, 2))
-        else:
-            assert k >= n - 1 and all(exposure(n - 1, s) > 2.0**-40 for s in range(n // 2 + 1, t))
+        m = min(k, n - 1)
+        assert k % 2 == 0 and 2 * t > k + 1 and 2 * t > m + 1 and 2 <= t <= m + 1
+        assert both(m, t) and not any(both(m, s) for s in range((m + 1) // 2 + 1, t))
+        assert (n - 1 > k) == (k == 28 and n > 29)
     assert COLLUSION_FRACTION == 0.05
+
+
+def test_a_graph_below_the_rule_is_accepted_with_both_exposures_logged(caplog):
+    with caplog.at_level("WARNING", logger="fedmf.secagg.params"):
+        SecAggParams(degree=8, threshold=5, bits=16, scale=1.0)
+    assert "k = 8, t = 5: exposure 2^-16.0 (honest-but-curious), 2^-1.6 (deviating server)" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="fedmf.secagg.params"):
+        SecAggParams(degree=28, threshold=22, bits=16, scale=1.0)
+    assert not caplog.text
 
 
 def test_derived_parameters_apply_per_round_and_overrides_stay_as_set():
     derived = SecAggParams(degree=0, threshold=0, bits=32, scale=1.0)
-    assert derived.derived and derived.for_cohort(50).degree == 28 and derived.for_cohort(50).threshold == 15
+    assert derived.derived and derived.for_cohort(50).degree == 28 and derived.for_cohort(50).threshold == 22
     assert derived.for_cohort(7) == SecAggParams(degree=6, threshold=7, bits=32, scale=1.0)
     assert [derived.shares(n) for n in (2, 7, 30, 1000)] == [2, 7, 29, 29]
     fixed = SecAggParams(**GOOD)

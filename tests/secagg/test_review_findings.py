@@ -81,16 +81,18 @@ def _ring(nodes: list[int], seed: int) -> list[int]:
 
 
 def _honest_until_unmask(params: SecAggParams, nodes: list[int], graph_seed: int,
-                         trim: dict[int, int | set[int]] | None = None, enrolled: bool = True):
+                         trim: dict[int, int | set[int]] | None = None, enrolled: bool = True,
+                         graph_rule: bool = True):
     """Setup, share keys and collect played honestly, except that the server forwards to node v
     only the first ``trim[v]`` sources' shares at collect, or those in it when it is a set (the
     client accepts any ≥ t − 1). The
     clients are enrolled (each holds every user's public key) or not: keys are relayed honestly,
-    the lie is about dropouts only."""
+    the lie is about dropouts only. ``graph_rule=False``: the enrolled clients accept k and t below
+    graph_for's rule (the consistency check's own logic at small k and t)."""
     words = random_words(nodes, LENGTH_WORDS, params.bits, seed=7)
     server = SecAggServer(params, LENGTH_WORDS, nodes, rng=random.Random(graph_seed), run="run", round_=3)
     user_keys = {u: Ed25519PrivateKey.generate() for u in nodes}
-    clients = {u: make_client(u, user_keys if enrolled else None) for u in nodes}
+    clients = {u: make_client(u, user_keys if enrolled else None, graph_rule=graph_rule) for u in nodes}
     masked: dict[int, np.ndarray] = {}
     for stage in (Stage.SETUP, Stage.SHARE_KEYS, Stage.COLLECT_MASKED_VECTORS):
         replies = {}
@@ -163,7 +165,7 @@ def test_a_server_lying_about_dropouts_cannot_unmask_one_client(enrolled):
     survivor set U3 before any share is revealed."""
     params = SecAggParams(degree=4, threshold=3, bits=16, scale=1.0)
     nodes = list(range(101, 111))
-    server, clients, masked, words = _honest_until_unmask(params, nodes, 3, enrolled=enrolled)
+    server, clients, masked, words = _honest_until_unmask(params, nodes, 3, enrolled=enrolled, graph_rule=False)
     assert server.stage == CONSISTENCY_CHECK and server.u3 == frozenset(nodes)  # nobody dropped
     order = _ring(nodes, 3)
     assert all(server.neighbours[u] == frozenset({order[(i + o) % 10] for o in (-2, -1, 1, 2)})
@@ -186,7 +188,8 @@ def test_a_server_lying_about_dropouts_cannot_unmask_one_client_in_a_complete_gr
     params = SecAggParams(degree=8, threshold=5, bits=16, scale=1.0)
     nodes = list(range(201, 210))
     v, pairs = nodes[0], nodes[1:5]
-    server, clients, masked, words = _honest_until_unmask(params, nodes, 0, trim={v: 4}, enrolled=enrolled)
+    server, clients, masked, words = _honest_until_unmask(params, nodes, 0, trim={v: 4}, enrolled=enrolled,
+                                                          graph_rule=False)
     others = [w for w in nodes if w != v]
     dead_of = {w: set(pairs) - {w} for w in others}  # never v itself: v's sources are only the 4
     recovered = _lie_and_unmask(params, server, clients, masked, v, pairs, dead_of)
@@ -208,7 +211,7 @@ def test_a_server_telling_two_regions_two_stories_cannot_unmask_a_client_it_trim
     at = {p: order[p % 10] for p in range(-5, 6)}
     v = at[0]
     server, clients, masked, words = _honest_until_unmask(params, nodes, 3, trim={v: {at[-2], at[2]}},
-                                                          enrolled=enrolled)
+                                                          enrolled=enrolled, graph_rule=False)
     assert clients[v]._sources == {at[-2], at[2]}
     region_a = {at[0], at[2], at[-2]}
     dead_of = {w: ({at[1], at[-1]} if w in region_a else {at[2], at[-2]}) for w in nodes}
@@ -275,7 +278,7 @@ def test_a_server_that_forges_every_neighbour_cannot_unmask_the_client(substitut
     v, real = 500, [Ed25519PrivateKey.generate() for _ in range(4)]
     own = Ed25519PrivateKey.generate()
     client = SecAggClient(v, run="run", round_=3, signing_key=own,
-                          enrolled=frozenset(public_bytes(k) for k in [own, *real]))
+                          enrolled=frozenset(public_bytes(k) for k in [own, *real]), graph_rule=False)
     advertised = {u: public_bytes(k) for u, k in zip([501, 502, 503, 504], real)} if substitute else None
     words, recovered, refusal = _forge_every_neighbour(client, v, advertised)
     assert recovered is None or not np.array_equal(recovered, words), "the server learned the client's update"

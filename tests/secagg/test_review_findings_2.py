@@ -26,7 +26,7 @@ from fedmf.secagg.messages import (
     SURVIVORS,
     split_share,
 )
-from fedmf.secagg.params import SecAggParams, exposure, graph_for
+from fedmf.secagg.params import SecAggParams, exposure, graph_for, malicious_exposure
 from fedmf.secagg.signing import consistency_statement
 from tests.secagg._drive import make_client
 from tests.secagg.test_review_findings import LENGTH_WORDS, _honest_until_unmask, _pairwise, _ring, _unmask_one
@@ -44,7 +44,10 @@ def _two_stories_with_a_colluder(params: SecAggParams, n: int) -> tuple[np.ndarr
     each. Returns (what the server computes as v's update, v's words, t); None when a client
     refuses or too few shares come back."""
     nodes = list(range(301, 301 + n))
-    server, clients, masked, words = _honest_until_unmask(params, nodes, 0)
+    try:
+        server, clients, masked, words = _honest_until_unmask(params, nodes, 0)
+    except SecAggError:  # the enrolled clients refuse k and t below graph_for's rule at setup (MEDIUM-1)
+        return None, None, params.threshold
     order = _ring(nodes, 0)
     t, v, c = server.params.threshold, order[0], order[-1]
     story_s = sorted(order[p] for p in range(-((n - 1) // 2), 1))
@@ -82,13 +85,11 @@ def _two_stories_with_a_colluder(params: SecAggParams, n: int) -> tuple[np.ndarr
     return _unmask_one(masked[v], v, seed, pairs, params.bits), words[v], t
 
 
-@pytest.mark.xfail(strict=True, reason="REVIEW-i36-secagg-2 HIGH-1: a colluder signs both stories; 2t > k + 1 "
-                                       "counts it once")
 @pytest.mark.parametrize("n, params", [
-    (29, SecAggParams(degree=0, threshold=0, bits=16, scale=1.0)),  # derived: k = 28, t = 15 (every cohort ≥ 29)
+    (29, SecAggParams(degree=0, threshold=0, bits=16, scale=1.0)),  # derived: k = 28, t = 22 (every cohort ≥ 29)
     (40, SecAggParams(degree=0, threshold=0, bits=16, scale=1.0)),  # derived, sparse Harary graph
-    (9, SecAggParams(degree=8, threshold=5, bits=16, scale=1.0)),   # the old defaults, complete graph
-], ids=["derived-k28-t15-complete", "derived-k28-t15-sparse", "k8-t5"])
+    (9, SecAggParams(degree=8, threshold=5, bits=16, scale=1.0)),   # the old defaults: refused by the clients
+], ids=["derived-k28-t22-complete", "derived-k28-t22-sparse", "k8-t5"])
 def test_a_lying_server_with_one_colluding_neighbour_cannot_unmask_a_client(n, params):
     """Enrolled mode. The consistency check's argument (no two stories can each gather t) holds for
     honest holders only: a colluding neighbour signs both stories and hands over both its shares, so
@@ -98,21 +99,22 @@ def test_a_lying_server_with_one_colluding_neighbour_cannot_unmask_a_client(n, p
     γ = 5 %. The derived bound P[Bin(k, γ) ≥ t] ≤ 2^-40 is the honest-but-curious one. Bonawitz et
     al. (CCS 2017, active model) need 2t > n + n_C."""
     recovered, truth, t = _two_stories_with_a_colluder(params, n)
+    assert (truth is None) == (n == 9), "only k = 8, t = 5 is refused at setup (below graph_for's rule)"
     assert recovered is None or not np.array_equal(recovered, truth), \
         f"a lying server with one colluding neighbour learned a client's exact update (t = {t})"
 
 
 def test_the_colluder_attack_needs_the_collusion_only_the_hbc_bound_ignores():
-    """The arithmetic of HIGH-1 (holds today, no xfail): at the derived defaults the malicious-server
-    exposure P[Bin(k, γ) ≥ 2t − 1 − k] is far above the stated 2^-40; the HbC one meets it."""
+    """The arithmetic of HIGH-1: at the old defaults (k = 28, t = 15) the malicious-server exposure
+    P[Bin(k, γ) ≥ 2t − 1 − k] was 0.76; the derived t = 22 keeps both below 2^-40."""
+    assert exposure(28, 15) <= 2.0**-40 and exposure(28, 2 * 15 - 1 - 28) > 0.7
     k, t = graph_for(1000)
-    assert (k, t) == (28, 15) and exposure(k, t) <= 2.0**-40
-    assert exposure(k, 2 * t - 1 - k) > 0.7
+    assert (k, t) == (28, 22) and exposure(k, t) <= 2.0**-40
+    assert 2.0**-41 < malicious_exposure(k, t) == exposure(k, 2 * t - 1 - k) <= 2.0**-40
 
 
 # ---- MEDIUM-1: the server chooses each client's neighbourhood and threshold --------------------------
 
-@pytest.mark.xfail(strict=True, reason="REVIEW-i36-secagg-2 MEDIUM-1: the client takes k and t from the server")
 def test_an_enrolled_client_refuses_a_neighbourhood_of_one_with_threshold_two():
     """The server sends v the neighbour list [c] and t = 2 (2t > k + 1 holds: 4 > 2). With c colluding,
     a plain honest round then gives the server v's seed (v's own share and c's) and the pairwise
@@ -122,8 +124,13 @@ def test_an_enrolled_client_refuses_a_neighbourhood_of_one_with_threshold_two():
     v = make_client(401, keys)
     request = {Key.STAGE: Stage.SETUP, SESSION: bytes(16), Key.THRESHOLD: 2, BITS: 16, LENGTH: LENGTH_WORDS,
                NEIGHBOURS: [402]}
-    with pytest.raises(SecAggError):
+    with pytest.raises(SecAggError, match="1 neighbours, below this node's minimum 3"):
         v.handle(request)
+    # the threshold against graph_for's rule for the neighbourhood shown: 28 neighbours need t ≥ 22
+    many = {**request, NEIGHBOURS: list(range(402, 430)), Key.THRESHOLD: 21}
+    with pytest.raises(SecAggError, match="threshold 21 below 22 for 28 neighbours"):
+        make_client(401, keys).handle(many)
+    assert make_client(401, keys).handle({**many, Key.THRESHOLD: 22})[Key.STAGE] == Stage.SETUP
 
 
 # ---- MEDIUM-2: a client masks the same update in any number of attempts of one round -----------------
@@ -142,7 +149,6 @@ def _enrolled_spy_nodes(tmp_path):
             for i in range(USERS)}
 
 
-@pytest.mark.xfail(strict=True, reason="REVIEW-i36-secagg-2 MEDIUM-2: no per-round contribution limit on the client")
 def test_a_round_that_completed_cannot_be_run_again_without_one_client(tmp_path, monkeypatch):
     """Enrolled, require-secure-aggregation nodes. After an honest secure round, the server replays the
     same round (same run nonce, round and model: its own word) twice through the real SecureRound,
@@ -169,7 +175,8 @@ def test_a_round_that_completed_cannot_be_run_again_without_one_client(tmp_path,
         return node
 
     grid = LocalGrid({node_id: spy(node_id, answer) for node_id, answer in nodes.items()})
-    strategy = run_server(grid, _config(tmp_path, "repeat", rounds=1, **{**SECURE, "min-sep": 1}))
+    derived = {**SECURE, "secagg-degree": 0, "secagg-threshold": 0, "min-sep": 1}  # k and t at graph_for's rule
+    strategy = run_server(grid, _config(tmp_path, "repeat", rounds=1, **derived))
     assert len(strategy.history) == 1 and len(seen) >= 3
     first = next(iter(seen.values()))
     config = {k: v for k, v in first.content.config_records["config"].items() if k != "user-id"}
@@ -177,8 +184,8 @@ def test_a_round_that_completed_cannot_be_run_again_without_one_client(tmp_path,
     expected = {m.content.config_records["config"]["user-id"]: node for node, m in seen.items()}
     target = sorted(expected)[0]
     secure = strategy.secure
-    everyone = secure.run(grid, expected, config, arrays, 5.0)
     try:
+        everyone = secure.run(grid, expected, config, arrays, 5.0)
         without = secure.run(grid, expected, config, arrays, 5.0, {target: "the server's choice"})
     except SecAggAbort:
         return  # the clients refused to contribute to the round again: what should hold
@@ -207,8 +214,6 @@ def _clipped_update(config, arrays, user) -> np.ndarray:
 
 # ---- MEDIUM-2: the documentation states the enrolled mode beyond what holds -------------------------
 
-@pytest.mark.xfail(strict=True, reason="REVIEW-i36-secagg-2 MEDIUM-2: the docs state the HbC bound as the enrolled "
-                                       "mode's")
 def test_the_docs_state_the_deviating_server_bound_and_the_per_execution_limit():
     """The consistency document and SecAggParams give a deviating server's collusion threshold
     (2t − 1 − k colluding neighbours, HIGH-1) and say that the guarantee is per execution (HIGH-2)."""
@@ -296,8 +301,6 @@ def test_one_owner_with_undecryptable_shares_is_named_or_survived_at_the_derived
 
 # ---- LOW-1: an enrolled node without require-secure-aggregation hands its clear update out -----------
 
-@pytest.mark.xfail(strict=True, reason="REVIEW-i36-secagg-2 LOW-1: enrolled mode does not imply "
-                                       "require-secure-aggregation")
 def test_an_enrolled_node_refuses_a_plain_train(tmp_path, monkeypatch):
     """A node configured with enrollment-file and user-key (the mode documented as protecting against a
     lying server) still answers a plain TRAIN with its clear update unless the operator also sets
@@ -318,7 +321,6 @@ def test_an_enrolled_node_refuses_a_plain_train(tmp_path, monkeypatch):
 
 # ---- LOW-2: the deployment guide configures the mode that trusts the server ---------------------------
 
-@pytest.mark.xfail(strict=True, reason="REVIEW-i36-secagg-2 LOW-2: deploy/README's secure-aggregation section is stale")
 def test_the_deployment_guide_sets_up_enrolled_secure_nodes_and_the_current_defaults():
     """deploy/README "Secure aggregation" tells a SuperNode to need "nothing beyond step 5" (no
     enrollment-file, no require-secure-aggregation: the server is then trusted, and may ask for the
