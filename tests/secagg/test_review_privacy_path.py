@@ -63,10 +63,8 @@ def _released(plan, q, words: dict[int, np.ndarray], *, through_protocol: bool):
         total = server.result
     else:
         total = mod_sum(list(words.values()), q.length, q.bits)
-    decoded = decode_sum(q, total)
     p = RoundPrivatizer(plan, LAYOUT, seed=SEED, repeatable_noise=True)  # same noise in both worlds
-    mean, report = p.privatize_sum(0, decoded.vector, NODES, inflation=q.inflation, unclipped=decoded.unclipped,
-                                   selected=NODES, metric=decoded.metric)
+    mean, report = p.privatize_sum(0, total, NODES, quantization=q, selected=NODES)
     return np.concatenate([mean[k].double().reshape(-1).numpy() for k in LAYOUT]), report
 
 
@@ -134,10 +132,8 @@ def test_non_finite_updates_are_refused_by_the_client():
             quantize(q, x, rng)
 
 
-# ---- open findings ------------------------------------------------------------------------------------
+# ---- HIGH-1 and LOW-2, fixed (their strict xfails removed) -------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="REVIEW-i36-privacy-path HIGH-1: a hostile word makes the centred decoding "
-                                       "wrap on one honest update: the released model moves by ~2^b/(s·m), not ≤ ζ_eff/m")
 def test_one_hostile_client_cannot_make_an_honest_update_move_the_release_beyond_its_sensitivity():
     plan = task.plan(rounds=4)
     q = quantization_for(plan, DIM, scale=SCALE, bits=BITS, beta=math.exp(-0.5))
@@ -148,8 +144,6 @@ def test_one_hostile_client_cannot_make_an_honest_update_move_the_release_beyond
     assert moved <= plan.clip_norm * q.inflation * (1 + 1e-6), moved
 
 
-@pytest.mark.xfail(strict=True, reason="REVIEW-i36-privacy-path HIGH-1: a wrapped unclipped count clamps to 0 "
-                                       "or to the contributors: one honest bit moves it by |contributors|, not 1")
 def test_one_hostile_client_cannot_make_an_honest_bit_move_the_count_by_more_than_one():
     rule = AdaptiveClipping.create(0.5, expected_users=10)
     plan = task.plan(rounds=4, adaptive_clipping=rule)
@@ -159,8 +153,6 @@ def test_one_hostile_client_cannot_make_an_honest_bit_move_the_count_by_more_tha
     assert abs(with_me.noisy_unclipped - without_me.noisy_unclipped) <= 1.0 + 1e-9
 
 
-@pytest.mark.xfail(strict=True, reason="REVIEW-i36-privacy-path HIGH-1: a wrapped metric sum clamps to 0 or "
-                                       "L·contributors: one honest value moves the release by L·contributors/m, not L/m")
 def test_one_hostile_client_cannot_make_an_honest_metric_move_its_release_by_more_than_l():
     release = ClientMetricRelease.create(2.0, 1.0, expected_users=10)
     plan = task.plan(rounds=4, client_metrics=release)
@@ -172,9 +164,6 @@ def test_one_hostile_client_cannot_make_an_honest_metric_move_its_release_by_mor
     assert moved <= release.clip + 1e-9, moved
 
 
-@pytest.mark.xfail(strict=True, reason="REVIEW-i36-privacy-path LOW-2: with ℓ∞ zeroing off, a finite float64 update "
-                                       "whose squared norm overflows is zeroed by the client (adaptive, |Δ|/ζₜ "
-                                       "overflowing: refused); the central path clips it")
 @pytest.mark.parametrize("adaptive, value, zeta", [(False, 1e200, 1.0), (True, 1e200, 0.5), (True, 1e307, 0.05)])
 def test_a_huge_finite_update_is_clipped_by_the_client_as_by_the_central_server(adaptive, value, zeta):
     rule = AdaptiveClipping.create(0.5, expected_users=10) if adaptive else None
@@ -186,7 +175,7 @@ def test_a_huge_finite_update_is_clipped_by_the_client_as_by_the_central_server(
     _, report = central.privatize(0, {1: _tensors(huge)}, selected=[1])
     assert report.users[0].status == "contributed" and report.users[0].clipped  # the central server clips it
     words = encode_local_update(q, _tensors(huge), LAYOUT, clip_norm=zeta, zero_threshold=None,
-                                rng=np.random.default_rng(0))  # zeroes it (or, ÷ ζₜ overflowing, refuses it) today
+                                rng=np.random.default_rng(0))  # zeroed (or refused) before the LOW-2 fix
     expected = q.clip_norm * (huge / value) / np.linalg.norm(huge / value)  # the clipped direction
     assert float(np.abs(decode_sum(q, words).vector - expected).max()) <= 2.0 / SCALE
 
@@ -222,21 +211,24 @@ def test_a_secure_sum_draws_its_noise_at_finish_only_and_afresh_on_each_attempt(
     params = SecAggParams(degree=4, threshold=3, bits=BITS, scale=SCALE)
     secure_plan = plan.with_secure_aggregation(params, DIM)
     inflation = secure_plan.secure_aggregation.inflation
-    total = np.random.default_rng(2).normal(size=DIM)
+    q = quantization_for(plan, DIM, scale=SCALE, bits=BITS, beta=params.beta)
+    assert q.inflation == inflation
+    total = np.random.default_rng(2).integers(0, 1 << BITS, q.length, dtype=np.uint64)
     p = RoundPrivatizer(secure_plan, LAYOUT, seed=SEED)
     before = p.state_dict()
     before = {**before, "noise": {k: (v.clone() if isinstance(v, torch.Tensor) else v)
                                   for k, v in before["noise"].items()}}
     p.begin(0, NODES)
-    p.add_sum(total, NODES, inflation=inflation)
+    p.add_sum(total, NODES, quantization=q)
     p.abort()  # an aborted attempt: no draw, the generator still serves round 0
     assert p.next_round == 0
-    first, _ = p.privatize_sum(0, total, NODES, inflation=inflation, selected=NODES)
+    first, _ = p.privatize_sum(0, total, NODES, quantization=q, selected=NODES)
     redo = RoundPrivatizer(secure_plan, LAYOUT, seed=SEED)
     redo.load_state_dict(before)
-    second, _ = redo.privatize_sum(0, total, NODES, inflation=inflation, selected=NODES)
+    second, _ = redo.privatize_sum(0, total, NODES, quantization=q, selected=NODES)
     assert not torch.equal(first["w"], second["w"])  # salted: fresh noise on the redo
     with pytest.raises(Exception, match="inflation"):  # only the plan's inflation
-        p.privatize_sum(1, total, NODES, inflation=1.0, selected=NODES)
+        coarse = quantization_for(plan, DIM, scale=3.0, bits=BITS, beta=params.beta)
+        p.privatize_sum(1, total, NODES, quantization=coarse, selected=NODES)
     with pytest.raises(Exception, match="secure"):  # no plain update into a secure plan
-        p.privatize(1, {1: _tensors(total)}, selected=NODES)
+        p.privatize(1, {1: _tensors(np.zeros(DIM))}, selected=NODES)
