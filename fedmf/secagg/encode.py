@@ -58,7 +58,8 @@ def encode_update(q: Quantization, update: np.ndarray, *, clip_norm: float, zero
     zeroed = zero_threshold is not None and linf > zero_threshold
     if zeroed:
         x = np.zeros_like(x)
-    norm = float(np.linalg.norm(x))
+    with np.errstate(over="ignore"):  # squares that overflow give inf: handled below
+        norm = float(np.linalg.norm(x))
     unclipped = (not zeroed) and norm <= zeta
     if not unclipped and not zeroed:
         # clipped along its direction as RoundPrivatizer.add does (REVIEW-i36-privacy-path LOW-2): finite

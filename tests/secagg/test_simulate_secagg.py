@@ -79,25 +79,30 @@ def test_the_metric_inside_the_mask_is_released_as_the_central_path_up_to_the_ro
         words = [encode_update(q, np.concatenate([tensors[u][n].double().reshape(-1).numpy() for n in LAYOUT]),
                                clip_norm=plan.clip_norm, zero_threshold=None, rng=rng, metric=values[u])
                  for u in USERS]
-        decoded = decode_sum(q, mod_sum(words, q.length, q.bits))
+        total = mod_sum(words, q.length, q.bits)
+        decoded = decode_sum(q, total)
         exact = math.fsum(release.clipped(v) for v in values.values())
         assert 0.0 <= exact - decoded.metric < len(USERS) / scale  # each value rounded down by < 1/s
-        _, rep_s = secure.privatize_sum(t, decoded.vector, USERS, inflation=1.0, selected=USERS,
-                                        metric=decoded.metric)
+        _, rep_s = secure.privatize_sum(t, total, USERS, quantization=q, selected=USERS)
         # the same noise draw (same key, round, unsalted): the releases differ only by the rounding
         diff = rep_c.noisy_client_metric - rep_s.noisy_client_metric
         assert 0.0 <= diff < len(USERS) / scale / plan.expected_users, (t, diff)
 
 
-def test_a_hostile_metric_sum_is_clamped_and_a_missing_one_refused():
+def test_a_hostile_metric_sum_is_clamped_after_its_noise_and_a_missing_one_refused():
     release = ClientMetricRelease.create(1.0, 1e-9, expected_users=10)
     plan = task.plan(rounds=4, client_metrics=release)
+    q = quantization_for(plan, DIM, scale=2.0 ** 10, bits=40, beta=math.exp(-0.5))
     p = RoundPrivatizer(plan, LAYOUT, seed=SEED, repeatable_noise=True)
+    bare = quantization_for(task.plan(rounds=4), DIM, scale=2.0 ** 10, bits=40, beta=math.exp(-0.5))
     with pytest.raises(ConfigError, match="client-metric sum"):
-        p.privatize_sum(0, np.zeros(DIM), USERS[:3], inflation=1.0, selected=USERS)
-    _, report = p.privatize_sum(0, np.zeros(DIM), USERS[:3], inflation=1.0, selected=USERS, metric=1e9)
+        p.privatize_sum(0, np.zeros(bare.length, dtype=np.uint64), USERS[:3], quantization=bare, selected=USERS)
+    words = np.zeros(q.length, dtype=np.uint64)
+    words[-1] = np.uint64(10 ** 8 * 2 ** 10)  # a hostile metric word: 1e8
+    _, report = p.privatize_sum(0, words, USERS[:3], quantization=q, selected=USERS)
     assert report.noisy_client_metric == pytest.approx(3.0 / plan.expected_users, abs=1e-8)  # ≤ L per contributor
-    _, report = p.privatize_sum(1, np.zeros(DIM), USERS[:3], inflation=1.0, selected=USERS, metric=-5.0)
+    words[-1] = np.uint64((1 << 40) - 5 * 2 ** 10)  # −5
+    _, report = p.privatize_sum(1, words, USERS[:3], quantization=q, selected=USERS)
     assert report.noisy_client_metric == pytest.approx(0.0, abs=1e-8)
 
 
@@ -136,10 +141,12 @@ def test_a_secure_plan_takes_only_secure_sums_of_its_inflation():
     p = RoundPrivatizer(plan, LAYOUT, seed=SEED, repeatable_noise=True)
     with pytest.raises(ConfigError, match="secure aggregation"):
         p.privatize(0, {u: _tensors(np.zeros(DIM)) for u in USERS}, selected=USERS)
+    other = quantization_for(plan, DIM, scale=PARAMS.scale / 2, bits=PARAMS.bits, beta=PARAMS.beta)
     with pytest.raises(ConfigError, match="inflation"):
-        p.privatize_sum(0, np.zeros(DIM), USERS, inflation=1.0, selected=USERS)
-    _, report = p.privatize_sum(0, np.zeros(DIM), USERS, inflation=plan.secure_aggregation.inflation,
-                                selected=USERS)
+        p.privatize_sum(0, np.zeros(other.length, dtype=np.uint64), USERS, quantization=other, selected=USERS)
+    q = quantization_for(plan, DIM, scale=PARAMS.scale, bits=PARAMS.bits, beta=PARAMS.beta)
+    assert q.inflation == plan.secure_aggregation.inflation
+    _, report = p.privatize_sum(0, np.zeros(q.length, dtype=np.uint64), USERS, quantization=q, selected=USERS)
     assert report.noise_std == plan.effective_noise_std
 
 
