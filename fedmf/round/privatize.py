@@ -49,9 +49,9 @@ import numpy as np
 import torch
 
 from .. import checks
-from ..secagg.quantize import Quantization, noisy_centred
 from ..errors import ConfigError, PlanMismatch, RoundOrderError
 from ..plan import RunPlan
+from ..secagg.quantize import Quantization, noisy_centred
 from ..threads import one_thread
 from .clipping import ClippingPolicy, clipping_policy
 from .count_noise import metric_noise
