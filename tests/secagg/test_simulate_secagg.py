@@ -11,10 +11,12 @@ import torch
 
 from fedmf.errors import ConfigError, PlanMismatch
 from fedmf.plan import RunPlan
+from fedmf.round.adaptive_clipping import AdaptiveClipping
 from fedmf.round.client_metrics import ClientMetricRelease
 from fedmf.round.privatize import RoundPrivatizer, flat_size
 from fedmf.run.federated import train
 from fedmf.secagg.encode import encode_update, quantization_for
+from fedmf.secagg.errors import SecAggError
 from fedmf.secagg.masks import mod_sum
 from fedmf.secagg.params import SecAggParams
 from fedmf.secagg.quantize import check_no_wrap, decode_sum, max_safe_cohort, metric_cap, metric_word
@@ -208,3 +210,27 @@ def test_survivors_below_the_threshold_abort_the_round_nothing_released(tmp_path
     report = audit(tmp_path / "abort" / "ledger.db")
     assert report.realized["rounds_committed"] == 0
 
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_the_run_refuses_a_population_whose_sum_plus_a_12_sigma_noise_margin_could_wrap(adaptive):
+    """The noise is added to the residues before they are centred (HIGH-1): the no-wrap check keeps a
+    12σ margin for it, σ per coordinate = σ_generator·inflation·max_t ‖(C⁻¹)ₜ‖₂ (cross-checked here on
+    the dense C⁻¹), and for the count's and the metric's noise."""
+    from server.secagg_round import run_quantization
+
+    rule = AdaptiveClipping.create(0.5, expected_users=10) if adaptive else None
+    release = ClientMetricRelease.create(1.0, 0.5, expected_users=10)
+    plan = task.plan(rounds=4, adaptive_clipping=rule, client_metrics=release)
+    params = SecAggParams(degree=4, threshold=3, bits=24, scale=2.0 ** 12)
+    q = quantization_for(plan, DIM, scale=params.scale, bits=params.bits, beta=params.beta)
+    row = float(np.linalg.norm(plan.mechanism.inverse_matrix(), axis=1).max())
+    sigma = (plan.std_per_clip if adaptive else plan.noise_std) * q.inflation * row
+    largest = max_safe_cohort(q.clip_norm, q.scale, q.bits, q.metric_clip, noise_std=sigma,
+                              count_noise_std=plan.count_noise_std or 0.0, metric_noise_std=release.noise_std)
+    noiseless = max_safe_cohort(q.clip_norm, q.scale, q.bits, q.metric_clip)
+    assert 10 <= largest < noiseless
+    assert run_quantization(params, plan, DIM, largest) == q
+    with pytest.raises(SecAggError, match=f"12σ noise margin: at most {largest} fit"):
+        run_quantization(params, plan, DIM, largest + 1)
+    assert check_no_wrap(largest + 1, q.clip_norm, q.scale, q.bits, q.metric_clip) == largest + 1  # no margin: fits
