@@ -55,7 +55,7 @@ LocalUpdate = Callable[[Mapping[str, torch.Tensor], Hashable, int], Mapping[str,
 #: from the result dropped out
 LocalUpdates = Callable[[Mapping[str, torch.Tensor], Sequence[Hashable], int],
                         Mapping[Hashable, Mapping[str, torch.Tensor] | None]]
-#: secure aggregation of a round: (run, selection, {user: update}, {user: reported value}) → the decoded sum
+#: secure aggregation of a round: (run, selection, {user: update}, {user: reported value}) → its SecureSum (the unmasked residues)
 SecureSumStep = Callable[[PrivateRun, Selection, Mapping[Hashable, Any], Mapping[Hashable, Any]], SecureSum]
 
 
