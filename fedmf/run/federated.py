@@ -12,7 +12,7 @@ progress, callbacks). A round whose lifetime-budget charge loses to a concurrent
 
 With ``secure_sum`` (``fedmf simulate --secure-aggregation``: ``server/secagg_inprocess.py``, found
 through the ``fedmf.secure_aggregation`` entry point) the cohort step hands the round's local results
-to secure aggregation, whose decoded ``SecureSum`` ``PrivateRun.aggregate`` privatizes: the server
+to secure aggregation, whose ``SecureSum`` (the unmasked residues) ``PrivateRun.aggregate`` privatizes: the server
 side sees no update and no reported value.
 
 Started again with the same plan and directory, ``train`` resumes after the last committed
