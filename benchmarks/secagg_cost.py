@@ -18,8 +18,8 @@ Per cell (model, users n, dropout fraction), medians over ``--repeats``:
 * secure: ``SecAggServer`` and one ``SecAggClient`` per user, every stage that
   ``SecAggServer.requests()`` yields until the protocol is done (looped over generically). Server
   time per stage = ``requests()`` + ``receive()``; after the last stage "decode+privatize":
-  ``decode_sum`` and ``RoundPrivatizer.privatize_sum`` (noise from ζ·inflation). Client time per
-  stage = ``SecAggClient.handle``, and at the collect stage also the encoding (float64 flat
+  ``RoundPrivatizer.privatize_sum`` (noise from ζ·inflation, added to the residues before they are
+  centred), and ``decode_sum`` for the equality check. Client time per stage = ``SecAggClient.handle``, and at the collect stage also the encoding (float64 flat
   update, ``encode_update``: zero, clip, conditional randomized rounding). Bytes per client per
   stage: the stage's payload as the ``"secagg"`` ConfigRecord of a RecordDict, serialized as
   above (``fedmf.secagg.messages.to_wire``), request and reply, on a sample of clients; the real
@@ -249,7 +249,7 @@ def _secure_attempt(layout_dim: int, pool: list[np.ndarray], users: int, dropout
     privatizer = None
     if privatize_layout is not None:
         privatizer = RoundPrivatizer(make_plan(users), privatize_layout, dtype=torch.float32, seed=b"b" * 32)
-        privatizer.privatize_sum(0, decoded.vector, contributors, inflation=q.inflation)
+        privatizer.privatize_sum(0, server.result, contributors, quantization=q)  # noised, then decoded
     server_s["decode+privatize"] = time.perf_counter() - started
     plain = decode_sum(q, mod_sum((words[u] for u in sorted(contributors)), q.length, q.bits)).vector
     pairs = sum(len(server.neighbours[d] & contributors) for d in dropped)
@@ -308,9 +308,9 @@ def simulated_round(layout: Layout, full: dict[str, Any], per_mask_s: float, a: 
     # decode + privatize at the full dimension, for real (any modular sum costs the same)
     q = quantization(dim)
     started = time.perf_counter()
-    decoded = decode_sum(q, np.random.default_rng(seed).integers(0, 2**BITS, q.length, dtype=np.uint64))
+    residues = np.random.default_rng(seed).integers(0, 2**BITS, q.length, dtype=np.uint64)
     RoundPrivatizer(make_plan(users), layout, dtype=torch.float32, seed=b"b" * 32).privatize_sum(
-        0, decoded.vector, range(a["survivors"]), inflation=q.inflation)
+        0, residues, range(a["survivors"]), quantization=q)
     server_s["decode+privatize"] = time.perf_counter() - started
     client_s = dict(a["client_s"])
     client_s[Stage.COLLECT_MASKED_VECTORS] = full["client_s"][Stage.COLLECT_MASKED_VECTORS]

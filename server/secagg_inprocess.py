@@ -13,7 +13,8 @@ client's words are what the Flower ClientApp sends (``fedmf.secagg.encode.encode
 checked, ℓ∞-zeroed, clipped to ζₜ, quantized, adaptive clipping's bit and the private client
 metric's word inside the masked vector). A user whose local update is missing drops out at the
 collect stage; one whose update is refused drops out there too and is recorded as rejected. The
-unmasked sum is decoded into a ``SecureSum`` for ``PrivateRun.aggregate``. A cohort below max(2, t)
+unmasked modular sum is handed, not decoded, in a ``SecureSum`` to ``PrivateRun.aggregate``, which
+noises it before centring it. A cohort below max(2, t)
 runs no protocol (the zero sum, every user dropped), as ``server/secagg_round.py``; survivors
 below the threshold raise ``SecAggAbort`` (the round is aborted, nothing released).
 """
@@ -30,7 +31,7 @@ from client.secagg import SecAggClient
 from fedmf.secagg.encode import encode_local_update
 from fedmf.secagg.errors import SecAggError
 from fedmf.secagg.params import SecAggParams
-from fedmf.secagg.quantize import Quantization, decode_sum
+from fedmf.secagg.quantize import Quantization
 from fedmf.secagg.secure_sum import SecureSum
 
 from .secagg import SecAggServer
@@ -63,8 +64,7 @@ class SecureCohort:
         users = sorted(selection.reachable, key=str)
         self.server = None
         if len(users) < max(2, self.params.threshold):  # no SecAgg+ protects so few: all dropped
-            return SecureSum(np.zeros(q.dim), 0 if q.with_bit else None, frozenset(), q.inflation, {},
-                             0.0 if q.metric_clip is not None else None)
+            return SecureSum.empty(q)
         user_of = {node: user for node, user in enumerate(users, start=1)}
         words: dict[int, np.ndarray] = {}
         refused: dict[Hashable, str] = {}
@@ -95,10 +95,9 @@ class SecureCohort:
             server.receive(replies)  # raises SecAggAbort below the threshold
         for node, reason in server.rejected.items():
             refused.setdefault(user_of[node], reason)
-        decoded = decode_sum(q, server.result)
         contributors = frozenset(user_of[node] for node in server.contributors)
         rejected = {user: reason for user, reason in refused.items() if user not in contributors}
-        return SecureSum(decoded.vector, decoded.unclipped, contributors, q.inflation, rejected, decoded.metric)
+        return SecureSum(server.result, q, contributors, rejected)  # residues: decoded only when noised
 
 
 def secaggplus(params: SecAggParams, plan: RunPlan, dim: int, population: int) -> SecureCohort:

@@ -19,10 +19,11 @@ clients whose shares proved them at fault (``SecAggServer.culprits``). A cohort 
 threshold from the start (a small amplified draw) runs no protocol: its users count as dropped and
 the round releases the zero sum plus its noise, like an empty draw.
 
-The unmasked modular sum is decoded (``fedmf.secagg.quantize.decode_sum``) into a ``SecureSum``
-for ``PrivateRun.aggregate``: the float64 sum of the contributors' quantized, clipped updates (and
-the count of unclipped bits), who contributed, who was refused and why, and the quantization's
-inflation, which scales σ (ζ_eff = ζ·inflation).
+The unmasked modular sum W is handed, *not decoded*, in a ``SecureSum`` to ``PrivateRun.aggregate``:
+the residues of the contributors' quantized, clipped updates (and of the unclipped bits and the
+metric words), the quantization (scale, modulus, its inflation, which scales σ: ζ_eff = ζ·inflation),
+who contributed, who was refused and why. The privatizer adds the noise to W before centring it
+(``fedmf.secagg.quantize.noisy_centred``; REVIEW-i36-privacy-path HIGH-1).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from fedmf.secagg.encode import quantization_for
 from fedmf.secagg.errors import SecAggError
 from fedmf.secagg.messages import CONSISTENCY_CHECK, SECAGG_RECORD, from_wire, to_wire
 from fedmf.secagg.params import SecAggParams
-from fedmf.secagg.quantize import Quantization, check_no_wrap, decode_sum
+from fedmf.secagg.quantize import Quantization, check_no_wrap
 from fedmf.secagg.secure_sum import SecureSum
 
 from .secagg import SecAggServer
@@ -62,13 +63,23 @@ _MAX_REASON = 200
 def run_quantization(params: SecAggParams, plan: RunPlan, dim: int, population: int | None = None) -> Quantization:
     """The run's encoding of a ``dim``-value update (``fedmf.secagg.encode.quantization_for``);
     refused (one line, before the run opens) when the planned cohort is below the threshold or a
-    cohort of the whole ``population`` could wrap the modular sum."""
+    cohort of the whole ``population`` plus the release's noise could wrap the modular sum: the noise
+    is added to the residues before they are centred, so each word keeps a 12σ margin
+    (``fedmf.secagg.quantize.NOISE_MARGIN_SIGMAS``) for its noise's per-coordinate std, σ·max_t ‖(C⁻¹)ₜ‖₂
+    for the correlated noise (round t's coordinate is σ·Σⱼ (C⁻¹)ₜⱼ·zⱼ), σ_b for the count, σ_m for the metric."""
     if plan.expected_users < params.threshold:
         raise ConfigError(f"clients-per-round {plan.expected_users:g} is below the secure-aggregation threshold "
                           f"{params.threshold}: every round would abort")
     q = quantization_for(plan, dim, scale=params.scale, bits=params.bits, beta=params.beta)
     if population is not None:
-        check_no_wrap(population, q.clip_norm, q.scale, q.bits, q.metric_clip)
+        # σ per coordinate of the vector's noise, in the quantization's units (ζ-clipped or normalized)
+        coef = plan.mechanism.inverse_toeplitz  # Toeplitz C⁻¹: its last row has the largest norm
+        row = (float(np.linalg.norm(coef[: plan.rounds])) if coef is not None
+               else max(float(np.linalg.norm(r)) for r in plan.mechanism.inverse_rows()))
+        generator = plan.std_per_clip if q.with_bit else plan.noise_std
+        check_no_wrap(population, q.clip_norm, q.scale, q.bits, q.metric_clip,
+                      noise_std=generator * q.inflation * row, count_noise_std=plan.count_noise_std or 0.0,
+                      metric_noise_std=0.0 if plan.client_metrics is None else plan.client_metrics.noise_std)
     return q
 
 
@@ -115,8 +126,7 @@ class SecureRound:
             # SecAgg+ can protect so few, so none of them is asked; all count as dropped and the
             # round releases the zero sum plus its noise, as the central mode does for users it
             # cannot hear from (deterministic: a redo would draw the same cohort)
-            return SecureSum(np.zeros(q.dim), 0 if q.with_bit else None, frozenset(), q.inflation, excluded,
-                             0.0 if q.metric_clip is not None else None)
+            return SecureSum.empty(q, excluded)
         self.server = server = SecAggServer(self.params, q.length, sorted(user_of), rng=self.rng,
                                             run=str(config["run-nonce"]), round_=int(config["round"]))
         refused: dict[Hashable, str] = {}
@@ -132,10 +142,9 @@ class SecureRound:
         for node, reason in server.rejected.items():
             refused.setdefault(user_of[node], reason[:_MAX_REASON])
         assert server.result is not None
-        decoded = decode_sum(q, server.result)
         contributors = frozenset(user_of[node] for node in server.contributors)
         rejected = {user: reason for user, reason in {**refused, **excluded}.items() if user not in contributors}
-        return SecureSum(decoded.vector, decoded.unclipped, contributors, q.inflation, rejected, decoded.metric)
+        return SecureSum(server.result, q, contributors, rejected)  # residues: decoded only when noised
 
     def _message(self, stage: str, node: int, user: Hashable, payload: Mapping[str, Any],
                  config: Mapping[str, Any], arrays: ArrayRecord) -> Message:

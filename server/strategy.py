@@ -21,8 +21,9 @@ metrics clients report (training loss, example counts) are never published as se
 With ``secure-aggregation = "secaggplus"`` (``config.secagg``) the send/validate steps are the
 SecAgg+ stages (``server/secagg_round.py``): the clients clip to the ζₜ sent, zero, check and
 quantize their own updates and mask them (with ``client-metrics = "private"`` their training loss too,
-as the last masked word); the engine privatizes the decoded sum (``PrivateRun.aggregate`` with a
-``SecureSum``: σ from ζ·inflation, the plan's recorded inflation, ÷ the planned users). A round
+as the last masked word); the engine privatizes the unmasked modular sum (``PrivateRun.aggregate``
+with a ``SecureSum``: σ from ζ·inflation, the plan's recorded inflation, the noise added before the
+sum is centred, ÷ the planned users). A round
 whose secure sum aborts (survivors below the threshold) is aborted — nothing of it was noised or
 released — and redone with fresh noise, up to ``SECAGG_REDOS`` times; a client whose committed
 shares did not give its committed secret, or that returned a share other than the one committed to
@@ -162,7 +163,7 @@ class DPMFStrategy(Strategy):
         return received
 
     def _secure_exchange(self, grid: Grid, selection: Selection, timeout: float) -> SecureSum:
-        """The round's SecAgg+ stages with the selected users who are connected; their decoded sum.
+        """The round's SecAgg+ stages with the selected users who are connected; their secure sum (the unmasked residues).
         A ``SecAggAbort`` aborts the open round (nothing of it was noised) before it propagates."""
         t = selection.round
         if self._excluded_round != t:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -87,11 +87,11 @@ class ClippingPolicy(ABC):
         """The released mean from the noisy sum, in place."""
 
     def release(self, key: bytes, t: int, salt: bytes, contributed: Iterable[UserReport],
-                unclipped: int | None = None) -> float | None:
+                noised: Callable[[float], float] | None = None) -> float | None:
         """Round t's extra release from the contributed users (None: none), and the move to the next
         round's ζ. ``key``: the run's noise secret; ``salt``: the round's noise salt (b"": unsalted);
-        ``unclipped``: the count of unclipped updates when the server did not see the updates (a
-        secure sum's decoded bits), else counted from ``contributed``."""
+        ``noised``: when the server did not see the updates (a secure sum), the noisy count from the
+        count's noise (added to the bits' residue before it is centred), else counted from ``contributed``."""
         return None
 
     def state_dict(self) -> dict[str, Any]:
@@ -171,13 +171,15 @@ class AdaptiveClipping(ClippingPolicy):
         return noisy_sum.mul_(self.clip_norm / self.plan.expected_users)
 
     def release(self, key: bytes, t: int, salt: bytes, contributed: Iterable[UserReport],
-                unclipped: int | None = None) -> float:
+                noised: Callable[[float], float] | None = None) -> float:
         """b̃ₜ·m = Σ 1[‖Δᵢ‖ ≤ ζₜ] + N(0, σ_b²), then ζₜ₊₁ = next_clip_norm(ζₜ, b̃ₜ·m, m) (Alg. 1).
-        A zeroed update (ℓ∞ > threshold ≥ ζₜ, so ‖Δ‖ > ζₜ) counts as clipped. ``unclipped``: the
-        secure sum's decoded count, used exactly as the count made here would be."""
-        if unclipped is None:
-            unclipped = sum(1 for u in contributed if not (u.clipped or u.zeroed))
-        noisy = unclipped + count_noise(key, t, salt, self.rule.count_noise_std)
+        A zeroed update (ℓ∞ > threshold ≥ ζₜ, so ‖Δ‖ > ζₜ) counts as clipped. ``noised``: a secure
+        sum's noisy count from the same noise draw (``RoundPrivatizer.finish``)."""
+        noise = count_noise(key, t, salt, self.rule.count_noise_std)
+        if noised is not None:
+            noisy = noised(noise)
+        else:
+            noisy = sum(1 for u in contributed if not (u.clipped or u.zeroed)) + noise
         self.clip_norm = self.rule.next_clip_norm(self.clip_norm, noisy, self.plan.expected_users,
                                                   initial_clip_norm=self.plan.clip_norm)
         return noisy

@@ -24,13 +24,16 @@ With a private client-metric release (``plan.client_metrics``, ``fedmf.round.cli
 releases (Σ clip(vᵢ, 0, L) + N(0, σ_m²)) / m over the contributed users' reported values, its noise
 from its own keyed stream under the round's salt (``fedmf.round.count_noise.metric_noise``).
 
-With secure aggregation the server never sees an update: ``add_sum`` takes the decoded sum that
-SecAgg+ unmasked (the clients clipped, zeroed and checked their own updates; ``fedmf.secagg``) in
-place of ``add``, and ``finish`` adds the same correlated noise scaled by the quantization's stated
-inflation — σ from ζ_eff = ζ·inflation (``fedmf.secagg.sensitivity``) — and divides by the same
-planned m; adaptive clipping's count is the decoded count of unclipped bits, and the private
-client-metric release reads the decoded sum of the clients' masked metric words (each in [0, L]) in
-place of Σ clip(vᵢ, 0, L), with the same noise. A plan that records secure aggregation
+With secure aggregation the server never sees an update: ``add_sum`` takes the modular sum W that
+SecAgg+ unmasked (uint64 residues modulo 2^b of the clients' words, with their ``Quantization``: the
+clients clipped, zeroed and checked their own updates; ``fedmf.secagg``) in place of ``add``, and
+``finish`` draws the same correlated noise N, scaled by the quantization's stated inflation — σ from
+ζ_eff = ζ·inflation (``fedmf.secagg.sensitivity``) — and releases centre((W + s·N) mod 2^b)/s
+(``fedmf.secagg.quantize.noisy_centred``): the noise is added to the residue *before* it is centred, so
+a hostile client's word cannot make the centring wrap on an honest contribution (REVIEW-i36-privacy-path
+HIGH-1); then the same scaling and division by the planned m. Adaptive clipping's count and the private
+client-metric release likewise add their noise to the bit's and the metric word's residues, centre, and
+only then clamp to [0, contributors] and [0, L·contributors]. A plan that records secure aggregation
 (``plan.secure_aggregation``) takes only secure sums, of exactly its recorded inflation.
 """
 
@@ -48,6 +51,7 @@ import torch
 from .. import checks
 from ..errors import ConfigError, PlanMismatch, RoundOrderError
 from ..plan import RunPlan
+from ..secagg.quantize import Quantization, noisy_centred
 from ..threads import one_thread
 from .clipping import ClippingPolicy, clipping_policy
 from .count_noise import metric_noise
@@ -195,9 +199,9 @@ class RoundPrivatizer:
         self._open: RoundReport | None = None
         self._seen: set[str] = set()
         self._selected: set[str] | None = None
-        #: a secure sum's (inflation, decoded unclipped count, decoded metric sum) for the open round
+        #: the open round's secure sum: (its quantization, its uint64 residues W, its contributor count)
         #: (None: central)
-        self._secure: tuple[float, int | None, float | None] | None = None
+        self._secure: tuple[Quantization, np.ndarray, int] | None = None
 
     @property
     def clip_norm(self) -> float:
@@ -272,48 +276,45 @@ class RoundPrivatizer:
         report.users.append(result)
         return result
 
-    def add_sum(self, total: Any, contributors: Iterable[Hashable], *, inflation: float,
-                unclipped: int | None = None, metric: float | None = None) -> None:
-        """The open round's sum as a secure aggregation decoded it, in place of ``add``: ``total``,
-        float64 values in the layout's order, Σ clip(Δ, ζ) (fixed clipping) or Σ clip(Δ, ζₜ)/ζₜ
-        (adaptive) over ``contributors``, each update's decoded ℓ2 norm at most ζ·``inflation``
-        (Kairouz, Liu, Steinke, ICML 2021, Thm. 1); ``unclipped``: the decoded count of unclipped
-        bits (adaptive clipping only); ``metric``: the decoded sum of the contributors' client-metric
-        words, each in [0, L] (the private client-metric release only). ``finish`` then noises it
-        with σ·inflation."""
+    def add_sum(self, residues: Any, contributors: Iterable[Hashable], *, quantization: Quantization) -> None:
+        """The open round's sum as secure aggregation unmasked it, in place of ``add``: ``residues``,
+        the modular sum W (uint64 words below 2^b) of ``contributors``' words, encoded by
+        ``quantization``: the flat update in the layout's order, Σ clip(Δ, ζ)·s (fixed clipping) or
+        Σ clip(Δ, ζₜ)/ζₜ·s (adaptive), each update's decoded ℓ2 norm at most ζ·inflation (Kairouz, Liu,
+        Steinke, ICML 2021, Thm. 1); then the unclipped bits' sum (adaptive clipping only); then the
+        client-metric words' sum (the private client-metric release only). Nothing is decoded here:
+        ``finish`` adds the noise (σ·inflation) to the residues, then centres them (HIGH-1)."""
         report = self._require_open()
         if self._secure is not None or self._seen:
             raise RoundOrderError(f"round {report.round} already has updates or a secure sum")
-        factor = checks.interval("quantization inflation", inflation, 1.0, float("inf"))
+        if not isinstance(quantization, Quantization):
+            raise ConfigError(f"a secure sum needs its Quantization, got {type(quantization).__name__}")
+        q = quantization
+        factor = checks.interval("quantization inflation", q.inflation, 1.0, float("inf"))
         planned = self.plan.secure_aggregation
         if planned is not None and factor != planned.inflation:
             raise ConfigError(f"a secure sum's inflation {factor!r} differs from the plan's {planned.inflation!r}")
-        vector = np.asarray(total)
-        if vector.dtype != np.float64 or vector.shape != (self.size,) or not np.all(np.isfinite(vector)):
-            raise ConfigError(f"a secure sum must be {self.size} finite float64 values")
+        words = np.asarray(residues)
+        if (q.dim != self.size or words.dtype != np.uint64 or words.shape != (q.length,)
+                or np.any(words >> np.uint64(q.bits))):
+            raise ConfigError(f"a secure sum must be {self.size} update words (and its bit, metric) as uint64 "
+                              "residues below 2^bits")
         users = sorted({_user_order(u): u for u in contributors}.items())
         if self._selected is not None and any(key not in self._selected for key, _ in users):
             raise ConfigError(f"a secure sum of round {report.round} names users not selected for it")
         adaptive = self.clipping.reported_clip_norm is not None
-        if adaptive != (unclipped is not None):
+        if adaptive != q.with_bit:
             raise ConfigError("a secure sum carries the unclipped count exactly when ζ adapts")
-        if unclipped is not None:
-            # a hostile client may send any word: keep the count within [0, contributors]
-            # (1-Lipschitz, so one user's bit still moves it by at most 1)
-            unclipped = min(max(int(unclipped), 0), len(users))
+        if q.clip_norm != (1.0 if adaptive else self.plan.clip_norm):
+            raise ConfigError("a secure sum's quantization clips to ζ (fixed) or 1 (adaptive: the normalized update)")
         release = self.plan.client_metrics
-        if (release is not None) != (metric is not None):
+        if (release is not None) != (q.metric_clip is not None):
             raise ConfigError("a secure sum carries the client-metric sum exactly when the plan releases it")
-        if metric is not None:
-            if not math.isfinite(metric):
-                raise ConfigError("a secure sum's client-metric sum must be finite")
-            # each honest word decodes into [0, L]; a hostile client may send any word: clamp the sum
-            # to [0, L·contributors] (1-Lipschitz: one user still moves it by at most L)
-            metric = min(max(float(metric), 0.0), release.clip * len(users))
-        self._sum.copy_(torch.from_numpy(vector).to(device=self.device, dtype=self._work))
+        if release is not None and q.metric_clip != release.clip:
+            raise ConfigError("a secure sum's client-metric clip differs from the plan's")
         self._seen = {key for key, _ in users}
         report.users.extend(UserReport(user, "contributed", clipped=None, zeroed=None) for _, user in users)
-        self._secure = (factor, unclipped, metric)
+        self._secure = (q, words.copy(), len(users))
 
     def finish(self, values: Mapping[Hashable, Any] | None = None) -> tuple[dict[str, torch.Tensor], RoundReport]:
         """Draw round t's noise (only now: the sum is complete), add it once, divide by the
@@ -328,15 +329,25 @@ class RoundPrivatizer:
         # σ·(C⁻¹Z)_t (Multi-Epoch MF Sec. 2), σ = the policy's generator std
         noise = self.noise.next(out=self._noise_buffer, salt=salt or None)
         flat_noise = noise if isinstance(noise, torch.Tensor) else self._noise_buffer
-        inflation, unclipped, _ = self._secure if self._secure is not None else (1.0, None, None)
-        if inflation == 1.0:
+        if self._secure is None:
             noisy = torch.add(self._sum, flat_noise)
-        else:  # σ_eff = z·(ζ·inflation)·sens: the same draws, scaled (fedmf.secagg.sensitivity)
-            noisy = torch.add(self._sum, flat_noise, alpha=inflation)
-            report.noise_std = report.noise_std * inflation
+            noisy_count = None
+        else:
+            q, words, contributors = self._secure
+            # σ_eff = z·(ζ·inflation)·sens: the same draws, × inflation in float64 (INFO-4: not rounded to
+            # the work dtype), added to the residues before centring (HIGH-1), ÷ s: the sum's units
+            scaled = flat_noise.to(torch.float64).cpu().numpy() * q.inflation
+            released = noisy_centred(q.bits, q.scale, words[: q.dim], scaled)
+            noisy = torch.from_numpy(released).to(device=self.device, dtype=self._work)
+            report.noise_std = report.noise_std * q.inflation
+            noisy_count = None
+            if q.with_bit:  # the bit word, 1 per unclipped update: its noise (count units) before centring
+                def noisy_count(noise: float) -> float:
+                    count = float(noisy_centred(q.bits, 1.0, words[q.dim : q.dim + 1], np.array([noise]))[0])
+                    return min(max(count, 0.0), float(contributors))  # post-processing: clamped after the noise
         mean = self.clipping.scale_back(noisy)
         report.noisy_unclipped = self.clipping.release(self._key, report.round, salt, report.contributed,
-                                                       unclipped)
+                                                       noised=noisy_count)
         self._open = None
         self._selected = None
         self._secure = None
@@ -351,8 +362,11 @@ class RoundPrivatizer:
         if release is None:
             return
         noise = metric_noise(self._key, report.round, salt, release.noise_std)
-        if self._secure is not None:  # the decoded, clamped sum of the masked words (add_sum)
-            report.noisy_client_metric = (self._secure[2] + noise) / self.plan.expected_users
+        if self._secure is not None:  # the metric word's residue: noise first, centred, then clamped (HIGH-1)
+            q, words, contributors = self._secure
+            total = float(noisy_centred(q.bits, q.scale, words[q.length - 1 :], np.array([noise]))[0])
+            total = min(max(total, 0.0), release.clip * contributors)  # post-processing of the noisy sum
+            report.noisy_client_metric = total / self.plan.expected_users
             return
         given = {_user_order(u): v for u, v in (values or {}).items()}
         contributed = [given.get(_user_order(u.user)) for u in report.contributed]
@@ -378,14 +392,14 @@ class RoundPrivatizer:
             raise
         return self.finish(values)
 
-    def privatize_sum(self, t: int, total: Any, contributors: Collection[Hashable], *, inflation: float,
-                      unclipped: int | None = None, selected: Collection[Hashable] | None = None,
-                      metric: float | None = None) -> tuple[dict[str, torch.Tensor], RoundReport]:
-        """Round t in one call from a secure sum (``add_sum``): the same noise and scaling as
-        ``privatize``, σ from ζ·``inflation``, ÷ the planned m."""
+    def privatize_sum(self, t: int, residues: Any, contributors: Collection[Hashable], *,
+                      quantization: Quantization, selected: Collection[Hashable] | None = None,
+                      ) -> tuple[dict[str, torch.Tensor], RoundReport]:
+        """Round t in one call from a secure sum's residues (``add_sum``): the same noise and scaling as
+        ``privatize``, σ from ζ·inflation, added before the centring, ÷ the planned m."""
         self.begin(t, selected)
         try:
-            self.add_sum(total, contributors, inflation=inflation, unclipped=unclipped, metric=metric)
+            self.add_sum(residues, contributors, quantization=quantization)
         except BaseException:
             self.abort()
             raise

@@ -12,7 +12,7 @@ progress, callbacks). A round whose lifetime-budget charge loses to a concurrent
 
 With ``secure_sum`` (``fedmf simulate --secure-aggregation``: ``server/secagg_inprocess.py``, found
 through the ``fedmf.secure_aggregation`` entry point) the cohort step hands the round's local results
-to secure aggregation, whose decoded ``SecureSum`` ``PrivateRun.aggregate`` privatizes: the server
+to secure aggregation, whose ``SecureSum`` (the unmasked residues) ``PrivateRun.aggregate`` privatizes: the server
 side sees no update and no reported value.
 
 Started again with the same plan and directory, ``train`` resumes after the last committed
@@ -55,7 +55,7 @@ LocalUpdate = Callable[[Mapping[str, torch.Tensor], Hashable, int], Mapping[str,
 #: from the result dropped out
 LocalUpdates = Callable[[Mapping[str, torch.Tensor], Sequence[Hashable], int],
                         Mapping[Hashable, Mapping[str, torch.Tensor] | None]]
-#: secure aggregation of a round: (run, selection, {user: update}, {user: reported value}) → the decoded sum
+#: secure aggregation of a round: (run, selection, {user: update}, {user: reported value}) → its SecureSum (the unmasked residues)
 SecureSumStep = Callable[[PrivateRun, Selection, Mapping[Hashable, Any], Mapping[Hashable, Any]], SecureSum]
 
 

@@ -425,7 +425,7 @@ class PrivateRun:
         ``rejected``: users whose reply was refused before it reached the engine (reason).
         ``values``: the users' reported training loss, read only by the plan's private client-metric
         release (``fedmf.round.client_metrics``). ``updates`` may instead be a ``SecureSum``
-        (``fedmf.secagg.secure_sum``): the decoded sum secure aggregation unmasked, privatized by
+        (``fedmf.secagg.secure_sum``): the modular sum secure aggregation unmasked (noised, then decoded), privatized by
         ``RoundPrivatizer.privatize_sum``. Nothing of this round may be released before ``commit``."""
         selection = self._require_open()
         t = selection.round
@@ -433,8 +433,8 @@ class PrivateRun:
         try:
             if isinstance(updates, SecureSum):  # the clients' updates were summed by secure aggregation
                 mean, report = self.privatizer.privatize_sum(
-                    t, updates.vector, updates.contributors, inflation=updates.inflation,
-                    unclipped=updates.unclipped, selected=selection.selected, metric=updates.metric)
+                    t, updates.words, updates.contributors, quantization=updates.quantization,
+                    selected=selection.selected)
                 rejected = {**updates.rejected, **(rejected or {})}
             else:
                 mean, report = self.privatizer.privatize(t, updates, selected=selection.selected, values=values)

@@ -10,8 +10,10 @@ the sum needs beyond Flower's cryptography:
 * ``quantize.py``: fixed-point encoding modulo 2^b with conditional randomized rounding
   (Kairouz, Liu, Steinke, ICML 2021, Thm. 1), so that every encoded update's norm is within a
   stated bound checked in exact integers; the inflation factor; the unclipped bit as one extra
-  coordinate, the private client metric's word ⌊clip(v, 0, L)·s⌋ as one more; centred decoding of the modular sum to float64; ``check_no_wrap`` /
-  ``max_safe_cohort`` refusing a cohort whose sum could wrap.
+  coordinate, the private client metric's word ⌊clip(v, 0, L)·s⌋ as one more; the noisy release
+  ``noisy_centred``, centre((W + s·N) mod 2^b)/s, the noise added to the modular sum before it is
+  centred (exact for b ≤ 62; REVIEW-i36-privacy-path HIGH-1); ``check_no_wrap`` / ``max_safe_cohort``
+  refusing a cohort whose sum plus a 12σ noise margin could wrap.
 * ``sensitivity.py``: ζ_eff = ζ · inflation, the clip norm the sensitivity takes in this mode.
 * ``masks.py``: masks expanded from 32-byte secrets (HKDF + ChaCha20 from ``cryptography``),
   arithmetic modulo 2^b.
@@ -20,12 +22,14 @@ the sum needs beyond Flower's cryptography:
   ConfigRecord).
 * ``signing.py``: the byte strings clients sign (their advertised keys, the survivor set U3;
   domain-separated, length-prefixed Ed25519 statements) and the key helpers to check them.
-* ``encode.py``: what a client does before masking (checks, ℓ∞ zeroing, clip to ζₜ, ÷ ζₜ and the
-  bit under adaptive clipping, quantize) and the run's one ``Quantization`` (``quantization_for``).
-* ``secure_sum.py``: ``SecureSum``, the decoded sum, the decoded count, the contributors, the
-  refused users and the inflation, which ``PrivateRun.aggregate`` privatizes with
-  ``RoundPrivatizer.privatize_sum`` (``fedmf/round/privatize.py``: the central path's noise and
-  scaling, σ from ζ_eff, ÷ the planned m; the count release reads the decoded count).
+* ``encode.py``: what a client does before masking (checks, ℓ∞ zeroing, clip to ζₜ as the central
+  path clips, ÷ ζₜ after clipping and the bit under adaptive clipping, quantize) and the run's one
+  ``Quantization`` (``quantization_for``).
+* ``secure_sum.py``: ``SecureSum``, the unmasked modular sum's residues (not decoded), their
+  ``Quantization``, the contributors and the refused users, which ``PrivateRun.aggregate`` privatizes
+  with ``RoundPrivatizer.privatize_sum`` (``fedmf/round/privatize.py``: the central path's noise, σ
+  from ζ_eff, added to the residues before centring, then its scaling, ÷ the planned m; the count and
+  the metric likewise from their words' residues).
 * ``errors.py``: ``SecAggError`` and ``SecAggAbort`` (``FedmfError`` family).
 
 The protocol itself lives in the adapters: ``server/secagg.py`` (the server's five stages as a

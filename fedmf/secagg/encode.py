@@ -14,6 +14,7 @@ secure aggregation (``server/secagg_inprocess.py``) run.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -42,8 +43,9 @@ def quantization_for(plan: RunPlan, dim: int, *, scale: float, bits: int, beta: 
 def encode_update(q: Quantization, update: np.ndarray, *, clip_norm: float, zero_threshold: float | None,
                   rng: np.random.Generator, metric: object = None) -> np.ndarray:
     """The words a client masks for its flat ``update`` in round t: checked (finite, ``q.dim``
-    values), zeroed when ‖·‖∞ > ``zero_threshold``, clipped to ``clip_norm`` = ζₜ (÷ ζₜ when ``q``
-    carries the bit), quantized; ``metric``: its reported value, when ``q`` carries one."""
+    values), zeroed when ‖·‖∞ > ``zero_threshold``, clipped to ``clip_norm`` = ζₜ along its direction
+    as the central path clips (÷ ζₜ after clipping when ``q`` carries the bit), quantized; ``metric``:
+    its reported value, when ``q`` carries one."""
     zeta = positive("clip_norm", clip_norm)
     if not q.with_bit and zeta != q.clip_norm:
         raise SecAggError(f"clip norm {zeta} differs from the run's quantization's {q.clip_norm}")
@@ -52,13 +54,28 @@ def encode_update(q: Quantization, update: np.ndarray, *, clip_norm: float, zero
     x = update.astype(np.float64)
     if not np.all(np.isfinite(x)):
         raise SecAggError("update has non-finite values")
-    zeroed = zero_threshold is not None and float(np.max(np.abs(x), initial=0.0)) > zero_threshold
+    linf = float(np.max(np.abs(x), initial=0.0))
+    zeroed = zero_threshold is not None and linf > zero_threshold
     if zeroed:
         x = np.zeros_like(x)
-    unclipped = (not zeroed) and float(np.linalg.norm(x)) <= zeta
-    if q.with_bit:
-        return quantize(q, x / zeta, rng, unclipped, metric)  # quantize clips the normalized update to 1
-    return quantize(q, x, rng, None, metric)  # quantize clips to ζ
+    with np.errstate(over="ignore"):  # squares that overflow give inf: handled below
+        norm = float(np.linalg.norm(x))
+    unclipped = (not zeroed) and norm <= zeta
+    if not unclipped and not zeroed:
+        # clipped along its direction as RoundPrivatizer.add does (REVIEW-i36-privacy-path LOW-2): finite
+        # values whose squares overflow are first scaled by an exact power of two, 2^-e with ‖x‖∞ < 2^e;
+        # a norm that is not finite even so is refused, as the central path rejects it
+        power = 2.0 ** -math.frexp(linf)[1]
+        y = x * power
+        scaled = float(np.linalg.norm(y))  # in [1/2, √d]: ‖x‖ = scaled / power
+        if not math.isfinite(scaled / power):
+            raise SecAggError("update norm is not finite")
+        x = y * (1.0 / scaled)  # clip(Δ, ζₜ)/ζₜ: the unit direction, ÷ ζₜ after clipping
+        if not q.with_bit:
+            x = x * zeta  # clip(Δ, ζ)
+    elif q.with_bit:
+        x = x / zeta  # ‖x‖ ≤ ζₜ: no overflow
+    return quantize(q, x, rng, unclipped if q.with_bit else None, metric)  # quantize clips again (float excess)
 
 
 def encode_local_update(q: Quantization, update: Mapping[str, Any], layout: Mapping[str, tuple[int, ...]], *,

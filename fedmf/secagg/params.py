@@ -130,8 +130,8 @@ class SecAggParams:
     dropouts.
 
     ``bits`` (b): the sum is computed modulo 2^b, the masks are uniform modulo 2^b, so one masked
-    vector is uniform to the server. The planned cohort's clipped, quantized sum must not wrap
-    (``fedmf.secagg.quantize.check_no_wrap``).
+    vector is uniform to the server. The planned cohort's clipped, quantized sum plus a 12σ margin
+    for the release's noise must not wrap (``fedmf.secagg.quantize.check_no_wrap``).
 
     ``scale`` (s): fixed-point units per unit of the clipped update; a larger scale lowers the
     rounding error and the norm inflation but needs more bits.

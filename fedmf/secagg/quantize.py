@@ -16,8 +16,15 @@ cannot wrap for any cohort that ``check_no_wrap`` accepts, whatever the vectors.
 Adaptive clipping's "unclipped" bit travels as one extra coordinate (0 or 1, not scaled), inside
 the masked vector; the private client-metric release's value v (``fedmf.round.client_metrics``) as
 one more, after it: ⌊clip(v, 0, L)·s⌋ capped at ``metric_cap`` (rounded down, so every decoded value
-w/s lies in [0, L] and the sensitivity L holds exactly; the sum reads low by < 1/s per client). Words are uint64 holding residues modulo 2^b; the modular sum is decoded to
-signed, centred integers and then to float64.
+w/s lies in [0, L] and the sensitivity L holds exactly; the sum reads low by < 1/s per client). Words are uint64 holding residues modulo 2^b.
+
+The server releases a modular sum W only through ``noisy_centred``: centre((W + s·N) mod 2^b)/s, the
+noise N added to the residue *before* the centring (REVIEW-i36-privacy-path HIGH-1). On the circle
+ℤ/2^b, d(K + x, K) ≤ |x| for every K, so whatever word a hostile client sends (fixing the others' sum
+K anywhere), the noisy residue is the Gaussian mechanism on the lift K + x reduced mod 2^b, and the
+centring and ÷s are post-processing: one honest user still moves it by at most its own ‖x‖. With
+honest clients it equals centre(W)/s + N whenever |centre(W) + s·N| < 2^(b−1), which ``check_no_wrap``'s
+noise margin gives except with probability ≤ 2·Φ(−12) ≈ 3.6·10⁻³³ per word and round.
 """
 
 from __future__ import annotations
@@ -32,9 +39,11 @@ from .errors import SecAggError
 from .params import MAX_BITS, MIN_BITS
 
 __all__ = ["Quantization", "DecodedSum", "quantize", "decode_sum", "max_safe_cohort", "check_no_wrap",
-           "kls_bound_sq", "metric_cap", "metric_word"]
+           "kls_bound_sq", "metric_cap", "metric_word", "noisy_centred", "NOISE_MARGIN_SIGMAS"]
 
 _INT64_SAFE = 1 << 62  # squared norms below this are exact in int64
+#: the no-wrap check's noise margin, in noise stds per word: P(|N(0, σ²)| > 12σ) = erfc(12/√2) ≈ 3.6·10⁻³³
+NOISE_MARGIN_SIGMAS = 12.0
 
 
 def kls_bound_sq(c: float, dim: int, beta: float) -> int:
@@ -215,7 +224,8 @@ def _words(q: Quantization, words: object) -> np.ndarray:
 
 def decode_sum(q: Quantization, words: np.ndarray) -> DecodedSum:
     """The float64 sum of the updates from the modular sum of their words: residues centred to
-    [−2^(b−1), 2^(b−1)), ÷ scale (exact while ``check_no_wrap`` accepted the cohort)."""
+    [−2^(b−1), 2^(b−1)), ÷ scale (exact while ``check_no_wrap`` accepted the cohort). For one client's
+    words, tests and benchmarks: the server never releases this, only ``noisy_centred`` (HIGH-1)."""
     w = _words(q, words).astype(np.int64)
     half = 1 << (q.bits - 1)
     signed = np.where(w >= half, w - (1 << q.bits), w)
@@ -224,24 +234,67 @@ def decode_sum(q: Quantization, words: np.ndarray) -> DecodedSum:
     return DecodedSum(vector=vector, unclipped=int(signed[q.dim]) if q.with_bit else None, metric=metric)
 
 
-def max_safe_cohort(clip_norm: float, scale: float, bits: int, metric_clip: float | None = None) -> int:
-    """The largest cohort whose modular sum cannot wrap: m·w ≤ 2^(b−1) − 1, every word of every
-    encoded update being within ±w = ⌈ζ·s⌉ (the bit, 0 or 1, within it too) or, with a metric of
-    clip L, within [0, ``metric_cap(L, s)``] when that is larger."""
+def noisy_centred(bits: int, scale: float, residues: np.ndarray, noise: np.ndarray) -> np.ndarray:
+    """centre((W + s·N) mod 2^b)/s in float64, per word: ``residues`` W (uint64, each < 2^b), ``noise``
+    N (float64, in the words' value units, so s·N grid units), the centred value in [−2^(b−1), 2^(b−1)).
+
+    Exact up to the final two roundings (C + f, then ÷s), for every b ≤ 62: y = s·N (one rounding,
+    none when s is a power of two) is reduced with fmod(y, 2^b) (exact in IEEE 754), split into its
+    integer part k = trunc(y) (|k| < 2^62: exact in int64) and its fraction f = y − k ∈ (−1, 1)
+    (exact: Sterbenz), the integer residue R = (W + k) mod 2^b is computed in int64 (|W + k| < 2^63),
+    and the real number R + f ∈ (−1, 2^b) is centred exactly: it is ≥ 2^(b−1) iff R > 2^(b−1), or
+    R = 2^(b−1) and f ≥ 0."""
+    w = np.asarray(residues)
+    if w.dtype != np.uint64 or np.any(w >> np.uint64(bits)):
+        raise SecAggError(f"residues must be uint64 words below 2^{bits}")
+    modulus, half = 1 << bits, 1 << (bits - 1)
+    y = np.fmod(np.asarray(noise, dtype=np.float64) * scale, float(modulus))
+    if y.shape != w.shape or not np.all(np.isfinite(y)):
+        raise SecAggError("the noise must be finite, one value per residue")
+    k = np.trunc(y)
+    frac = y - k
+    r = np.mod(w.astype(np.int64) + k.astype(np.int64), modulus)  # int64: no overflow for b ≤ 62
+    upper = (r > half) | ((r == half) & (frac >= 0.0))
+    centred = np.where(upper, r - modulus, r)
+    return (centred.astype(np.float64) + frac) / scale
+
+
+def _noise_margin(std: float, scale: float) -> int:
+    """⌈12·σ·s⌉ grid units: the noise a word's residue must have room for (``NOISE_MARGIN_SIGMAS``)."""
+    sigma = float(std)
+    if not (math.isfinite(sigma) and sigma >= 0.0):
+        raise SecAggError(f"a noise std must be finite and non-negative, got {std!r}")
+    return math.ceil(NOISE_MARGIN_SIGMAS * sigma * scale)
+
+
+def max_safe_cohort(clip_norm: float, scale: float, bits: int, metric_clip: float | None = None, *,
+                    noise_std: float = 0.0, count_noise_std: float = 0.0, metric_noise_std: float = 0.0) -> int:
+    """The largest cohort m whose modular sum plus the release's noise cannot leave the centred range
+    (but with probability ≤ 3.6·10⁻³³ per word): m·w + ⌈12σ·s⌉ ≤ 2^(b−1) − 1 for each kind of word —
+    the update's (|word| ≤ w = ⌈ζ·s⌉, σ = ``noise_std`` the per-coordinate std of its noise in the
+    update's units), the bit's (0 or 1, σ = ``count_noise_std`` in counts, s = 1 for it) and the
+    metric's of clip L (in [0, ``metric_cap(L, s)``], σ = ``metric_noise_std``)."""
     q_bits = integer("secure-aggregation bits", bits, minimum=MIN_BITS, maximum=MAX_BITS)
-    per_coordinate = math.ceil(positive("clip_norm", clip_norm) * positive("secure-aggregation scale", scale))
+    s = positive("secure-aggregation scale", scale)
+    room = (1 << (q_bits - 1)) - 1
+    words = [(math.ceil(positive("clip_norm", clip_norm) * s), _noise_margin(noise_std, s)),
+             (1, _noise_margin(count_noise_std, 1.0))]
     if metric_clip is not None:
-        per_coordinate = max(per_coordinate, metric_cap(metric_clip, scale))
-    return ((1 << (q_bits - 1)) - 1) // per_coordinate
+        words.append((max(metric_cap(metric_clip, s), 1), _noise_margin(metric_noise_std, s)))
+    return min(max(room - margin, 0) // bound for bound, margin in words)
 
 
-def check_no_wrap(cohort: int, clip_norm: float, scale: float, bits: int, metric_clip: float | None = None) -> int:
-    """``cohort`` if the modular sum of that many clipped, quantized updates (and metric words)
-    cannot wrap; else a one-line ``SecAggError`` saying what would fit."""
+def check_no_wrap(cohort: int, clip_norm: float, scale: float, bits: int, metric_clip: float | None = None, *,
+                  noise_std: float = 0.0, count_noise_std: float = 0.0, metric_noise_std: float = 0.0) -> int:
+    """``cohort`` if the modular sum of that many clipped, quantized updates (and metric words) plus a
+    12σ noise margin cannot wrap (``max_safe_cohort``); else a one-line ``SecAggError`` saying what fits."""
     m = integer("planned cohort", cohort, minimum=1)
-    largest = max_safe_cohort(clip_norm, scale, bits, metric_clip)
+    largest = max_safe_cohort(clip_norm, scale, bits, metric_clip, noise_std=noise_std,
+                              count_noise_std=count_noise_std, metric_noise_std=metric_noise_std)
     if m > largest:
+        noisy = any(v > 0 for v in (noise_std, count_noise_std, metric_noise_std))
         raise SecAggError(f"a secure sum of {m} updates could wrap modulo 2^{bits} with clip_norm {clip_norm} "
                           f"and scale {scale}" + ("" if metric_clip is None else f" (client-metrics-clip {metric_clip})")
+                          + (" and a 12σ noise margin" if noisy else "")
                           + f": at most {largest} fit; use more bits or a smaller scale")
     return m

@@ -1,11 +1,12 @@
-"""What a round's secure sum hands the engine: the decoded sum, the decoded count, who is in it.
+"""What a round's secure sum hands the engine: the modular sum's residues, their encoding, who is in it.
 
-SecAgg+ (``server/secagg.py``) unmasks the modular sum of the contributors' words and
-``fedmf.secagg.quantize.decode_sum`` decodes it. ``SecureSum`` carries that result to
-``PrivateRun.aggregate`` (``fedmf/run/private_run.py``), which privatizes it with
-``RoundPrivatizer.add_sum`` instead of summing updates itself: the same correlated noise and
-scaling as the central path, σ from ζ_eff = ζ·``inflation`` (``fedmf.secagg.sensitivity``), divided
-by the planned cohort.
+SecAgg+ (``server/secagg.py``) unmasks the modular sum W of the contributors' words. ``SecureSum``
+carries W, *not decoded*, with its ``Quantization`` (scale s, modulus 2^b) to ``PrivateRun.aggregate``
+(``fedmf/run/private_run.py``), which privatizes it with ``RoundPrivatizer.add_sum`` instead of summing
+updates itself: the same correlated noise as the central path, σ from ζ_eff = ζ·``inflation``
+(``fedmf.secagg.sensitivity``), added to the residues *before* they are centred
+(``fedmf.secagg.quantize.noisy_centred``: REVIEW-i36-privacy-path HIGH-1), then divided by the
+planned cohort.
 """
 
 from __future__ import annotations
@@ -15,25 +16,34 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .quantize import Quantization
+
 __all__ = ["SecureSum"]
 
 
 @dataclass(frozen=True)
 class SecureSum:
-    """One round's decoded secure sum.
+    """One round's secure sum, as unmasked.
 
-    ``vector``: float64, the flat sum of the contributors' decoded quantized updates in the model
-    layout's order — Σ clip(Δ, ζ) with fixed clipping, Σ clip(Δ, ζₜ)/ζₜ with adaptive clipping.
-    ``unclipped``: the decoded sum of the unclipped bits (adaptive clipping), else None.
-    ``contributors``: the users whose vectors are in the sum. ``inflation``: the quantization's
-    stated norm inflation (``Quantization.inflation``, ≥ 1). ``rejected``: users whose protocol
-    replies were refused, user → one-line reason (recorded in the ledger as rejections).
-    ``metric``: the decoded sum of the contributors' clipped client-metric words, Σ⌊clip(vᵢ, 0, L)·s⌋/s
-    (``fedmf.secagg.quantize.metric_word``), when the plan releases the client metric; else None."""
+    ``words``: uint64, the modular sum W (each word < 2^``quantization.bits``) of the contributors'
+    words: the update's ``quantization.dim`` values in the model layout's order (Σ clip(Δ, ζ)·s with
+    fixed clipping, Σ clip(Δ, ζₜ)/ζₜ·s with adaptive clipping), then the unclipped bits' sum (adaptive
+    clipping), then the clipped client-metric words' sum, Σ⌊clip(vᵢ, 0, L)·s⌋ (``metric_word``), when the
+    plan releases the client metric. ``quantization``: the run's encoding (scale, bits, inflation ≥ 1).
+    ``contributors``: the users whose words are in the sum. ``rejected``: users whose protocol replies
+    were refused, user → one-line reason (recorded in the ledger as rejections)."""
 
-    vector: np.ndarray
-    unclipped: int | None
+    words: np.ndarray
+    quantization: Quantization
     contributors: frozenset[Hashable]
-    inflation: float
     rejected: Mapping[Hashable, str] = field(default_factory=dict)
-    metric: float | None = None
+
+    @classmethod
+    def empty(cls, quantization: Quantization, rejected: Mapping[Hashable, str] | None = None) -> SecureSum:
+        """The zero sum of nobody (a cohort too small for SecAgg+): all words 0."""
+        return cls(np.zeros(quantization.length, dtype=np.uint64), quantization, frozenset(), dict(rejected or {}))
+
+    @property
+    def inflation(self) -> float:
+        """The quantization's stated norm inflation (``Quantization.inflation``)."""
+        return self.quantization.inflation

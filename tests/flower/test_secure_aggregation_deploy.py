@@ -1,7 +1,7 @@
 """Secure aggregation over real processes on loopback: a SuperLink with TLS and SuperNode
 authentication (deploy/make-test-ca.sh), three registered SuperNodes, each a real user proving an
 enrolled key, and two runs of 2 rounds of the tiny task on that one federation — the central mode,
-then ``secure-aggregation = "secaggplus"`` (k = 2, t = 2: the complete graph of 3 clients) — with the
+then ``secure-aggregation = "secaggplus"`` (derived k = 2, t = 3: the complete graph of 3 clients) — with the
 test-only repeatable noise (``REPEATABLE_NOISE_ENV``) and the same secrets, so that the two runs draw
 the same noise.
 
@@ -37,9 +37,8 @@ from tests import _federated_task as task
 REPO = Path(__file__).resolve().parents[2]
 USERS = ("0", "1", "2")
 ROUNDS, STAGES = 2, len(SECAGG_STAGES)  # SecAgg+: setup, share keys, collect, consistency check, unmask
-# 3 clients: degree k = 2 is the complete graph (k ≥ n − 1); threshold t = 2 (2t > k + 1)
-SECURE = {"secure-aggregation": "secaggplus", "secagg-degree": 2, "secagg-threshold": 2,
-          "secagg-stage-timeout": 180.0}
+# 3 clients: k and t derived from the cohort (the defaults): the complete graph, k = 2, t = 3
+SECURE = {"secure-aggregation": "secaggplus", "secagg-stage-timeout": 180.0}
 # the several-round tolerance of tests/flower/test_secure_aggregation.py (quantization, 2 rounds)
 TOLERANCE = 1e-3
 
@@ -47,9 +46,13 @@ TOLERANCE = 1e-3
 def node_config(tmp_path: Path, user: str) -> str:
     """The ``--node-config`` of user ``user``'s SuperNode: its id, the private key proving it and the
     operator's enrollment (public), with which it checks that its SecAgg+ neighbours' keys are signed by
-    enrolled users (enrolled mode: client/secagg_app.py)."""
+    enrolled users (enrolled mode: client/secagg_app.py). Two settings only this test needs: a
+    neighbourhood of 2 (3 users; an enrolled node asks for 3 by default) and
+    ``require-secure-aggregation=false`` (an enrolled node refuses a plain TRAIN by default; this
+    federation also runs the central mode, to compare)."""
     return (f"user-id='{user}' user-key='{tmp_path / f'user-{user}.key'}' "
-            f"enrollment-file='{tmp_path / 'enrollment.json'}'")
+            f"enrollment-file='{tmp_path / 'enrollment.json'}' secagg-min-neighbours=2 "
+            "require-secure-aggregation=false")
 
 
 def _ledger(run_dir: Path) -> tuple[list[tuple], dict[int, dict[bytes, str]], list[tuple], str]:

@@ -20,6 +20,8 @@ from fedmf.secagg.quantize import (
     decode_sum,
     kls_bound_sq,
     max_safe_cohort,
+    metric_cap,
+    noisy_centred,
     quantize,
 )
 from fedmf.secagg.sensitivity import effective_clip_norm
@@ -161,3 +163,82 @@ def test_the_fallback_rounds_toward_zero_within_the_bound():
         assert np.dot(got, got) <= q.bound_sq
         fallbacks += not np.any(got)  # trunc(±0.5) = 0
     assert 0 < fallbacks < 20
+
+
+# ---- the noisy release: noise added to the residue, then centred (REVIEW-i36-privacy-path HIGH-1) ----
+
+
+def _exact_centred(bits: int, word: int, y: float) -> Fraction:
+    """centre((W + y) mod 2^b) in exact rationals."""
+    r = (Fraction(word) + Fraction(y)) % (1 << bits)
+    return r - (1 << bits) if r >= 1 << (bits - 1) else r
+
+
+@pytest.mark.parametrize("bits", [8, 32, 53, 62])
+@pytest.mark.parametrize("scale", [2.0 ** 12, 3.0, 1.0])
+def test_noise_is_added_to_the_residue_exactly_before_centring(bits, scale):
+    """(W + s·N) mod 2^b is computed exactly (integer part in int64, fraction apart) and centred on the
+    right side of 2^(b−1) for every b ≤ 62, where float64 alone cannot hold W + s·N (b > 53): the
+    result is the exact rational's float64 value to ≤ 2 ulps (fl(C), + fraction, ÷ s)."""
+    modulus, half = 1 << bits, 1 << (bits - 1)
+    rng = np.random.default_rng(bits)
+    words = [0, 1, half - 2, half - 1, half, half + 1, modulus - 1] + [int(w) for w in rng.integers(0, modulus, 30,
+                                                                                                    dtype=np.uint64)]
+    steps = [0.0, 0.5, -0.5, 0.75, -0.25, 1.5, -1.5, 1e-20, -1e-20, 2.0 ** -40, half + 0.5, -(half + 0.5),
+             3.0 * modulus + 0.25, -7.0 * modulus - 0.75, 1e30, -1e30]
+    steps += list(rng.normal(size=20) * 10.0 ** rng.integers(-3, 20, 20))
+    w = np.array([x for x in words for _ in steps], dtype=np.uint64)
+    y = np.array([float(np.float64(t / scale) * scale) for _ in words for t in steps])  # representable s·N
+    got = noisy_centred(bits, scale, w, y / scale)
+    for word, step, value in zip(w.tolist(), y.tolist(), got.tolist(), strict=True):
+        exact = _exact_centred(bits, word, step)
+        assert -half <= exact < half
+        assert abs(Fraction(value) * Fraction(scale) - exact) <= 2 * math.ulp(float(exact)) + 2 * math.ulp(1.0), \
+            (word, step, value, float(exact))
+        assert (value < 0) == (exact < 0) or float(exact) == 0.0  # the centring's side is exact
+
+
+def test_at_b_62_the_boundary_is_decided_exactly_where_float64_would_round_it_away():
+    bits, half = 62, 1 << 61
+    w = np.array([half - 1, half - 1, (1 << 62) - 1, 0], dtype=np.uint64)
+    got = noisy_centred(bits, 1.0, w, np.array([0.5, 1.5, 0.75, -0.25]))
+    # half − 1 + 0.5 < 2^61 stays positive (float64 would round W + y to 2^61 and wrap it)
+    assert got[0] == float(half) and got[0] > 0
+    assert float(np.float64(half - 1) + 0.5) == float(half)  # what float64 alone gives: the boundary itself
+    assert got[1] == -float(half) + 0.5  # half − 1 + 1.5 = 2^61 + 0.5 ≥ 2^61: wraps
+    assert got[2] == -0.25 and got[3] == -0.25  # just below 2^62 and just below 0: both −0.25
+    with pytest.raises(SecAggError):
+        noisy_centred(bits, 1.0, np.array([1 << 62], dtype=np.uint64), np.zeros(1))
+    with pytest.raises(SecAggError):
+        noisy_centred(bits, 1.0, w, np.array([0.0, np.nan, 0.0, 0.0]))
+
+
+def test_honest_sums_are_released_as_decoding_then_noising_within_the_margin():
+    q = Quantization(clip_norm=1.0, scale=2.0 ** 10, bits=24, dim=6)
+    rng = np.random.default_rng(5)
+    for _ in range(50):
+        words = [quantize(q, rng.normal(size=6) * 0.3, rng) for _ in range(20)]
+        total = mod_sum(words, q.length, q.bits)
+        noise = rng.normal(size=6) * 50.0
+        expected = decode_sum(q, total).vector + noise  # |centre(W) + s·N| < 2^23: no wrap
+        assert np.array_equal(noisy_centred(q.bits, q.scale, total, noise), expected)
+
+
+def test_no_wrap_keeps_a_12_sigma_margin_for_each_words_noise():
+    clip, scale, bits = 1.0, 2.0 ** 10, 24
+    room = (1 << (bits - 1)) - 1
+    sigma, sigma_b, sigma_m = 7.5, 3.0, 0.2
+    cap = metric_cap(2.0, scale)
+    largest = max_safe_cohort(clip, scale, bits, 2.0, noise_std=sigma, count_noise_std=sigma_b,
+                              metric_noise_std=sigma_m)
+    assert largest == min((room - math.ceil(12 * sigma * scale)) // 1024, room - 36,
+                          (room - math.ceil(12 * sigma_m * scale)) // cap)
+    assert largest < max_safe_cohort(clip, scale, bits, 2.0)
+    kw = {"noise_std": sigma, "count_noise_std": sigma_b, "metric_noise_std": sigma_m}
+    assert check_no_wrap(largest, clip, scale, bits, 2.0, **kw) == largest
+    with pytest.raises(SecAggError, match=f"12σ noise margin: at most {largest} fit"):
+        check_no_wrap(largest + 1, clip, scale, bits, 2.0, **kw)
+    with pytest.raises(SecAggError, match="at most 0 fit"):  # the noise alone would wrap
+        check_no_wrap(1, clip, scale, bits, noise_std=room / scale / 11)
+    with pytest.raises(SecAggError, match="noise std"):
+        check_no_wrap(1, clip, scale, bits, noise_std=float("nan"))

@@ -381,8 +381,9 @@ def test_a_drawn_cohort_below_the_threshold_is_released_as_dropped_not_aborted()
         total = rounds.run(None, {"alice": 11, "bob": 22}, {"round": 0, "run-nonce": "n"}, None, 1.0)
     except SecAggAbort:
         total = None
-    assert total is not None and not total.contributors and not total.vector.any()
-    assert not total.rejected and total.vector.shape == (2,) and rounds.server is None  # dropped, nobody asked
+    assert total is not None and not total.contributors and not total.words.any()
+    assert not total.rejected and total.words.shape == (2,) and total.quantization is q
+    assert rounds.server is None  # dropped, nobody asked
 
 
 # ---- MEDIUM: the default graph degree tolerates few colluding clients --------------------------------

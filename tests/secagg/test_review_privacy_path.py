@@ -6,6 +6,7 @@ The checks that hold are plain tests; each open finding is a strict xfail that f
 from __future__ import annotations
 
 import math
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -13,12 +14,13 @@ import torch
 
 from fedmf.round.adaptive_clipping import AdaptiveClipping
 from fedmf.round.client_metrics import ClientMetricRelease
+from fedmf.round.count_noise import count_noise, metric_noise
 from fedmf.round.privatize import RoundPrivatizer, flat_size
 from fedmf.secagg.encode import encode_local_update, encode_update, quantization_for
 from fedmf.secagg.errors import SecAggError
 from fedmf.secagg.masks import mod_sum
 from fedmf.secagg.params import SecAggParams
-from fedmf.secagg.quantize import Quantization, decode_sum, quantize
+from fedmf.secagg.quantize import Quantization, decode_sum, noisy_centred, quantize
 from tests import _federated_task as task
 from tests.secagg._drive import run_round
 
@@ -55,33 +57,56 @@ def _hostile(q: Quantization, others: dict[int, np.ndarray], index: int) -> np.n
     return words
 
 
-def _released(plan, q, words: dict[int, np.ndarray], *, through_protocol: bool):
-    """Round 0's release from ``words`` summed by SecAgg+ (the real state machines) or by mod_sum."""
+def _released(plan, q, words: dict[int, np.ndarray], *, through_protocol: bool, shift=None, count_shift=0.0,
+              metric_shift=0.0):
+    """Round 0's release from ``words`` summed by SecAgg+ (the real state machines) or by mod_sum, its
+    noise draws (repeatable: the same in both worlds) moved by ``shift`` (the vector's, in the noise
+    generator's units, before the inflation), ``count_shift`` and ``metric_shift``."""
     if through_protocol:
         server = run_round(PARAMS, words)
         assert sorted(server.contributors) == NODES  # the hostile words are accepted
         total = server.result
     else:
         total = mod_sum(list(words.values()), q.length, q.bits)
-    decoded = decode_sum(q, total)
     p = RoundPrivatizer(plan, LAYOUT, seed=SEED, repeatable_noise=True)  # same noise in both worlds
-    mean, report = p.privatize_sum(0, decoded.vector, NODES, inflation=q.inflation, unclipped=decoded.unclipped,
-                                   selected=NODES, metric=decoded.metric)
+    if shift is not None:
+        draw = p.noise.next
+
+        def shifted(out=None, *, salt=None):
+            result = draw(out=out, salt=salt)  # a view of ``out`` (the privatizer's flat buffer)
+            out.add_(torch.from_numpy(shift).to(p.noise.dtype))
+            return result
+
+        p.noise.next = shifted
+    with mock.patch("fedmf.round.clipping.count_noise", lambda *a: count_noise(*a) + count_shift), \
+            mock.patch("fedmf.round.privatize.metric_noise", lambda *a: metric_noise(*a) + metric_shift):
+        mean, report = p.privatize_sum(0, total, NODES, quantization=q, selected=NODES)
     return np.concatenate([mean[k].double().reshape(-1).numpy() for k in LAYOUT]), report
 
 
 def _worlds(plan, q, zeta, honest_flat, index, metric=None, through_protocol=False):
     """The releases with node 1's update ``honest_flat`` and with it zeroed (zero-out adjacency),
-    the others' updates and the hostile client's words the same in both."""
+    the others' updates and the hostile client's words the same in both; the second world's noise
+    moved by the difference of node 1's two contributions (its decoded words: vector ÷ inflation in
+    the generator's units, bit, metric), which is returned too.
+
+    This is the coupling that bounds the privacy loss: the release with node 1 under noise N equals the
+    release without it under noise N + δ, for every N and whatever the hostile word, with ‖δ‖ at most
+    the sensitivity the noise was calibrated for (ζ_eff, 1, L). Decoding before the noise (the
+    mechanism before the HIGH-1 fix) breaks it: at the boundary the two releases differ by 2^b/s."""
     rng = np.random.default_rng(7)
     flats = {u: rng.normal(size=DIM) * 0.01 for u in NODES[1:-1]}
     others = _honest_words(q, zeta, flats, metric)
     hostile = _hostile(q, others, index)
-    out = []
-    for mine in (honest_flat, np.zeros(DIM)):
-        own = _honest_words(q, zeta, {1: mine}, None if metric is None else {1: metric[1] if mine.any() else 0.0})
-        out.append(_released(plan, q, {**own, **others, 5: hostile}, through_protocol=through_protocol))
-    return out
+    own = [_honest_words(q, zeta, {1: mine}, None if metric is None else {1: metric[1] if mine.any() else 0.0})
+           for mine in (honest_flat, np.zeros(DIM))]
+    mine, zeroed = (decode_sum(q, w[1]) for w in own)  # each one client's words, decoded exactly
+    delta = (mine.vector - zeroed.vector, 0.0 if mine.unclipped is None else float(mine.unclipped - zeroed.unclipped),
+             0.0 if mine.metric is None else mine.metric - zeroed.metric)
+    with_me = _released(plan, q, {**own[0], **others, 5: hostile}, through_protocol=through_protocol)
+    without_me = _released(plan, q, {**own[1], **others, 5: hostile}, through_protocol=through_protocol,
+                           shift=delta[0] / q.inflation, count_shift=delta[1], metric_shift=delta[2])
+    return with_me, without_me, delta
 
 
 # ---- what holds ---------------------------------------------------------------------------------------
@@ -134,47 +159,61 @@ def test_non_finite_updates_are_refused_by_the_client():
             quantize(q, x, rng)
 
 
-# ---- open findings ------------------------------------------------------------------------------------
+# ---- HIGH-1 and LOW-2, fixed (their strict xfails removed) -------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="REVIEW-i36-privacy-path HIGH-1: a hostile word makes the centred decoding "
-                                       "wrap on one honest update: the released model moves by ~2^b/(s·m), not ≤ ζ_eff/m")
 def test_one_hostile_client_cannot_make_an_honest_update_move_the_release_beyond_its_sensitivity():
     plan = task.plan(rounds=4)
     q = quantization_for(plan, DIM, scale=SCALE, bits=BITS, beta=math.exp(-0.5))
     mine = np.zeros(DIM)
     mine[0] = 0.5 * plan.clip_norm  # a small, clipped honest update
-    (with_me, _), (without_me, _) = _worlds(plan, q, plan.clip_norm, mine, 0, through_protocol=True)
-    moved = float(np.linalg.norm(with_me - without_me)) * plan.expected_users
-    assert moved <= plan.clip_norm * q.inflation * (1 + 1e-6), moved
+    (with_me, _), (without_me, _), (delta, _, _) = _worlds(plan, q, plan.clip_norm, mine, 0, through_protocol=True)
+    assert float(np.linalg.norm(delta)) <= plan.clip_norm * q.inflation  # the shift the noise covers
+    # equal up to the float32 rounding of the shifted noise (ulp of σ·4, × s·inflation, ÷ s·m)
+    np.testing.assert_allclose(with_me, without_me, rtol=0, atol=1e-6)
 
 
-@pytest.mark.xfail(strict=True, reason="REVIEW-i36-privacy-path HIGH-1: a wrapped unclipped count clamps to 0 "
-                                       "or to the contributors: one honest bit moves it by |contributors|, not 1")
 def test_one_hostile_client_cannot_make_an_honest_bit_move_the_count_by_more_than_one():
     rule = AdaptiveClipping.create(0.5, expected_users=10)
     plan = task.plan(rounds=4, adaptive_clipping=rule)
     q = quantization_for(plan, DIM, scale=SCALE, bits=BITS, beta=math.exp(-0.5))
     mine = np.full(DIM, 1.0)  # ‖Δ‖ = 4 > ζₜ = 0.5: bit 0; zeroed out: the zero vector, bit 1
-    (_, with_me), (_, without_me) = _worlds(plan, q, 0.5, mine, DIM, through_protocol=True)
-    assert abs(with_me.noisy_unclipped - without_me.noisy_unclipped) <= 1.0 + 1e-9
+    (_, with_me), (_, without_me), (_, bit, _) = _worlds(plan, q, 0.5, mine, DIM, through_protocol=True)
+    assert bit == -1.0  # |shift| = 1: the count's sensitivity
+    assert with_me.noisy_unclipped == without_me.noisy_unclipped  # the same float64 value, wrap or not
 
 
-@pytest.mark.xfail(strict=True, reason="REVIEW-i36-privacy-path HIGH-1: a wrapped metric sum clamps to 0 or "
-                                       "L·contributors: one honest value moves the release by L·contributors/m, not L/m")
 def test_one_hostile_client_cannot_make_an_honest_metric_move_its_release_by_more_than_l():
     release = ClientMetricRelease.create(2.0, 1.0, expected_users=10)
     plan = task.plan(rounds=4, client_metrics=release)
     q = quantization_for(plan, DIM, scale=SCALE, bits=BITS, beta=math.exp(-0.5))
     values = {u: 0.5 for u in NODES}
-    (_, with_me), (_, without_me) = _worlds(plan, q, plan.clip_norm, np.full(DIM, 0.01), q.length - 1,
-                                            metric=values, through_protocol=True)
-    moved = abs(with_me.noisy_client_metric - without_me.noisy_client_metric) * plan.expected_users
-    assert moved <= release.clip + 1e-9, moved
+    (_, with_me), (_, without_me), (_, _, moved) = _worlds(plan, q, plan.clip_norm, np.full(DIM, 0.01), q.length - 1,
+                                                           metric=values, through_protocol=True)
+    assert 0.0 < moved <= release.clip
+    assert with_me.noisy_client_metric == pytest.approx(without_me.noisy_client_metric, rel=0, abs=1e-12)
 
 
-@pytest.mark.xfail(strict=True, reason="REVIEW-i36-privacy-path LOW-2: with ℓ∞ zeroing off, a finite float64 update "
-                                       "whose squared norm overflows is zeroed by the client (adaptive, |Δ|/ζₜ "
-                                       "overflowing: refused); the central path clips it")
+def test_decoding_before_the_noise_would_break_the_coupling_at_the_boundary():
+    """The tests above can fail: the pre-fix release centre(W)/s + N, at the hostile boundary, differs
+    between the coupled worlds by 2^b/s in the coordinate (the same shifts, the same noise)."""
+    plan = task.plan(rounds=4)
+    q = quantization_for(plan, DIM, scale=SCALE, bits=BITS, beta=math.exp(-0.5))
+    rng = np.random.default_rng(7)
+    others = _honest_words(q, plan.clip_norm, {u: rng.normal(size=DIM) * 0.01 for u in NODES[1:-1]})
+    hostile = _hostile(q, others, 0)
+    mine = np.zeros(DIM)
+    mine[0] = 0.5
+    own = _honest_words(q, plan.clip_norm, {1: mine})[1]
+    noise = np.random.default_rng(1).normal(size=DIM)
+    w_with = mod_sum([own, *others.values(), hostile], q.length, q.bits)
+    w_without = mod_sum([*others.values(), hostile], q.length, q.bits)
+    delta = decode_sum(q, own).vector
+    before = decode_sum(q, w_with).vector + noise - (decode_sum(q, w_without).vector + noise + delta)
+    assert abs(before[0]) == (1 << BITS) / SCALE  # decode, then noise: the wrap
+    after = (noisy_centred(q.bits, q.scale, w_with, noise) - noisy_centred(q.bits, q.scale, w_without, noise + delta))
+    assert float(np.abs(after).max()) <= 1e-9  # noise, then decode (the fix): no wrap between the worlds
+
+
 @pytest.mark.parametrize("adaptive, value, zeta", [(False, 1e200, 1.0), (True, 1e200, 0.5), (True, 1e307, 0.05)])
 def test_a_huge_finite_update_is_clipped_by_the_client_as_by_the_central_server(adaptive, value, zeta):
     rule = AdaptiveClipping.create(0.5, expected_users=10) if adaptive else None
@@ -186,7 +225,7 @@ def test_a_huge_finite_update_is_clipped_by_the_client_as_by_the_central_server(
     _, report = central.privatize(0, {1: _tensors(huge)}, selected=[1])
     assert report.users[0].status == "contributed" and report.users[0].clipped  # the central server clips it
     words = encode_local_update(q, _tensors(huge), LAYOUT, clip_norm=zeta, zero_threshold=None,
-                                rng=np.random.default_rng(0))  # zeroes it (or, ÷ ζₜ overflowing, refuses it) today
+                                rng=np.random.default_rng(0))  # zeroed (or refused) before the LOW-2 fix
     expected = q.clip_norm * (huge / value) / np.linalg.norm(huge / value)  # the clipped direction
     assert float(np.abs(decode_sum(q, words).vector - expected).max()) <= 2.0 / SCALE
 
@@ -222,21 +261,24 @@ def test_a_secure_sum_draws_its_noise_at_finish_only_and_afresh_on_each_attempt(
     params = SecAggParams(degree=4, threshold=3, bits=BITS, scale=SCALE)
     secure_plan = plan.with_secure_aggregation(params, DIM)
     inflation = secure_plan.secure_aggregation.inflation
-    total = np.random.default_rng(2).normal(size=DIM)
+    q = quantization_for(plan, DIM, scale=SCALE, bits=BITS, beta=params.beta)
+    assert q.inflation == inflation
+    total = np.random.default_rng(2).integers(0, 1 << BITS, q.length, dtype=np.uint64)
     p = RoundPrivatizer(secure_plan, LAYOUT, seed=SEED)
     before = p.state_dict()
     before = {**before, "noise": {k: (v.clone() if isinstance(v, torch.Tensor) else v)
                                   for k, v in before["noise"].items()}}
     p.begin(0, NODES)
-    p.add_sum(total, NODES, inflation=inflation)
+    p.add_sum(total, NODES, quantization=q)
     p.abort()  # an aborted attempt: no draw, the generator still serves round 0
     assert p.next_round == 0
-    first, _ = p.privatize_sum(0, total, NODES, inflation=inflation, selected=NODES)
+    first, _ = p.privatize_sum(0, total, NODES, quantization=q, selected=NODES)
     redo = RoundPrivatizer(secure_plan, LAYOUT, seed=SEED)
     redo.load_state_dict(before)
-    second, _ = redo.privatize_sum(0, total, NODES, inflation=inflation, selected=NODES)
+    second, _ = redo.privatize_sum(0, total, NODES, quantization=q, selected=NODES)
     assert not torch.equal(first["w"], second["w"])  # salted: fresh noise on the redo
     with pytest.raises(Exception, match="inflation"):  # only the plan's inflation
-        p.privatize_sum(1, total, NODES, inflation=1.0, selected=NODES)
+        coarse = quantization_for(plan, DIM, scale=3.0, bits=BITS, beta=params.beta)
+        p.privatize_sum(1, total, NODES, quantization=coarse, selected=NODES)
     with pytest.raises(Exception, match="secure"):  # no plain update into a secure plan
-        p.privatize(1, {1: _tensors(total)}, selected=NODES)
+        p.privatize(1, {1: _tensors(np.zeros(DIM))}, selected=NODES)

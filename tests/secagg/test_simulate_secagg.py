@@ -11,10 +11,12 @@ import torch
 
 from fedmf.errors import ConfigError, PlanMismatch
 from fedmf.plan import RunPlan
+from fedmf.round.adaptive_clipping import AdaptiveClipping
 from fedmf.round.client_metrics import ClientMetricRelease
 from fedmf.round.privatize import RoundPrivatizer, flat_size
 from fedmf.run.federated import train
 from fedmf.secagg.encode import encode_update, quantization_for
+from fedmf.secagg.errors import SecAggError
 from fedmf.secagg.masks import mod_sum
 from fedmf.secagg.params import SecAggParams
 from fedmf.secagg.quantize import check_no_wrap, decode_sum, max_safe_cohort, metric_cap, metric_word
@@ -79,25 +81,30 @@ def test_the_metric_inside_the_mask_is_released_as_the_central_path_up_to_the_ro
         words = [encode_update(q, np.concatenate([tensors[u][n].double().reshape(-1).numpy() for n in LAYOUT]),
                                clip_norm=plan.clip_norm, zero_threshold=None, rng=rng, metric=values[u])
                  for u in USERS]
-        decoded = decode_sum(q, mod_sum(words, q.length, q.bits))
+        total = mod_sum(words, q.length, q.bits)
+        decoded = decode_sum(q, total)
         exact = math.fsum(release.clipped(v) for v in values.values())
         assert 0.0 <= exact - decoded.metric < len(USERS) / scale  # each value rounded down by < 1/s
-        _, rep_s = secure.privatize_sum(t, decoded.vector, USERS, inflation=1.0, selected=USERS,
-                                        metric=decoded.metric)
+        _, rep_s = secure.privatize_sum(t, total, USERS, quantization=q, selected=USERS)
         # the same noise draw (same key, round, unsalted): the releases differ only by the rounding
         diff = rep_c.noisy_client_metric - rep_s.noisy_client_metric
         assert 0.0 <= diff < len(USERS) / scale / plan.expected_users, (t, diff)
 
 
-def test_a_hostile_metric_sum_is_clamped_and_a_missing_one_refused():
+def test_a_hostile_metric_sum_is_clamped_after_its_noise_and_a_missing_one_refused():
     release = ClientMetricRelease.create(1.0, 1e-9, expected_users=10)
     plan = task.plan(rounds=4, client_metrics=release)
+    q = quantization_for(plan, DIM, scale=2.0 ** 10, bits=40, beta=math.exp(-0.5))
     p = RoundPrivatizer(plan, LAYOUT, seed=SEED, repeatable_noise=True)
+    bare = quantization_for(task.plan(rounds=4), DIM, scale=2.0 ** 10, bits=40, beta=math.exp(-0.5))
     with pytest.raises(ConfigError, match="client-metric sum"):
-        p.privatize_sum(0, np.zeros(DIM), USERS[:3], inflation=1.0, selected=USERS)
-    _, report = p.privatize_sum(0, np.zeros(DIM), USERS[:3], inflation=1.0, selected=USERS, metric=1e9)
+        p.privatize_sum(0, np.zeros(bare.length, dtype=np.uint64), USERS[:3], quantization=bare, selected=USERS)
+    words = np.zeros(q.length, dtype=np.uint64)
+    words[-1] = np.uint64(10 ** 8 * 2 ** 10)  # a hostile metric word: 1e8
+    _, report = p.privatize_sum(0, words, USERS[:3], quantization=q, selected=USERS)
     assert report.noisy_client_metric == pytest.approx(3.0 / plan.expected_users, abs=1e-8)  # ≤ L per contributor
-    _, report = p.privatize_sum(1, np.zeros(DIM), USERS[:3], inflation=1.0, selected=USERS, metric=-5.0)
+    words[-1] = np.uint64((1 << 40) - 5 * 2 ** 10)  # −5
+    _, report = p.privatize_sum(1, words, USERS[:3], quantization=q, selected=USERS)
     assert report.noisy_client_metric == pytest.approx(0.0, abs=1e-8)
 
 
@@ -136,10 +143,12 @@ def test_a_secure_plan_takes_only_secure_sums_of_its_inflation():
     p = RoundPrivatizer(plan, LAYOUT, seed=SEED, repeatable_noise=True)
     with pytest.raises(ConfigError, match="secure aggregation"):
         p.privatize(0, {u: _tensors(np.zeros(DIM)) for u in USERS}, selected=USERS)
+    other = quantization_for(plan, DIM, scale=PARAMS.scale / 2, bits=PARAMS.bits, beta=PARAMS.beta)
     with pytest.raises(ConfigError, match="inflation"):
-        p.privatize_sum(0, np.zeros(DIM), USERS, inflation=1.0, selected=USERS)
-    _, report = p.privatize_sum(0, np.zeros(DIM), USERS, inflation=plan.secure_aggregation.inflation,
-                                selected=USERS)
+        p.privatize_sum(0, np.zeros(other.length, dtype=np.uint64), USERS, quantization=other, selected=USERS)
+    q = quantization_for(plan, DIM, scale=PARAMS.scale, bits=PARAMS.bits, beta=PARAMS.beta)
+    assert q.inflation == plan.secure_aggregation.inflation
+    _, report = p.privatize_sum(0, np.zeros(q.length, dtype=np.uint64), USERS, quantization=q, selected=USERS)
     assert report.noise_std == plan.effective_noise_std
 
 
@@ -201,3 +210,27 @@ def test_survivors_below_the_threshold_abort_the_round_nothing_released(tmp_path
     report = audit(tmp_path / "abort" / "ledger.db")
     assert report.realized["rounds_committed"] == 0
 
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_the_run_refuses_a_population_whose_sum_plus_a_12_sigma_noise_margin_could_wrap(adaptive):
+    """The noise is added to the residues before they are centred (HIGH-1): the no-wrap check keeps a
+    12σ margin for it, σ per coordinate = σ_generator·inflation·max_t ‖(C⁻¹)ₜ‖₂ (cross-checked here on
+    the dense C⁻¹), and for the count's and the metric's noise."""
+    from server.secagg_round import run_quantization
+
+    rule = AdaptiveClipping.create(0.5, expected_users=10) if adaptive else None
+    release = ClientMetricRelease.create(1.0, 0.5, expected_users=10)
+    plan = task.plan(rounds=4, adaptive_clipping=rule, client_metrics=release)
+    params = SecAggParams(degree=4, threshold=3, bits=24, scale=2.0 ** 12)
+    q = quantization_for(plan, DIM, scale=params.scale, bits=params.bits, beta=params.beta)
+    row = float(np.linalg.norm(plan.mechanism.inverse_matrix(), axis=1).max())
+    sigma = (plan.std_per_clip if adaptive else plan.noise_std) * q.inflation * row
+    largest = max_safe_cohort(q.clip_norm, q.scale, q.bits, q.metric_clip, noise_std=sigma,
+                              count_noise_std=plan.count_noise_std or 0.0, metric_noise_std=release.noise_std)
+    noiseless = max_safe_cohort(q.clip_norm, q.scale, q.bits, q.metric_clip)
+    assert 10 <= largest < noiseless
+    assert run_quantization(params, plan, DIM, largest) == q
+    with pytest.raises(SecAggError, match=f"12σ noise margin: at most {largest} fit"):
+        run_quantization(params, plan, DIM, largest + 1)
+    assert check_no_wrap(largest + 1, q.clip_norm, q.scale, q.bits, q.metric_clip) == largest + 1  # no margin: fits
