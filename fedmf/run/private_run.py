@@ -218,6 +218,10 @@ class PrivateRun:
             if budget is not None:
                 budget.run_id = run.id
             committed = run.next_round
+            if witness_off and started_with_witness:  # run.json: started with one; off would skip its check
+                raise CheckpointError(f"run {run.id} was started with a release witness ({RUN_FILE} says so): it "
+                                      "cannot be resumed with witness = \"off\", which would accept a rollback of "
+                                      "both stores; resume it with its witness")
             record = None if witness_off else check_witness(
                 Witness.open(witness_dir, run_id=run.id, genesis_sha256=run.info.genesis_sha256), run, committed - 1,
                 started_with_witness)

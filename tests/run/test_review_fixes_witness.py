@@ -23,8 +23,6 @@ def _train(run_dir, *, witness, rounds=None, released=None):
                  rounds=rounds, witness=witness, on_round=on_round)
 
 
-@pytest.mark.xfail(strict=True, reason="REVIEW-i36-fixes LOW-2: run.json records that the run was started with a "
-                   "witness, but a resume with witness = \"off\" is accepted and releases restored rounds again")
 def test_a_run_started_with_a_witness_is_not_resumed_with_it_off(tmp_path):
     """A run started with the witness, both stores restored from a backup taken after round 1, resumed
     with witness = "off": run.json says "witness": true, so the resume should be refused as the reverse

@@ -103,8 +103,6 @@ def test_every_derived_neighbourhood_meets_an_enrolled_nodes_default_minimum():
     assert refused == []
 
 
-@pytest.mark.xfail(strict=True, reason="REVIEW-i36-fixes INFO-3: a derived complete graph with an odd number of "
-                   "others (k rounded up) logs 'below the rule' with exposures of a neighbourhood it does not have")
 def test_derived_parameters_never_warn_that_they_are_below_the_rule(caplog):
     """for_cohort(c) in derived mode gives graph_for's k and t, which meet the rule for the neighbourhood
     the round really has; today every even cohort up to 28 logs the warning meant for operator-chosen
