@@ -4,6 +4,9 @@ legacy SecAggPlusWorkflow + DifferentialPrivacyClientSideFixedClipping, in one r
     PYTHONPATH=$PWD nice python benchmarks/secagg_cost.py --users 10 100 1000 --models so-small paper --repeats 3
     PYTHONPATH=$PWD python benchmarks/secagg_cost.py --quick          # a smoke test in seconds
 
+SecAgg+ k and t: derived from each cohort (``graph_for``: k = 28, t = 15 from 30 users; the complete
+graph below), or fixed with ``--degree K --threshold T`` (e.g. the former defaults 8 and 5).
+
 Models: the layouts of ``so-small`` (``model_size = "small"``, vocab 10,000: 677,348 float32
 parameters) and ``so-paper`` (the paper's LSTM, 4,053,428), from ``fedmf.tasks.models``. Updates:
 a pool of random float32 updates (ℓ2 norms spread over 0.3..3 ζ, about half clipped) cycled
@@ -15,8 +18,9 @@ Per cell (model, users n, dropout fraction), medians over ``--repeats``:
   sum; ``finish``: the round's correlated noise, ÷ m); bytes per client: its update as a Flower
   ``ArrayRecord`` and the model it receives (the same size), measured as the serialized
   ``RecordDict`` proto (``flwr.common.serde.recorddict_to_proto``).
-* secure: ``SecAggServer`` and one ``SecAggClient`` per user, every stage that
-  ``SecAggServer.requests()`` yields until the protocol is done (looped over generically). Server
+* secure: ``SecAggServer`` and one ``SecAggClient`` per user (ephemeral Ed25519 signing keys),
+  every stage that ``SecAggServer.requests()`` yields until the protocol is done (looped over
+  generically: setup, share keys, collect, consistency check, unmask). Server
   time per stage = ``requests()`` + ``receive()``; after the last stage "decode+privatize":
   ``decode_sum`` and ``RoundPrivatizer.privatize_sum`` (noise from ζ·inflation). Client time per
   stage = ``SecAggClient.handle``, and at the collect stage also the encoding (float64 flat
@@ -33,17 +37,23 @@ Per cell (model, users n, dropout fraction), medians over ``--repeats``:
   (``--short`` words): every key agreement, Shamir share and reconstruction at the real n and k,
   checked as above; (b) one real round at the full dimension with k + 1 users (the complete graph:
   each has k neighbours, as in a Harary graph of degree k) for the clients' collect stage and the
-  server's per-vector cost; (c) the server's full-dimension work scaled by counts: each survivor's
+  server's per-vector cost (``--full-repeats`` of it); (c) the server's full-dimension work scaled by counts: each survivor's
   vector validated and summed (per-vector time from (b)), each mask removed at unmask (one self
   mask per survivor, one pairwise mask per (dropped, surviving neighbour) pair; per-mask time
   measured at the full dimension), and decode+privatize run for real at the full dimension.
 * aborts: an attempt in which some user keeps fewer than t share holders aborts (at the collect
   stage); it is redone with a fresh graph and fresh dropouts, as the strategy does, and counted;
-  ``abort_probability`` estimates the chance by Monte Carlo over the server's rule.
-* Flower legacy (``--flower-users``, where users × parameters ≤ ``--flower-limit``): ``DefaultWorkflow(fit_workflow=SecAggPlusWorkflow(k + 1
-  shares, threshold t))`` with ``DifferentialPrivacyClientSideFixedClipping(FedAvg)`` on the server,
-  ``ClientApp(mods=[secaggplus_mod, fixedclipping_mod])`` NumPyClients on an in-process grid
-  (``server.local_grid``); each message and reply goes through Flower's protobuf serialization
+  ``abort_probability`` estimates the chance by Monte Carlo over the server's rule; a cell where
+  every draw aborts (t = n: no dropout tolerated) is reported, not run.
+* memory: the server holds every survivor's masked vector at once (survivors × words × 8 bytes,
+  "server holds"; beside the replies themselves).
+* signing keys (``--signing-users``): the protocol on short vectors with ephemeral and with enrolled
+  Ed25519 keys (each client then checks its neighbours' keys against the enrollment).
+* Flower legacy (``--flower-users``, where users × parameters ≤ ``--flower-limit``):
+  ``DefaultWorkflow(fit_workflow=SecAggPlusWorkflow(k + 1 shares, threshold t))`` (fedmf's k and t
+  for the cohort, ``flower_graph``) with ``DifferentialPrivacyClientSideFixedClipping(FedAvg)`` on
+  the server, ``ClientApp(mods=[secaggplus_mod, fixedclipping_mod])`` NumPyClients on an in-process
+  grid (``server.local_grid``); each message and reply goes through Flower's protobuf serialization
   (``message_to_proto``), whose sizes are the bytes; client time is the time inside the ClientApp,
   server time the round's wall time less client and serialization time.
 
