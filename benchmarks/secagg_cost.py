@@ -4,6 +4,9 @@ legacy SecAggPlusWorkflow + DifferentialPrivacyClientSideFixedClipping, in one r
     PYTHONPATH=$PWD nice python benchmarks/secagg_cost.py --users 10 100 1000 --models so-small paper --repeats 3
     PYTHONPATH=$PWD python benchmarks/secagg_cost.py --quick          # a smoke test in seconds
 
+SecAgg+ k and t: derived from each cohort (``graph_for``: k = 28, t = 15 from 30 users; the complete
+graph below), or fixed with ``--degree K --threshold T`` (e.g. the former defaults 8 and 5).
+
 Models: the layouts of ``so-small`` (``model_size = "small"``, vocab 10,000: 677,348 float32
 parameters) and ``so-paper`` (the paper's LSTM, 4,053,428), from ``fedmf.tasks.models``. Updates:
 a pool of random float32 updates (ℓ2 norms spread over 0.3..3 ζ, about half clipped) cycled
@@ -15,8 +18,9 @@ Per cell (model, users n, dropout fraction), medians over ``--repeats``:
   sum; ``finish``: the round's correlated noise, ÷ m); bytes per client: its update as a Flower
   ``ArrayRecord`` and the model it receives (the same size), measured as the serialized
   ``RecordDict`` proto (``flwr.common.serde.recorddict_to_proto``).
-* secure: ``SecAggServer`` and one ``SecAggClient`` per user, every stage that
-  ``SecAggServer.requests()`` yields until the protocol is done (looped over generically). Server
+* secure: ``SecAggServer`` and one ``SecAggClient`` per user (ephemeral Ed25519 signing keys),
+  every stage that ``SecAggServer.requests()`` yields until the protocol is done (looped over
+  generically: setup, share keys, collect, consistency check, unmask). Server
   time per stage = ``requests()`` + ``receive()``; after the last stage "decode+privatize":
   ``RoundPrivatizer.privatize_sum`` (noise from ζ·inflation, added to the residues before they are
   centred), and ``decode_sum`` for the equality check. Client time per stage = ``SecAggClient.handle``, and at the collect stage also the encoding (float64 flat
@@ -33,17 +37,23 @@ Per cell (model, users n, dropout fraction), medians over ``--repeats``:
   (``--short`` words): every key agreement, Shamir share and reconstruction at the real n and k,
   checked as above; (b) one real round at the full dimension with k + 1 users (the complete graph:
   each has k neighbours, as in a Harary graph of degree k) for the clients' collect stage and the
-  server's per-vector cost; (c) the server's full-dimension work scaled by counts: each survivor's
+  server's per-vector cost (``--full-repeats`` of it); (c) the server's full-dimension work scaled by counts: each survivor's
   vector validated and summed (per-vector time from (b)), each mask removed at unmask (one self
   mask per survivor, one pairwise mask per (dropped, surviving neighbour) pair; per-mask time
   measured at the full dimension), and decode+privatize run for real at the full dimension.
 * aborts: an attempt in which some user keeps fewer than t share holders aborts (at the collect
   stage); it is redone with a fresh graph and fresh dropouts, as the strategy does, and counted;
-  ``abort_probability`` estimates the chance by Monte Carlo over the server's rule.
-* Flower legacy (``--flower-users``, where users × parameters ≤ ``--flower-limit``): ``DefaultWorkflow(fit_workflow=SecAggPlusWorkflow(k + 1
-  shares, threshold t))`` with ``DifferentialPrivacyClientSideFixedClipping(FedAvg)`` on the server,
-  ``ClientApp(mods=[secaggplus_mod, fixedclipping_mod])`` NumPyClients on an in-process grid
-  (``server.local_grid``); each message and reply goes through Flower's protobuf serialization
+  ``abort_probability`` estimates the chance by Monte Carlo over the server's rule; a cell where
+  every draw aborts (t = n: no dropout tolerated) is reported, not run.
+* memory: the server holds every survivor's masked vector at once (survivors × words × 8 bytes,
+  "server holds"; beside the replies themselves).
+* signing keys (``--signing-users``): the protocol on short vectors with ephemeral and with enrolled
+  Ed25519 keys (each client then checks its neighbours' keys against the enrollment).
+* Flower legacy (``--flower-users``, where users × parameters ≤ ``--flower-limit``):
+  ``DefaultWorkflow(fit_workflow=SecAggPlusWorkflow(k + 1 shares, threshold t))`` (fedmf's k and t
+  for the cohort, ``flower_graph``) with ``DifferentialPrivacyClientSideFixedClipping(FedAvg)`` on
+  the server, ``ClientApp(mods=[secaggplus_mod, fixedclipping_mod])`` NumPyClients on an in-process
+  grid (``server.local_grid``); each message and reply goes through Flower's protobuf serialization
   (``message_to_proto``), whose sizes are the bytes; client time is the time inside the ClientApp,
   server time the round's wall time less client and serialization time.
 
@@ -74,6 +84,7 @@ os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey  # noqa: E402
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict  # noqa: E402
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage  # noqa: E402
 from flwr.common.serde import recorddict_to_proto  # noqa: E402
@@ -86,14 +97,18 @@ from fedmf.round.privatize import RoundPrivatizer, flat_size  # noqa: E402
 from fedmf.secagg.encode import encode_update  # noqa: E402
 from fedmf.secagg.errors import SecAggAbort  # noqa: E402
 from fedmf.secagg.masks import SELF_MASK, expand_mask, mod_sub, mod_sum  # noqa: E402
-from fedmf.secagg.messages import SECAGG_RECORD, to_wire  # noqa: E402
-from fedmf.secagg.params import SecAggParams  # noqa: E402
+from fedmf.secagg.messages import CONSISTENCY_CHECK, SECAGG_RECORD, to_wire  # noqa: E402
+from fedmf.secagg.params import DEFAULT_BITS, DEFAULT_SCALE, SecAggParams, exposure  # noqa: E402
 from fedmf.secagg.quantize import Quantization, decode_sum  # noqa: E402
+from fedmf.secagg.signing import public_bytes  # noqa: E402
 from server.secagg import ABORTED, DONE, SecAggServer, harary_graph  # noqa: E402
 
 CLIP_NORM = 1.0
-#: server/config.py's defaults: secagg-degree, secagg-threshold, secagg-bits, secagg-scale
-DEGREE, THRESHOLD, BITS, SCALE = 8, 5, 32, 65536.0
+#: server/config.py's defaults of secagg-bits and secagg-scale; degree and threshold: 0 (derived from
+#: each round's cohort by ``fedmf.secagg.params.graph_for``) unless --degree/--threshold are given
+BITS, SCALE = DEFAULT_BITS, DEFAULT_SCALE
+#: the run nonce and round every signed statement names
+RUN, ROUND = "bench", 1
 VOCAB = 10_000
 QUICK_LAYOUT = {"embedding.weight": (104, 16), "output.weight": (104, 16), "output.bias": (104,)}
 Layout = dict[str, tuple[int, ...]]
@@ -129,8 +144,9 @@ def make_plan(users: int) -> RunPlan:
                           noise_multiplier=1.0)
 
 
-def secagg_params() -> SecAggParams:
-    return SecAggParams(degree=DEGREE, threshold=THRESHOLD, bits=BITS, scale=SCALE)
+def secagg_params(degree: int = 0, threshold: int = 0) -> SecAggParams:
+    """The run's SecAgg+ parameters; degree and threshold 0: derived from each round's cohort."""
+    return SecAggParams(degree=degree, threshold=threshold, bits=BITS, scale=SCALE)
 
 
 def quantization(dim: int) -> Quantization:
@@ -172,9 +188,12 @@ def central_round(layout: Layout, pool: list[np.ndarray], users: int) -> dict[st
 
 # ---- secure -------------------------------------------------------------------------------------
 def secure_round(layout_dim: int, pool: list[np.ndarray], users: int, dropout: float, *, seed: int = 0,
-                 sample: int = 3, privatize_layout: Layout | None = None, attempts: int = 20) -> dict[str, Any]:
+                 sample: int = 3, privatize_layout: Layout | None = None, attempts: int = 20,
+                 params: SecAggParams | None = None, enrolled: bool = False) -> dict[str, Any]:
     """One real SecAgg+ round of ``users`` clients over ``layout_dim``-value updates; ``dropout`` of
-    them silent from the collect stage on. Returns per-stage server seconds, per-stage client
+    them silent from the collect stage on; ``params``: k and t (derived from the cohort by default);
+    ``enrolled``: each client signs with an enrolled Ed25519 key and checks its neighbours' against
+    the enrollment (else a fresh key per attempt). Returns per-stage server seconds, per-stage client
     seconds (median over clients), per-stage bytes per client (median over ``sample`` clients),
     the check of the sum and the counts the simulation scales by. An attempt that aborts (a
     neighbourhood left with fewer than t holders) is redone, as the strategy does, with a fresh
@@ -182,7 +201,8 @@ def secure_round(layout_dim: int, pool: list[np.ndarray], users: int, dropout: f
     aborts, wasted = 0, 0.0
     for attempt in range(attempts):
         try:
-            result = _secure_attempt(layout_dim, pool, users, dropout, seed + 7919 * attempt, sample, privatize_layout)
+            result = _secure_attempt(layout_dim, pool, users, dropout, seed + 7919 * attempt, sample, privatize_layout,
+                                     params or secagg_params(), enrolled)
         except _Aborted as e:
             aborts, wasted = aborts + 1, wasted + e.server_s
             continue
@@ -197,11 +217,16 @@ class _Aborted(Exception):
 
 
 def _secure_attempt(layout_dim: int, pool: list[np.ndarray], users: int, dropout: float, seed: int, sample: int,
-                    privatize_layout: Layout | None) -> dict[str, Any]:
-    params, q = secagg_params(), quantization(layout_dim)
+                    privatize_layout: Layout | None, params: SecAggParams, enrolled: bool) -> dict[str, Any]:
+    q = quantization(layout_dim)
     nodes = list(range(1, users + 1))
-    server = SecAggServer(params, q.length, nodes, rng=random.Random(seed))
-    clients = {u: SecAggClient(u) for u in nodes}
+    server = SecAggServer(params, q.length, nodes, rng=random.Random(seed), run=RUN, round_=ROUND)
+    if enrolled:
+        keys = {u: Ed25519PrivateKey.generate() for u in nodes}
+        enrollment = frozenset(public_bytes(k) for k in keys.values())
+        clients = {u: SecAggClient(u, run=RUN, round_=ROUND, signing_key=keys[u], enrolled=enrollment) for u in nodes}
+    else:
+        clients = {u: SecAggClient(u, run=RUN, round_=ROUND) for u in nodes}
     dropped = set(random.Random(seed + 1).sample(nodes, round(dropout * users)))
     rng = np.random.default_rng(seed)
     words: dict[int, np.ndarray] = {}
@@ -258,21 +283,25 @@ def _secure_attempt(layout_dim: int, pool: list[np.ndarray], users: int, dropout
             "rep_bytes": {s: statistics.median(v) for s, v in rep_bytes.items()},
             "sum_equal": bool(np.array_equal(decoded.vector, plain)), "sum": decoded.vector,
             "contributors": sorted(contributors), "survivors": len(contributors),
-            "dropped": len(dropped), "dropped_pairs": pairs, "stages": list(server_s)}
+            "dropped": len(dropped), "dropped_pairs": pairs, "stages": list(server_s),
+            "degree": server.params.degree, "threshold": server.params.threshold,
+            "held_bytes": len(contributors) * q.length * np.dtype(np.uint64).itemsize}
 
 
-def abort_probability(users: int, dropout: float, trials: int, seed: int = 0) -> float:
+def abort_probability(users: int, dropout: float, trials: int, seed: int = 0,
+                      params: SecAggParams | None = None) -> float:
     """Monte Carlo: the chance that a round of ``users`` with ``dropout`` of them (uniformly drawn)
-    silent from the collect stage on aborts, by ``SecAggServer``'s rule: some owner of a secret
-    needed at unmask (every user that shared keys) keeps fewer than t holders among itself and its
-    neighbours that sent their vectors."""
+    silent from the collect stage on aborts, by ``SecAggServer``'s rule at collect: some owner of
+    a secret needed at unmask (every user that shared keys) keeps fewer than t holders among itself
+    and its neighbours that sent their vectors (k and t of ``params`` for this cohort)."""
+    p = (params or secagg_params()).for_cohort(users)
     rng = random.Random(seed)
     nodes = list(range(users))
     aborted = 0
     for _ in range(trials):
-        graph = harary_graph(nodes, DEGREE, rng)
+        graph = harary_graph(nodes, p.degree, rng)
         alive = set(nodes) - set(rng.sample(nodes, round(dropout * users)))
-        if len(alive) < THRESHOLD or any(len((graph[u] | {u}) & alive) < THRESHOLD for u in nodes):
+        if len(alive) < p.threshold or any(len((graph[u] | {u}) & alive) < p.threshold for u in nodes):
             aborted += 1
     return aborted / trials
 
@@ -288,20 +317,22 @@ def mask_cost(length: int, repeats: int = 3) -> float:
     return statistics.median(times)
 
 
-def short_round(users: int, dropout: float, short: int, seed: int) -> dict[str, Any]:
+def short_round(users: int, dropout: float, short: int, seed: int, params: SecAggParams | None = None,
+                enrolled: bool = False) -> dict[str, Any]:
     """Step (a) of a simulated cell: the whole protocol for real on ``short``-word vectors (it does
     not depend on the model, so one serves every model of a run)."""
-    return secure_round(short, make_pool(short, 8, seed), users, dropout, seed=seed)
+    return secure_round(short, make_pool(short, 8, seed), users, dropout, seed=seed, params=params, enrolled=enrolled)
 
 
 def simulated_round(layout: Layout, full: dict[str, Any], per_mask_s: float, a: dict[str, Any],
                     seed: int) -> dict[str, Any]:
     """A round estimated from (a) ``a``, a real round of the same users on short vectors, (b)
-    ``full``, a real (k + 1)-user round at the full dimension, and (c) the per-vector and per-mask
-    costs at the full dimension."""
+    ``full``, a real (k + 1)-user round at the full dimension (the same k), and (c) the per-vector
+    and per-mask costs at the full dimension."""
     dim, users = flat_size(layout), a["survivors"] + a["dropped"]
-    k1 = DEGREE + 1
-    per_vector_s = full["server_s"][Stage.COLLECT_MASKED_VECTORS] / k1
+    if full["degree"] != a["degree"]:
+        raise ValueError(f"the full-dimension round has k = {full['degree']}, the short round k = {a['degree']}")
+    per_vector_s = full["server_s"][Stage.COLLECT_MASKED_VECTORS] / full["survivors"]
     server_s = dict(a["server_s"])
     server_s[Stage.COLLECT_MASKED_VECTORS] += a["survivors"] * per_vector_s
     server_s[Stage.UNMASK] += (a["survivors"] + a["dropped_pairs"]) * per_mask_s
@@ -317,12 +348,15 @@ def simulated_round(layout: Layout, full: dict[str, Any], per_mask_s: float, a: 
     rep_bytes = dict(a["rep_bytes"])
     rep_bytes[Stage.COLLECT_MASKED_VECTORS] = full["rep_bytes"][Stage.COLLECT_MASKED_VECTORS]
     return {**a, "server_s": server_s, "client_s": client_s, "quantize_s": full["quantize_s"],
-            "rep_bytes": rep_bytes, "per_vector_s": per_vector_s, "per_mask_s": per_mask_s}
+            "rep_bytes": rep_bytes, "per_vector_s": per_vector_s, "per_mask_s": per_mask_s,
+            "held_bytes": a["survivors"] * q.length * np.dtype(np.uint64).itemsize}
 
 
 # ---- Flower legacy ------------------------------------------------------------------------------
-def flower_round(layout: Layout, pool: list[np.ndarray], users: int) -> dict[str, Any]:
-    """One round of Flower's legacy SecAgg+ with client-side fixed clipping, in process."""
+def flower_round(layout: Layout, pool: list[np.ndarray], users: int, params: SecAggParams | None = None) -> dict[str, Any]:
+    """One round of Flower's legacy SecAgg+ with client-side fixed clipping, in process, with
+    fedmf's k + 1 shares and threshold t for this cohort (Flower needs t < shares ≤ users: at most
+    ``users`` shares, t at most shares − 1)."""
     import logging
 
     from flwr.app import Context
@@ -386,8 +420,8 @@ def flower_round(layout: Layout, pool: list[np.ndarray], users: int) -> dict[str
 
     context = LegacyContext(Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}),
                             config=ServerConfig(num_rounds=1), strategy=strategy)
-    workflow = DefaultWorkflow(fit_workflow=SecAggPlusWorkflow(num_shares=DEGREE + 1,
-                                                               reconstruction_threshold=THRESHOLD))
+    shares, threshold = flower_graph(users, params)
+    workflow = DefaultWorkflow(fit_workflow=SecAggPlusWorkflow(num_shares=shares, reconstruction_threshold=threshold))
     started = time.perf_counter()
     workflow(grid, context)
     total = time.perf_counter() - started
@@ -400,63 +434,92 @@ def flower_round(layout: Layout, pool: list[np.ndarray], users: int) -> dict[str
             "ok": Stage.COLLECT_MASKED_VECTORS in stats["client_s"]}
 
 
+def flower_graph(users: int, params: SecAggParams | None = None) -> tuple[int, int]:
+    """Flower's shares and threshold matching fedmf's k and t for a cohort of ``users``."""
+    p = (params or secagg_params()).for_cohort(users)
+    shares = min(p.degree + 1, users)
+    return shares, min(p.threshold, shares - 1)
+
+
 # ---- the run ------------------------------------------------------------------------------------
 def run(models: list[str], users: list[int], dropouts: list[float], repeats: int, flower_users: list[int],
         real_limit_gb: float, short: int, pool_size: int, flower_limit: float = 1e8, abort_trials: int = 2000,
+        params: SecAggParams | None = None, full_repeats: int | None = None, signing_users: tuple[int, ...] = (),
         log=print) -> dict[str, Any]:
-    results: dict[str, Any] = {"cells": [], "flower": [], "full": {}}
+    params = params or secagg_params()
+    full_repeats = full_repeats or repeats
+    results: dict[str, Any] = {"cells": [], "flower": [], "full": {}, "signing": []}
     shorts: dict[tuple[int, float, int], dict[str, Any]] = {}
+
+    def short_for(n: int, dropout: float, r: int) -> dict[str, Any]:
+        if (n, dropout, r) not in shorts:
+            shorts[(n, dropout, r)] = short_round(n, dropout, short, seed=r, params=params)
+        return shorts[(n, dropout, r)]
+
     for model in models:
         layout = model_layout(model)
         dim = flat_size(layout)
         pool = make_pool(dim, pool_size, seed=7)
         log(f"# {model}: {dim:,} parameters")
-        full_runs = []
-        for r in range(repeats):
-            full_runs.append(secure_round(dim, pool, DEGREE + 1, 0.0, seed=100 + r, privatize_layout=layout))
-            assert full_runs[-1]["sum_equal"]
-        full = {**{k: v for k, v in full_runs[0].items() if k != "sum"}, "server_s": _median_dicts([f["server_s"] for f in full_runs]),
-                "client_s": _median_dicts([f["client_s"] for f in full_runs]),
-                "quantize_s": statistics.median(f["quantize_s"] for f in full_runs)}
-        per_mask_s = mask_cost(quantization(dim).length)
-        results["full"][model] = {"k+1 round": full, "per_mask_s": per_mask_s}
-        log(f"#   (k+1)-user round at full dimension: client collect {full['client_s'][Stage.COLLECT_MASKED_VECTORS]:.3f} s, "
-            f"per mask {per_mask_s:.4f} s")
+        fulls: dict[int, tuple[dict[str, Any], float]] = {}
+
+        def full_for(k: int, fulls: dict = fulls, model: str = model, layout: Layout = layout, dim: int = dim,
+                     pool: list[np.ndarray] = pool) -> tuple[dict[str, Any], float]:
+            """Step (b) for degree k: a real (k + 1)-user round at the full dimension, and (c)'s per-mask cost."""
+            if k not in fulls:
+                runs = [secure_round(dim, pool, k + 1, 0.0, seed=100 + r, privatize_layout=layout, params=params)
+                        for r in range(full_repeats)]
+                assert all(f["sum_equal"] and f["degree"] == k for f in runs)
+                full = {**{key: v for key, v in runs[0].items() if key != "sum"},
+                        "server_s": _median_dicts([f["server_s"] for f in runs]),
+                        "client_s": _median_dicts([f["client_s"] for f in runs]),
+                        "quantize_s": statistics.median(f["quantize_s"] for f in runs)}
+                fulls[k] = (full, mask_cost(quantization(dim).length))
+                results["full"][f"{model} k={k}"] = {"k+1 round": full, "per_mask_s": fulls[k][1]}
+                log(f"#   ({k}+1)-user round at full dimension: client collect "
+                    f"{full['client_s'][Stage.COLLECT_MASKED_VECTORS]:.3f} s, per mask {fulls[k][1]:.4f} s")
+            return fulls[k]
+
         for n in users:
             central = [central_round(layout, pool, n) for _ in range(repeats)]
+            cohort = params.for_cohort(n)
+            k, t = cohort.degree, cohort.threshold
             for dropout in dropouts:
                 real = n * quantization(dim).length * 8 * 2 <= real_limit_gb * 2**30
                 started = time.perf_counter()
+                cell = {"model": model, "dim": dim, "users": n, "dropout": dropout, "degree": k, "threshold": t,
+                        "exposure": exposure(min(k, n - 1), t), "central": _median_dicts(central),
+                        "dropped": round(dropout * n),
+                        "abort_probability": abort_probability(n, dropout, abort_trials, params=params) if dropout else 0.0}
+                if cell["abort_probability"] == 1.0:  # every draw aborts (t = n: no dropout tolerated)
+                    cell["how"] = "aborts always"
+                    results["cells"].append(cell)
+                    log(f"#   n={n} dropout={dropout:g}: k={k} t={t}: every attempt aborts, not run")
+                    continue
                 rows = []
                 for r in range(repeats):
                     if real:
-                        rows.append(secure_round(dim, pool, n, dropout, seed=r, privatize_layout=layout))
+                        rows.append(secure_round(dim, pool, n, dropout, seed=r, privatize_layout=layout, params=params))
                     else:
-                        if (n, dropout, r) not in shorts:
-                            shorts[(n, dropout, r)] = short_round(n, dropout, short, seed=r)
-                        rows.append(simulated_round(layout, full, per_mask_s, shorts[(n, dropout, r)], seed=r))
+                        full, per_mask_s = full_for(k)
+                        rows.append(simulated_round(layout, full, per_mask_s, short_for(n, dropout, r), seed=r))
                     assert rows[-1]["sum_equal"], "the secure sum differs from the plain sum of quantized words"
-                cell = {"model": model, "dim": dim, "users": n, "dropout": dropout, "how": "real" if real else "simulated",
-                        "central": _median_dicts(central),
-                        "server_s": _median_dicts([r["server_s"] for r in rows]),
-                        "client_s": _median_dicts([r["client_s"] for r in rows]),
-                        "quantize_s": statistics.median(r["quantize_s"] for r in rows),
-                        "req_bytes": rows[0]["req_bytes"], "rep_bytes": rows[0]["rep_bytes"],
-                        "dropped": rows[0]["dropped"], "dropped_pairs": rows[0]["dropped_pairs"],
-                        "aborts": sum(r["aborts"] for r in rows),
-                        "abort_probability": abort_probability(n, dropout, abort_trials) if dropout else 0.0,
-                        "server_totals": [sum(r["server_s"].values()) for r in rows]}
+                cell.update({"how": "real" if real else "simulated",
+                             "server_s": _median_dicts([r["server_s"] for r in rows]),
+                             "client_s": _median_dicts([r["client_s"] for r in rows]),
+                             "quantize_s": statistics.median(r["quantize_s"] for r in rows),
+                             "req_bytes": rows[0]["req_bytes"], "rep_bytes": rows[0]["rep_bytes"],
+                             "dropped_pairs": rows[0]["dropped_pairs"], "held_bytes": rows[0]["held_bytes"],
+                             "aborts": sum(r["aborts"] for r in rows),
+                             "server_totals": [sum(r["server_s"].values()) for r in rows]})
                 cell["server_total_s"] = statistics.median(cell["server_totals"])
-                if real and n > DEGREE + 1:  # the simulation's estimate of the same cell, to check it
-                    estimates = []
-                    for r in range(repeats):
-                        if (n, dropout, r) not in shorts:
-                            shorts[(n, dropout, r)] = short_round(n, dropout, short, seed=r)
-                        est = simulated_round(layout, full, per_mask_s, shorts[(n, dropout, r)], seed=r)
-                        estimates.append(sum(est["server_s"].values()))
+                if real and n > k + 1:  # the simulation's estimate of the same cell, to check it
+                    full, per_mask_s = full_for(k)
+                    estimates = [sum(simulated_round(layout, full, per_mask_s, short_for(n, dropout, r),
+                                                     seed=r)["server_s"].values()) for r in range(repeats)]
                     cell["simulated_estimate_s"] = statistics.median(estimates)
                 results["cells"].append(cell)
-                log(f"#   n={n} dropout={dropout:g} ({cell['how']}): central {cell['central']['server_s']:.3f} s, "
+                log(f"#   n={n} dropout={dropout:g} k={k} t={t} ({cell['how']}): central {cell['central']['server_s']:.3f} s, "
                     f"secure {cell['server_total_s']:.3f} s (per repeat "
                     f"{', '.join(f'{x:.2f}' for x in cell['server_totals'])}; {cell['aborts']} aborted attempts redone, "
                     f"P(abort) {cell['abort_probability']:.3f}); cell took {time.perf_counter() - started:.0f} s")
@@ -466,9 +529,11 @@ def run(models: list[str], users: list[int], dropouts: list[float], repeats: int
                 results["flower"].append({"model": model, "users": n, "error": f"not run: n × d = {n * dim:,} is "
                                           f"above --flower-limit {flower_limit:,.0f} (time)"})
                 continue
+            shares, threshold = flower_graph(n, params)
             try:
-                rows = [flower_round(layout, pool, n) for _ in range(repeats)]
-                cell = {"model": model, "users": n, "total_s": statistics.median(r["total_s"] for r in rows),
+                rows = [flower_round(layout, pool, n, params) for _ in range(repeats)]
+                cell = {"model": model, "users": n, "shares": shares, "threshold": threshold,
+                        "total_s": statistics.median(r["total_s"] for r in rows),
                         "server_s": statistics.median(r["server_s"] for r in rows),
                         "client_s_per_client": statistics.median(r["client_s_per_client"] for r in rows),
                         "client_s": _median_dicts([r["client_s"] for r in rows]),
@@ -476,7 +541,16 @@ def run(models: list[str], users: list[int], dropouts: list[float], repeats: int
             except Exception as e:  # report why Flower's legacy path could not run here
                 cell = {"model": model, "users": n, "error": f"{type(e).__name__}: {e}"[:300]}
             results["flower"].append(cell)
-            log(f"#   Flower legacy n={n}: {cell.get('total_s', cell.get('error'))} (took {time.perf_counter() - started:.0f} s)")
+            log(f"#   Flower legacy n={n} ({shares} shares, t={threshold}): {cell.get('total_s', cell.get('error'))} "
+                f"(took {time.perf_counter() - started:.0f} s)")
+    for n in signing_users:  # enrolled against ephemeral signing keys: the protocol on short vectors
+        started = time.perf_counter()
+        for enrolled in (False, True):
+            rows = [short_round(n, 0.0, short, seed=50 + r, params=params, enrolled=enrolled) for r in range(repeats)]
+            results["signing"].append({"users": n, "enrolled": enrolled, "degree": rows[0]["degree"],
+                                       "server_s": _median_dicts([r["server_s"] for r in rows]),
+                                       "client_s": _median_dicts([r["client_s"] for r in rows])})
+        log(f"#   signing keys, enrolled and ephemeral, n={n} (took {time.perf_counter() - started:.0f} s)")
     return results
 
 
@@ -486,7 +560,7 @@ def _median_dicts(rows: list[dict[str, float]]) -> dict[str, float]:
 
 # ---- report -------------------------------------------------------------------------------------
 SHORT = {Stage.SETUP: "setup", Stage.SHARE_KEYS: "share keys", Stage.COLLECT_MASKED_VECTORS: "collect",
-         Stage.UNMASK: "unmask"}
+         CONSISTENCY_CHECK: "consistency", Stage.UNMASK: "unmask"}
 
 
 def _name(stage: str) -> str:
@@ -494,41 +568,59 @@ def _name(stage: str) -> str:
 
 
 def tables(results: dict[str, Any]) -> str:
-    out = ["| model | n | dropped | how | central server s | secure server s | secure ÷ central | "
+    out = ["| model | n | k, t | dropped | how | central server s | secure server s | secure ÷ central | "
            "secure client s (excl. training) | central bytes up / down per client | secure bytes up / down per client "
            "(model down incl.) | bytes secure ÷ central | simulation's estimate of a real cell, s | "
-           "aborted attempts redone (all repeats) | P(abort) |", "|" + "---|" * 14]
+           "aborted attempts redone (all repeats) | P(abort) | server holds (survivors' words) |", "|" + "---|" * 16]
     for c in results["cells"]:
         cen = c["central"]
+        head = f"| {c['model']} | {c['users']} | {c['degree']}, {c['threshold']} | {c['dropped']} | {c['how']} | "
+        if c["how"] == "aborts always":
+            out.append(head + f"{cen['server_s']:.3f} | | | | | | | | | | {c['abort_probability']:.3f} | |")
+            continue
         up, down = sum(c["rep_bytes"].values()), sum(c["req_bytes"].values()) + cen["down_bytes"]
         estimate = f"{c['simulated_estimate_s']:.3f}" if "simulated_estimate_s" in c else ""
-        out.append(f"| {c['model']} | {c['users']} | {c['dropped']} | {c['how']} | {cen['server_s']:.3f} | "
+        out.append(head + f"{cen['server_s']:.3f} | "
                    f"{c['server_total_s']:.3f} | {c['server_total_s'] / cen['server_s']:.1f}x | "
                    f"{sum(c['client_s'].values()):.3f} | {_mb(cen['up_bytes'])} / {_mb(cen['down_bytes'])} | "
                    f"{_mb(up)} / {_mb(down)} | {(up + down) / (cen['up_bytes'] + cen['down_bytes']):.2f}x | {estimate} | "
-                   f"{c['aborts']} | {c['abort_probability']:.3f} |")
-    out += ["", "Per stage (server s | client s median | bytes request / reply per client, payload only):", "",
-            "| model | n | dropped | " + " | ".join(
-                ["setup", "share keys", "collect (quantize+mask)", "unmask", "decode+privatize"]) + " |",
-            "|" + "---|" * 8]
-    for c in results["cells"]:
-        cells = []
-        for stage in c["client_s"]:
-            extra = f" (q {c['quantize_s']:.3f})" if stage == Stage.COLLECT_MASKED_VECTORS else ""
-            cells.append(f"{c['server_s'][stage]:.3f} \\| {c['client_s'][stage]:.4f}{extra} \\| "
-                         f"{_kb(c['req_bytes'][stage])} / {_kb(c['rep_bytes'][stage])}")
-        cells.append(f"{c['server_s']['decode+privatize']:.3f}")
-        out.append(f"| {c['model']} | {c['users']} | {c['dropped']} | " + " | ".join(cells) + " |")
+                   f"{c['aborts']} | {c['abort_probability']:.3f} | {c['held_bytes'] / 2**30:.2f} GiB |")
+    ran = [c for c in results["cells"] if "server_s" in c]
+    if ran:
+        stages = [s for s in ran[0]["server_s"] if s != "decode+privatize"]
+        out += ["", "Per stage (server s | client median | bytes request / reply per client, payload only):", "",
+                "| model | n | dropped | " + " | ".join(_name(s) for s in stages) + " | decode+privatize |",
+                "|" + "---|" * (len(stages) + 4)]
+        for c in ran:
+            cells = []
+            for stage in stages:
+                extra = f" (q {c['quantize_s']:.3f})" if stage == Stage.COLLECT_MASKED_VECTORS else ""
+                cells.append(f"{c['server_s'][stage]:.3f} \\| {_ms(c['client_s'][stage])}{extra} \\| "
+                             f"{_kb(c['req_bytes'][stage])} / {_kb(c['rep_bytes'][stage])}")
+            cells.append(f"{c['server_s']['decode+privatize']:.3f}")
+            out.append(f"| {c['model']} | {c['users']} | {c['dropped']} | " + " | ".join(cells) + " |")
+    if results["signing"]:
+        stages = list(results["signing"][0]["server_s"])
+        out += ["", "Signing keys (short vectors; server s | client median per stage):", "",
+                "| n | k | keys | " + " | ".join(_name(s) for s in stages) + " |", "|" + "---|" * (len(stages) + 3)]
+        for g in results["signing"]:
+            out.append(f"| {g['users']} | {g['degree']} | {'enrolled' if g['enrolled'] else 'ephemeral'} | " + " | ".join(
+                f"{g['server_s'][s]:.3f} \\| {_ms(g['client_s'].get(s, 0.0))}" for s in stages) + " |")
     if results["flower"]:
-        out += ["", "| model | n | Flower round s | server s | client s per client | bytes down / up per client |",
-                "|" + "---|" * 6]
+        out += ["", "| model | n | shares, t | Flower round s | server s | client s per client | bytes down / up per client |",
+                "|" + "---|" * 7]
         for f in results["flower"]:
             if "error" in f:
-                out.append(f"| {f['model']} | {f['users']} | could not run: {f['error']} | | | |")
+                out.append(f"| {f['model']} | {f['users']} | | could not run: {f['error']} | | | |")
                 continue
-            out.append(f"| {f['model']} | {f['users']} | {f['total_s']:.3f} | {f['server_s']:.3f} | "
-                       f"{f['client_s_per_client']:.3f} | {_kb(sum(f['down'].values()))} / {_kb(sum(f['up'].values()))} |")
+            out.append(f"| {f['model']} | {f['users']} | {f['shares']}, {f['threshold']} | {f['total_s']:.3f} | "
+                       f"{f['server_s']:.3f} | {f['client_s_per_client']:.3f} | "
+                       f"{_kb(sum(f['down'].values()))} / {_kb(sum(f['up'].values()))} |")
     return "\n".join(out)
+
+
+def _ms(x: float) -> str:
+    return f"{x * 1e3:.2f} ms"
 
 
 def _mb(x: float) -> str:
@@ -555,6 +647,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pool", type=int, default=8)
     parser.add_argument("--abort-trials", type=int, default=2000,
                         help="Monte Carlo trials of the chance that a round with dropouts aborts")
+    parser.add_argument("--degree", type=int, default=0, help="SecAgg+ k (0, with --threshold 0: derived per cohort)")
+    parser.add_argument("--threshold", type=int, default=0, help="SecAgg+ t (0, with --degree 0: derived per cohort)")
+    parser.add_argument("--full-repeats", type=int, default=None,
+                        help="repeats of a simulated cell's full-dimension (k + 1)-user round (default --repeats)")
+    parser.add_argument("--signing-users", type=int, nargs="*", default=[100],
+                        help="cohorts at which enrolled and ephemeral signing keys are compared (short vectors)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", default=None)
     parser.add_argument("--quick", action="store_true", help="tiny model, 6, 12 and 16 users (16 simulated): seconds")
@@ -563,17 +661,21 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     if args.quick:
         args.models, args.users, args.repeats, args.flower_users = ["quick"], [6, 12, 16], 1, [6]
+        args.signing_users = [12]
         args.real_limit_gb = 14 * 3432 * 16 / 2**30  # 6 and 12 users real, 16 simulated
     import flwr
 
     load = os.getloadavg()
     print(f"# {platform.node()} {os.cpu_count()} CPUs, torch {torch.__version__} ({torch.get_num_threads()} threads), "
           f"numpy {np.__version__}, flwr {flwr.__version__}, python {platform.python_version()}; load average "
-          f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; SecAgg+ k={DEGREE} t={THRESHOLD} bits={BITS} scale={SCALE:g}",
+          f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; SecAgg+ k={args.degree or 'derived'} t={args.threshold or 'derived'} "
+          f"bits={BITS} scale={SCALE:g}",
           flush=True)
     started = time.perf_counter()
     results = run(args.models, args.users, args.dropouts, args.repeats, args.flower_users, args.real_limit_gb,
-                  args.short, args.pool, args.flower_limit, args.abort_trials, log=lambda s: print(s, flush=True))
+                  args.short, args.pool, args.flower_limit, args.abort_trials, params=secagg_params(args.degree, args.threshold),
+                  full_repeats=args.full_repeats, signing_users=tuple(args.signing_users),
+                  log=lambda s: print(s, flush=True))
     load = os.getloadavg()
     print(f"# took {time.perf_counter() - started:.0f} s; load average at end {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     print(tables(results))
