@@ -58,15 +58,15 @@ def test_a_measured_secure_round_is_a_real_round_with_dropouts():
 
 
 def test_the_derived_defaults_and_enrolled_keys():
-    # a cohort of 32: k = 28, t = 15 (graph_for); enrolled signing keys run the same five stages
+    # a cohort of 32: k = 28, t = 22 (graph_for); enrolled signing keys run the same five stages
     r = bench.short_round(32, 0.1, 8, seed=1, enrolled=True)
-    assert (r["degree"], r["threshold"]) == (28, 15) and r["sum_equal"] and r["survivors"] == 29
+    assert (r["degree"], r["threshold"]) == (28, 22) and r["sum_equal"] and r["survivors"] == 29
     assert r["stages"] == [*STAGES, "decode+privatize"]
     # 10 users: the complete graph with t = 10, so any dropout aborts; no dropout never does
     assert bench.abort_probability(10, 0.1, 20) == 1.0
     assert bench.abort_probability(10, 0.0, 20) == 0.0
     # Flower's legacy workflow needs t < shares ≤ users
-    assert bench.flower_graph(10) == (10, 9) and bench.flower_graph(100) == (29, 15)
+    assert bench.flower_graph(10) == (10, 9) and bench.flower_graph(100) == (29, 22)
 
 
 def test_the_central_and_simulated_paths_report_positive_costs():
