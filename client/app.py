@@ -225,6 +225,9 @@ def train(msg: Message, context: Context) -> Message:
 def evaluate(msg: Message, context: Context) -> Message:
     """Federated evaluation of the received model on this user's data."""
     try:
+        if _requires_secure_aggregation(context.node_config):  # its loss on a chosen model, in the clear
+            raise ConfigError("this node answers no federated evaluation under secure aggregation (node config "
+                              "require-secure-aggregation, or an enrollment-file): refused")
         request, task = _checked(msg, context, hyper=False)
         model = task.load(_arrays(msg).to_torch_state_dict())
         n, scores = task.evaluate_user(model, request.user)

@@ -130,12 +130,14 @@ class RoundSummary:
 
 
 def norm_summary(norms: Sequence[tuple[float | None, bool | None]] | None) -> dict[str, Any]:
-    """clipped count and min / median / mean / max of the recorded update norms (diagnostics);
-    all None without them."""
+    """clipped count (None when a contribution's clipping is unknown: a secure sum) and min / median
+    / mean / max of the recorded update norms (diagnostics); all None without them."""
     if norms is None:
         return {}
     values = np.array([n for n, _ in norms if n is not None], dtype=np.float64)
-    out: dict[str, Any] = {"clipped": sum(1 for _, c in norms if c)}
+    # a secure sum records clipping as unknown (NULL): the count is then unknown too, not 0
+    known = all(c is not None for _, c in norms)
+    out: dict[str, Any] = {"clipped": sum(1 for _, c in norms if c) if known else None}
     for name, f in (("norm_min", np.min), ("norm_median", np.median), ("norm_mean", np.mean), ("norm_max", np.max)):
         out[name] = float(f(values)) if values.size else None
     return out

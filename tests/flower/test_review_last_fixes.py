@@ -12,7 +12,6 @@ from fedmf.tasks import get_task
 from tests.flower.test_client import _config, _context, _message
 
 
-@pytest.mark.xfail(strict=True, reason="REVIEW-i36-last-fixes MEDIUM-1: EVALUATE answered in the clear")
 @pytest.mark.parametrize("node_config", [{"require-secure-aggregation": True}, {"enrollment-file": "/nonexistent"}])
 def test_a_node_requiring_secure_aggregation_refuses_evaluate(node_config):
     task = get_task("tiny", num_users=8, seed=2)

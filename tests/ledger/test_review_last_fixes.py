@@ -3,8 +3,6 @@ norm summary counts None as not clipped, so `fedmf audit` and results.json rebui
 say 0 clipped where the round log says unknown."""
 from __future__ import annotations
 
-import pytest
-
 from fedmf.ledger.queries import norm_summary
 
 
@@ -13,7 +11,6 @@ def test_norm_summary_known_values():
     assert out["clipped"] == 2 and out["norm_min"] == 1.0 and out["norm_median"] == 2.0 and out["norm_max"] == 3.0
 
 
-@pytest.mark.xfail(strict=True, reason="REVIEW-i36-last-fixes LOW-1: unknown clipping summed as 0")
 def test_norm_summary_of_a_secure_round_says_unknown():
     out = norm_summary([(None, None), (None, None), (None, None)])
     assert out["clipped"] is None
