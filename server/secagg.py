@@ -212,6 +212,9 @@ class SecAggServer:
         self.culprits: frozenset[int] = frozenset()
         #: holders seen returning a share that does not match its owner's commitment
         self.bad_holders: set[int] = set()
+        #: set when the consistency check aborts: survivors of collect that did not sign U3 (a dropout or
+        #: a hostile client; the strategy leaves them out of the redo, REVIEW-i36-secagg-2 MEDIUM-3)
+        self.non_signers: frozenset[int] = frozenset()
         self.u1: frozenset[int] = frozenset()
         self.u2: frozenset[int] = frozenset()
         self.u3: frozenset[int] = frozenset()
@@ -436,6 +439,7 @@ class SecAggServer:
             self.u4 = frozenset(accepted)
             self._consistency = dict(accepted)
             if self.u3 - self.u4:
+                self.non_signers = self.u3 - self.u4
                 raise SecAggAbort(f"secure aggregation aborted at {stage}: {len(self.u3 - self.u4)} of "
                                   f"{len(self.u3)} survivors did not sign the survivor set, so their self masks "
                                   f"cannot be removed")

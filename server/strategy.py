@@ -189,16 +189,22 @@ class DPMFStrategy(Strategy):
 
     def _exclude_culprits(self, expected: dict) -> None:
         """Leave the culprits (owners whose committed shares did not give their committed secret,
-        holders that returned shares other than the committed ones) out of the round's redo: the
-        same selection (they stay sampled for the accountant) with them as rejected, i.e. dropped
-        from the sum, so that one hostile client cannot abort every attempt (REVIEW-i36 MEDIUM-3)."""
+        holders that returned shares other than the committed ones) and the survivors that did not
+        sign the survivor set at the consistency check out of the round's redo: the same selection
+        (they stay sampled for the accountant) with them as rejected, i.e. dropped from the sum, so
+        that one hostile client cannot abort every attempt (REVIEW-i36 MEDIUM-3, REVIEW-i36-secagg-2
+        MEDIUM-3). A non-signer may be an honest dropout: it only sits out that round's redo."""
         server = self.secure.server
         culprits = server.culprits if server is not None else frozenset()
+        silent = server.non_signers if server is not None else frozenset()
         for user, node in expected.items():
             if node in culprits:
                 self._excluded[user] = "left out after an aborted attempt: " + (
                     "it returned a share other than the one its owner committed to" if node in server.bad_holders
                     else "its committed shares did not give its committed mask secret")
+            elif node in silent:
+                self._excluded[user] = ("left out after an aborted attempt: it did not sign the survivor set at "
+                                        "the consistency check")
 
     def _redo_aborted(self, t: int, step: Callable[[], T]) -> T:
         """``step()``, redone while its secure sum aborts, at most ``SECAGG_REDOS`` times."""
