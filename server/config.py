@@ -43,15 +43,15 @@ from typing import Any
 from fedmf.config import DEFAULTS, RunConfig, read_float, read_int, read_text
 from fedmf.errors import ConfigError
 from fedmf.secagg.errors import SecAggError
-from fedmf.secagg.params import MIN_BITS, SecAggParams
+from fedmf.secagg.params import DEFAULT_BITS, DEFAULT_DEGREE, DEFAULT_SCALE, DEFAULT_THRESHOLD, MIN_BITS, SecAggParams
 
 __all__ = ["FLOWER_DEFAULTS", "APP_DEFAULTS", "ServerConfig"]
 
 #: the defaults of the keys only the Flower adapter reads (pyproject.toml's app config ends with them)
 FLOWER_DEFAULTS: dict[str, Any] = {
     "reply-timeout": 600.0, "identity": "enrolled", "user-enrollment": "", "identity-timeout": 30.0,
-    "secure-aggregation": "off", "secagg-degree": 0, "secagg-threshold": 0, "secagg-bits": 32,
-    "secagg-scale": 65536.0, "secagg-stage-timeout": 120.0,
+    "secure-aggregation": "off", "secagg-degree": DEFAULT_DEGREE, "secagg-threshold": DEFAULT_THRESHOLD,
+    "secagg-bits": DEFAULT_BITS, "secagg-scale": DEFAULT_SCALE, "secagg-stage-timeout": 120.0,
 }
 #: the values of the secure-aggregation key
 SECURE_AGGREGATION = ("off", "secaggplus")

@@ -391,9 +391,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "quantized updates (and of the clipped client metric); σ grows by the quantization's "
                         "inflation, ε is unchanged. In process, or the Flower app's secure-aggregation = secaggplus")
     p.add_argument("--secagg-degree", type=int, metavar="K",
-                   help="--secure-aggregation: neighbours of each client in SecAgg+'s random graph, even (default 8)")
+                   help="--secure-aggregation: neighbours of each client in SecAgg+'s random graph, even (default "
+                        "0: K and T derived from each round's cohort, fedmf.secagg.params.graph_for)")
     p.add_argument("--secagg-threshold", type=int, metavar="T",
-                   help="--secure-aggregation: shares that reconstruct a secret, 2T > K + 1 (default 5)")
+                   help="--secure-aggregation: shares that reconstruct a secret, 2T > K + 1 (default 0: derived, "
+                        "with --secagg-degree 0)")
     p.add_argument("--secagg-bits", type=int, metavar="B",
                    help="--secure-aggregation: the sum is computed modulo 2^B, 4..62 (default 32)")
     p.add_argument("--secagg-scale", type=float, metavar="S",
