@@ -329,9 +329,9 @@ class RoundPrivatizer:
         # σ·(C⁻¹Z)_t (Multi-Epoch MF Sec. 2), σ = the policy's generator std
         noise = self.noise.next(out=self._noise_buffer, salt=salt or None)
         flat_noise = noise if isinstance(noise, torch.Tensor) else self._noise_buffer
+        noisy_count = None
         if self._secure is None:
             noisy = torch.add(self._sum, flat_noise)
-            noisy_count = None
         else:
             q, words, contributors = self._secure
             # σ_eff = z·(ζ·inflation)·sens: the same draws, × inflation in float64 (INFO-4: not rounded to
@@ -340,7 +340,6 @@ class RoundPrivatizer:
             released = noisy_centred(q.bits, q.scale, words[: q.dim], scaled)
             noisy = torch.from_numpy(released).to(device=self.device, dtype=self._work)
             report.noise_std = report.noise_std * q.inflation
-            noisy_count = None
             if q.with_bit:  # the bit word, 1 per unclipped update: its noise (count units) before centring
                 def noisy_count(noise: float) -> float:
                     count = float(noisy_centred(q.bits, 1.0, words[q.dim : q.dim + 1], np.array([noise]))[0])

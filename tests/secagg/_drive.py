@@ -3,10 +3,12 @@ with replies dropped or rewritten per stage (a plain helper, not a test module).
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable, Mapping
 
 import numpy as np
+import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from flwr.common.secure_aggregation.secaggplus_constants import Stage
 
@@ -59,3 +61,14 @@ def make_client(u: int, user_keys: Mapping[int, Ed25519PrivateKey] | None = None
 def random_words(nodes: list[int], length: int, bits: int, seed: int = 0) -> dict[int, np.ndarray]:
     rng = np.random.default_rng(seed)
     return {u: rng.integers(0, 2**bits, length, dtype=np.uint64) for u in nodes}
+
+
+def tensors(flat: np.ndarray, layout: Mapping[str, tuple[int, ...]], dtype: torch.dtype = torch.float32
+            ) -> dict[str, torch.Tensor]:
+    """A flat update cut into the ``layout``'s named tensors, in order."""
+    out, offset = {}, 0
+    for name, shape in layout.items():
+        size = math.prod(shape)
+        out[name] = torch.tensor(flat[offset:offset + size].reshape(shape), dtype=dtype)
+        offset += size
+    return out

@@ -22,7 +22,7 @@ from fedmf.secagg.masks import mod_sum
 from fedmf.secagg.params import SecAggParams
 from fedmf.secagg.quantize import Quantization, decode_sum, noisy_centred, quantize
 from tests import _federated_task as task
-from tests.secagg._drive import run_round
+from tests.secagg._drive import run_round, tensors
 
 LAYOUT = {"w": (3, 4), "b": (4,)}
 DIM = flat_size(LAYOUT)
@@ -34,12 +34,7 @@ PARAMS = SecAggParams(degree=4, threshold=3, bits=BITS, scale=SCALE)
 
 
 def _tensors(flat: np.ndarray) -> dict[str, torch.Tensor]:
-    out, offset = {}, 0
-    for name, shape in LAYOUT.items():
-        size = math.prod(shape)
-        out[name] = torch.tensor(flat[offset:offset + size].reshape(shape), dtype=torch.float64)
-        offset += size
-    return out
+    return tensors(flat, LAYOUT, torch.float64)
 
 
 def _honest_words(q: Quantization, zeta: float, flats: dict[int, np.ndarray], metric=None) -> dict[int, np.ndarray]:

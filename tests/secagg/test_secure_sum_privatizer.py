@@ -21,6 +21,7 @@ from fedmf.secagg.encode import encode_update, quantization_for
 from fedmf.secagg.masks import mod_sum
 from fedmf.secagg.quantize import Quantization, check_no_wrap, decode_sum
 from tests import _federated_task as task
+from tests.secagg._drive import tensors
 
 LAYOUT = {"w": (3, 4), "b": (4,)}
 DIM = flat_size(LAYOUT)
@@ -34,12 +35,7 @@ def _updates(rng, scale=1.0):
 
 
 def _tensors(flat: np.ndarray) -> dict[str, torch.Tensor]:
-    out, offset = {}, 0
-    for name, shape in LAYOUT.items():
-        size = math.prod(shape)
-        out[name] = torch.tensor(flat[offset:offset + size].reshape(shape), dtype=torch.float32)
-        offset += size
-    return out
+    return tensors(flat, LAYOUT)
 
 
 def _flat(tensors) -> np.ndarray:

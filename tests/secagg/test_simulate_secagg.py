@@ -22,6 +22,7 @@ from fedmf.secagg.params import SecAggParams
 from fedmf.secagg.quantize import check_no_wrap, decode_sum, max_safe_cohort, metric_cap, metric_word
 from server.secagg_inprocess import secaggplus
 from tests import _federated_task as task
+from tests.secagg._drive import tensors
 
 PARAMS = SecAggParams(degree=4, threshold=3, bits=40, scale=2.0 ** 16)
 LAYOUT = {"w": (3, 4), "b": (4,)}
@@ -56,12 +57,7 @@ def test_the_no_wrap_bound_counts_the_metric_word():
 
 
 def _tensors(flat: np.ndarray) -> dict[str, torch.Tensor]:
-    out, offset = {}, 0
-    for name, shape in LAYOUT.items():
-        size = math.prod(shape)
-        out[name] = torch.tensor(flat[offset:offset + size].reshape(shape), dtype=torch.float32)
-        offset += size
-    return out
+    return tensors(flat, LAYOUT)
 
 
 def test_the_metric_inside_the_mask_is_released_as_the_central_path_up_to_the_rounding():
