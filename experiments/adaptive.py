@@ -62,11 +62,15 @@ ARMS["readme-q0.9-z0.25-R4-eta2-sb12-paired"] = {**ARMS["readme-z0.25-R4-eta2-sb
 #: the count's 0.5% more noise, so the candidate's paired difference splits into the ramp's and the count's
 ARMS["control-q0.9-z1-R1-eta2-sb12-paired"] = {**ARMS["readme-q0.9-z0.25-R4-eta2-sb12-paired"], "clip-norm": 1.0,
                                                "adaptive-clipping-range": 1.0}
+#: the fifth pass: --clip-norm as a ceiling (G = 1: ζ never above ζ₀, the fixed job's ζ = 1), the paper's η = 0.2,
+#: the count at σ_b = 12 (1% of μ² on so-tiny): ζ can only go below the fixed job's ζ, where updates are smaller
+ARMS["ceiling-paired"] = {"adaptive-clipping": 0.5, "adaptive-clipping-max-growth": 1.0,
+                          "adaptive-clipping-count-noise": 12.0}
 #: the secrets label of an arm where it differs from its name (the runs were made under these names)
 LABELS = {"readme-before": "readme", "readme-eta0.2-sb2": "readme_R10", "readme-eta1-sb2": "readme_R10_eta1",
           "readme": "readme_R10_eta1_sb6", "readme-paired": "fixed", "readme-z0.25-R4-eta2-sb12-paired": "fixed",
           "readme-z0.25-R2-eta2-sb12-paired": "fixed", "readme-q0.9-z0.25-R4-eta2-sb12-paired": "fixed",
-          "control-q0.9-z1-R1-eta2-sb12-paired": "fixed"}
+          "control-q0.9-z1-R1-eta2-sb12-paired": "fixed", "ceiling-paired": "fixed"}
 
 
 def _parse_set(items: list[str]) -> dict[str, Any]:

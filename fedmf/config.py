@@ -25,7 +25,8 @@ table, ``server.config.APP_DEFAULTS``: ``pyproject.toml``'s app config equals it
     adaptive-clipping-lr 0.2                      η of the geometric update of ζ
     adaptive-clipping-count-noise 0.0             σ_b, std of the noise on the count of unclipped updates
                                                   (0: clients-per-round / 20)
-    adaptive-clipping-range 10.0                  R ≥ 1: ζ never leaves [ζ₀/R, ζ₀·R]
+    adaptive-clipping-range 10.0                  R ≥ 1: ζ never leaves [ζ₀/R, ζ₀·G]
+    adaptive-clipping-max-growth 0.0              G ≥ 1: ζ never exceeds ζ₀·G (0: G = R; 1: ζ₀ is a ceiling)
     noise-multiplier  0.5                         z (0: calibrate for target-epsilon)
     target-epsilon    0.0                         ε target (0: none; exactly one of the two is set)
     delta             1e-5
@@ -88,6 +89,7 @@ DEFAULTS: dict[str, Any] = {
     "ledger-diagnostics": False,
     "adaptive-clipping": 0.0, "adaptive-clipping-lr": 0.2, "adaptive-clipping-count-noise": 0.0,
     "adaptive-clipping-range": 10.0,
+    "adaptive-clipping-max-growth": 0.0,
     "budget-key": "",
     "client-metrics": "none", "client-metrics-clip": 10.0, "client-metrics-noise": 0.0,
     "witness": "",
@@ -169,7 +171,8 @@ class RunConfig:
     adaptive_clipping: float | None = None  # γ; None: ζ is fixed
     adaptive_clipping_lr: float = 0.2
     adaptive_clipping_count_noise: float | None = None  # σ_b; None: clients-per-round / 20
-    adaptive_clipping_range: float = 10.0  # R: ζ within [ζ₀/R, ζ₀·R]
+    adaptive_clipping_range: float = 10.0  # R: ζ within [ζ₀/R, ζ₀·G]
+    adaptive_clipping_max_growth: float | None = None  # G; None: R
     budget_key: str | None = None  # the budget secret file (absolute); None: the ledger has no budgets
     client_metrics: str = "none"  # "none": nothing of the clients' metrics is published; "private": its release
     client_metrics_clip: float = 10.0  # L
@@ -230,8 +233,12 @@ class RunConfig:
         count_noise = read_float("adaptive-clipping-count-noise", v["adaptive-clipping-count-noise"])
         clip_range = read_float("adaptive-clipping-range", v["adaptive-clipping-range"], strict=True, maximum=1e6)
         if clip_range < 1.0:
-            raise ConfigError(f"adaptive-clipping-range is a factor R >= 1 (ζ stays within [ζ₀/R, ζ₀·R]), got "
+            raise ConfigError(f"adaptive-clipping-range is a factor R >= 1 (ζ stays within [ζ₀/R, ζ₀·G]), got "
                               f"{clip_range:g}")
+        max_growth = read_float("adaptive-clipping-max-growth", v["adaptive-clipping-max-growth"], maximum=1e6)
+        if 0.0 < max_growth < 1.0:
+            raise ConfigError(f"adaptive-clipping-max-growth is a factor G >= 1 (ζ never exceeds ζ₀·G; 0: G = "
+                              f"adaptive-clipping-range), got {max_growth:g}")
         budget_key = read_text("budget-key", v["budget-key"])
         client_metrics = read_text("client-metrics", v["client-metrics"])
         if client_metrics not in ("none", "private"):
@@ -259,6 +266,7 @@ class RunConfig:
             ledger_diagnostics=read_bool("ledger-diagnostics", v["ledger-diagnostics"]),
             adaptive_clipping=gamma or None, adaptive_clipping_lr=clip_lr,
             adaptive_clipping_count_noise=count_noise or None, adaptive_clipping_range=clip_range,
+            adaptive_clipping_max_growth=max_growth or None,
             budget_key=str(base / budget_key) if budget_key else None,
             client_metrics=client_metrics, client_metrics_clip=metrics_clip,
             client_metrics_noise=metrics_noise or None,
@@ -317,7 +325,8 @@ class RunConfig:
             adaptive = AdaptiveClipping.create(self.adaptive_clipping, expected_users=self.clients_per_round,
                                                learning_rate=self.adaptive_clipping_lr,
                                                count_noise_std=self.adaptive_clipping_count_noise,
-                                               clip_norm_range=self.adaptive_clipping_range)
+                                               clip_norm_range=self.adaptive_clipping_range,
+                                               max_growth=self.adaptive_clipping_max_growth)
         metrics = None
         if self.client_metrics == "private":
             from .round.client_metrics import ClientMetricRelease

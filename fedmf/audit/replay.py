@@ -173,7 +173,7 @@ def clip_norm_warnings(adaptive: Any, clip_norm: float, committed: list) -> list
         return []
     rows = [r for r in committed if r.get("clip_norm") is not None]
     return trajectory_warnings([r["clip_norm"] for r in rows], [int(r["round_index"]) for r in rows],
-                               float(clip_norm), rule.clip_norm_range)
+                               float(clip_norm), rule.clip_norm_range, rule.max_growth)
 
 
 def _report(ledger: str, version: str, run: Run, records: list, states: list, norms: dict[int, list] | None,

@@ -27,7 +27,8 @@ def _overrides(args: argparse.Namespace) -> dict:
                         ("bands", "num-bands"), ("min_sep", "min-sep"), ("clip_norm", "clip-norm"),
                         ("adaptive_clipping", "adaptive-clipping"), ("adaptive_clipping_lr", "adaptive-clipping-lr"),
                         ("adaptive_clipping_count_noise", "adaptive-clipping-count-noise"),
-                        ("adaptive_clipping_range", "adaptive-clipping-range"), ("ledger", "ledger-url"),
+                        ("adaptive_clipping_range", "adaptive-clipping-range"),
+                        ("adaptive_clipping_max_growth", "adaptive-clipping-max-growth"), ("ledger", "ledger-url"),
                         ("client_metrics", "client-metrics"), ("client_metrics_clip", "client-metrics-clip"),
                         ("client_metrics_noise", "client-metrics-noise"),
                         ("min_clients_per_round", "min-clients-per-round")):
@@ -35,7 +36,8 @@ def _overrides(args: argparse.Namespace) -> dict:
         if value is not None:
             values[key] = value
     if args.adaptive_clipping is None:
-        for option in ("adaptive_clipping_lr", "adaptive_clipping_count_noise", "adaptive_clipping_range"):
+        for option in ("adaptive_clipping_lr", "adaptive_clipping_count_noise", "adaptive_clipping_range",
+                       "adaptive_clipping_max_growth"):
             if getattr(args, option) is not None:
                 raise ConfigError(f"--{option.replace('_', '-')} needs --adaptive-clipping QUANTILE")
     elif not 0 < args.adaptive_clipping < 1:
@@ -51,8 +53,11 @@ def _overrides(args: argparse.Namespace) -> dict:
         if value is not None and not (value > 0 and math.isfinite(value)):
             raise ConfigError(f"--{option.replace('_', '-')} must be a positive number, got {value:g}")
     if args.adaptive_clipping_range is not None and not 1 <= args.adaptive_clipping_range <= 1e6:
-        raise ConfigError(f"--adaptive-clipping-range is a factor R in [1, 1e6] (ζ stays within [ζ₀/R, ζ₀·R]), got "
+        raise ConfigError(f"--adaptive-clipping-range is a factor R in [1, 1e6] (ζ stays within [ζ₀/R, ζ₀·G]), got "
                           f"{args.adaptive_clipping_range:g}")
+    if args.adaptive_clipping_max_growth is not None and not 1 <= args.adaptive_clipping_max_growth <= 1e6:
+        raise ConfigError(f"--adaptive-clipping-max-growth is a factor G in [1, 1e6] (ζ never exceeds ζ₀·G), got "
+                          f"{args.adaptive_clipping_max_growth:g}")
     if args.epsilon is not None and args.noise_multiplier is not None:
         raise ConfigError("give --epsilon or --noise-multiplier, not both")
     if args.epsilon is not None:
@@ -332,7 +337,8 @@ def _clip_norm_warnings(config, history: list) -> list[str]:
 
     rows = [h for h in history if "clip-norm" in (h.get("metrics") or {})]
     return trajectory_warnings([h["metrics"]["clip-norm"] for h in rows], [h["round"] for h in rows],
-                               config.clip_norm, config.adaptive_clipping_range)
+                               config.clip_norm, config.adaptive_clipping_range,
+                               config.adaptive_clipping_max_growth)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -379,7 +385,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--adaptive-clipping-count-noise", type=float, metavar="STD",
                    help="std of the noise on the count of unclipped updates (default: clients per round / 20)")
     p.add_argument("--adaptive-clipping-range", type=float, metavar="R",
-                   help="ζ never leaves [ζ₀/R, ζ₀·R] (default 10: one decade either way of --clip-norm)")
+                   help="ζ never goes below ζ₀/R (default 10: one decade under --clip-norm), nor above ζ₀·R "
+                        "unless --adaptive-clipping-max-growth says otherwise")
+    p.add_argument("--adaptive-clipping-max-growth", type=float, metavar="G",
+                   help="ζ never exceeds ζ₀·G (default: R; 1: --clip-norm is a ceiling that ζ only goes below)")
     p.add_argument("--seed", type=int, help="task data seed")
     p.add_argument("--data", help="the real StackOverflow file (TFF's stackoverflow.sqlite)")
     p.add_argument("--vocab", help="its vocabulary (default: stackoverflow.word_count beside --data)")

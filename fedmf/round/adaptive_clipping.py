@@ -5,10 +5,11 @@ Andrew, Thakkar, McMahan, Ramaswamy, "Differentially Private Learning with Adapt
 norm is at most ζₜ (unclipped), releases the count with Gaussian noise of std ``count_noise_std``,
 and moves ζ geometrically toward the target quantile γ,
 
-    b̃ₜ = (Σᵢ 1[‖Δᵢ‖ ≤ ζₜ] + N(0, σ_b²)) / m,        ζₜ₊₁ = clamp(ζₜ · exp(−η · (b̃ₜ − γ)), ζ₀/R, ζ₀·R),
+    b̃ₜ = (Σᵢ 1[‖Δᵢ‖ ≤ ζₜ] + N(0, σ_b²)) / m,        ζₜ₊₁ = clamp(ζₜ · exp(−η · (b̃ₜ − γ)), ζ₀/R, ζ₀·G),
 
 so ζ shrinks when more than γ of the updates fit under it and grows when fewer do, and never leaves
-one range around ζ₀ (R = ``clip_norm_range``, default 10: the clamp that stops a runaway). m is the plan's
+one range around ζ₀ (R = ``clip_norm_range``, default 10, and G = ``max_growth``, default R: the clamp
+that stops a runaway; G = 1 makes ζ₀ a ceiling that ζ only goes below). m is the plan's
 expected users per round (never the number received: ARCHITECTURE.md rule 2). ζₜ is fixed before
 round t's updates are clipped, and round t's correlated noise is scaled by the same ζₜ; ζₜ₊₁ is a
 function of released values only (post-processing). The count's release is a second Gaussian
@@ -59,36 +60,46 @@ _BOUND_TOL = 1e-9
 class AdaptiveClipping:
     """How ζ adapts: ``target_quantile`` γ ∈ (0, 1) (the fraction of updates left unclipped),
     ``learning_rate`` η > 0, ``count_noise_std`` σ_b > 0 (absolute std of the noise on the count of
-    unclipped updates, in updates), ``clip_norm_range`` R ≥ 1 (ζ stays within [ζ₀/R, ζ₀·R]). The
-    initial ζ₀ is the plan's ``clip_norm``."""
+    unclipped updates, in updates), ``clip_norm_range`` R ≥ 1 and ``max_growth`` G ≥ 1 (ζ stays within
+    [ζ₀/R, ζ₀·G]; G None: R). The initial ζ₀ is the plan's ``clip_norm``."""
 
     target_quantile: float
     learning_rate: float
     count_noise_std: float
     clip_norm_range: float = DEFAULT_CLIP_NORM_RANGE
+    max_growth: float | None = None
 
     @classmethod
     def create(cls, target_quantile: float, *, expected_users: float, learning_rate: float = DEFAULT_LEARNING_RATE,
                count_noise_std: float | None = None,
-               clip_norm_range: float = DEFAULT_CLIP_NORM_RANGE) -> AdaptiveClipping:
-        """Validated; ``count_noise_std`` defaults to m/20 (Andrew et al.)."""
+               clip_norm_range: float = DEFAULT_CLIP_NORM_RANGE,
+               max_growth: float | None = None) -> AdaptiveClipping:
+        """Validated; ``count_noise_std`` defaults to m/20 (Andrew et al.), ``max_growth`` to
+        ``clip_norm_range``."""
         gamma = checks.interval("target_quantile", target_quantile, 0.0, 1.0, low_open=True, high_open=True)
         eta = checks.positive("learning_rate", learning_rate)
         m = checks.positive("expected_users", expected_users)
         sigma_b = m * DEFAULT_COUNT_NOISE_FRACTION if count_noise_std is None else checks.positive(
             "count_noise_std", count_noise_std)
         span = checks.interval("clip_norm_range", clip_norm_range, 1.0, LEGACY_CLIP_NORM_RANGE)
-        return cls(float(gamma), float(eta), float(sigma_b), float(span))
+        growth = None if max_growth is None else float(
+            checks.interval("max_growth", max_growth, 1.0, LEGACY_CLIP_NORM_RANGE))
+        return cls(float(gamma), float(eta), float(sigma_b), float(span), growth)
+
+    @property
+    def growth(self) -> float:
+        """G: ζ never exceeds ζ₀·G (``max_growth``, or R when it is not set)."""
+        return self.clip_norm_range if self.max_growth is None else self.max_growth
 
     def clip_norm_bounds(self, initial_clip_norm: float) -> tuple[float, float]:
-        """[ζ₀/R, ζ₀·R]: the range ζₜ never leaves."""
-        return initial_clip_norm / self.clip_norm_range, initial_clip_norm * self.clip_norm_range
+        """[ζ₀/R, ζ₀·G]: the range ζₜ never leaves."""
+        return initial_clip_norm / self.clip_norm_range, initial_clip_norm * self.growth
 
     def next_clip_norm(self, clip_norm: float, noisy_unclipped: float, expected_users: float, *,
                        initial_clip_norm: float) -> float:
         """ζₜ₊₁ = ζₜ·exp(−η·(b̃ₜ − γ)) with b̃ₜ = ``noisy_unclipped`` / m (Andrew et al., Alg. 1),
-        kept within [ζ₀/R, ζ₀·R] (ζ₀ = ``initial_clip_norm``). A function of ζₜ, the released noisy
-        count and public constants (η, γ, m, ζ₀, R) only: post-processing."""
+        kept within [ζ₀/R, ζ₀·G] (ζ₀ = ``initial_clip_norm``). A function of ζₜ, the released noisy
+        count and public constants (η, γ, m, ζ₀, R, G) only: post-processing."""
         fraction = noisy_unclipped / expected_users
         step = -self.learning_rate * (fraction - self.target_quantile)
         step = min(max(step, -MAX_LOG_STEP), MAX_LOG_STEP)
@@ -96,12 +107,14 @@ class AdaptiveClipping:
         return min(max(clip_norm * math.exp(step), low), high)
 
     def to_dict(self) -> dict[str, Any]:
-        """The rule's description (R = the legacy 10⁶ is left out: plans written before R existed
-        keep their fingerprints, and read back with that R)."""
+        """The rule's description (R = the legacy 10⁶ and an unset G are left out: plans written before
+        they existed keep their fingerprints, and read back as they were)."""
         out = {"target_quantile": self.target_quantile, "learning_rate": self.learning_rate,
                "count_noise_std": self.count_noise_std}
         if self.clip_norm_range != LEGACY_CLIP_NORM_RANGE:
             out["clip_norm_range"] = self.clip_norm_range
+        if self.max_growth is not None:
+            out["max_growth"] = self.max_growth
         return out
 
     @classmethod
@@ -113,7 +126,8 @@ class AdaptiveClipping:
         except KeyError as e:
             raise ConfigError(f"adaptive_clipping lacks {e}") from None
         return cls.create(gamma, expected_users=1.0, learning_rate=eta, count_noise_std=sigma_b,
-                          clip_norm_range=data.get("clip_norm_range", LEGACY_CLIP_NORM_RANGE))
+                          clip_norm_range=data.get("clip_norm_range", LEGACY_CLIP_NORM_RANGE),
+                          max_growth=data.get("max_growth"))
 
 
 def _longest_streak(flags: Sequence[bool]) -> tuple[int, int]:
@@ -129,24 +143,29 @@ def _longest_streak(flags: Sequence[bool]) -> tuple[int, int]:
 
 
 def trajectory_warnings(zetas: Sequence[float], rounds: Sequence[int], initial_clip_norm: float,
-                        clip_norm_range: float) -> list[str]:
-    """One line per sign that ζ did not settle on its quantile: ζₜ at a bound ζ₀/R or ζ₀·R for
+                        clip_norm_range: float, max_growth: float | None = None) -> list[str]:
+    """One line per sign that ζ did not settle on its quantile: ζₜ at a bound ζ₀/R or ζ₀·G for
     ``AT_BOUND_ROUNDS`` or more consecutive rounds, or rising in ``GROWTH_ROUNDS`` or more consecutive
     rounds (a runaway: larger ζ, larger noise z·ζ·sens, larger update norms, larger ζ). ``zetas[i]``
     is the ζ of round ``rounds[i]`` (committed rounds, in order). Reads released values only."""
     out: list[str] = []
     zetas = [float(z) for z in zetas]
-    low, high = initial_clip_norm / clip_norm_range, initial_clip_norm * clip_norm_range
-    for name, bound, hint in (
-            ("upper", high, "ζ no longer follows the update norms' target quantile (it lies above the range, or "
-                            "the norms grow with the noise) and acts as a fixed clip norm ζ₀·R; a larger ζ₀ or R "
-                            "makes every step and its noise larger: lower the server learning rate with it"),
-            ("lower", low, "the update norms' target quantile lies below the range: lower --clip-norm")):
+    growth = clip_norm_range if max_growth is None else max_growth
+    low, high = initial_clip_norm / clip_norm_range, initial_clip_norm * growth
+    upper_hint = ("ζ no longer follows the update norms' target quantile (it lies above the range, or "
+                  "the norms grow with the noise) and acts as a fixed clip norm at this bound; a larger bound "
+                  "makes every step and its noise larger: lower the server learning rate with it")
+    if growth == 1.0:
+        upper_hint = ("ζ₀ is the ceiling and fewer than the target quantile of the updates fit under it: the run "
+                      "clipped as a fixed ζ₀ would, and the count's share of the budget bought nothing")
+    for name, bound, factor, hint in (
+            ("upper", high, f"ζ₀ · {growth:g}", upper_hint),
+            ("lower", low, f"ζ₀ / {clip_norm_range:g}",
+             "the update norms' target quantile lies below the range: lower --clip-norm")):
         length, first = _longest_streak([abs(z - bound) <= _BOUND_TOL * bound for z in zetas])
         if length >= AT_BOUND_ROUNDS:
-            out.append(f"ζ sat at its {name} bound {bound:.6g} (ζ₀ {'·' if name == 'upper' else '/'} "
-                       f"{clip_norm_range:g}) for {length} rounds ({rounds[first]}–{rounds[first + length - 1]}): "
-                       + hint)
+            out.append(f"ζ sat at its {name} bound {bound:.6g} ({factor}) for {length} rounds "
+                       f"({rounds[first]}–{rounds[first + length - 1]}): " + hint)
     rises = [False] + [b > a for a, b in zip(zetas, zetas[1:])]
     length, first = _longest_streak(rises)
     if length >= GROWTH_ROUNDS:

@@ -193,7 +193,7 @@ class AdaptiveClipping(ClippingPolicy):
         if not (isinstance(clip_norm, float) and math.isfinite(clip_norm) and clip_norm > 0):
             raise CheckpointError("privatizer state lacks the adaptive clip norm (a positive float)")
         low, high = self.rule.clip_norm_bounds(self.plan.clip_norm)
-        if not low <= clip_norm <= high:  # next_clip_norm clamps every ζₜ to [ζ₀/R, ζ₀·R]
+        if not low <= clip_norm <= high:  # next_clip_norm clamps every ζₜ to [ζ₀/R, ζ₀·G]
             raise CheckpointError(f"privatizer state's adaptive clip norm {clip_norm:g} is outside the rule's "
                                   f"range [{low:g}, {high:g}] (a checkpoint of another plan or edited)")
         return float(clip_norm)
