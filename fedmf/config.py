@@ -233,8 +233,8 @@ class RunConfig:
         count_noise = read_float("adaptive-clipping-count-noise", v["adaptive-clipping-count-noise"])
         clip_range = read_float("adaptive-clipping-range", v["adaptive-clipping-range"], strict=True, maximum=1e6)
         if clip_range < 1.0:
-            raise ConfigError(f"adaptive-clipping-range is a factor R >= 1 (ζ stays within [ζ₀/R, ζ₀·G]), got "
-                              f"{clip_range:g}")
+            raise ConfigError("adaptive-clipping-range is a factor R >= 1 (ζ never goes below ζ₀/R, nor above ζ₀·R "
+                              f"unless adaptive-clipping-max-growth is set), got {clip_range:g}")
         max_growth = read_float("adaptive-clipping-max-growth", v["adaptive-clipping-max-growth"], maximum=1e6)
         if 0.0 < max_growth < 1.0:
             raise ConfigError(f"adaptive-clipping-max-growth is a factor G >= 1 (ζ never exceeds ζ₀·G; 0: G = "

@@ -53,8 +53,8 @@ def _overrides(args: argparse.Namespace) -> dict:
         if value is not None and not (value > 0 and math.isfinite(value)):
             raise ConfigError(f"--{option.replace('_', '-')} must be a positive number, got {value:g}")
     if args.adaptive_clipping_range is not None and not 1 <= args.adaptive_clipping_range <= 1e6:
-        raise ConfigError(f"--adaptive-clipping-range is a factor R in [1, 1e6] (ζ stays within [ζ₀/R, ζ₀·G]), got "
-                          f"{args.adaptive_clipping_range:g}")
+        raise ConfigError("--adaptive-clipping-range is a factor R in [1, 1e6] (ζ never goes below ζ₀/R, nor above "
+                          f"ζ₀·R unless --adaptive-clipping-max-growth is set), got {args.adaptive_clipping_range:g}")
     if args.adaptive_clipping_max_growth is not None and not 1 <= args.adaptive_clipping_max_growth <= 1e6:
         raise ConfigError(f"--adaptive-clipping-max-growth is a factor G in [1, 1e6] (ζ never exceeds ζ₀·G), got "
                           f"{args.adaptive_clipping_max_growth:g}")

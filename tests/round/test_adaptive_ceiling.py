@@ -1,6 +1,7 @@
 """Adaptive clipping with a ceiling (issue 33, item 3): ``max_growth`` G bounds ζ above by ζ₀·G (default R),
 so with G = 1 the user's ``--clip-norm`` is a ceiling ζ only goes below: a run's noise z·ζₜ·sens is never
-above the fixed-ζ₀ run's, whatever the count or the clients send. The bound is post-processing (ε and z as
+above the fixed-ζ₀ run's at the same z, whatever the count or the clients send (at a target ε the count's
+share raises z). The bound is post-processing (ε and z as
 without it), it is part of the plan (fingerprint, to_dict round trip, old plans unchanged), the audit replays
 it, a checkpoint's ζ above it is refused, and the config key and the CLI flag are checked at the edge."""
 
