@@ -3,7 +3,7 @@ each for at most ``--limit`` seconds. A command that finishes gets its wall time
 stopped and extrapolated from its last progress line (``fedmf.run.progress``: done/total at the measured
 rate, an upper bound at the step limit, and the convergence trend's estimate where it printed one).
 
-    python benchmarks/readme_times.py [--limit 90] [--only WORD]
+    python benchmarks/readme_times.py [--limit 90] [--only TEXT] [--skip TEXT ...]
 """
 
 from __future__ import annotations
@@ -46,6 +46,8 @@ COMMANDS = [
     "fedmf budget set 0 1 2 3 4 5 6 7 8 9 20 --ledger budgets.db --key budget.key",
     "fedmf budget show --ledger budgets.db --key budget.key --user 3",
     "fedmf simulate --preset so-tiny --out fedmf-sim",
+    "fedmf simulate --preset so-tiny --adaptive-clipping 0.5 --adaptive-clipping-max-growth 1 "
+    "--adaptive-clipping-count-noise 12 --out so-tiny-adaptive",
     "fedmf simulate --preset so-small --out sim-so-small",
     "fedmf simulate --preset shakespeare --out sim-shakespeare",
 ]
@@ -75,12 +77,13 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--limit", type=float, default=90.0)
     parser.add_argument("--only", help="run only the commands containing this text")
+    parser.add_argument("--skip", action="append", default=[], help="skip the commands containing this text")
     args = parser.parse_args()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "FLWR_TELEMETRY_ENABLED": "0"}
     print(f"load average before: {os.getloadavg()[0]:.1f}", flush=True)
     with tempfile.TemporaryDirectory(prefix="fedmf-readme-") as tmp:
         for command in COMMANDS:
-            if args.only and args.only not in command:
+            if (args.only and args.only not in command) or any(text in command for text in args.skip):
                 continue
             argv = [sys.executable, "-m", "fedmf.cli", *command.split()[1:]]
             start = time.perf_counter()

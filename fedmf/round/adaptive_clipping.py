@@ -84,6 +84,8 @@ class AdaptiveClipping:
         span = checks.interval("clip_norm_range", clip_norm_range, 1.0, LEGACY_CLIP_NORM_RANGE)
         growth = None if max_growth is None else float(
             checks.interval("max_growth", max_growth, 1.0, LEGACY_CLIP_NORM_RANGE))
+        if growth == float(span):  # G = R is the default rule: one description, one fingerprint
+            growth = None
         return cls(float(gamma), float(eta), float(sigma_b), float(span), growth)
 
     @property

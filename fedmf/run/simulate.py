@@ -46,7 +46,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {"task-options": {"num_users": 40}, "rounds": 20, "min-sep": 4, "clients-per-round": 8,
              "noise-multiplier": 0.0, "target-epsilon": 8.0, "server-momentum": 0.5, "server-lr": 0.5,
              "client-lr": 0.5, "clip-norm": 0.5},
-    # 16-22 minutes at a load average of 8-17 on 2 cores, a few minutes idle (40 rounds x 40 users):
+    # 16-22 minutes at a load average of 8-17 on 2 cores, 61 s idle (40 rounds x 40 users):
     # synthetic StackOverflow-like text, the small LSTM; bsr, ε 8; server lr 3 (better than 1 on seed 0;
     # not bracketed above), client lr 1, 3 local epochs (EXPERIMENTS.md "Presets": held-out loss
     # 7.60 -> 4.80, accuracy 0.158 against 0.081 for EOS, 3 seeds)
@@ -93,7 +93,7 @@ PRESET_EVAL_EVERY: dict[str, int] = {"shakespeare": 10}
 
 PRESET_COST: dict[str, str] = {
     "tiny": "seconds",
-    "so-tiny": "a few minutes (16-22 min on a loaded machine)",
+    "so-tiny": "about a minute (61 s idle; 16-22 min on a loaded machine)",
     "so-small": "20-45 minutes",
     "shakespeare": "about 15-25 minutes, estimated (5-14 of training, the held-out evaluation every 10th round; 30-60 measured with --eval-every 1)",
     "so-paper": "3-5 minutes to plan, then days of training (the paper's geometry: for a large machine with a GPU)",

@@ -50,6 +50,8 @@ def test_the_ceiling_bounds_the_rule_and_defaults_to_the_range():
     assert ceiling.next_clip_norm(0.49, 0.0, 40, initial_clip_norm=0.5) == 0.5
     assert ceiling.next_clip_norm(0.0501, 40.0, 40, initial_clip_norm=0.5) == 0.05
     assert rule.next_clip_norm(0.5, 0.0, 40, initial_clip_norm=0.5) == 0.5 * math.exp(0.1)
+    assert AdaptiveClipping.create(0.5, expected_users=40, max_growth=10.0) == AdaptiveClipping.create(
+        0.5, expected_users=40)  # G = R explicitly is the default rule (one fingerprint)
     grown = AdaptiveClipping.create(0.5, expected_users=40, clip_norm_range=2.0, max_growth=8.0)
     assert grown.clip_norm_bounds(1.0) == (0.5, 8.0)
     for bad in (0.99, 0.0, -1.0, 2e6, float("nan"), float("inf")):
