@@ -74,7 +74,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                  "mechanism": "blt", "rounds": 2052, "min-sep": 342,
                  "max-participations": 6, "clients-per-round": 1000, "noise-multiplier": 0.0, "target-epsilon": 8.84,
                  "delta": 1e-6, "server-momentum": 0.95, "server-cooldown": 0.25, "client-lr": 1.0},
-    # 120 rounds x 40 users: 5-14 minutes of training on 2 cores, plus the held-out evaluation of 20,044
+    # 120 rounds x 40 users: 8.4 minutes on an idle 2-core machine (504 s measured), with the held-out evaluation of 20,044
     # lines every 10th round (PRESET_EVAL_EVERY; every round: 30-60 minutes): real text (roles as users),
     # EXPERIMENTS.md's shakespeare configuration exactly, banded-toeplitz (20 bands) at ε 8 with its tuned
     # server lr 1/4 (3 seeds: accuracy 0.155 against 0.140 for independent noise, dp-sgd, tuned at the same ε)
@@ -95,7 +95,7 @@ PRESET_COST: dict[str, str] = {
     "tiny": "seconds",
     "so-tiny": "about a minute (61 s idle; 16-22 min on a loaded machine)",
     "so-small": "20-45 minutes",
-    "shakespeare": "about 15-25 minutes, estimated (5-14 of training, the held-out evaluation every 10th round; 30-60 measured with --eval-every 1)",
+    "shakespeare": "about 8 minutes idle (504 s measured; the held-out evaluation every 10th round; 30-60 min loaded with --eval-every 1)",
     "so-paper": "3-5 minutes to plan, then days of training (the paper's geometry: for a large machine with a GPU)",
 }
 
