@@ -91,11 +91,11 @@ class AdaptiveClipping:
     @property
     def growth(self) -> float:
         """G: ζ never exceeds ζ₀·G (``max_growth``, or R when it is not set)."""
-        return self.clip_norm_range if self.max_growth is None else self.max_growth
+        return _growth(self.clip_norm_range, self.max_growth)
 
     def clip_norm_bounds(self, initial_clip_norm: float) -> tuple[float, float]:
         """[ζ₀/R, ζ₀·G]: the range ζₜ never leaves."""
-        return initial_clip_norm / self.clip_norm_range, initial_clip_norm * self.growth
+        return _bounds(initial_clip_norm, self.clip_norm_range, self.max_growth)
 
     def next_clip_norm(self, clip_norm: float, noisy_unclipped: float, expected_users: float, *,
                        initial_clip_norm: float) -> float:
@@ -132,6 +132,16 @@ class AdaptiveClipping:
                           max_growth=data.get("max_growth"))
 
 
+def _growth(clip_norm_range: float, max_growth: float | None) -> float:
+    """G: ``max_growth``, or R when it is not set."""
+    return clip_norm_range if max_growth is None else max_growth
+
+
+def _bounds(initial_clip_norm: float, clip_norm_range: float, max_growth: float | None) -> tuple[float, float]:
+    """[ζ₀/R, ζ₀·G]: the one place the rule's range is computed (the rule and its warnings)."""
+    return initial_clip_norm / clip_norm_range, initial_clip_norm * _growth(clip_norm_range, max_growth)
+
+
 def _longest_streak(flags: Sequence[bool]) -> tuple[int, int]:
     """(length, first index) of the longest run of True in ``flags`` (the earliest on ties)."""
     best, start, run = (0, 0), 0, 0
@@ -152,8 +162,8 @@ def trajectory_warnings(zetas: Sequence[float], rounds: Sequence[int], initial_c
     is the ζ of round ``rounds[i]`` (committed rounds, in order). Reads released values only."""
     out: list[str] = []
     zetas = [float(z) for z in zetas]
-    growth = clip_norm_range if max_growth is None else max_growth
-    low, high = initial_clip_norm / clip_norm_range, initial_clip_norm * growth
+    growth = _growth(clip_norm_range, max_growth)
+    low, high = _bounds(initial_clip_norm, clip_norm_range, max_growth)
     upper_hint = ("ζ no longer follows the update norms' target quantile (it lies above the range, or "
                   "the norms grow with the noise) and acts as a fixed clip norm at this bound; a larger bound "
                   "makes every step and its noise larger: lower the server learning rate with it")
